@@ -1,0 +1,166 @@
+"""Typed messages exchanged between P0 (front end) and P1 (engine core).
+
+Invariants:
+- Every struct is ``array_like``: encoded as a positional msgpack array, never a map.
+- Fields are only ever *appended at the end*, each new one with a default, so an older
+  decoder reads a newer message (extra trailing items are ignored) and a newer decoder reads
+  an older one (missing trailing items take their defaults). Golden byte fixtures under
+  ``tests/protocol/golden`` pin every released version; inserting a field anywhere else
+  breaks them.
+- Nothing here imports the rest of mmis; nothing on the wire is pickled.
+- Tensor payloads (``MultiModalFeature.data`` values) are numpy arrays in memory; the codec
+  moves them as separate zero-copy frames above a small size threshold.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+
+class RequestType(bytes, enum.Enum):
+    """The 1-byte first frame of every P0 -> P1 message."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x02"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class ErrorCode(enum.StrEnum):
+    """Codes carried by :class:`RequestError`; the front end maps them to HTTP statuses."""
+
+    MULTIMODAL_CACHE_MISS = "multimodal_cache_miss"
+    INVALID_REQUEST = "invalid_request"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    INTERNAL = "internal_error"
+
+
+class PlaceholderRange(msgspec.Struct, array_like=True, frozen=True):
+    """Where an item's placeholder tokens sit in the prompt."""
+
+    offset: int
+    length: int
+
+
+class ShmAddress(msgspec.Struct, array_like=True, frozen=True, tag="shm", tag_field="kind"):
+    """An address descriptor into the shared-memory object store.
+
+    ``signature`` authenticates (segment, offset, length, handle_id, generation) with the
+    store's per-segment key, so a forged or stale descriptor is rejected by the reader.
+    The reader must acknowledge every descriptor it receives (handle_id) so the writer can
+    reclaim the space.
+    """
+
+    segment: str
+    offset: int
+    length: int
+    handle_id: int
+    generation: int
+    signature: bytes
+
+
+class MultiModalFeature(msgspec.Struct, array_like=True):
+    """One multimodal item of a request.
+
+    ``data`` is one of:
+    - a mapping of tensor name -> numpy array (the processor output for this item);
+    - ``None``: P0's shadow says P1 still holds the item (P1 must resolve it by ``mm_hash``);
+    - a :class:`ShmAddress`: the tensors live in the shared-memory object store.
+    """
+
+    modality: str
+    mm_hash: str
+    identifier: str
+    placeholder: PlaceholderRange
+    data: dict[str, Any] | ShmAddress | None = None
+
+
+class SamplingParams(msgspec.Struct, array_like=True):
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+
+
+class PoolingParams(msgspec.Struct, array_like=True):
+    pooling_type: str = "mean"  # "mean" | "last"
+    normalize: bool = True
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    mm_features: list[MultiModalFeature] = msgspec.field(default_factory=list)
+    sampling_params: SamplingParams | None = None
+    pooling_params: PoolingParams | None = None
+    arrival_time: float = 0.0
+    trace_context: dict[str, str] = msgspec.field(default_factory=dict)
+    skip_cache: bool = False
+    client_index: int = 0
+
+
+class AbortRequests(msgspec.Struct, array_like=True):
+    request_ids: list[str]
+    client_index: int = 0
+
+
+class RequestError(msgspec.Struct, array_like=True):
+    """A structured, typed error. ``retryable`` tells the client whether resending helps."""
+
+    code: str
+    message: str
+    retryable: bool = False
+
+
+class UtilityCall(msgspec.Struct, array_like=True):
+    call_id: int
+    method: str
+    args: list[Any] = msgspec.field(default_factory=list)
+    client_index: int = 0
+
+
+class UtilityResult(msgspec.Struct, array_like=True):
+    call_id: int
+    ok: bool
+    result: Any = None
+    error: RequestError | None = None
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True):
+    """Progress of one request (one choice ``index`` of it) since the previous output."""
+
+    request_id: str
+    new_token_ids: list[int] = msgspec.field(default_factory=list)
+    finish_reason: str | None = None
+    error: RequestError | None = None
+    missing_mm_hashes: list[str] = msgspec.field(default_factory=list)
+    index: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    pooled: Any = None  # a numpy array for pooling requests
+    stop_reason: str | int | None = None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True):
+    """One batch of outputs from P1 to one client (P0)."""
+
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
+    engine_index: int = 0
+    timestamp: float = 0.0
+    cache_epoch: str = ""
+    evicted_mm_hashes: list[str] = msgspec.field(default_factory=list)
+    utility_result: UtilityResult | None = None

@@ -1,0 +1,3 @@
+"""mmis: Kubernetes-native serving of multimodal (image + text) models."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from mmis.cli import main
+
+raise SystemExit(main())
