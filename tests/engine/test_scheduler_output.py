@@ -1,0 +1,108 @@
+"""SchedulerOutput -> the runner's StepBatch, and payload stripping on prefix hits (S7)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mmis.server.engine.request import Request
+from mmis.server.engine.sched_config import SchedulerConfig
+from mmis.server.engine.sched_output import EncoderInputError, to_step_batch
+from mmis.server.engine.scheduler import Scheduler
+from mmis.server.protocol.messages import (
+    MultiModalFeature,
+    PlaceholderRange,
+    SamplingParams,
+    ShmAddress,
+)
+
+IMG = 7
+
+
+def feature(ident: str, offset: int, length: int, data: object) -> MultiModalFeature:
+    return MultiModalFeature("image", ident, ident, PlaceholderRange(offset, length), data)  # type: ignore[arg-type]
+
+
+def pixels(seed: int) -> dict[str, np.ndarray]:
+    return {
+        "pixel_values": np.full((4, 3), seed, dtype=np.float32),
+        "image_grid_thw": np.array([[1, 2, 2]]),
+    }
+
+
+def request(rid: str, prompt: list[int], *features: MultiModalFeature) -> Request:
+    return Request(rid, prompt, mm_features=features, sampling_params=SamplingParams(max_tokens=1))
+
+
+def drain(sched: Scheduler) -> None:
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        sched.update_from_output(out, {s.request_id: [50] for s in out.scheduled if s.sample})
+
+
+def test_step_batch_carries_tensors_only_for_this_steps_encoder_runs():
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=32, max_num_batched_tokens=9))
+    prompt = [1, *[IMG] * 4, 2, 3, *[IMG] * 4, 4]  # items at [1, 5) and [7, 11)
+    sched.add_request(
+        request("r", prompt, feature("x", 1, 4, pixels(1)), feature("y", 7, 4, pixels(2)))
+    )
+    out = sched.schedule()
+    (seq,) = to_step_batch(out).sequences
+    assert (seq.start_position, list(seq.token_ids)) == (0, prompt[:7])  # stops before y
+    assert [(m.mm_hash, m.data is not None) for m in seq.mm_items] == [("x", True)]
+    sched.update_from_output(out, {})
+    out = sched.schedule()
+    (seq,) = to_step_batch(out).sequences
+    # x is already encoded: no tensors, but its grid still reaches the runner (M-RoPE)
+    assert [(m.mm_hash, m.data is not None, m.grid_thw) for m in seq.mm_items] == [
+        ("x", False, (1, 2, 2)),
+        ("y", True, (1, 2, 2)),
+    ]
+    assert seq.sample and seq.block_table == out.scheduled[0].block_table
+
+
+def test_prefix_hit_strips_covered_payloads_but_keeps_shm_descriptors():
+    cfg = SchedulerConfig(block_size=4, num_blocks=32)
+    sched = Scheduler(cfg)
+    prompt = [1, *[IMG] * 4, 2, *[IMG] * 4, 3, 4, 5, 6, 7]
+    shm = ShmAddress("seg", 0, 64, 9, 1, b"sig")
+    first = request("first", prompt, feature("x", 1, 4, pixels(1)), feature("s", 6, 4, shm))
+    sched.add_request(first)
+    drain(sched)
+    x_again = feature("x", 1, 4, pixels(1))
+    second = request("second", [*prompt, 8], x_again, feature("s", 6, 4, shm))
+    sched.add_request(second)
+    out = sched.schedule()
+    (item,) = out.scheduled
+    assert item.start_position == 12 and item.encoder_inputs == []
+    x, s = item.mm_features
+    assert x.data is not None and set(x.data) == {"image_grid_thw"}  # pixels dropped
+    assert s.data == shm  # the receiver must still see (and acknowledge) the descriptor
+    assert second.mm_features[0].data is x_again.data  # the scheduler keeps the full payload
+
+
+def test_an_encoder_run_without_tensors_is_a_typed_error():
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=32))
+    sched.add_request(request("r", [1, IMG, IMG, 2], feature("x", 1, 2, None)))
+    with pytest.raises(EncoderInputError, match="carries no tensors"):
+        to_step_batch(sched.schedule())
+
+
+def test_preempted_requests_reach_the_runner_as_ended():
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=4))  # 3 usable blocks
+    for rid, arrival in (("a", 1.0), ("b", 2.0)):
+        sched.add_request(
+            Request(
+                rid,
+                [1, 2, 3, 4],
+                sampling_params=SamplingParams(max_tokens=8),
+                arrival_time=arrival,
+            )
+        )
+    for _ in range(6):
+        out = sched.schedule()
+        if out.preempted_request_ids:
+            break
+        sched.update_from_output(out, {s.request_id: [50] for s in out.scheduled if s.sample})
+    assert out.preempted_request_ids == ["b"]
+    assert "b" in to_step_batch(out).finished_request_ids
