@@ -117,7 +117,10 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of ``request`` (blocks, tokens), never the whole of it."""
-        if not self.enable_prefix_caching:
+        pooling = request.pooling_params
+        if not self.enable_prefix_caching or (
+            request.is_pooling and pooling is not None and pooling.pooling_type == "mean"
+        ):  # mean pooling needs the hidden state of every prompt token: never a hit
             return [], 0
         hashes = update_block_hashes(request, self.block_size)
         # at least one token must be computed: the last block may not be a hit if it ends

@@ -1,0 +1,60 @@
+"""Model adapters: one per model family, chosen from the checkpoint's ``model_type``.
+
+Invariant: every adapter implements :class:`ModelAdapter`; the runner never touches a
+family-specific attribute of the Hugging Face model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from mmis.server.engine.model.adapter import ModelAdapter, ModelInputError
+from mmis.server.engine.model.llava import LlavaAdapter
+from mmis.server.engine.model.qwen2_vl import Qwen2VLAdapter
+
+ADAPTERS: tuple[type[ModelAdapter], ...] = (LlavaAdapter, Qwen2VLAdapter)
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's family has no adapter."""
+
+
+def adapter_class(model_type: str) -> type[ModelAdapter]:
+    for cls in ADAPTERS:
+        if model_type in cls.model_types:
+            return cls
+    known = sorted(t for cls in ADAPTERS for t in cls.model_types)
+    raise UnsupportedModelError(f"model_type {model_type!r} is not supported; known: {known}")
+
+
+def _model_type(path_or_id: str | Path) -> str:
+    local = Path(path_or_id) / "config.json"
+    if local.is_file():
+        return str(json.loads(local.read_text()).get("model_type", ""))
+    from transformers import AutoConfig
+
+    return str(AutoConfig.from_pretrained(str(path_or_id)).model_type)
+
+
+def load_adapter(
+    path_or_id: str | Path,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> ModelAdapter:
+    """Load a checkpoint with the adapter of its family (CUDA when available, else CPU)."""
+    return adapter_class(_model_type(path_or_id)).load(path_or_id, device, dtype)
+
+
+__all__ = [
+    "ADAPTERS",
+    "LlavaAdapter",
+    "ModelAdapter",
+    "ModelInputError",
+    "Qwen2VLAdapter",
+    "UnsupportedModelError",
+    "adapter_class",
+    "load_adapter",
+]
