@@ -1,0 +1,72 @@
+"""The chart ships the generated dashboard and rules: rendered by the real helm binary."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from mmis.server.telemetry import alerts, dashboard
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "mmis"
+PROMETHEUS_RULE_API = "monitoring.coreos.com/v1/PrometheusRule"
+# helm template otherwise assumes a Kubernetes older than Chart.yaml allows
+KUBE = ("--kube-version", "1.36.3")
+
+
+def _helm() -> Path:
+    tools = Path(os.environ.get("MMIS_TOOLS_DIR") or Path.home() / ".cache" / "mmis" / "tools")
+    helm = tools / "bin" / "helm"
+    if not helm.is_file():
+        reason = f"{helm} not built: run scripts/gotools helm (or set MMIS_TOOLS_DIR)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return helm
+
+
+def _render(*args: str) -> list[dict[str, Any]]:
+    proc = subprocess.run(
+        [str(_helm()), "template", "rel", str(CHART), "--namespace", "ns", *KUBE, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+
+
+def _of_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [doc for doc in docs if doc["kind"] == kind]
+
+
+def test_dashboard_configmap_carries_the_generated_json_for_the_sidecar() -> None:
+    configmaps = [
+        doc
+        for doc in _of_kind(_render(), "ConfigMap")
+        if doc["metadata"].get("labels", {}).get("grafana_dashboard") == "1"
+    ]
+    assert len(configmaps) == 1
+    (configmap,) = configmaps
+    assert configmap["metadata"]["namespace"] == "ns"
+    assert json.loads(configmap["data"]["mmis.json"]) == dashboard.build()
+
+
+def test_prometheus_rule_follows_the_cluster_capability() -> None:
+    assert _of_kind(_render(), "PrometheusRule") == []
+    (rule,) = _of_kind(_render("--api-versions", PROMETHEUS_RULE_API), "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["spec"] == alerts.build()
+
+
+def test_chart_lints_strictly_with_the_new_templates() -> None:
+    proc = subprocess.run(
+        [str(_helm()), "lint", "--strict", str(CHART)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
