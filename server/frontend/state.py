@@ -1,0 +1,226 @@
+"""P0's process-wide state: settings, the model processor, the shadow, the engine client.
+
+Build it with :meth:`FrontendState.create` (inside the server's event loop) and close it with
+:meth:`FrontendState.close`. Settings come from ``mmis.server.config.from_env`` with the
+section ``frontend`` (``MMIS_FRONTEND_<FIELD>``), CLI flags winning.
+
+Invariants:
+- One single-worker executor runs every render (the only place the shadow is mutated); the
+  engine client's output handler only *enqueues* invalidations (misses, evictions, a changed
+  cache epoch) into :class:`PendingInvalidations`, before the outputs that carry them.
+- ``ready`` becomes true only after a synthetic image request went P0 -> cache -> P1 ->
+  output since this process started (``/ready``); ``/health`` needs the process and a live
+  engine (a ping answered recently).
+- :meth:`close` stops the engine client (failing whatever is still in flight), the media
+  loader, the executor and the SHM writer (unlinking its segment), in that order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from PIL import Image
+
+from mmis.server.config import GiB
+from mmis.server.frontend.config import FrontendConfig
+from mmis.server.frontend.counters import FrontendCounters
+from mmis.server.frontend.engine_client import EngineClient
+from mmis.server.frontend.media import MediaLoader
+from mmis.server.frontend.pending_invalidations import PendingInvalidations
+from mmis.server.frontend.processor import ModelProcessor
+from mmis.server.frontend.recovery import RecoveryPolicy
+from mmis.server.frontend.renderer import Renderer, SourceItem, SourcePrompt
+from mmis.server.frontend.sender_cache import SenderCache
+from mmis.server.protocol.messages import EngineCoreRequest, SamplingParams
+from mmis.server.shm import ShmWriter
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    """``mmis frontend`` settings (``MMIS_FRONTEND_<FIELD>``); media limits: FrontendConfig."""
+
+    model: str = ""
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    engine_input_address: str = "tcp://127.0.0.1:5570"
+    engine_output_address: str = "tcp://127.0.0.1:5571"
+    client_index: int = 0
+    mm_cache_type: str = "lru"  # "lru" | "shm"
+    mm_cache_gb: float = 4.0
+    shm_dir: str = "/dev/shm"
+    shm_gb: float = 1.0
+    hash_algorithm: str = "blake3"
+    api_key: str | None = None
+    max_model_len: int | None = None
+    engine_timeout_s: float = 120.0
+    ping_interval_s: float = 2.0
+    liveness_timeout_s: float = 10.0
+    graceful_shutdown_s: float = 30.0
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+def _max_model_len(model: str) -> int:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    text = getattr(config, "text_config", None) or config
+    return int(getattr(text, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
+
+
+class FrontendState:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        config: FrontendConfig,
+        processor: ModelProcessor,
+        *,
+        max_model_len: int,
+    ) -> None:
+        self.settings = settings
+        self.config = config
+        self.processor = processor
+        self.max_model_len = max_model_len
+        self.model_name = settings.model_name
+        self.counters = FrontendCounters()
+        self.shadow = SenderCache(int(settings.mm_cache_gb * GiB))
+        self.pending = PendingInvalidations(self.shadow)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmis-mm-render")
+        self.shm_writer: ShmWriter | None = None
+        if settings.mm_cache_type == "shm":
+            self.shm_writer = ShmWriter(int(settings.shm_gb * GiB), directory=settings.shm_dir)
+        self.loader = MediaLoader(config)
+        self.client = EngineClient(
+            settings.engine_input_address,
+            settings.engine_output_address,
+            client_index=settings.client_index,
+            on_missing=self._on_missing,
+            on_evicted=self._on_evicted,
+            on_epoch_change=self._on_epoch_change,
+            ping_interval_s=settings.ping_interval_s,
+            liveness_timeout_s=settings.liveness_timeout_s,
+        )
+        self.renderer = Renderer(
+            processor,
+            self.loader,
+            self.shadow,
+            self.pending,
+            self.executor,
+            model_id=settings.model,
+            max_model_len=max_model_len,
+            max_images=config.max_images_per_prompt,
+            hash_algorithm=settings.hash_algorithm,
+            shm_writer=self.shm_writer,
+            counters=self.counters,
+        )
+        self.policy = RecoveryPolicy(self.renderer, self.client, self.counters)
+        self.ready = False
+        self.ready_event = threading.Event()  # for supervisors in other threads (tests)
+        self.started_at = time.time()
+        self._probe: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def create(cls, settings: ServerSettings, config: FrontendConfig) -> FrontendState:
+        if settings.mm_cache_type not in ("lru", "shm"):
+            raise ValueError(
+                f"mm_cache_type must be 'lru' or 'shm', got {settings.mm_cache_type!r}"
+            )
+        loop = asyncio.get_running_loop()
+        processor = await loop.run_in_executor(None, ModelProcessor.from_pretrained, settings.model)
+        max_len = settings.max_model_len
+        if max_len is None:
+            max_len = await loop.run_in_executor(None, _max_model_len, settings.model)
+        state = cls(settings, config, processor, max_model_len=max_len)
+        try:
+            await state.client.start(timeout=settings.engine_timeout_s)
+        except BaseException:
+            await state.close()
+            raise
+        state.pending.observe_epoch(state.client.cache_epoch)
+        state._probe = loop.create_task(state._readiness_probe(), name="mmis-ready-probe")
+        return state
+
+    # ------------------------------------------------------------------ engine callbacks
+    def _on_missing(self, mm_hashes: list[str]) -> None:
+        self.counters.inc("drift_misses", len(set(mm_hashes)))
+        self.counters.inc("invalidations", self.pending.enqueue(mm_hashes))
+
+    def _on_evicted(self, mm_hashes: list[str]) -> None:
+        self.counters.inc("invalidations", self.pending.enqueue(mm_hashes))
+
+    def _on_epoch_change(self, epoch: str) -> None:
+        if self.pending.observe_epoch(epoch):
+            self.counters.inc("epoch_changes")
+
+    # ------------------------------------------------------------------ readiness
+    async def _readiness_probe(self) -> None:
+        """Send one synthetic image request through the whole path; retry until it works."""
+        while not self.ready:
+            try:
+                await self.probe_once()
+                self.ready = True
+                self.ready_event.set()
+                log.info("ready: a synthetic image request went through P0 -> P1")
+            except Exception as exc:
+                log.warning("readiness probe failed (%s); retrying", exc)
+                await asyncio.sleep(1.0)  # back-off between probes, not a synchronisation
+
+    async def probe_once(self) -> None:
+        image = Image.new("RGB", (32, 32))
+        image.putdata([((x * 8) % 256, (y * 8) % 256, 128) for y in range(32) for x in range(32)])
+        text = self.processor.chat_prompt(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "ready"}]}]
+        )
+        mm_hash = await asyncio.get_running_loop().run_in_executor(
+            None, self.renderer.hash_image, image, None
+        )
+        source = SourcePrompt(
+            self.processor.tokenize(text), [SourceItem(mm_hash, None, image, "ready")]
+        )
+
+        def build(rid: str, rendered: Any, choice: int) -> EngineCoreRequest:
+            return EngineCoreRequest(
+                rid,
+                rendered.token_ids,
+                rendered.features[choice],
+                sampling_params=SamplingParams(temperature=0.0, max_tokens=1),
+                arrival_time=time.time(),
+            )
+
+        await self.policy.complete(
+            source,
+            endpoint="ready",
+            request_id=f"ready-{time.time_ns()}",
+            n=1,
+            reserve=1,
+            build=build,
+        )
+
+    @property
+    def healthy(self) -> bool:
+        return self.client.alive
+
+    async def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._probe
+        await self.client.close()
+        await self.loader.aclose()
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        if self.shm_writer is not None:
+            self.shm_writer.close()

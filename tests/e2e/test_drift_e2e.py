@@ -1,0 +1,132 @@
+"""S1 end to end: real ``mmis engine`` + real ``mmis frontend`` processes, real HTTP.
+
+Each variant creates drift between P0's shadow and P1's receiver cache and checks that every
+response is a 200 whose completion is token-for-token the drift-free one (greedy decoding):
+(a) P1's budget smaller than P0's, (b) P1 killed and restarted under a live P0, (c) two P0
+processes on one P1, (d) the operator-only fault knob evicting on purpose.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from procs import Engine, Frontend, Proc, chat_body
+
+from mmis.server.engine.tiny_model import tiny_model_dir
+
+pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
+
+COLORS = [(200, 10, 10), (10, 200, 10), (10, 10, 200), (120, 120, 0)]
+ITEM_GIB = 13_000 / (1 << 30)  # one tiny-LLaVA image item is ~12.4 kB
+
+
+class Launcher:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.model = tiny_model_dir()
+        self.procs: list[Proc] = []
+
+    def engine(self, name: str, *extra: str) -> Engine:
+        proc = Engine(name, self.model, self.tmp, *extra)
+        self.procs.append(proc)
+        return proc
+
+    def frontend(self, name: str, engine: Engine, *extra: str) -> Frontend:
+        proc = Frontend(name, self.model, engine, self.tmp, *extra)
+        self.procs.append(proc)
+        proc.wait_ready()
+        return proc
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+
+
+@pytest.fixture
+def launch(tmp_path: Path) -> Iterator[Launcher]:
+    launcher = Launcher(tmp_path)
+    try:
+        yield launcher
+    finally:
+        launcher.close()
+
+
+def _complete(http: httpx.Client, frontend: Frontend, color: tuple[int, int, int]) -> str:
+    response = http.post(frontend.base_url + "/chat/completions", json=chat_body(color))
+    assert response.status_code == 200, response.text
+    content: str = response.json()["choices"][0]["message"]["content"]
+    return content
+
+
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int, int], str]:
+    """The drift-free outputs: each image sent once, with its data, to a fresh stack."""
+    launch = Launcher(tmp_path_factory.mktemp("baseline"))
+    try:
+        engine = launch.engine("baseline-engine")
+        frontend = launch.frontend("baseline-frontend", engine)
+        with httpx.Client(timeout=120) as http:
+            return {color: _complete(http, frontend, color) for color in COLORS}
+    finally:
+        launch.close()
+
+
+def test_s1a_engine_budget_smaller_than_the_shadow(
+    launch: Launcher, expected: dict[tuple[int, int, int], str]
+) -> None:
+    engine = launch.engine("engine", "--mm-cache-gb", f"{2.5 * ITEM_GIB:.12f}")
+    frontend = launch.frontend("frontend", engine, "--mm-cache-gb", "1")
+    with httpx.Client(timeout=120) as http:
+        for _ in range(3):
+            for color in COLORS:
+                assert _complete(http, frontend, color) == expected[color]
+    # drift happened and was handled: prevented by eviction reports, or healed by a retry
+    assert frontend.metric("invalidations_total") + frontend.metric("drift_misses_total") > 0
+
+
+def test_s1b_engine_restarted_under_a_live_frontend(
+    launch: Launcher, expected: dict[tuple[int, int, int], str]
+) -> None:
+    engine = launch.engine("engine-1")
+    frontend = launch.frontend("frontend", engine)
+    with httpx.Client(timeout=120) as http:
+        for color in COLORS:
+            assert _complete(http, frontend, color) == expected[color]
+        engine.stop(signal.SIGKILL)
+        launch.engine("engine-2")  # same addresses, new cache epoch, empty cache
+        for color in COLORS:
+            assert _complete(http, frontend, color) == expected[color]
+    assert frontend.metric("epoch_changes_total") + frontend.metric("retries_total") >= 1
+
+
+def test_s1c_two_frontends_feed_one_engine(
+    launch: Launcher, expected: dict[tuple[int, int, int], str]
+) -> None:
+    engine = launch.engine("engine", "--mm-cache-gb", f"{2.5 * ITEM_GIB:.12f}")
+    first = launch.frontend("frontend-0", engine, "--client-index", "0")
+    second = launch.frontend("frontend-1", engine, "--client-index", "1")
+    with httpx.Client(timeout=120) as http:
+        for _ in range(2):
+            for color in COLORS:
+                assert _complete(http, first, color) == expected[color]
+                assert _complete(http, second, color) == expected[color]
+
+
+def test_s1d_fault_knob_evicts_on_purpose(
+    launch: Launcher, expected: dict[tuple[int, int, int], str]
+) -> None:
+    engine = launch.engine("engine", "--fault-evict-rate", "1.0")
+    frontend = launch.frontend("frontend", engine)
+    with httpx.Client(timeout=120) as http:
+        for _ in range(2):
+            for color in COLORS:
+                assert _complete(http, frontend, color) == expected[color]
+    assert frontend.metric("drift_misses_total") >= len(COLORS)
+    assert frontend.metric('retries_total{endpoint="chat",outcome="success"}') >= len(COLORS)

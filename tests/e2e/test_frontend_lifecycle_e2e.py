@@ -1,0 +1,77 @@
+"""``mmis frontend`` as a process: env settings, API key, and SIGTERM draining in-flight work."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from procs import Engine, Frontend, chat_body
+
+from mmis.server.engine.tiny_model import tiny_model_dir
+
+pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[tuple[Engine, Frontend]]:
+    model = tiny_model_dir()
+    engine = Engine("engine", model, tmp_path)
+    frontend = None
+    try:
+        frontend = Frontend(
+            "frontend", model, engine, tmp_path, env={"MMIS_FRONTEND_API_KEY": "sk-env"}
+        )
+        frontend.wait_ready()
+        yield engine, frontend
+    finally:
+        if frontend is not None:
+            frontend.stop()
+        engine.stop()
+
+
+def test_api_key_from_env_and_sigterm_drains_in_flight_requests(
+    stack: tuple[Engine, Frontend],
+) -> None:
+    _, frontend = stack
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=frontend.base_url, api_key="wrong", max_retries=0).models.list()
+    client = openai.OpenAI(base_url=frontend.base_url, api_key="sk-env", max_retries=0, timeout=300)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+    result: dict[str, object] = {}
+
+    def long_request() -> None:
+        body = chat_body((90, 30, 160), max_tokens=1500)
+        try:
+            response = httpx.post(
+                frontend.base_url + "/chat/completions",
+                json=body,
+                headers={"Authorization": "Bearer sk-env"},
+                timeout=300,
+            )
+            result["status"] = response.status_code
+            result["body"] = response.json()
+        except Exception as exc:  # reported by the assertions below
+            result["error"] = exc
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while frontend.metric("engine_requests_in_flight") < 1:  # observed, not assumed
+        assert time.monotonic() < deadline, "the long request never reached the engine"
+        assert worker.is_alive(), result
+    frontend.popen.send_signal(signal.SIGTERM)
+    worker.join(300)
+    assert result.get("status") == 200, result
+    body = result["body"]
+    assert isinstance(body, dict) and body["choices"][0]["finish_reason"] in ("length", "stop")
+    assert frontend.popen.wait(60) == 0

@@ -1,0 +1,41 @@
+"""The incremental detokenizer: deltas add up to the final text; stop strings never leak."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mmis.server.frontend.detokenizer import IncrementalDetokenizer
+
+
+# a byte-level "tokenizer": token i is byte i; decoding replaces broken UTF-8 by U+FFFD
+def _decode(ids: Sequence[int]) -> str:
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def _feed(detok: IncrementalDetokenizer, data: bytes) -> list[str]:
+    deltas = [detok.add([b], final=i == len(data) - 1) for i, b in enumerate(data)]
+    return deltas
+
+
+def test_deltas_concatenate_to_the_text_and_hold_back_partial_utf8() -> None:
+    detok = IncrementalDetokenizer(_decode)
+    data = "héllo ✓".encode()
+    deltas = _feed(detok, data)
+    assert "".join(deltas) == "héllo ✓"
+    assert all("\ufffd" not in d for d in deltas)  # a half character is never streamed
+
+
+def test_stop_string_cuts_the_text_and_is_never_partly_streamed() -> None:
+    detok = IncrementalDetokenizer(_decode, stop=["END"])
+    deltas = _feed(detok, b"abc ENxEND tail")
+    assert "".join(deltas) == "abc ENx"
+    assert detok.stopped_by == "END"
+    assert detok.text == "abc ENx"
+    assert detok.add([65]) == ""  # nothing after the stop
+
+
+def test_held_back_prefix_is_released_at_the_end() -> None:
+    detok = IncrementalDetokenizer(_decode, stop=["STOP"])
+    deltas = _feed(detok, b"go ST")
+    assert deltas == ["g", "o", " ", "", "ST"]  # "S" held while it may start "STOP"
+    assert not detok.stopped
