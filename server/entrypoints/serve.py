@@ -17,6 +17,7 @@ Invariants:
   exit status is 0. Signals reach P1 only through us (it runs in its own process group, so a
   terminal's Ctrl-C cannot stop it before P0 has drained). If we die without cleaning up
   (SIGKILL), the kernel sends P1 SIGTERM (Linux parent-death signal): no orphan keeps running.
+- Bad engine-only flags exit 2 before anything starts (not through a P1 restart loop).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import time
 from types import FrameType
 from typing import Any
 
+from mmis.server.config import ConfigError
 from mmis.server.entrypoints import frontend
 from mmis.server.entrypoints.common import DEFAULT_MODEL, resolve_model, served_name
 
@@ -105,6 +107,7 @@ def engine_command(
         "--seed": args.seed,
         "--max-model-len": args.max_model_len,
         "--log-level": args.log_level,
+        "--otlp-traces-endpoint": getattr(args, "otlp_traces_endpoint", None),
     }
     for flag, value in pairs.items():
         if value is not None:
@@ -202,6 +205,21 @@ class EngineSupervisor:
         return proc.returncode
 
 
+def check_engine_flags(args: argparse.Namespace) -> None:
+    """Refuse bad engine-only flags here (exit 2), not through a P1 restart loop."""
+    rate = args.fault_evict_rate
+    if rate is not None and not 0.0 <= rate <= 1.0:
+        raise ConfigError(f"--fault-evict-rate must be within [0, 1], got {rate}")
+    for dest in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks"):
+        value = getattr(args, dest)
+        if value is not None and value < 1:
+            raise ConfigError(f"{_ENGINE_FLAGS[dest][0]} must be at least 1, got {value}")
+    for dest in ("engine_mm_cache_gb", "kv_cache_gb"):
+        value = getattr(args, dest)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{_ENGINE_FLAGS[dest][0]} must be positive, got {value}")
+
+
 def _serve(args: argparse.Namespace) -> int:
     model = args.model or os.environ.get("MMIS_FRONTEND_MODEL") or DEFAULT_MODEL
     log.info("preparing model %s", model)
@@ -230,6 +248,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=str(args.log_level).upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    try:
+        check_engine_flags(args)
+    except ConfigError as exc:
+        print(f"mmis serve: {exc}", file=sys.stderr)
+        return 2
     main_thread = threading.current_thread() is threading.main_thread()
     previous = (
         {sig: signal.signal(sig, _raise_stop) for sig in _STOP_SIGNALS} if main_thread else {}

@@ -1,0 +1,208 @@
+"""Shared pieces of the serve-level benchmarks: server processes, images, an async load loop.
+
+- :class:`ServerProcess` starts a server command with its logs in a file and stops it with
+  SIGTERM (SIGKILL after a bound, then its whole process group), so a benchmark never leaves a
+  server behind. ``mmis serve --port 0`` announces its address on its first stdout line; other
+  servers get a free port from us and are waited for through an HTTP probe.
+- :func:`run_load` sends every request exactly once with at most ``concurrency`` in flight;
+  each request has its own timeout (a hang is counted, never waited out forever). Latency is
+  measured per request from just before sending to the full response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import io
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from PIL import Image
+
+MMIS = str(Path(sys.executable).parent / "mmis")
+LISTENING = re.compile(r"listening on (http://\S+)")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class ServerProcess:
+    """One server process; ``root_url`` is where it answers HTTP."""
+
+    def __init__(self, name: str, cmd: list[str], log_dir: Path, env: dict[str, str]) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.started_at = time.monotonic()
+        self.popen = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env={**os.environ, **env},
+            start_new_session=True,
+        )
+        self.root_url = ""
+
+    @classmethod
+    def mmis_serve(
+        cls, name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None
+    ) -> ServerProcess:
+        proc = cls(name, [MMIS, "serve", "--port", "0", *args], log_dir, env or {})
+        assert proc.popen.stdout is not None
+        first = proc.popen.stdout.readline().decode()
+        match = LISTENING.search(first)
+        if match is None:
+            proc.stop()
+            raise RuntimeError(f"{name} did not start: {first!r}\n{proc.log_tail()}")
+        proc.root_url = match.group(1)
+        return proc
+
+    def wait_http(self, path: str, timeout: float = 300.0) -> float:
+        """Poll ``path`` until it answers 200; seconds since the process started."""
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=5) as http:
+            while time.monotonic() < deadline:
+                if self.popen.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited\n{self.log_tail()}")
+                try:
+                    if http.get(self.root_url + path).status_code == 200:
+                        return time.monotonic() - self.started_at
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)  # polling another process's probe
+        raise TimeoutError(f"{self.name}: {path} not 200 after {timeout:.0f}s\n{self.log_tail()}")
+
+    def metrics(self) -> dict[str, float]:
+        """Every ``mmis_*`` sample on ``/metrics`` (text format), by its full series name."""
+        text = httpx.get(self.root_url + "/metrics", timeout=30).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("mmis_"):
+                series, value = line.rsplit(" ", 1)
+                out[series] = float(value)
+        return out
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(10)
+        if not self._log.closed:
+            self._log.close()
+        return self.popen.returncode
+
+    def log_tail(self, lines: int = 30) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def image_data_url(seed: int, size: int = 64) -> str:
+    pixels = np.random.default_rng(seed).integers(0, 255, (size, size, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def chat_body(model: str, image_url: str, max_tokens: int) -> dict[str, Any]:
+    return {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": image_url}},
+                    {"type": "text", "text": "Describe this image."},
+                ],
+            }
+        ],
+    }
+
+
+@dataclasses.dataclass
+class LoadResult:
+    wall_s: float
+    latencies_s: list[float]
+    statuses: Counter[int]
+    hangs: int
+    errors: Counter[str]
+    completion_tokens: int
+    outputs: dict[str, set[str]]  # request key -> every distinct completion text seen
+
+    @property
+    def ok(self) -> int:
+        return sum(n for code, n in self.statuses.items() if 200 <= code < 300)
+
+    @property
+    def failed(self) -> int:
+        return len(self.latencies_s) - self.ok + self.hangs + sum(self.errors.values())
+
+    def percentile_ms(self, q: float) -> float:
+        return float(np.percentile(self.latencies_s, q) * 1000) if self.latencies_s else 0.0
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.ok / self.wall_s if self.wall_s else 0.0
+
+    def merge(self, other: LoadResult) -> None:
+        """Add ``other`` (a later round on the same server) into this result."""
+        self.wall_s += other.wall_s
+        self.latencies_s += other.latencies_s
+        self.statuses.update(other.statuses)
+        self.hangs += other.hangs
+        self.errors.update(other.errors)
+        self.completion_tokens += other.completion_tokens
+        for key, outs in other.outputs.items():
+            self.outputs.setdefault(key, set()).update(outs)
+
+
+async def run_load(
+    url: str, requests: list[tuple[str, dict[str, Any]]], concurrency: int, timeout: float
+) -> LoadResult:
+    """POST each ``(key, body)`` to ``url`` once, ``concurrency`` at a time."""
+    result = LoadResult(0.0, [], Counter(), 0, Counter(), 0, {})
+    todo = iter(requests)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async def worker(http: httpx.AsyncClient) -> None:
+        for key, body in todo:
+            start = time.perf_counter()
+            try:
+                response = await asyncio.wait_for(http.post(url, json=body), timeout)
+            except TimeoutError:
+                result.hangs += 1
+                continue
+            except httpx.HTTPError as exc:
+                result.errors[type(exc).__name__] += 1
+                continue
+            result.latencies_s.append(time.perf_counter() - start)
+            result.statuses[response.status_code] += 1
+            if response.status_code == 200:
+                data = response.json()
+                result.outputs.setdefault(key, set()).add(data["choices"][0]["message"]["content"])
+                result.completion_tokens += int(data.get("usage", {}).get("completion_tokens", 0))
+
+    async with httpx.AsyncClient(timeout=None, limits=limits) as http:
+        began = time.perf_counter()
+        await asyncio.gather(*(worker(http) for _ in range(concurrency)))
+        result.wall_s = time.perf_counter() - began
+    return result
