@@ -17,8 +17,9 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -36,6 +37,10 @@ from mmis.server.protocol.messages import (
     FinishReason,
     RequestError,
 )
+from mmis.server.telemetry.engine_stats import EngineStats
+
+if TYPE_CHECKING:
+    from mmis.server.telemetry.request_spans import RequestSpans
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +66,9 @@ class EngineCore:
         tokenizer: Any = None,
         eos_token_id: int | None = None,
         max_model_len: int | None = None,
+        spans: RequestSpans | None = None,
     ) -> None:
+        self.spans = spans  # P1 tracing (None when off): see telemetry.request_spans
         self.scheduler = scheduler
         self.runner = runner
         self.tokenizer = tokenizer
@@ -108,6 +115,8 @@ class EngineCore:
             return
         for child_request in children:
             self.scheduler.add_request(child_request)
+            if self.spans is not None:
+                self.spans.admit(child_request.request_id, request.trace_context)
         if n > 1:
             self._children[request.request_id] = [c.request_id for c in children]
 
@@ -116,6 +125,8 @@ class EngineCore:
         for rid in request_ids:
             ids.extend(self._children.pop(rid, [rid]))
         self.scheduler.abort_requests(ids)
+        if self.spans is not None:
+            self.spans.forget(ids)
 
     def has_work(self) -> bool:
         return bool(self._immediate) or self.scheduler.has_unfinished_requests()
@@ -126,6 +137,7 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests() and not self.scheduler.has_pending_events():
             return outputs
         sched_out = self.scheduler.schedule()
+        started_ns = time.time_ns()
         sampled: dict[str, list[int]] = {}
         pooled: dict[str, Any] = {}
         if not sched_out.is_empty:
@@ -137,12 +149,15 @@ class EngineCore:
                 sampled = {rid: [tok] for rid, tok in result.sampled_token_ids.items()}
                 pooled = result.pooled
             self.num_steps += 1
-        for event in self.scheduler.update_from_output(sched_out, sampled):
+        events = self.scheduler.update_from_output(sched_out, sampled)
+        for event in events:
             self._apply_stop_strings(event)
             out = event.to_wire()
             if event.request_id in pooled and event.finished:
                 out.pooled = np.asarray(pooled[event.request_id], dtype=np.float32)
             outputs.append(self._to_parent(out))
+        if self.spans is not None:
+            self.spans.on_step(sched_out.scheduled, events, started_ns, time.time_ns())
         return outputs
 
     def _fail_step(self, sched_out: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
@@ -208,8 +223,17 @@ class EngineCore:
         raise ValueError(f"unknown utility method {method!r}")
 
     def stats(self) -> dict[str, Any]:
+        """``EngineStats(...).to_dict()`` (what P0's /metrics renders) plus engine details."""
         s = self.scheduler.stats()
-        return {
+        figures = EngineStats(
+            num_requests_waiting=s.num_waiting,
+            num_requests_running=s.num_running,
+            kv_cache_usage=min(max(float(s.kv_usage), 0.0), 1.0),
+            encoder_cache_evictions=self.scheduler.encoder_cache.num_evictions,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+        ).to_dict()
+        return figures | {
             "num_running": s.num_running,
             "num_waiting": s.num_waiting,
             "kv_cache_usage": s.kv_usage,

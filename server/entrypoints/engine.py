@@ -45,6 +45,7 @@ class EngineConfig:
     max_model_len: int | None = None
     device: str | None = None
     seed: int | None = None
+    otlp_traces_endpoint: str | None = None  # also OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--device", default=None)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="export request spans over OTLP (default: OTEL_* environment; off when unset)",
+    )
     parser.add_argument("--log-level", default=None)
 
 
@@ -119,6 +125,7 @@ def build(cfg: EngineConfig) -> Any:
     from mmis.server.engine.sched_config import SchedulerConfig
     from mmis.server.engine.scheduler import Scheduler
     from mmis.server.shm.reader_set import ShmReaderSet
+    from mmis.server.telemetry.request_spans import RequestSpans
 
     path = resolve_model(cfg.model)
     log.info("loading model %s", path)
@@ -150,12 +157,14 @@ def build(cfg: EngineConfig) -> Any:
         )
     )
     tokenizer = AutoTokenizer.from_pretrained(path)
+    tracing = engine_tracing(cfg)
     core = EngineCore(
         scheduler,
         runner,
         tokenizer=tokenizer,
         eos_token_id=adapter.eos_token_ids[0] if adapter.eos_token_ids else None,
         max_model_len=max_len,
+        spans=RequestSpans(tracing) if tracing.enabled else None,
     )
     readers = ShmReaderSet(cfg.shm_dir)
 
@@ -181,6 +190,24 @@ def build(cfg: EngineConfig) -> Any:
         fault_evict_rate=cfg.fault_evict_rate,
         seed=cfg.seed,
     )
+
+
+def engine_tracing(cfg: EngineConfig) -> Any:
+    """P1's tracing: ``--otlp-traces-endpoint`` over ``OTEL_*``; off (no-op) when unset."""
+    import os
+
+    from mmis.server.telemetry.errors import TracingConfigError
+    from mmis.server.telemetry.tracing import setup_tracing
+    from mmis.server.telemetry.tracing_config import TracingConfig
+
+    try:
+        config = TracingConfig.from_env(
+            otlp_traces_endpoint=cfg.otlp_traces_endpoint,
+            service_name=os.environ.get("OTEL_SERVICE_NAME") or "mmis-engine",
+        )
+    except TracingConfigError as exc:
+        raise SystemExit(f"mmis engine: {exc}") from None
+    return setup_tracing(config, set_global=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -45,6 +45,13 @@ _SETTINGS_FLAGS = {
     "max_model_len": (int, "context window (default: from the model config)"),
     "engine_timeout_s": (float, "how long to wait for P1's handshake at startup"),
     "graceful_shutdown_s": (float, "how long SIGTERM waits for in-flight requests"),
+    "otlp_traces_endpoint": (
+        str,
+        "export request spans over OTLP to this endpoint (default: OTEL_* environment, "
+        "e.g. OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; tracing is off when none is set)",
+    ),
+    "drift_window_s": (float, "window of the drift rate on /metrics and /stats/cache"),
+    "stats_interval_s": (float, "how often P1's figures are polled for /metrics"),
 }
 _CONFIG_FLAGS = {
     "allowed_local_media_path": (str, "root under which file:// images may be read"),
@@ -85,7 +92,22 @@ def settings_from(args: argparse.Namespace) -> tuple[ServerSettings, FrontendCon
         raise ConfigError("--model (or MMIS_FRONTEND_MODEL) is required")
     if settings.mm_cache_type not in ("lru", "shm"):
         raise ConfigError(f"--mm-cache-type must be lru or shm, got {settings.mm_cache_type!r}")
+    for name in ("drift_window_s", "stats_interval_s"):
+        if not getattr(settings, name) > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
+    _check_tracing(settings)
     return settings, config
+
+
+def _check_tracing(settings: ServerSettings) -> None:
+    """Fail at start-up (exit 2) on a bad OTLP endpoint or OTEL_* value."""
+    from mmis.server.telemetry.errors import TracingConfigError
+    from mmis.server.telemetry.tracing_config import TracingConfig
+
+    try:
+        TracingConfig.from_env(otlp_traces_endpoint=settings.otlp_traces_endpoint)
+    except TracingConfigError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def run(args: argparse.Namespace) -> int:

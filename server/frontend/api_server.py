@@ -2,14 +2,26 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``,
 ``GET /v1/models``, ``GET /health`` (process up and engine answering pings),
-``GET /ready`` (a synthetic image request completed since start), ``GET /metrics``.
+``GET /ready`` (a synthetic image request completed since start), ``GET /metrics`` (the
+process' one metrics registry: P0's series, P1's polled figures, the drift gauge and P0's
+level gauges; P1 is polled first when its snapshot is stale) and ``GET /stats/cache``.
+
+``GET /stats/cache`` (unauthenticated, like the probes: the operator reads it on every ready
+pod) answers the drift window as JSON: ``drift_rate`` (drift misses / shadow hits over the
+window; 0.0 without shadow hits), ``hit_rate`` (sender-cache hits / lookups), ``retry_rate``
+(retries / requests), the raw window deltas ``shadow_hits``, ``drift_misses``, ``queries``,
+``retries``, ``requests``, and ``window_seconds`` / ``span_seconds`` (the configured window,
+and how much of it the samples cover so far).
 
 Invariants:
 - Every error leaves in the OpenAI shape (:mod:`mmis.server.frontend.errors`), including
   401 for a missing or wrong API key (``code: invalid_api_key``) and unexpected exceptions
   (500, text not leaked).
 - With an API key configured, every ``/v1/*`` route needs ``Authorization: Bearer <key>``;
-  the probes and ``/metrics`` stay open (kubelet and Prometheus carry no key).
+  the probes, ``/metrics`` and ``/stats/cache`` stay open (kubelet, Prometheus and the
+  operator carry no key).
+- Each inference request is wrapped by :class:`RequestTelemetryMiddleware` (its server span,
+  latency / TTFT / TPOT histograms, request and token counters).
 - The app owns its :class:`FrontendState` through the lifespan: created on startup (engine
   handshake included), closed on shutdown after uvicorn drained in-flight requests.
 """
@@ -21,12 +33,12 @@ import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import prometheus_client
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 
 from mmis.server.frontend.config import FrontendConfig
 from mmis.server.frontend.errors import INVALID_REQUEST_TYPE, error_body
+from mmis.server.frontend.request_telemetry import RequestTelemetryMiddleware
 from mmis.server.frontend.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -41,6 +53,7 @@ from mmis.server.frontend.serving_common import ClientGoneError
 from mmis.server.frontend.serving_completions import CompletionServing
 from mmis.server.frontend.serving_embeddings import EmbeddingServing
 from mmis.server.frontend.state import FrontendState, ServerSettings
+from mmis.server.telemetry.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -59,34 +72,19 @@ def _unauthorized(message: str) -> JSONResponse:
     return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
 
-def gauges_text(state: FrontendState) -> str:
-    """Current levels (in-flight requests, shadow, SHM) for leak checks and dashboards."""
-    shm = state.shm_writer.stats() if state.shm_writer is not None else None
-    values = {
-        "engine_requests_in_flight": state.client.num_in_flight,
-        "shadow_entries": len(state.shadow),
-        "shadow_bytes": state.shadow.stats().total_bytes,
-        "pending_invalidations": len(state.pending),
-        "shm_used_bytes": shm.used if shm is not None else 0,
-        "ready": int(state.ready),
-    }
-    lines = []
-    for name, value in values.items():
-        lines += [f"# TYPE mmis_frontend_{name} gauge", f"mmis_frontend_{name} {value}"]
-    return "\n".join(lines) + "\n"
-
-
 def create_app(
     settings: ServerSettings,
     config: FrontendConfig,
     *,
     on_state: Callable[[FrontendState], None] | None = None,
+    tracing: Tracing | None = None,
 ) -> FastAPI:
-    """The P0 app; ``on_state`` sees the state once it exists (tests, embedding servers)."""
+    """The P0 app; ``on_state`` sees the state once it exists (tests, embedding servers);
+    ``tracing`` replaces the one built from the settings (tests: an in-memory exporter)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state = await FrontendState.create(settings, config)
+        state = await FrontendState.create(settings, config, tracing)
         app.state.mmis = state
         app.state.chat = ChatServing(state)
         app.state.completions = CompletionServing(state)
@@ -110,6 +108,7 @@ def create_app(
 
     app.add_exception_handler(ClientGoneError, on_gone)
     app.add_exception_handler(Exception, on_unexpected)
+    app.add_middleware(RequestTelemetryMiddleware, state_of=lambda: app.state.mmis)
 
     if settings.api_key:
         expected = f"Bearer {settings.api_key}".encode()
@@ -173,8 +172,12 @@ def create_app(
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         state = state_of(request)
-        text = prometheus_client.generate_latest(prometheus_client.REGISTRY).decode()
-        text += state.counters.render_text() + gauges_text(state)
-        return PlainTextResponse(text, media_type=prometheus_client.CONTENT_TYPE_LATEST)
+        await state.stats.refresh_if_stale()
+        body, content_type = state.telemetry.metrics.exposition(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
+
+    @app.get("/stats/cache")
+    async def cache_stats(request: Request) -> Response:
+        return JSONResponse(state_of(request).telemetry.drift.stats())
 
     return app

@@ -87,16 +87,3 @@ class FrontendCounters:
             for (name, labels), value in self._values.items():
                 out[name][labels] = value
         return out
-
-    def render_text(self, prefix: str = "mmis_frontend_") -> str:
-        """A Prometheus-style text rendering (used by ``/metrics`` until telemetry lands)."""
-        lines: list[str] = []
-        for name, series in self.snapshot().items():
-            metric = f"{prefix}{name}_total"
-            lines.append(f"# TYPE {metric} counter")
-            if not series:
-                lines.append(f"{metric} 0")
-            for labels, value in sorted(series.items()):
-                text = ",".join(f'{k}="{v}"' for k, v in labels)
-                lines.append(f"{metric}{{{text}}} {value}" if text else f"{metric} {value}")
-        return "\n".join(lines) + "\n"

@@ -21,151 +21,88 @@ Rules (ARCHITECTURE.md section 2, scenarios S1, S3, S4, S5):
 - Non-retryable engine errors map through :func:`from_request_error` (400 / 500).
 - Counters: ``retries{endpoint, outcome}``, one per failed first attempt, ``outcome`` in
   ``success`` (the retry produced output), ``miss_again``, ``hash_only``, ``error``.
+- Traces (no-ops when tracing is off): per attempt a ``render`` span (items, shadow hits,
+  bytes sent) and an ``engine`` span (the P0 -> P1 round trip, its context injected into
+  every sibling's ``trace_context``), both children of the request's current span. A miss
+  is an ``mm_cache_miss`` event on that attempt's ``engine`` span; the queued invalidation
+  (``mm_cache_invalidation``) and the retry's outcome (``mm_retry``, attempt 2) are events
+  on the logical request span, so a retried request shows both attempts under it.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from opentelemetry import trace
+
 from mmis.server.frontend.counters import FrontendCounters
-from mmis.server.frontend.engine_client import (
-    ENGINE_RESTARTED,
-    ENGINE_UNAVAILABLE,
-    EngineClient,
-    OutputQueue,
-)
-from mmis.server.frontend.errors import (
-    UNAVAILABLE_TYPE,
-    FrontendError,
-    HashOnlyCacheMissError,
-    from_request_error,
+from mmis.server.frontend.engine_client import EngineClient
+from mmis.server.frontend.errors import HashOnlyCacheMissError
+from mmis.server.frontend.generation import (
+    RETRYABLE_CODES,
+    EngineRestartedError,
+    Generation,
+    RetryableFailure,
+    output_error,
 )
 from mmis.server.frontend.renderer import RenderedPrompt, Renderer, SourcePrompt
-from mmis.server.protocol.errors import MMISError, MultiModalCacheMissError
-from mmis.server.protocol.messages import EngineCoreOutput, EngineCoreRequest, ErrorCode
+from mmis.server.multimodal.sizing import item_nbytes
+from mmis.server.protocol.errors import MultiModalCacheMissError
+from mmis.server.protocol.messages import EngineCoreOutput, EngineCoreRequest, ShmAddress
+from mmis.server.telemetry import tracing as tr
+from mmis.server.telemetry.tracing import Tracing
 
 T = TypeVar("T")
 
-RETRYABLE_CODES = frozenset({ErrorCode.MULTIMODAL_CACHE_MISS.value, ENGINE_RESTARTED})
+__all__ = [
+    "RETRYABLE_CODES",
+    "EngineRestartedError",
+    "Generation",
+    "RecoveryPolicy",
+    "RequestBuilder",
+    "RetryableFailure",
+    "output_error",
+]
+
+
+RENDER_SPAN = "render"
+ENGINE_SPAN = "engine"
+ATTR_ITEMS = "mmis.mm.items"
+ATTR_CACHE_HITS = "mmis.mm.cache_hits"
+ATTR_BYTES_SENT = "mmis.mm.bytes_sent"
+ATTR_CHOICES = "mmis.choices"
+_OFF = Tracing(tracer=trace.NoOpTracer())
+
+
+def bytes_sent(rendered: RenderedPrompt) -> int:
+    """Tensor bytes the features of every copy carry (inline, or written to SHM)."""
+    total = 0
+    for features in rendered.features:
+        for feature in features:
+            if isinstance(feature.data, ShmAddress):
+                total += feature.data.length
+            elif feature.data is not None:
+                total += item_nbytes(feature.data)
+    return total
+
 
 # (request id, rendered prompt, choice index) -> the engine request of that sibling
 RequestBuilder = Callable[[str, RenderedPrompt, int], EngineCoreRequest]
 
 
-class EngineRestartedError(FrontendError):
-    """P1 restarted under a request twice in a row (or is gone); the client may resend."""
-
-    status = 503
-    type = UNAVAILABLE_TYPE
-    code = ENGINE_RESTARTED
-    retryable = True
-
-    def extra(self) -> dict[str, object]:
-        return {"retryable": True}
-
-
-class RetryableFailure(Exception):
-    """A sibling failed in a way the retry heals; :meth:`error` is what the client sees."""
-
-    def __init__(self, output: EngineCoreOutput) -> None:
-        super().__init__(output.error.message if output.error else "retryable failure")
-        self.output = output
-
-    def error(self) -> BaseException:
-        return output_error(self.output)
-
-
-def output_error(output: EngineCoreOutput) -> BaseException:
-    """The typed exception for an error output (retryable ones included)."""
-    err = output.error
-    if err is None:
-        internal = MMISError("the engine failed the request without saying why")
-        internal.code = ErrorCode.INTERNAL.value
-        return internal
-    if err.code in (ENGINE_RESTARTED, ENGINE_UNAVAILABLE):
-        return EngineRestartedError(
-            f"the engine is restarting or unavailable ({err.message}); retry the request"
-        )
-    return from_request_error(err, output.missing_mm_hashes)
-
-
-class Generation:
-    """One accepted attempt: ``n`` sibling requests sharing one output queue.
-
-    A sibling is *done* once P1 sent its terminal output (nothing to abort) or P0 stopped it
-    (abort sent). Outputs buffered while awaiting the first ones are replayed first.
-    """
-
-    def __init__(self, client: EngineClient, request_ids: Sequence[str]) -> None:
-        self.client = client
-        self.request_ids = list(request_ids)
-        self.queue: OutputQueue = asyncio.Queue()
-        self.rendered: RenderedPrompt | None = None
-        self._choice = {rid: i for i, rid in enumerate(self.request_ids)}
-        self._buffer: list[EngineCoreOutput] = []
-        self._running = set(self.request_ids)  # P1 has not finished them
-        self._stopped: set[str] = set()  # P0 stopped them early
-
-    @property
-    def n(self) -> int:
-        return len(self.request_ids)
-
-    async def _next(self) -> EngineCoreOutput:
-        out = await self.queue.get()
-        if out.finish_reason is not None and out.request_id in self._running:
-            self._running.discard(out.request_id)
-            await self.client.release([out.request_id], abort=False)
-        return out
-
-    async def await_first_outputs(self) -> None:
-        """Buffer outputs until every sibling produced one; raise on the first error."""
-        seen: set[str] = set()
-        while len(seen) < self.n:
-            out = await self._next()
-            self._buffer.append(out)
-            seen.add(out.request_id)
-            self._check(out)
-
-    def _check(self, out: EngineCoreOutput) -> None:
-        if out.finish_reason != "error":
-            return
-        if out.error is not None and out.error.code in RETRYABLE_CODES:
-            raise RetryableFailure(out)
-        raise output_error(out)
-
-    async def outputs(self) -> AsyncIterator[tuple[int, EngineCoreOutput]]:
-        """``(choice, output)`` in arrival order until every sibling is done."""
-        while self._buffer or self._running - self._stopped:
-            out = self._buffer.pop(0) if self._buffer else await self._next()
-            if out.request_id in self._stopped:
-                continue
-            self._check(out)
-            yield self._choice[out.request_id], out
-
-    async def finish_choice(self, choice: int) -> None:
-        """Stop one sibling early (a stop string matched in P0): abort it in P1."""
-        rid = self.request_ids[choice]
-        self._stopped.add(rid)
-        if rid in self._running:
-            self._running.discard(rid)
-            await self.client.release([rid], abort=True)
-
-    async def aclose(self) -> None:
-        """Abort every sibling P1 still runs (client gone, error, retry); idempotent."""
-        unfinished, self._running = list(self._running), set()
-        await self.client.release(unfinished, abort=True)
-        await self.client.release(self.request_ids, abort=False)
-
-
 class RecoveryPolicy:
     def __init__(
-        self, renderer: Renderer, client: EngineClient, counters: FrontendCounters
+        self,
+        renderer: Renderer,
+        client: EngineClient,
+        counters: FrontendCounters,
+        tracing: Tracing | None = None,
     ) -> None:
         self.renderer = renderer
         self.client = client
         self.counters = counters
+        self.tracing = tracing or _OFF
 
     async def _attempt(
         self,
@@ -176,14 +113,31 @@ class RecoveryPolicy:
         reserve: int,
         build: RequestBuilder,
     ) -> Generation:
-        rendered = await self.renderer.render(
-            source, bypass=attempt > 0, reserve_tokens=reserve, copies=n
-        )
+        tracing = self.tracing
+        attrs = {tr.ATTR_ATTEMPT: attempt + 1, ATTR_ITEMS: len(source.items)}
+        with tracing.span(RENDER_SPAN, attributes=attrs) as render_span:
+            rendered = await self.renderer.render(
+                source, bypass=attempt > 0, reserve_tokens=reserve, copies=n
+            )
+            if render_span.is_recording():
+                render_span.set_attributes(
+                    {ATTR_CACHE_HITS: rendered.shadow_hits, ATTR_BYTES_SENT: bytes_sent(rendered)}
+                )
         rids = [f"{request_id}-a{attempt}-{i}" for i in range(n)]
         generation = Generation(self.client, rids)
         generation.rendered = rendered
+        generation.span = tracing.start(
+            ENGINE_SPAN, attributes={tr.ATTR_ATTEMPT: attempt + 1, ATTR_CHOICES: n}
+        )
+        carrier = tr.inject(trace.set_span_in_context(generation.span)) if tracing.enabled else {}
         requests = [build(rid, rendered, i) for i, rid in enumerate(rids)]
-        await self.client.add_requests(requests, generation.queue)
+        for request in requests:
+            request.trace_context = dict(carrier)
+        try:
+            await self.client.add_requests(requests, generation.queue)
+        except BaseException:
+            generation.end_span()
+            raise
         return generation
 
     async def start(
@@ -222,6 +176,7 @@ class RecoveryPolicy:
             per_choice: list[list[EngineCoreOutput]] = [[] for _ in range(n)]
             async for choice, out in generation.outputs():
                 per_choice[choice].append(out)
+            generation.end_span()
             if generation.rendered is None:
                 raise RuntimeError("an attempt always records its rendered prompt")
             return generation.rendered, per_choice
@@ -238,26 +193,29 @@ class RecoveryPolicy:
         build: RequestBuilder,
         body: Callable[[Generation], Awaitable[T]],
     ) -> T:
+        missed = 0  # hashes the first attempt missed
         for attempt in (0, 1):
             try:
                 generation = await self._attempt(source, request_id, attempt, n, reserve, build)
             except BaseException:
                 if attempt:
-                    self._count(endpoint, "error")
+                    self._count(endpoint, "error", missed)
                 raise
             try:
                 result = await body(generation)
             except RetryableFailure as failure:
+                self._trace_failure(generation.span, failure.output, attempt)
+                missed = len(set(failure.output.missing_mm_hashes))
                 await generation.aclose()
                 self._on_failure(source, endpoint, failure.output, attempt)
                 continue
             except BaseException:
                 await generation.aclose()
                 if attempt:
-                    self._count(endpoint, "error")
+                    self._count(endpoint, "error", missed)
                 raise
             if attempt:
-                self._count(endpoint, "success")
+                self._count(endpoint, "success", missed)
             return result
         raise RuntimeError("unreachable: the second attempt returns or raises")
 
@@ -266,15 +224,26 @@ class RecoveryPolicy:
     ) -> None:
         uuids = source.hash_only_uuids(out.missing_mm_hashes)
         if uuids:
-            self._count(endpoint, "hash_only")
+            self._count(endpoint, "hash_only", len(uuids), attempt=attempt + 1)
             raise HashOnlyCacheMissError(uuids)
         if attempt == 0:
             return  # the caller retries with the cache bypassed
-        self._count(endpoint, "miss_again")
+        self._count(endpoint, "miss_again", len(set(out.missing_mm_hashes)))
         exc = output_error(out)
         if isinstance(exc, MultiModalCacheMissError) and not exc.mm_hashes:
             exc = MultiModalCacheMissError(out.missing_mm_hashes)
         raise exc
 
-    def _count(self, endpoint: str, outcome: str) -> None:
+    def _count(self, endpoint: str, outcome: str, hashes: int, attempt: int = 2) -> None:
         self.counters.inc("retries", endpoint=endpoint, outcome=outcome)
+        tr.record_cache_event(trace.get_current_span(), tr.RETRY, hashes, attempt, outcome)
+
+    def _trace_failure(self, span: trace.Span, out: EngineCoreOutput, attempt: int) -> None:
+        """The miss on the attempt's span; the invalidation it queued on the request span."""
+        missing = len(set(out.missing_mm_hashes))
+        if not missing:
+            return  # engine_restarted: no cache miss, the retry event tells the story
+        outcome = "retrying" if attempt == 0 else "failed"
+        tr.record_cache_event(span, tr.CACHE_MISS, missing, attempt + 1, outcome)
+        request_span = trace.get_current_span()
+        tr.record_cache_event(request_span, tr.CACHE_INVALIDATION, missing, attempt + 1, "queued")

@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from mmis.server.frontend.renderer import ImageRef, RenderedPrompt, SourcePrompt
+from mmis.server.frontend.request_telemetry import current_record
 from mmis.server.frontend.schemas import (
     EmbeddingData,
     EmbeddingRequest,
@@ -112,6 +113,9 @@ class EmbeddingServing:
                 value = [float(x) for x in vector]
             data.append(EmbeddingData(index=i, embedding=value))
         tokens = sum(n for _, n in results)
+        record = current_record()
+        if record is not None:
+            record.usage(tokens, 0)
         body = EmbeddingResponse(
             data=data,
             model=self.state.model_name,

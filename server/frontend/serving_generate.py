@@ -29,6 +29,7 @@ from mmis.server.frontend.detokenizer import IncrementalDetokenizer
 from mmis.server.frontend.errors import SSE_DONE
 from mmis.server.frontend.recovery import Generation, RequestBuilder, RetryableFailure
 from mmis.server.frontend.renderer import RenderedPrompt, SourcePrompt
+from mmis.server.frontend.request_telemetry import current_record
 from mmis.server.frontend.schemas import PromptTokensDetails, Usage, sse_chunk
 from mmis.server.frontend.schemas.sampling import SamplingRequest
 from mmis.server.frontend.serving_common import (
@@ -56,6 +57,13 @@ class ResponseFormat(Protocol):
     ) -> BaseModel: ...
 
     def usage_chunk(self, request_id: str, usage: Usage) -> BaseModel: ...
+
+
+def note_usage(prompt: int, completion: int, cached: int) -> None:
+    """Hand the request's token counts to its telemetry record (spans, token counters)."""
+    record = current_record()
+    if record is not None:
+        record.usage(prompt, completion, cached)
 
 
 def make_usage(prompt: int, completion: int, cached: int) -> Usage:
@@ -141,6 +149,7 @@ class TextGenerator:
             finish = "stop" if detok.stopped else (outs[-1].finish_reason if outs else None)
             choices.append((detok.text, finish))
         usage = make_usage(rendered.num_tokens, completion, cached)
+        note_usage(rendered.num_tokens, completion, cached)
         body = fmt.whole(request_id, choices, usage)
         return JSONResponse(body.model_dump(mode="json"))
 
@@ -172,9 +181,10 @@ class TextGenerator:
             raise failure.error() from None
         finally:
             await gen.aclose()
+        rendered = gen.rendered
+        prompt = rendered.num_tokens if rendered is not None else 0
+        completion = sum(len(d.token_ids) for d in detoks)
+        note_usage(prompt, completion, cached)
         if req.include_usage:
-            rendered = gen.rendered
-            prompt = rendered.num_tokens if rendered is not None else 0
-            completion = sum(len(d.token_ids) for d in detoks)
             yield sse_chunk(fmt.usage_chunk(request_id, make_usage(prompt, completion, cached)))
         yield SSE_DONE

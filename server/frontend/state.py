@@ -11,8 +11,13 @@ Invariants:
 - ``ready`` becomes true only after a synthetic image request went P0 -> cache -> P1 ->
   output since this process started (``/ready``); ``/health`` needs the process and a live
   engine (a ping answered recently).
-- :meth:`close` stops the engine client (failing whatever is still in flight), the media
-  loader, the executor and the SHM writer (unlinking its segment), in that order.
+- :meth:`close` stops the stats poller, the engine client (failing whatever is still in
+  flight), the media loader, the executor and the SHM writer (unlinking its segment), in
+  that order, then flushes the traces of a tracing setup it built itself.
+- Telemetry: one :class:`FrontendTelemetry` (private registry) per state; the counters feed
+  it through a :class:`MetricsSink`; P1's figures arrive through the :class:`StatsPoller`.
+  Tracing is built from ``otlp_traces_endpoint`` / ``OTEL_*`` (off and free when unset)
+  unless the caller hands one in (tests).
 """
 
 from __future__ import annotations
@@ -33,13 +38,18 @@ from mmis.server.frontend.config import FrontendConfig
 from mmis.server.frontend.counters import FrontendCounters
 from mmis.server.frontend.engine_client import EngineClient
 from mmis.server.frontend.media import MediaLoader
+from mmis.server.frontend.metrics_sink import FrontendLevels, MetricsSink
 from mmis.server.frontend.pending_invalidations import PendingInvalidations
 from mmis.server.frontend.processor import ModelProcessor
 from mmis.server.frontend.recovery import RecoveryPolicy
 from mmis.server.frontend.renderer import Renderer, SourceItem, SourcePrompt
 from mmis.server.frontend.sender_cache import SenderCache
+from mmis.server.frontend.stats_poller import StatsPoller
 from mmis.server.protocol.messages import EngineCoreRequest, SamplingParams
 from mmis.server.shm import ShmWriter
+from mmis.server.telemetry.bundle import FrontendTelemetry
+from mmis.server.telemetry.tracing import Tracing, setup_tracing
+from mmis.server.telemetry.tracing_config import TracingConfig
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +78,25 @@ class ServerSettings:
     ping_interval_s: float = 2.0
     liveness_timeout_s: float = 10.0
     graceful_shutdown_s: float = 30.0
+    # telemetry: OTLP traces (off when unset, OTEL_* env honoured), drift window, P1 polling
+    otlp_traces_endpoint: str | None = None
+    drift_window_s: float = 300.0
+    stats_interval_s: float = 1.0
 
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+
+def frontend_tracing(settings: ServerSettings) -> Tracing:
+    """P0's tracing from ``otlp_traces_endpoint`` over ``OTEL_*``; a no-op when unset."""
+    import os
+
+    config = TracingConfig.from_env(
+        otlp_traces_endpoint=settings.otlp_traces_endpoint,
+        service_name=os.environ.get("OTEL_SERVICE_NAME") or "mmis-frontend",
+    )
+    return setup_tracing(config)
 
 
 def _max_model_len(model: str) -> int:
@@ -90,6 +115,7 @@ class FrontendState:
         processor: ModelProcessor,
         *,
         max_model_len: int,
+        tracing: Tracing | None = None,
     ) -> None:
         self.settings = settings
         self.config = config
@@ -97,6 +123,12 @@ class FrontendState:
         self.max_model_len = max_model_len
         self.model_name = settings.model_name
         self.counters = FrontendCounters()
+        self.telemetry = FrontendTelemetry.create(self.model_name, settings.drift_window_s)
+        sink = MetricsSink(self.telemetry.metrics)
+        self.counters.add_sink(sink)
+        self.telemetry.metrics.attach(FrontendLevels(self, sink))
+        self._owns_tracing = tracing is None
+        self.tracing = tracing if tracing is not None else frontend_tracing(settings)
         self.shadow = SenderCache(int(settings.mm_cache_gb * GiB))
         self.pending = PendingInvalidations(self.shadow)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmis-mm-render")
@@ -127,14 +159,19 @@ class FrontendState:
             shm_writer=self.shm_writer,
             counters=self.counters,
         )
-        self.policy = RecoveryPolicy(self.renderer, self.client, self.counters)
+        self.policy = RecoveryPolicy(self.renderer, self.client, self.counters, self.tracing)
+        self.stats = StatsPoller(
+            self.client, self.telemetry.engine_stats, settings.stats_interval_s
+        )
         self.ready = False
         self.ready_event = threading.Event()  # for supervisors in other threads (tests)
         self.started_at = time.time()
         self._probe: asyncio.Task[None] | None = None
 
     @classmethod
-    async def create(cls, settings: ServerSettings, config: FrontendConfig) -> FrontendState:
+    async def create(
+        cls, settings: ServerSettings, config: FrontendConfig, tracing: Tracing | None = None
+    ) -> FrontendState:
         if settings.mm_cache_type not in ("lru", "shm"):
             raise ValueError(
                 f"mm_cache_type must be 'lru' or 'shm', got {settings.mm_cache_type!r}"
@@ -144,13 +181,14 @@ class FrontendState:
         max_len = settings.max_model_len
         if max_len is None:
             max_len = await loop.run_in_executor(None, _max_model_len, settings.model)
-        state = cls(settings, config, processor, max_model_len=max_len)
+        state = cls(settings, config, processor, max_model_len=max_len, tracing=tracing)
         try:
             await state.client.start(timeout=settings.engine_timeout_s)
         except BaseException:
             await state.close()
             raise
         state.pending.observe_epoch(state.client.cache_epoch)
+        state.stats.start()
         state._probe = loop.create_task(state._readiness_probe(), name="mmis-ready-probe")
         return state
 
@@ -215,6 +253,7 @@ class FrontendState:
         return self.client.alive
 
     async def close(self) -> None:
+        await self.stats.close()
         if self._probe is not None:
             self._probe.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -224,3 +263,5 @@ class FrontendState:
         self.executor.shutdown(wait=True, cancel_futures=True)
         if self.shm_writer is not None:
             self.shm_writer.close()
+        if self._owns_tracing:
+            self.tracing.shutdown()  # flushes the batch exporter

@@ -77,6 +77,22 @@ class Tracing:
             name, context=context, kind=kind, attributes=attributes
         )
 
+    def start(
+        self,
+        name: str,
+        *,
+        context: Context | None = None,
+        kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+        attributes: Mapping[str, AttributeValue] | None = None,
+        start_time: int | None = None,
+    ) -> trace.Span:
+        """Start a span that is NOT made current (the caller ends it); off: the invalid span."""
+        if self.provider is None:
+            return trace.INVALID_SPAN
+        return self.tracer.start_span(
+            name, context=context, kind=kind, attributes=attributes, start_time=start_time
+        )
+
     def force_flush(self, timeout_ms: int = 5000) -> bool:
         return True if self.provider is None else self.provider.force_flush(timeout_ms)
 

@@ -41,6 +41,7 @@ from mmis.server.protocol.messages import (
     RequestError,
 )
 from mmis.server.shm import ShmReaderSet
+from mmis.server.telemetry.tracing import Tracing
 
 VOCAB_LOW, VOCAB_HIGH = 262, 448  # tokens of the tiny LLaVA tokenizer that decode to ASCII
 
@@ -256,10 +257,17 @@ class RunningFrontend:
     The state is reachable (``.state``) for leak checks; ``base_url`` is the OpenAI base URL.
     """
 
-    def __init__(self, settings: ServerSettings, config: FrontendConfig | None = None) -> None:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        config: FrontendConfig | None = None,
+        tracing: Tracing | None = None,
+    ) -> None:
         self._state_ready = threading.Event()
         self.state: FrontendState | None = None
-        app = create_app(settings, config or FrontendConfig(), on_state=self._on_state)
+        app = create_app(
+            settings, config or FrontendConfig(), on_state=self._on_state, tracing=tracing
+        )
         self._sock = socket.socket()
         self._sock.bind(("127.0.0.1", 0))
         self._sock.listen(128)

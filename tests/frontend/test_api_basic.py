@@ -120,7 +120,7 @@ def test_models_probes_metrics_and_api_key(
     with httpx.Client(timeout=10) as http:
         assert http.get(f"{root}/health").status_code == 200
         assert http.get(f"{root}/ready").status_code == 200
-        assert "mmis_frontend_shadow_hits_total" in http.get(f"{root}/metrics").text
+        assert "mmis_shadow_hits_total{" in http.get(f"{root}/metrics").text
         denied = http.get(f"{root}/v1/models")
         assert denied.status_code == 401
         assert denied.json()["error"]["code"] == "invalid_api_key"

@@ -1,0 +1,80 @@
+"""P1's request spans from step timestamps (in-memory exporter, no engine)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from mmis.server.telemetry import genai
+from mmis.server.telemetry.request_spans import RequestSpans
+from mmis.server.telemetry.tracing import Tracing, inject, setup_tracing
+from mmis.server.telemetry.tracing_config import TracingConfig
+
+
+@dataclasses.dataclass
+class Scheduled:
+    request_id: str
+    encoder_inputs: list[int]
+
+
+@dataclasses.dataclass
+class Event:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: object = None
+    num_prompt_tokens: int = 10
+    num_cached_tokens: int = 4
+
+
+def _setup() -> tuple[Tracing, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    return setup_tracing(TracingConfig(), exporter=exporter), exporter
+
+
+def test_a_finished_request_emits_its_phases_under_p0s_context() -> None:
+    p0, p0_spans = _setup()
+    p1, p1_spans = _setup()
+    with p0.span("engine") as parent:
+        carrier = inject()
+    spans = RequestSpans(p1)
+    spans.admit("r", carrier, now_ns=1_000)
+    spans.on_step([Scheduled("r", [0])], [Event("r", [5])], 2_000, 3_000)  # prefill + encoder
+    spans.on_step([Scheduled("r", [])], [Event("r", [6])], 4_000, 5_000)
+    assert p1_spans.get_finished_spans() == ()  # nothing until it finishes
+    spans.on_step([Scheduled("r", [])], [Event("r", [7], finish_reason="length")], 6_000, 7_000)
+    assert len(spans) == 0
+
+    by_name = {s.name: s for s in p1_spans.get_finished_spans()}
+    core = by_name["engine_core"]
+    assert core.parent is not None and core.parent.span_id == parent.get_span_context().span_id
+    assert (core.start_time, core.end_time) == (1_000, 7_000)
+    attrs = dict(core.attributes or {})
+    assert attrs[genai.USAGE_OUTPUT_TOKENS] == 3 and attrs[genai.USAGE_INPUT_TOKENS] == 10
+    assert attrs[genai.USAGE_CACHE_READ_INPUT_TOKENS] == 4
+    assert attrs["mmis.finish_reason"] == "length"
+    windows = {
+        n: (by_name[n].start_time, by_name[n].end_time) for n in by_name if n != "engine_core"
+    }
+    assert windows == {
+        "queue": (1_000, 2_000),
+        "prefill": (2_000, 3_000),
+        "decode": (3_000, 7_000),
+        "encoder": (2_000, 3_000),
+    }
+    for name in windows:
+        assert by_name[name].parent.span_id == core.context.span_id  # type: ignore[union-attr]
+    assert p0_spans.get_finished_spans()[0].context.trace_id == core.context.trace_id
+
+
+def test_aborted_requests_are_forgotten_and_tracking_is_bounded() -> None:
+    p1, exported = _setup()
+    spans = RequestSpans(p1, max_tracked=2)
+    for rid in ("a", "b", "c"):
+        spans.admit(rid, {})
+    assert len(spans) == 2  # "a", the oldest, was dropped
+    spans.forget(["b"])
+    spans.on_step([], [Event("a", [1], "stop"), Event("b", [1], "stop")], 1, 2)
+    assert exported.get_finished_spans() == ()  # neither is tracked any more
+    spans.on_step([Scheduled("c", [])], [Event("c", [1], "stop")], 3, 4)
+    assert "engine_core" in {s.name for s in exported.get_finished_spans()}
