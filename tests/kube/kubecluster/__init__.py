@@ -1,0 +1,19 @@
+"""A real Kubernetes control plane for tests, without Docker (see ``cluster.Cluster``).
+
+Stdlib-only apart from ``Cluster.api_client`` (needs the ``kubernetes`` package); it does
+not import mmis, so ``scripts/controlplane`` can run it with any Python >= 3.11.
+"""
+
+from .cluster import GPUS_PER_NODE, Cluster, KubectlError
+from .process import ComponentError
+from .tools import Tools, ToolsMissing, find_tools
+
+__all__ = [
+    "GPUS_PER_NODE",
+    "Cluster",
+    "ComponentError",
+    "KubectlError",
+    "Tools",
+    "ToolsMissing",
+    "find_tools",
+]
