@@ -1,0 +1,230 @@
+"""Operator speed on the real control plane (kwok runs the pods), as ratios to a baseline.
+
+Measures, in one run and one namespace:
+1. reconcile latency: MMInferenceService created -> its Deployment seen by a watch, p50/p99
+   over N resources created one after another; the baseline is the same create -> watch
+   latency for a plain Deployment (no operator in the path).
+2. time for M resources created at once to all reach Ready=True; the baseline is M plain
+   Deployments created at once reaching readyReplicas=1 (kwok, no operator).
+
+Usage:
+  .venv/bin/python benchmarks/bench_operator.py [--kubeconfig PATH] [-n 50] [-m 100]
+Without --kubeconfig it starts the test control plane (tests/kube/kubecluster, needs
+scripts/gotools). Prints one JSON document; --out writes it to a file too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes.client
+import kubernetes.watch
+import yaml
+
+from mmis.operator import resource as r
+from mmis.operator.kube import APPLY, Kube, object_path, service_path
+from mmis.operator.runner import OperatorThread
+from mmis.operator.settings import Options
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _service(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": r.API_VERSION,
+        "kind": r.KIND,
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"id": "bench/model"},
+            "replicas": 1,
+            "resources": {"gpus": 0, "memory": "1Gi", "cpu": "10m", "frontendMemory": "64Mi",
+                          "frontendCpu": "10m"},
+            "cache": {"size": "128Mi"},
+        },
+    }  # fmt: skip
+
+
+def _deployment(name: str) -> dict[str, Any]:
+    labels = {"app": name}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {"containers": [{"name": "c", "image": "bench.invalid/x:1"}]},
+            },
+        },
+    }
+
+
+class Seen:
+    """Times at which a watch first saw objects satisfy a predicate (name -> monotonic)."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+        self.cond = threading.Condition()
+
+    def mark(self, name: str) -> None:
+        with self.cond:
+            self.times.setdefault(name, time.monotonic())
+            self.cond.notify_all()
+
+    def wait(self, names: set[str], timeout: float) -> None:
+        with self.cond:
+            if not self.cond.wait_for(lambda: names <= self.times.keys(), timeout):
+                missing = sorted(names - self.times.keys())[:5]
+                raise TimeoutError(f"not seen within {timeout}s: {missing}")
+
+
+@contextlib.contextmanager
+def watching(list_fn: Callable[..., Any], predicate: Callable[[dict[str, Any]], bool],
+             **kwargs: Any) -> Iterator[Seen]:  # fmt: skip
+    seen, stop = Seen(), threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            watch = kubernetes.watch.Watch()
+            for event in watch.stream(list_fn, timeout_seconds=5, **kwargs):
+                obj = event["object"]
+                if not isinstance(obj, dict):
+                    obj = kubernetes.client.ApiClient().sanitize_for_serialization(obj)
+                if predicate(obj):
+                    seen.mark(obj["metadata"]["name"])
+                if stop.is_set():
+                    watch.stop()
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        thread.join(15)
+
+
+def _ready(obj: dict[str, Any]) -> bool:
+    return any(
+        c.get("type") == r.READY and c.get("status") == "True"
+        for c in (obj.get("status") or {}).get("conditions") or ()
+    )
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _install_crd(kube: Kube) -> None:
+    crd = yaml.safe_load((ROOT / "crds" / "mminferenceservice.yaml").read_text())
+    path = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd['metadata']['name']}"
+    query = {"fieldManager": "bench", "force": "true"}
+    kube.request("PATCH", path, crd, query, APPLY)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # not measured: wait for the CRD to be served
+        got = kube.get(path) or {}
+        conds = (got.get("status") or {}).get("conditions") or []
+        if any(c["type"] == "Established" and c["status"] == "True" for c in conds):
+            return
+        time.sleep(0.2)
+    raise TimeoutError("the CRD was not established within 60s")
+
+
+def run(kubeconfig: Path, n: int, m: int) -> dict[str, Any]:
+    kube = Kube.from_kubeconfig(kubeconfig)
+    apps = kubernetes.client.AppsV1Api(kube.api)
+    custom = kubernetes.client.CustomObjectsApi(kube.api)
+    ns = f"bench-{uuid.uuid4().hex[:8]}"
+    kube.request("POST", "/api/v1/namespaces", {"metadata": {"name": ns}})
+    _install_crd(kube)
+    deps = object_path("apps/v1", "Deployment", ns)
+    result: dict[str, Any] = {"n": n, "m": m}
+    try:
+        with watching(apps.list_namespaced_deployment, lambda o: True, namespace=ns) as seen:
+            base = []
+            for i in range(n):
+                name = f"plain-{i}"
+                start = time.monotonic()
+                kube.request("POST", deps, _deployment(name))
+                seen.wait({name}, 30)
+                base.append(seen.times[name] - start)
+        options = Options(namespaces=(ns,), resync_seconds=3600.0)
+        with (
+            OperatorThread(kubeconfig, options),
+            watching(apps.list_namespaced_deployment, lambda o: True, namespace=ns) as seen,
+        ):
+            lat = []
+            for i in range(n):
+                name = f"svc-{i}"
+                start = time.monotonic()
+                kube.request("POST", service_path(ns), _service(name))
+                seen.wait({name}, 60)
+                lat.append(seen.times[name] - start)
+            result["reconcile_p50_s"] = _pct(lat, 0.5)
+            result["reconcile_p99_s"] = _pct(lat, 0.99)
+            result["baseline_create_p50_s"] = _pct(base, 0.5)
+            result["reconcile_p50_ratio"] = (
+                result["reconcile_p50_s"] / result["baseline_create_p50_s"]
+            )
+
+            ready_ns = lambda o: (o.get("status") or {}).get("readyReplicas") == 1  # noqa: E731
+            with watching(apps.list_namespaced_deployment, ready_ns, namespace=ns) as ready:
+                start = time.monotonic()
+                names = {f"bulk-plain-{i}" for i in range(m)}
+                for name in names:
+                    kube.request("POST", deps, _deployment(name))
+                ready.wait(names, 600)
+                result["baseline_m_ready_s"] = max(ready.times[x] for x in names) - start
+            with watching(custom.list_namespaced_custom_object, _ready, group=r.GROUP,
+                          version=r.VERSION, namespace=ns, plural=r.PLURAL) as ready:  # fmt: skip
+                start = time.monotonic()
+                names = {f"bulk-{i}" for i in range(m)}
+                for name in names:
+                    kube.request("POST", service_path(ns), _service(name))
+                ready.wait(names, 900)
+                result["m_ready_s"] = max(ready.times[x] for x in names) - start
+            result["m_ready_ratio"] = result["m_ready_s"] / result["baseline_m_ready_s"]
+            result["reconcile_mean_s"] = statistics.fmean(lat)
+    finally:
+        kube.delete(f"/api/v1/namespaces/{ns}")
+        kube.close()
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kubeconfig", type=Path)
+    parser.add_argument("-n", type=int, default=50, help="resources for the latency percentiles")
+    parser.add_argument("-m", type=int, default=100, help="resources created at once")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if args.kubeconfig:
+        result = run(args.kubeconfig, args.n, args.m)
+    else:
+        sys.path.insert(0, str(ROOT / "tests" / "kube"))
+        from kubecluster import Cluster, find_tools
+
+        with Cluster(find_tools(build=False)) as cluster:
+            result = run(cluster.kubeconfig, args.n, args.m)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

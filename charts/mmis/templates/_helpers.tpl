@@ -1,0 +1,66 @@
+{{/* Names, labels and the operator's RBAC rules (one place for ClusterRole and Role). */}}
+
+{{- define "mmis.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "mmis.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else if contains (include "mmis.name" .) .Release.Name -}}
+{{- printf "%s-operator" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s-operator" .Release.Name (include "mmis.name" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "mmis.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "mmis.name" . }}-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "mmis.labels" -}}
+{{ include "mmis.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: mmis
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "mmis.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "mmis.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* What the operator touches inside a watched namespace. */}}
+{{- define "mmis.namespacedRules" -}}
+- apiGroups: [mmis.dev]
+  resources: [mminferenceservices]
+  verbs: [get, list, watch, patch]
+- apiGroups: [mmis.dev]
+  resources: [mminferenceservices/status]
+  verbs: [get, update, patch]
+- apiGroups: [mmis.dev]
+  resources: [mminferenceservices/finalizers]
+  verbs: [update]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [get, create, patch, delete]
+- apiGroups: [networking.k8s.io]
+  resources: [ingresses]
+  verbs: [get, create, patch, delete]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- if .Values.peering.enabled }}
+- apiGroups: [kopf.dev]
+  resources: [kopfpeerings]
+  verbs: [get, list, watch, patch]
+{{- end }}
+{{- end -}}

@@ -1,0 +1,185 @@
+"""The Helm chart against the real control plane: lint, render, dry-run, install, RBAC."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubecluster import Cluster
+
+from mmis.operator.runner import OperatorThread
+from mmis.operator.settings import Options
+
+pytestmark = pytest.mark.controlplane
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "mmis"
+VALUE_SETS = {
+    "defaults": [],
+    "peering": ["--set", "peering.enabled=true", "--set", "operator.replicas=2"],
+    "namespaced": ["--set", "operator.watchNamespaces={team-a,team-b}"],
+}
+SAMPLE: dict[str, Any] = {
+    "apiVersion": "mmis.dev/v1alpha1",
+    "kind": "MMInferenceService",
+    "metadata": {"name": "rbac-check"},
+    "spec": {
+        "model": {"id": "llava-hf/llava-1.5-7b-hf"},
+        "resources": {"gpus": 1, "memory": "8Gi", "cpu": "1", "frontendCpu": "500m"},
+        "cache": {"size": "1Gi"},
+    },
+}
+
+
+def _helm(cluster: Cluster, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [str(cluster.bin("helm")), *args],
+        capture_output=True, text=True, env=cluster.env, timeout=300,
+    )  # fmt: skip
+    if check and proc.returncode != 0:
+        pytest.fail(f"helm {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def _established(cluster: Cluster, crd: str) -> None:
+    # `kubectl wait` fails at once while .status.conditions is still null: retry that case
+    for _ in range(30):
+        proc = cluster.kubectl(
+            "wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s", check=False
+        )
+        if proc.returncode == 0:
+            return
+        if "accessor error" not in proc.stderr:
+            break
+    pytest.fail(f"CRD {crd} not established: {proc.stderr}")
+
+
+@pytest.fixture(scope="module")
+def chart_crds(cluster: Cluster) -> None:
+    cluster.kubectl("apply", "--server-side", "-f", str(CHART / "crds"))
+    for crd in ("mminferenceservices.mmis.dev", "clusterkopfpeerings.kopf.dev"):
+        _established(cluster, crd)
+
+
+@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
+def test_helm_lint_and_template(cluster: Cluster, values: list[str]) -> None:
+    _helm(cluster, "lint", "--strict", str(CHART), *values)
+    out = _helm(cluster, "template", "rel", str(CHART), *values).stdout
+    kinds = {doc["kind"] for doc in yaml.safe_load_all(out) if doc}
+    assert {"Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding"} <= kinds
+
+
+def test_chart_refuses_inconsistent_values(cluster: Cluster) -> None:
+    unpeered = _helm(
+        cluster, "template", "rel", str(CHART), "--set", "operator.replicas=2", check=False
+    )
+    assert unpeered.returncode != 0
+    assert "needs peering.enabled=true" in unpeered.stderr
+    typo = _helm(cluster, "template", "rel", str(CHART), "--set", "operator.replica=1", check=False)
+    assert typo.returncode != 0
+    assert "replica" in typo.stderr
+    negative = _helm(
+        cluster, "template", "rel", str(CHART), "--set", "operator.replicas=-1", check=False
+    )
+    assert negative.returncode != 0
+
+
+def test_template_includes_the_crd_unchanged(cluster: Cluster) -> None:
+    out = _helm(cluster, "template", "rel", str(CHART), "--include-crds").stdout
+    docs = [doc for doc in yaml.safe_load_all(out) if doc]
+    (crd,) = [d for d in docs if d["metadata"]["name"] == "mminferenceservices.mmis.dev"]
+    assert crd == yaml.safe_load((ROOT / "crds" / "mminferenceservice.yaml").read_text())
+
+
+@pytest.mark.parametrize("kind", VALUE_SETS)
+def test_server_side_dry_run_accepts_every_rendered_manifest(
+    cluster: Cluster, chart_crds: None, namespace: str, kind: str
+) -> None:
+    values = VALUE_SETS[kind]
+    if kind == "namespaced":  # the Roles go into namespaces that must exist for a dry run
+        values = ["--set", f"operator.watchNamespaces={{{namespace}}}"]
+    rendered = _helm(
+        cluster, "template", f"dry-{namespace}", str(CHART), "--namespace", namespace, *values
+    ).stdout
+    docs = [doc for doc in yaml.safe_load_all(rendered) if doc]
+    assert docs
+    proc = cluster.kubectl(
+        "apply", "--dry-run=server", "-n", namespace, "-f", "-", input=rendered, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("(server dry run)") == len(docs)
+
+
+@pytest.fixture
+def release(cluster: Cluster, chart_crds: None, namespace: str) -> Iterator[str]:
+    name = f"r{namespace[2:]}"
+    _helm(
+        cluster, "install", name, str(CHART), "--namespace", namespace, "--wait",
+        "--timeout", "120s", "--set", f"operator.watchNamespaces={{{namespace}}}",
+    )  # fmt: skip
+    yield name
+    _helm(cluster, "uninstall", name, "--namespace", namespace, "--wait", check=False)
+
+
+def test_helm_install_brings_up_the_operator(
+    cluster: Cluster, namespace: str, release: str
+) -> None:
+    deployment = f"deployment/{release}-mmis-operator"
+    status = json.loads(cluster.kubectl("get", "-n", namespace, deployment, "-o", "json").stdout)
+    assert status["status"]["availableReplicas"] == 1
+    container = status["spec"]["template"]["spec"]["containers"][0]
+    assert f"--namespace={namespace}" in container["args"]
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    cluster.kubectl("get", "crd", "mminferenceservices.mmis.dev")
+
+
+def _can(cluster: Cluster, kubeconfig: Path, *args: str) -> bool:
+    proc = cluster.kubectl("auth", "can-i", *args, kubeconfig=kubeconfig, check=False)
+    return proc.stdout.strip() == "yes"
+
+
+def test_operator_works_with_the_chart_service_account_and_nothing_more(
+    cluster: Cluster, namespace: str, release: str
+) -> None:
+    kubeconfig = cluster.kubeconfig_for_serviceaccount(namespace, f"{release}-mmis-operator")
+    options = Options(namespaces=(namespace,), resync_seconds=600.0)
+    with OperatorThread(kubeconfig, options) as running:
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(SAMPLE))
+        proc = cluster.kubectl(
+            "wait", "-n", namespace, "mmis/rbac-check", "--for=condition=Ready", "--timeout=90s",
+            check=False,
+        )  # fmt: skip
+        assert proc.returncode == 0, cluster.kubectl(
+            "get", "-n", namespace, "mmis/rbac-check", "-o", "yaml", check=False
+        ).stdout
+        cluster.kubectl("delete", "-n", namespace, "mmis/rbac-check", "--timeout=60s")
+    assert running.error is None
+    # a forbidden action is refused for real, not just absent from a list
+    secrets = cluster.kubectl("get", "secrets", "-n", namespace, kubeconfig=kubeconfig, check=False)
+    assert secrets.returncode != 0 and "forbidden" in secrets.stderr.lower()
+    assert _can(cluster, kubeconfig, "patch", "deployments", "-n", namespace)
+    assert not _can(cluster, kubeconfig, "create", "pods", "-n", namespace)
+    assert not _can(cluster, kubeconfig, "delete", "nodes")
+    assert not _can(cluster, kubeconfig, "create", "deployments", "-n", "default")
+
+
+def test_clusterwide_rbac_grants_only_the_operator_verbs(cluster: Cluster, chart_crds: None,
+                                                         namespace: str) -> None:  # fmt: skip
+    name = f"c{namespace[2:]}"
+    _helm(cluster, "install", name, str(CHART), "--namespace", namespace)
+    try:
+        kubeconfig = cluster.kubeconfig_for_serviceaccount(namespace, f"{name}-mmis-operator")
+        assert _can(cluster, kubeconfig, "watch", "namespaces")
+        assert _can(cluster, kubeconfig, "patch", "mminferenceservices.mmis.dev", "-n", "default")
+        status = ["mminferenceservices.mmis.dev", "--subresource=status", "-A"]
+        assert _can(cluster, kubeconfig, "update", *status)
+        assert not _can(cluster, kubeconfig, "get", "secrets", "-A")
+        assert not _can(cluster, kubeconfig, "create", "pods", "-A")
+        assert not _can(cluster, kubeconfig, "update", "deployments", "-A")
+    finally:
+        _helm(cluster, "uninstall", name, "--namespace", namespace, check=False)

@@ -1,0 +1,264 @@
+"""The operator against the real control plane (kwok runs the pods; their IPs are fake).
+
+The operator runs in-process (``OperatorThread``: kopf's runner in a thread with a stop flag),
+watching only the test's namespace. Waiting is done with ``kubectl wait`` (watch-based).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubecluster import Cluster
+
+from mmis.operator.runner import OperatorThread
+from mmis.operator.settings import Options
+
+pytestmark = pytest.mark.controlplane
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD = ROOT / "crds" / "mminferenceservice.yaml"
+WAIT = "--timeout=180s"
+SAMPLE: dict[str, Any] = {
+    "apiVersion": "mmis.dev/v1alpha1",
+    "kind": "MMInferenceService",
+    "metadata": {"name": "llava"},
+    "spec": {
+        "model": {"id": "llava-hf/llava-1.5-7b-hf"},
+        "replicas": 1,
+        "resources": {"gpus": 2, "memory": "8Gi", "cpu": "1", "frontendCpu": "500m"},
+        "cache": {"type": "shm", "size": "2Gi", "shmSize": "3Gi"},
+        "probes": {"startupTimeoutSeconds": 600, "drainSeconds": 5},
+    },
+}
+
+
+def _established(cluster: Cluster, crd: str) -> None:
+    # `kubectl wait` fails at once while .status.conditions is still null: retry that case
+    for _ in range(30):
+        proc = cluster.kubectl(
+            "wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s", check=False
+        )
+        if proc.returncode == 0:
+            return
+        if "accessor error" not in proc.stderr:
+            break
+    pytest.fail(f"CRD {crd} not established: {proc.stderr}")
+
+
+@pytest.fixture(scope="module")
+def crd(cluster: Cluster) -> None:
+    cluster.kubectl("apply", "--server-side", "-f", str(CRD))
+    _established(cluster, "mminferenceservices.mmis.dev")
+
+
+def _options(namespace: str) -> Options:
+    return Options(
+        namespaces=(namespace,),
+        resync_seconds=600.0,
+        watch_server_timeout=20,
+        watch_client_timeout=30.0,
+        request_timeout=30.0,
+    )
+
+
+@pytest.fixture
+def operator(cluster: Cluster, crd: None, namespace: str) -> Iterator[OperatorThread]:
+    with OperatorThread(cluster.kubeconfig, _options(namespace)) as running:
+        yield running
+    assert running.error is None, f"the operator died: {running.error!r}"
+
+
+def _apply(cluster: Cluster, namespace: str, obj: dict[str, Any]) -> None:
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(obj))
+
+
+def _get(cluster: Cluster, namespace: str, *what: str) -> dict[str, Any]:
+    return json.loads(cluster.kubectl("get", "-n", namespace, *what, "-o", "json").stdout)
+
+
+def _wait(cluster: Cluster, namespace: str, *args: str) -> None:
+    for _ in range(30):  # `kubectl wait` fails at once while .status is still null: retry that
+        proc = cluster.kubectl("wait", "-n", namespace, *args, WAIT, check=False, timeout=200)
+        if proc.returncode == 0 or "accessor error" not in proc.stderr:
+            break
+    if proc.returncode != 0:
+        state = cluster.kubectl(
+            "get", "-n", namespace, "mmis,deploy,pods", "-o", "yaml", check=False
+        )
+        pytest.fail(f"kubectl wait {' '.join(args)} failed: {proc.stderr}\n{state.stdout[-6000:]}")
+
+
+def _condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:
+    (found,) = [c for c in obj["status"]["conditions"] if c["type"] == kind]
+    return found
+
+
+def _events(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
+    items = _get(cluster, namespace, "events", f"--field-selector=involvedObject.name={name}")
+    return [e for e in items["items"] if e["involvedObject"]["kind"] == "MMInferenceService"]
+
+
+def test_resource_becomes_a_ready_deployment_and_service(
+    cluster: Cluster, namespace: str, operator: OperatorThread
+) -> None:
+    _apply(cluster, namespace, SAMPLE)
+    _wait(cluster, namespace, "mmis/llava", "--for=condition=Ready")
+    dep = _get(cluster, namespace, "deployment/llava")
+    pod_spec = dep["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in pod_spec["containers"]}
+    assert set(containers) == {"frontend", "engine"}
+    assert containers["engine"]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    (shm,) = [v for v in pod_spec["volumes"] if v["name"] == "dshm"]
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "3584Mi"}
+    assert containers["frontend"]["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert containers["frontend"]["startupProbe"]["failureThreshold"] == 60
+    svc = _get(cluster, namespace, "service/llava")
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    owner = _get(cluster, namespace, "mmis/llava")
+    for child in (dep, svc):
+        assert child["metadata"]["ownerReferences"][0]["uid"] == owner["metadata"]["uid"]
+    pods = _get(cluster, namespace, "pods", "-l", owner["status"]["selector"])["items"]
+    assert [p["status"]["phase"] for p in pods] == ["Running"]
+    status = owner["status"]
+    assert status["observedGeneration"] == owner["metadata"]["generation"]
+    assert status["readyReplicas"] == 1
+    assert status["endpoint"] == f"http://llava.{namespace}.svc:8000/v1"
+    assert _condition(owner, "Degraded")["status"] == "False"
+    assert owner["metadata"]["finalizers"] == ["mmis.dev/finalizer"]
+    assert any(k.startswith("mmis.dev/") for k in owner["metadata"]["annotations"])
+    reasons = {e["reason"] for e in _events(cluster, namespace, "llava")}
+    assert "AllReplicasReady" in reasons
+
+
+def test_spec_change_rolls_out_and_observed_generation_follows(
+    cluster: Cluster, namespace: str, operator: OperatorThread
+) -> None:
+    _apply(cluster, namespace, SAMPLE)
+    _wait(cluster, namespace, "mmis/llava", "--for=condition=Ready")
+    before = _get(cluster, namespace, "deployment/llava")
+    changed = copy.deepcopy(SAMPLE)
+    changed["spec"]["cache"]["size"] = "3Gi"
+    _apply(cluster, namespace, changed)
+    generation = _get(cluster, namespace, "mmis/llava")["metadata"]["generation"]
+    assert generation == 2
+    _wait(cluster, namespace, "mmis/llava", "--for=jsonpath={.status.observedGeneration}=2")
+    _wait(cluster, namespace, "mmis/llava", "--for=condition=Progressing=False")
+    _wait(cluster, namespace, "mmis/llava", "--for=condition=Ready")
+    after = _get(cluster, namespace, "deployment/llava")
+    assert after["metadata"]["generation"] > before["metadata"]["generation"]
+    args = {c["name"]: c["args"] for c in after["spec"]["template"]["spec"]["containers"]}
+    assert args["frontend"][args["frontend"].index("--mm-cache-gb") + 1] == "3"
+
+
+def test_scale_subresource(cluster: Cluster, namespace: str, operator: OperatorThread) -> None:
+    _apply(cluster, namespace, SAMPLE)
+    _wait(cluster, namespace, "mmis/llava", "--for=condition=Ready")
+    cluster.kubectl("scale", "-n", namespace, "mmis/llava", "--replicas=3")
+    _wait(cluster, namespace, "deployment/llava", "--for=jsonpath={.spec.replicas}=3")
+    _wait(cluster, namespace, "mmis/llava", "--for=jsonpath={.status.readyReplicas}=3")
+    scale = _get(cluster, namespace, "mmis/llava", "--subresource=scale")
+    assert scale["spec"]["replicas"] == 3
+    assert scale["status"]["replicas"] == 3
+    assert "mmis.dev/service=llava" in scale["status"]["selector"]
+
+
+def test_deletion_removes_children(
+    cluster: Cluster, namespace: str, operator: OperatorThread
+) -> None:
+    _apply(cluster, namespace, SAMPLE)
+    _wait(cluster, namespace, "mmis/llava", "--for=condition=Ready")
+    cluster.kubectl("delete", "-n", namespace, "mmis/llava", "--wait=false")
+    _wait(cluster, namespace, "mmis/llava", "--for=delete")
+    gone = cluster.kubectl("get", "-n", namespace, "deployment/llava", "service/llava", check=False)
+    assert "NotFound" in gone.stderr and gone.stdout.strip() == ""
+
+
+def test_invalid_spec_is_reported_not_retried_and_a_fix_recovers(
+    cluster: Cluster, namespace: str, operator: OperatorThread
+) -> None:
+    bad = copy.deepcopy(SAMPLE)
+    bad["spec"]["resources"]["memory"] = "1Gi"  # the 2Gi engine cache cannot fit: no CEL rule
+    _apply(cluster, namespace, bad)
+    _wait(cluster, namespace, "mmis/llava", "--for=condition=Degraded")
+    obj = _get(cluster, namespace, "mmis/llava")
+    degraded = _condition(obj, "Degraded")
+    assert degraded["reason"] == "InvalidSpec"
+    assert "raise resources.memory" in degraded["message"]
+    assert (
+        "NotFound"
+        in cluster.kubectl("get", "-n", namespace, "deployment/llava", check=False).stderr
+    )
+    warnings = [e for e in _events(cluster, namespace, "llava") if e["type"] == "Warning"]
+    assert any(e["reason"] == "InvalidSpec" for e in warnings)
+    _apply(cluster, namespace, SAMPLE)  # the fix
+    _wait(cluster, namespace, "mmis/llava", "--for=condition=Ready")
+    _wait(cluster, namespace, "mmis/llava", "--for=condition=Degraded=False")
+    assert operator.error is None
+
+
+def test_foreign_conditions_survive_reconciles(
+    cluster: Cluster, namespace: str, operator: OperatorThread
+) -> None:
+    _apply(cluster, namespace, SAMPLE)
+    _wait(cluster, namespace, "mmis/llava", "--for=condition=Ready")
+    obj = _get(cluster, namespace, "mmis/llava")
+    obj["status"]["conditions"].append(
+        {"type": "CacheCoherent", "status": "True", "reason": "LowDrift", "message": "0.1%",
+         "lastTransitionTime": "2026-01-01T00:00:00Z"}
+    )  # fmt: skip
+    cluster.kubectl(
+        "replace", "--subresource=status", "-n", namespace, "-f", "-", input=json.dumps(obj)
+    )
+    cluster.kubectl("scale", "-n", namespace, "mmis/llava", "--replicas=2")
+    _wait(cluster, namespace, "mmis/llava", "--for=jsonpath={.status.readyReplicas}=2")
+    after = _get(cluster, namespace, "mmis/llava")
+    assert _condition(after, "CacheCoherent")["reason"] == "LowDrift"
+
+
+def test_deleted_deployment_is_recreated(
+    cluster: Cluster, namespace: str, operator: OperatorThread
+) -> None:
+    _apply(cluster, namespace, SAMPLE)
+    _wait(cluster, namespace, "mmis/llava", "--for=condition=Ready")
+    uid = _get(cluster, namespace, "deployment/llava")["metadata"]["uid"]
+    cluster.kubectl("delete", "-n", namespace, "deployment/llava", "--wait=true")
+    _wait(cluster, namespace, "deployment/llava", "--for=create")
+    assert _get(cluster, namespace, "deployment/llava")["metadata"]["uid"] != uid
+    _wait(cluster, namespace, "mmis/llava", "--for=condition=Ready")
+
+
+def test_apiserver_restart_does_not_wedge_the_operator(
+    cluster: Cluster, namespace: str, operator: OperatorThread
+) -> None:
+    _apply(cluster, namespace, SAMPLE)
+    _wait(cluster, namespace, "mmis/llava", "--for=condition=Ready")
+    cluster.restart_apiserver()
+    second = copy.deepcopy(SAMPLE)
+    second["metadata"]["name"] = "after-restart"
+    _apply(cluster, namespace, second)
+    _wait(cluster, namespace, "mmis/after-restart", "--for=condition=Ready")
+    cluster.kubectl("scale", "-n", namespace, "mmis/llava", "--replicas=2")
+    _wait(cluster, namespace, "mmis/llava", "--for=jsonpath={.status.readyReplicas}=2")
+    assert operator.error is None
+
+
+def test_mmis_operator_command_runs_and_stops_cleanly(
+    cluster: Cluster, crd: None, namespace: str
+) -> None:
+    cmd = [sys.executable, "-m", "mmis", "operator", f"--kubeconfig={cluster.kubeconfig}",
+           f"--namespace={namespace}"]  # fmt: skip
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        try:
+            _apply(cluster, namespace, SAMPLE)
+            _wait(cluster, namespace, "mmis/llava", "--for=condition=Ready")
+        finally:
+            proc.terminate()
+            out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out[-4000:]

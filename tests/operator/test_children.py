@@ -1,0 +1,193 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from mmis.operator import children, pod
+from mmis.operator import resource as r
+from mmis.operator.spec import parse_spec
+
+
+def _containers(dep: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in dep["spec"]["template"]["spec"]["containers"]}
+
+
+def _args(container: dict[str, Any], flag: str) -> str:
+    args = container["args"]
+    return args[args.index(flag) + 1]
+
+
+def test_deployment_has_frontend_and_engine_sharing_shm(sample: dict[str, Any]) -> None:
+    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    pods = dep["spec"]["template"]["spec"]
+    by_name = _containers(dep)
+    assert set(by_name) == {r.FRONTEND, r.ENGINE}
+    (shm,) = [v for v in pods["volumes"] if v["name"] == r.SHM_VOLUME]
+    assert shm["emptyDir"]["medium"] == "Memory"
+    # shmSize 6Gi + 10% headroom (615Mi, rounded up to whole MiB)
+    assert shm["emptyDir"]["sizeLimit"] == "6759Mi"
+    for container in by_name.values():
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        assert mounts[r.SHM_MOUNT] == r.SHM_VOLUME
+    assert by_name[r.FRONTEND]["args"][0] == "frontend"
+    assert by_name[r.ENGINE]["args"][0] == "engine"
+
+
+def test_frontend_memory_counts_the_shm_volume(sample: dict[str, Any]) -> None:
+    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    front = _containers(dep)[r.FRONTEND]["resources"]
+    # frontendMemory 4Gi + the 6759Mi volume
+    assert front["limits"]["memory"] == "10855Mi"
+    assert front["requests"]["memory"] == front["limits"]["memory"]
+    assert r.GPU_RESOURCE not in front["limits"]
+
+
+def test_gpu_limits_only_on_engine(sample: dict[str, Any]) -> None:
+    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    engine = _containers(dep)[r.ENGINE]["resources"]
+    assert engine["limits"][r.GPU_RESOURCE] == "2"
+    assert engine["limits"]["memory"] == "32Gi"
+    sample["spec"]["resources"]["gpus"] = 0
+    cpu_only = children.deployment(sample, parse_spec(sample["spec"]))
+    assert r.GPU_RESOURCE not in _containers(cpu_only)[r.ENGINE]["resources"]["limits"]
+    assert "tolerations" not in cpu_only["spec"]["template"]["spec"]
+
+
+def test_addresses_and_cache_flags_come_from_one_place(sample: dict[str, Any]) -> None:
+    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    front, engine = _containers(dep)[r.FRONTEND], _containers(dep)[r.ENGINE]
+    for flag in ("--engine-input-address", "--engine-output-address", "--mm-cache-type"):
+        assert _args(front, flag) == _args(engine, flag)
+    assert _args(front, "--engine-input-address") == r.ENGINE_INPUT_ADDRESS
+    assert _args(front, "--mm-cache-gb") == "4"
+    assert _args(front, "--port") == str(r.HTTP_PORT)
+    env = {e["name"]: e.get("value") for e in engine["env"]}
+    assert env["MMIS_CACHE_SHM_GB"] == "6"
+
+
+def test_optional_flags(sample: dict[str, Any]) -> None:
+    sample["spec"].update(
+        cache={"size": "4Gi", "engineSize": "2Gi"},
+        engine={"faultEvictRate": 0.25},
+        telemetry={"otlpEndpoint": "http://otel:4317"},
+        auth={"apiKeySecretRef": {"name": "keys"}},
+        allowedLocalMediaPath="/data",
+    )
+    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    front, engine = _containers(dep)[r.FRONTEND], _containers(dep)[r.ENGINE]
+    assert _args(engine, "--engine-mm-cache-gb") == "2"
+    assert _args(engine, "--fault-evict-rate") == "0.25"
+    assert "--engine-mm-cache-gb" not in front["args"]
+    assert _args(front, "--otlp-traces-endpoint") == "http://otel:4317"
+    assert _args(front, "--api-key") == "$(MMIS_API_KEY)"
+    (key,) = [e for e in front["env"] if e["name"] == "MMIS_API_KEY"]
+    assert key["valueFrom"]["secretKeyRef"] == {"name": "keys", "key": "api-key"}
+    assert _args(front, "--allowed-local-media-path") == "/data"
+
+
+def test_probes_and_drain(sample: dict[str, Any]) -> None:
+    sample["spec"]["probes"] = {"startupTimeoutSeconds": 1200, "drainSeconds": 20}
+    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    front = _containers(dep)[r.FRONTEND]
+    assert front["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert front["livenessProbe"]["httpGet"]["path"] == "/health"
+    startup = front["startupProbe"]
+    assert startup["httpGet"]["path"] == "/health"
+    assert startup["periodSeconds"] * startup["failureThreshold"] == 1200
+    assert front["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "20"]
+    engine_wait = _containers(dep)[r.ENGINE]["lifecycle"]["preStop"]["exec"]["command"]
+    assert int(engine_wait[1]) > 20  # the engine outlives the front end's drain
+    grace = dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > int(engine_wait[1])
+    assert dep["spec"]["progressDeadlineSeconds"] > 1200
+
+
+def test_security_context_is_non_root(sample: dict[str, Any]) -> None:
+    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    pods = dep["spec"]["template"]["spec"]
+    assert pods["securityContext"]["runAsNonRoot"] is True
+    assert pods["securityContext"]["runAsUser"] != 0
+    for container in pods["containers"]:
+        sc = container["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False
+        assert sc["capabilities"]["drop"] == ["ALL"]
+        assert sc["readOnlyRootFilesystem"] is True
+
+
+def test_owner_references_and_labels_on_every_child(sample: dict[str, Any]) -> None:
+    sample["spec"]["ingress"] = {"enabled": True, "host": "llava.example.com"}
+    parsed = parse_spec(sample["spec"])
+    objs = [
+        children.deployment(sample, parsed),
+        children.service(sample, parsed),
+        children.ingress(sample, parsed),
+    ]
+    for obj in objs:
+        assert obj is not None
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert ref == {
+            "apiVersion": "mmis.dev/v1alpha1",
+            "kind": "MMInferenceService",
+            "name": "llava",
+            "uid": "uid-1",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+        assert obj["metadata"]["namespace"] == "ml"
+        assert obj["metadata"]["labels"][r.LABEL_SERVICE] == "llava"
+
+
+def test_service_selects_the_pods(sample: dict[str, Any]) -> None:
+    parsed = parse_spec(sample["spec"])
+    dep, svc = children.deployment(sample, parsed), children.service(sample, parsed)
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= labels.items()
+    assert dep["spec"]["selector"]["matchLabels"] == svc["spec"]["selector"]
+    assert svc["spec"]["ports"][0]["targetPort"] == "http"
+
+
+def test_ingress_only_when_enabled_and_endpoint(sample: dict[str, Any]) -> None:
+    parsed = parse_spec(sample["spec"])
+    assert children.ingress(sample, parsed) is None
+    assert children.endpoint(sample, parsed) == "http://llava.ml.svc:8000/v1"
+    sample["spec"]["ingress"] = {"enabled": True, "host": "h.example", "tlsSecretName": "tls"}
+    parsed = parse_spec(sample["spec"])
+    ing = children.ingress(sample, parsed)
+    assert ing is not None
+    assert ing["spec"]["tls"] == [{"hosts": ["h.example"], "secretName": "tls"}]
+    assert children.endpoint(sample, parsed) == "https://h.example/v1"
+
+
+def test_pod_template_override_merges_but_keeps_the_selector(sample: dict[str, Any]) -> None:
+    sample["spec"]["podTemplate"] = {
+        "metadata": {"labels": {"team": "vision", r.LABEL_INSTANCE: "hijack"}},
+        "spec": {
+            "containers": [
+                {"name": "engine", "env": [{"name": "EXTRA", "value": "1"}]},
+                {"name": "sidecar", "image": "busybox"},
+            ],
+            "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "m"}}],
+        },
+    }
+    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    template = dep["spec"]["template"]
+    assert template["metadata"]["labels"]["team"] == "vision"
+    assert template["metadata"]["labels"][r.LABEL_INSTANCE] == "llava"
+    by_name = _containers(dep)
+    assert list(by_name) == ["frontend", "engine", "sidecar"]
+    env = {e["name"] for e in by_name["engine"]["env"]}
+    assert {"EXTRA", "MMIS_CACHE_SHM_GB"} <= env
+    assert {v["name"] for v in template["spec"]["volumes"]} >= {"dshm", "models"}
+
+
+def test_builders_are_deterministic(sample: dict[str, Any]) -> None:
+    parsed = parse_spec(sample["spec"])
+    assert children.deployment(sample, parsed) == children.deployment(sample, parsed)
+    assert pod.address_args() == pod.address_args()
+
+
+def test_owner_without_uid_is_refused(sample: dict[str, Any]) -> None:
+    del sample["metadata"]["uid"]
+    with pytest.raises(children.OwnerError, match="uid"):
+        children.deployment(sample, parse_spec(sample["spec"]))

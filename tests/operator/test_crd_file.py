@@ -1,0 +1,65 @@
+"""Static checks of the CRD file and its chart copy (the API server checks are in tests/kube)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mmis.operator import resource as r
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD = ROOT / "crds" / "mminferenceservice.yaml"
+CHART_CRD = ROOT / "charts" / "mmis" / "crds" / "mminferenceservice.yaml"
+
+
+def _crd() -> dict[str, Any]:
+    return yaml.safe_load(CRD.read_text())
+
+
+def test_chart_copy_is_byte_identical() -> None:
+    assert CHART_CRD.read_bytes() == CRD.read_bytes(), (
+        "charts/mmis/crds/ drifted: cp crds/mminferenceservice.yaml charts/mmis/crds/"
+    )
+
+
+def test_names_match_the_operator() -> None:
+    crd = _crd()
+    assert crd["metadata"]["name"] == f"{r.PLURAL}.{r.GROUP}"
+    assert crd["spec"]["group"] == r.GROUP
+    assert crd["spec"]["names"]["kind"] == r.KIND
+    assert r.SHORT_NAME in crd["spec"]["names"]["shortNames"]
+    (version,) = crd["spec"]["versions"]
+    assert version["name"] == r.VERSION
+
+
+def test_scale_and_status_subresources() -> None:
+    (version,) = _crd()["spec"]["versions"]
+    scale = version["subresources"]["scale"]
+    assert scale == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    assert version["subresources"]["status"] == {}
+
+
+def test_printer_columns() -> None:
+    (version,) = _crd()["spec"]["versions"]
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["Ready"] == '.status.conditions[?(@.type=="Ready")].status'
+    assert columns["Reason"] == '.status.conditions[?(@.type=="Ready")].reason'
+    assert columns["Drift"] == ".status.cache.driftRate"
+    assert {"Replicas", "Age"} <= columns.keys()
+
+
+def test_cel_rules_are_present() -> None:
+    (version,) = _crd()["spec"]["versions"]
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    cache_rules = [v["rule"] for v in spec["properties"]["cache"]["x-kubernetes-validations"]]
+    assert any("shmSize" in rule and "quantity" in rule for rule in cache_rules)
+    assert spec["properties"]["replicas"]["minimum"] == 0
+    assert spec["properties"]["resources"]["properties"]["gpus"]["minimum"] == 0
+    drift = spec["properties"]["cache"]["properties"]["driftThreshold"]
+    assert (drift["minimum"], drift["maximum"]) == (0, 1)

@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import re
+
+import kopf
+import kubernetes.client
+import pytest
+
+from mmis.operator import handlers
+from mmis.operator.kube import Kube, KubeError
+from mmis.operator.reconciler import ApplyError
+from mmis.operator.spec import InvalidSpecError
+
+
+def _raise(exc: Exception) -> None:
+    raise exc
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (InvalidSpecError("spec.model", "set exactly one"), kopf.PermanentError),
+        (ApplyError("rejected", permanent=True), kopf.PermanentError),
+        (ApplyError("forbidden", permanent=False), kopf.TemporaryError),
+        (KubeError(0, "connection refused"), kopf.TemporaryError),
+    ],
+)
+def test_errors_map_to_permanent_or_temporary(error: Exception, expected: type) -> None:
+    with pytest.raises(expected) as info:
+        handlers._run(_raise, error)
+    assert type(info.value) is expected
+
+
+def test_handler_ids_are_valid_annotation_names() -> None:
+    cfg = kubernetes.client.Configuration()
+    cfg.host = "https://127.0.0.1:1"
+    registry = handlers.build_registry(Kube(cfg))
+    ids = {h.id for h in registry._changing.get_all_handlers()}
+    ids |= {h.id for h in registry._spawning.get_all_handlers()}
+    ids |= {h.id for h in registry._watching.get_all_handlers()}
+    assert ids == {"reconcile", "reconcile/spec", "delete", "resync", "deployment"}
+    for handler_id in ids:
+        assert re.fullmatch(r"[A-Za-z0-9][-A-Za-z0-9_./]*", handler_id)
+
+
+def test_connection_info_uses_the_token() -> None:
+    cfg = kubernetes.client.Configuration()
+    cfg.host = "https://10.0.0.1:6443"
+    cfg.api_key = {"BearerToken": "Bearer abc"}
+    info = handlers.connection_info(Kube(cfg))
+    assert (info.server, info.scheme, info.token) == ("https://10.0.0.1:6443", "Bearer", "abc")

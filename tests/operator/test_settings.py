@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import argparse
+import logging
+
+import kopf
+import pytest
+
+from mmis.cli import main as cli_main
+from mmis.operator import main as operator_main
+from mmis.operator import settings
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    operator_main.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_everything_kopf_stores_is_under_mmis_dev() -> None:
+    got = settings.configure(kopf.OperatorSettings(), settings.Options())
+    assert got.persistence.finalizer == "mmis.dev/finalizer"
+    progress = got.persistence.progress_storage
+    assert isinstance(progress, kopf.AnnotationsProgressStorage)
+    assert progress.prefix == "mmis.dev"
+    diffbase = got.persistence.diffbase_storage
+    assert isinstance(diffbase, kopf.AnnotationsDiffBaseStorage)
+    assert diffbase.prefix == "mmis.dev"
+    assert got.posting.level == logging.WARNING
+
+
+def test_watch_timeouts_and_peering_from_the_command_line() -> None:
+    args = _parse(
+        "--namespace",
+        "a",
+        "--namespace",
+        "b",
+        "--peering",
+        "mmis",
+        "--priority",
+        "7",
+        "--watch-server-timeout",
+        "30",
+        "--watch-client-timeout",
+        "45",
+    )
+    options = operator_main.options_from_args(args)
+    assert options.namespaces == ("a", "b")
+    got = settings.configure(kopf.OperatorSettings(), options)
+    assert got.watching.server_timeout == 30
+    assert isinstance(got.watching.server_timeout, int)  # the API server rejects 30.0
+    assert got.watching.client_timeout == 45
+    assert got.peering.standalone is False
+    assert got.peering.name == "mmis"
+    assert got.peering.priority == 7
+    assert got.peering.clusterwide is False
+
+
+def test_default_is_standalone_and_clusterwide() -> None:
+    got = settings.configure(kopf.OperatorSettings(), operator_main.options_from_args(_parse()))
+    assert got.peering.standalone is True
+    assert got.peering.clusterwide is True
+    assert got.watching.server_timeout is not None
+    assert got.watching.client_timeout is not None
+
+
+def test_client_timeout_must_exceed_server_timeout(capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli_main(["operator", "--watch-server-timeout", "60", "--watch-client-timeout", "30"])
+    assert code == 2
+    assert "watch client timeout must exceed" in capsys.readouterr().err

@@ -1,0 +1,152 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from mmis.operator import spec as specmod
+from mmis.operator.spec import InvalidSpecError, parse_spec
+
+CRD = Path(__file__).resolve().parents[2] / "crds" / "mminferenceservice.yaml"
+
+
+def _crd_defaults(schema: dict[str, Any], path: str = "") -> dict[str, Any]:
+    found = {}
+    for key, sub in (schema.get("properties") or {}).items():
+        where = f"{path}.{key}" if path else key
+        if "default" in sub and sub["default"] != {}:
+            found[where] = sub["default"]
+        found.update(_crd_defaults(sub, where))
+    return found
+
+
+def test_python_defaults_match_the_crd_defaults() -> None:
+    crd = yaml.safe_load(CRD.read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    defaults = _crd_defaults(schema)
+    parsed = parse_spec({"model": {"id": "m"}})
+    gi = 2**30
+    observed = {
+        "replicas": parsed.replicas,
+        "image": parsed.image,
+        "imagePullPolicy": parsed.image_pull_policy,
+        "resources.gpus": parsed.gpus,
+        "resources.memory": parsed.engine_memory_bytes / gi,
+        "resources.cpu": parsed.engine_cpu,
+        "resources.frontendMemory": parsed.frontend_memory_bytes / gi,
+        "resources.frontendCpu": parsed.frontend_cpu,
+        "engine.maxNumSeqs": parsed.max_num_seqs,
+        "engine.maxNumBatchedTokens": parsed.max_num_batched_tokens,
+        "cache.type": parsed.cache.type,
+        "cache.size": parsed.cache.size_bytes / gi,
+        "cache.driftThreshold": parsed.cache.drift_threshold,
+        "cache.driftWindowSeconds": parsed.cache.drift_window_seconds,
+        "telemetry.samplingRatio": parsed.sampling_ratio,
+        "service.type": parsed.service_type,
+        "service.port": parsed.service_port,
+        "ingress.enabled": bool(parsed.ingress.get("enabled")),
+        "probes.startupTimeoutSeconds": parsed.startup_timeout_seconds,
+        "probes.drainSeconds": parsed.drain_seconds,
+    }
+    # the CRD writes quantities as strings; compare in GiB
+    crd_values = {
+        k: (float(v[:-2]) if isinstance(v, str) and v.endswith("Gi") else v)
+        for k, v in defaults.items()
+    }
+    for key in ("auth.apiKeySecretRef.key", "ingress.path"):
+        crd_values.pop(key)
+    assert crd_values == observed
+
+
+def test_shm_store_and_volume_sizes() -> None:
+    parsed = parse_spec({"model": {"id": "m"}, "cache": {"type": "shm", "size": "4Gi"}})
+    assert parsed.cache.shm_store_bytes == 4 * 2**30
+    assert parsed.cache.shm_volume_bytes == 4 * 2**30 + specmod.SHM_HEADROOM_MIN
+    big = parse_spec(
+        {
+            "model": {"id": "m"},
+            "resources": {"memory": "64Gi"},
+            "cache": {"type": "shm", "size": "20Gi"},
+        }
+    )
+    assert big.cache.shm_volume_bytes == 22 * 2**30  # 10% headroom beats the minimum
+    lru = parse_spec({"model": {"id": "m"}})
+    assert lru.cache.shm_store_bytes == 0
+    assert lru.cache.shm_volume_bytes == specmod.SHM_HEADROOM_MIN
+
+
+@pytest.mark.parametrize(
+    ("spec", "field", "words"),
+    [
+        ({}, "spec.model", "required"),
+        ({"model": {}}, "spec.model", "exactly one of id"),
+        ({"model": {"id": "a", "path": "/b"}}, "spec.model", "exactly one of id"),
+        ({"model": {"path": "rel/dir"}}, "spec.model.path", "absolute"),
+        ({"model": {"id": "m"}, "replicas": -1}, "spec.replicas", "at least 0"),
+        ({"model": {"id": "m"}, "replicas": "2"}, "spec.replicas", "integer"),
+        ({"model": {"id": "m"}, "resources": {"gpus": -2}}, "spec.resources.gpus", "at least 0"),
+        (
+            {"model": {"id": "m"}, "resources": {"memory": "lots"}},
+            "spec.resources.memory",
+            "quantity",
+        ),
+        ({"model": {"id": "m"}, "resources": {"cpu": "0"}}, "spec.resources.cpu", "positive"),
+        ({"model": {"id": "m"}, "cache": {"type": "redis"}}, "spec.cache.type", "lru or shm"),
+        (
+            {"model": {"id": "m"}, "cache": {"type": "shm", "size": "8Gi", "shmSize": "4Gi"}},
+            "spec.cache",
+            "shmSize (4Gi) must be at least size (8Gi)",
+        ),
+        (
+            {"model": {"id": "m"}, "cache": {"driftThreshold": 1.5}},
+            "spec.cache.driftThreshold",
+            "[0, 1]",
+        ),
+        (
+            {"model": {"id": "m"}, "telemetry": {"samplingRatio": -0.1}},
+            "spec.telemetry.samplingRatio",
+            "[0, 1]",
+        ),
+        ({"model": {"id": "m"}, "ingress": {"enabled": True}}, "spec.ingress", "requires host"),
+        ({"model": {"id": "m"}, "engine": "fast"}, "spec.engine", "must be an object"),
+        (
+            {"model": {"id": "m"}, "resources": {"memory": "4Gi"}, "cache": {"size": "4Gi"}},
+            "spec.resources.memory",
+            "raise resources.memory",
+        ),
+        (
+            {
+                "model": {"id": "m"},
+                "resources": {"memory": "16Gi", "gpus": 0},
+                "engine": {"kvCacheMemory": "12Gi"},
+            },
+            "spec.resources.memory",
+            "CPU KV cache",
+        ),
+    ],
+)
+def test_invalid_specs_name_the_field(spec: dict[str, Any], field: str, words: str) -> None:
+    with pytest.raises(InvalidSpecError) as info:
+        parse_spec(spec)
+    assert info.value.field == field
+    assert words in str(info.value)
+
+
+def test_engine_cache_override_decides_the_fit() -> None:
+    base = {"model": {"id": "m"}, "resources": {"memory": "8Gi"}, "cache": {"size": "16Gi"}}
+    with pytest.raises(InvalidSpecError):
+        parse_spec(base)
+    ok = parse_spec({**base, "cache": {"size": "16Gi", "engineSize": "2Gi"}})
+    assert ok.cache.engine_size_bytes == 2 * 2**30
+
+
+def test_model_fields() -> None:
+    parsed = parse_spec(
+        {"model": {"path": "/models/x", "revision": "r1", "processorKwargs": {"size": 336}}}
+    )
+    assert parsed.model.name == "/models/x"
+    assert parsed.model.is_path
+    assert parsed.model.served_name == "/models/x"
+    assert parsed.model.processor_kwargs == {"size": 336}
