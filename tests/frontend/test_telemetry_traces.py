@@ -10,6 +10,7 @@ span of each attempt.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,17 @@ def traced(tmp_path: Path) -> Iterator[tuple[FakeEngine, RunningFrontend, InMemo
         tracing.shutdown()
 
 
+def _server_spans(exporter: InMemorySpanExporter, count: int) -> list[ReadableSpan]:
+    """The finished SERVER spans once ``count`` of them exist: the middleware ends a request's
+    span after the response went out, so the client can read the reply first."""
+    deadline = time.monotonic() + 10.0
+    while True:
+        servers = [s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER]
+        if len(servers) >= count or time.monotonic() > deadline:
+            return servers
+        time.sleep(0.01)  # polling an observable condition with a deadline, not a fixed wait
+
+
 def _events(span: ReadableSpan, name: str) -> list[dict[str, Any]]:
     return [dict(e.attributes or {}) for e in span.events if e.name == name]
 
@@ -85,6 +97,7 @@ def test_drifted_then_retried_request_shows_both_attempts_under_one_span(
     }
     with httpx.Client(timeout=30) as http:
         assert http.post(f"{frontend.base_url}/chat/completions", json=body).status_code == 200
+        assert len(_server_spans(exporter, 1)) == 1
         exporter.clear()
         core = engine.core
         assert isinstance(core, ContextCore)
@@ -94,8 +107,8 @@ def test_drifted_then_retried_request_shows_both_attempts_under_one_span(
         assert reply.status_code == 200, reply.text
         assert http.get(f"{frontend.root_url}/metrics").status_code == 200
 
+    servers = _server_spans(exporter, 1)
     spans = exporter.get_finished_spans()
-    servers = [s for s in spans if s.kind is SpanKind.SERVER]
     assert [s.name for s in servers] == ["chat tiny"]  # /metrics is not traced
     root = servers[0]
     attrs = dict(root.attributes or {})
