@@ -7,12 +7,16 @@ Invariants:
 - Metrics are built from :mod:`catalog` (``Owner.FRONTEND`` specs); the ``model`` label is
   fixed at construction, every other label value is checked against its closed set, so no
   request id or hash can become a label.
+- Counters are born at 0: the model-only ones and ``mmis_mm_retries_total`` for every
+  (endpoint, outcome) exist from the first scrape, so ``increase()``/``rate()`` (and the
+  alerts built on them) see the first increment; a series born at 1 would show no increase.
 - P1's figures are not instruments here: :meth:`attach` adds collectors (the engine-stats
   snapshot, the drift window) that render at scrape time.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -46,6 +50,10 @@ class MMISMetrics:
         for spec in catalog.ALL:
             if spec.owner is Owner.FRONTEND:
                 self._instruments[spec.name] = self._build(spec)
+                if spec.kind is Kind.COUNTER and spec.labels == ("model",):
+                    self._counter(spec).labels(model=model)
+        for endpoint, outcome in itertools.product(catalog.ENDPOINTS, catalog.RETRY_OUTCOMES):
+            self._counter(catalog.RETRIES).labels(model=model, endpoint=endpoint, outcome=outcome)
 
     def _build(self, spec: MetricSpec) -> Counter | Histogram:
         if spec.kind is Kind.COUNTER:

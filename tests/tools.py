@@ -1,0 +1,229 @@
+"""The observability Go tools (jaeger, prometheus, promtool) for tests and benchmarks.
+
+- :func:`go_tool` finds a binary built by ``scripts/gotools`` in ``$MMIS_TOOLS_DIR/bin``
+  (default ``~/.cache/mmis/tools/bin``; never PATH, so a stray binary of another version is
+  never used) at its pinned version (``scripts/gotools --check``). When it is missing, the
+  test FAILS with the reason under ``CI=true`` and skips with "run scripts/gotools" otherwise.
+- :class:`Jaeger` runs a Jaeger v2 all-in-one on loopback: OTLP gRPC + HTTP receivers and the
+  query API on free ports, in-memory storage, no other listener (its own metrics are off),
+  from a config file written into a temporary directory (its self-tracing off, so it never
+  dials the default ``localhost:4317``); :meth:`Jaeger.stop` terminates it.
+- :class:`Daemon` is the process wrapper both use: output in a log file, SIGTERM then SIGKILL.
+- :class:`Serve` is the ``mmis serve`` they observe (``tests/e2e/procs.Proc``, port 0).
+
+Waiting for a tool is a bounded poll of its HTTP API, never a fixed sleep.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+from procs import LISTENING, Proc  # noqa: E402
+
+from mmis.server.engine.tiny_model import tiny_model_dir  # noqa: E402
+
+GOTOOLS = ROOT / "scripts" / "gotools"
+
+
+def tools_bin() -> Path:
+    configured = os.environ.get("MMIS_TOOLS_DIR")
+    base = Path(configured) if configured else Path.home() / ".cache" / "mmis" / "tools"
+    return base / "bin"
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def missing_tool(name: str) -> str | None:
+    """Why ``name`` cannot be used (absent or not at its pinned version), or None."""
+    exe = tools_bin() / name
+    if not exe.is_file():
+        return f"{exe} does not exist"
+    check = subprocess.run(
+        [str(GOTOOLS), "--check", name], capture_output=True, text=True, check=False
+    )
+    if check.returncode != 0:
+        return check.stderr.strip() or f"scripts/gotools --check {name} failed"
+    return None
+
+
+def go_tool(name: str) -> Path:
+    """The path of ``name``; fails (CI=true) or skips the calling test when it is missing."""
+    reason = missing_tool(name)
+    if reason is None:
+        return tools_bin() / name
+    message = f"{name} unavailable ({reason}); run scripts/gotools {name}"
+    if in_ci():
+        pytest.fail(f"with CI=true: {message}", pytrace=False)
+    pytest.skip(message)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class Watched(Protocol):
+    """A process to watch while waiting (:class:`Daemon`, or ``tests/e2e/procs.Proc``)."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+
+    def log_tail(self, lines: int = 30) -> str: ...
+
+
+def wait_until(what: str, check: Callable[[], object], timeout: float, alive: Watched) -> object:
+    """Poll ``check`` until it returns something truthy; fail if ``alive`` exits first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if alive.popen.poll() is not None:
+            raise RuntimeError(f"{alive.name} exited while waiting for {what}\n{alive.log_tail()}")
+        try:
+            result = check()
+        except httpx.HTTPError:
+            result = None
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout:.0f}s\n{alive.log_tail()}")
+        time.sleep(0.1)  # polling another process's API; not a synchronisation
+
+
+class Daemon:
+    """A tool process with its output in ``<log_dir>/<name>.log``."""
+
+    def __init__(
+        self, name: str, cmd: list[str], log_dir: Path, env: dict[str, str] | None = None
+    ) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.popen = subprocess.Popen(
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(10)
+        if not self._log.closed:
+            self._log.close()
+        return self.popen.returncode
+
+    def log_tail(self, lines: int = 30) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+JAEGER_CONFIG = """\
+service:
+  extensions: [jaeger_storage, jaeger_query]
+  pipelines:
+    traces:
+      receivers: [otlp]
+      processors: [batch]
+      exporters: [jaeger_storage_exporter]
+  telemetry:
+    metrics:
+      level: none
+    logs:
+      level: warn
+extensions:
+  jaeger_query:
+    enable_tracing: false
+    storage:
+      traces: memstore
+    http:
+      endpoint: 127.0.0.1:{query}
+    grpc:
+      endpoint: 127.0.0.1:{query_grpc}
+  jaeger_storage:
+    backends:
+      memstore:
+        memory:
+          max_traces: 100000
+receivers:
+  otlp:
+    protocols:
+      grpc:
+        endpoint: 127.0.0.1:{otlp_grpc}
+      http:
+        endpoint: 127.0.0.1:{otlp_http}
+processors:
+  batch:
+    timeout: 100ms
+exporters:
+  jaeger_storage_exporter:
+    trace_storage: memstore
+"""
+
+
+class Jaeger(Daemon):
+    """Jaeger v2 all-in-one; ``otlp_grpc`` is the endpoint for ``--otlp-traces-endpoint``."""
+
+    def __init__(self, exe: Path, work_dir: Path) -> None:
+        ports = {k: free_port() for k in ("query", "query_grpc", "otlp_grpc", "otlp_http")}
+        config = work_dir / "jaeger.yaml"
+        config.write_text(JAEGER_CONFIG.format(**ports))
+        self.query_url = f"http://127.0.0.1:{ports['query']}"
+        self.otlp_grpc = f"http://127.0.0.1:{ports['otlp_grpc']}"
+        self.otlp_http = f"http://127.0.0.1:{ports['otlp_http']}/v1/traces"
+        cmd = [str(exe), "--config", f"file:{config}"]
+        super().__init__("jaeger", cmd, work_dir)
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        def up() -> bool:
+            return httpx.get(self.query_url + "/api/services", timeout=5).status_code == 200
+
+        wait_until("jaeger query API", up, timeout, self)
+
+    def traces(self, service: str) -> list[dict[str, object]]:
+        """Every trace of ``service`` in Jaeger's JSON (``/api/traces``), newest first."""
+        reply = httpx.get(
+            self.query_url + "/api/traces",
+            params={"service": service, "limit": 1000, "lookback": "1h"},
+            timeout=30,
+        )
+        reply.raise_for_status()
+        data: list[dict[str, object]] = reply.json()["data"] or []
+        return data
+
+
+class Serve(Proc):
+    """``mmis serve --port 0`` on the tiny model, served as ``tiny``."""
+
+    def __init__(self, log_dir: Path, *extra: str, env: dict[str, str]) -> None:
+        args = ["serve", "--port", "0", "--model", str(tiny_model_dir())]
+        super().__init__("serve", [*args, "--served-model-name", "tiny", *extra], log_dir, env)
+        assert self.popen.stdout is not None
+        match = LISTENING.search(self.popen.stdout.readline().decode())
+        if match is None:
+            self.stop()
+            raise RuntimeError(f"serve did not start\n{self.log_tail()}")
+        self.root_url = match.group(1)
+        threading.Thread(target=self.popen.stdout.read, daemon=True).start()
