@@ -85,7 +85,10 @@ class FrontendLevels(Collector):
 
         def shm_used() -> float:
             writer = state.shm_writer
-            return float(writer.stats().used) if writer is not None else 0.0
+            if writer is None:
+                return 0.0
+            writer.reclaim()  # acknowledged extents are free space, not usage (reclaim is lazy)
+            return float(writer.stats().used)
 
         return {
             "engine_requests_in_flight": lambda: state.client.num_in_flight,
