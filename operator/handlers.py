@@ -18,8 +18,9 @@ import kopf
 
 from mmis.operator import resource as r
 from mmis.operator.kube import Kube, KubeError
+from mmis.operator.probe import CoherenceProbe
 from mmis.operator.reconciler import ApplyError, Reconciler
-from mmis.operator.spec import InvalidSpecError
+from mmis.operator.spec import InvalidSpecError, parse_spec
 
 RETRY_DELAY = 5.0
 
@@ -37,7 +38,12 @@ def _run(fn: Any, *args: Any) -> None:
         raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY) from exc
 
 
-def build_registry(kube: Kube, resync_seconds: float = 60.0) -> kopf.OperatorRegistry:
+def build_registry(
+    kube: Kube,
+    resync_seconds: float = 60.0,
+    probe: CoherenceProbe | None = None,
+    probe_seconds: float = 30.0,
+) -> kopf.OperatorRegistry:
     """Register every handler of the operator on a new registry bound to ``kube``."""
     registry = kopf.OperatorRegistry()
     reconciler = Reconciler(kube)
@@ -70,6 +76,23 @@ def build_registry(kube: Kube, resync_seconds: float = 60.0) -> kopf.OperatorReg
         except (InvalidSpecError, ApplyError, KubeError) as exc:
             logger.debug("resync of %s: %s", body.metadata.name, exc)  # status already says it
 
+    coherence_probe = probe or CoherenceProbe(kube)
+
+    @kopf.timer(
+        *resource,
+        id="coherence",
+        interval=probe_seconds,
+        initial_delay=probe_seconds,
+        registry=registry,
+    )
+    async def coherence(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+        plain = _plain(body)
+        try:
+            threshold = parse_spec(plain.get("spec") or {}).cache.drift_threshold
+            await coherence_probe.run(plain, threshold)
+        except (InvalidSpecError, KubeError) as exc:  # Degraded says the first; next tick retries
+            logger.debug("coherence probe of %s: %s", body.metadata.name, exc)
+
     @kopf.on.event(
         "apps",
         "v1",
@@ -79,8 +102,9 @@ def build_registry(kube: Kube, resync_seconds: float = 60.0) -> kopf.OperatorReg
         registry=registry,
     )
     def deployment_event(body: kopf.Body, type: str | None, logger: kopf.Logger, **_: Any) -> None:
-        if type is None:  # the initial listing; resume handles those
-            return
+        # type None: a (re-)listing. kopf lists again after every broken watch (API server
+        # restart, 410 Gone), and changes made while the watch was down arrive only that way,
+        # so they refresh the status too (write_status skips unchanged ones).
         try:
             reconciler.deployment_changed(_plain(body), deleted=type == "DELETED")
         except KubeError as exc:  # the next event or the resync timer will catch up

@@ -44,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--watch-client-timeout", type=float, default=90.0)
     parser.add_argument("--request-timeout", type=float, default=60.0)
     parser.add_argument("--resync-seconds", type=float, default=60.0)
+    parser.add_argument(
+        "--probe-seconds", type=float, default=30.0, help="CacheCoherent: probe pods this often"
+    )
+    parser.add_argument(
+        "--probe-timeout", type=float, default=2.0, help="CacheCoherent: per-pod HTTP timeout"
+    )
     parser.add_argument("--workers", type=int, default=None, help="sync handler threads")
     parser.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -69,6 +75,8 @@ def options_from_args(args: argparse.Namespace) -> operator_settings.Options:
         watch_client_timeout=args.watch_client_timeout,
         request_timeout=args.request_timeout,
         resync_seconds=args.resync_seconds,
+        probe_seconds=args.probe_seconds,
+        probe_timeout=args.probe_timeout,
         workers=args.workers,
     )
 

@@ -11,13 +11,16 @@ Invariants:
   (slow downloads and model loads), readiness on ``/ready``, liveness on ``/health``.
 - Non-root, no privilege escalation, all capabilities dropped, read-only root filesystem;
   writable paths are emptyDirs (/tmp, the model cache).
+- Settings reach the server as flags its parsers know (``tests/contract`` parses them with
+  the real ``mmis frontend`` / ``mmis engine`` parsers); the only ``MMIS_*`` variable is
+  ``MMIS_FRONTEND_API_KEY`` from the Secret, so the key never appears in the pod spec.
+  ``model.revision`` and ``model.processorKwargs`` have no server setting yet: not passed.
 - The engine stays up while the front end drains (its preStop pause is longer), so in-flight
   requests finish before P1 exits.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
@@ -27,6 +30,7 @@ from mmis.operator.spec import ServiceSpec
 
 CACHE_DIR = "/var/cache/mmis"
 STARTUP_PERIOD = 10
+API_KEY_ENV = "MMIS_FRONTEND_API_KEY"  # ServerSettings.api_key via the frontend section
 
 
 def address_args() -> list[str]:
@@ -39,20 +43,20 @@ def address_args() -> list[str]:
     ]
 
 
-def _cache_args(spec: ServiceSpec) -> list[str]:
-    return [
-        "--mm-cache-type",
-        spec.cache.type,
-        "--mm-cache-gb",
-        quantity.gib(spec.cache.size_bytes),
-    ]
+def _shm_args(spec: ServiceSpec) -> list[str]:
+    """Both sides name the store's directory; only the writer (P0) sizes it."""
+    return ["--shm-dir", r.SHM_MOUNT] if spec.cache.type == "shm" else []
 
 
 def frontend_args(spec: ServiceSpec) -> list[str]:
-    args = ["frontend", "--model", spec.model.name, "--host", "0.0.0.0", "--port", str(r.HTTP_PORT)]
-    args += _cache_args(spec) + address_args()
-    if spec.api_key_secret:
-        args += ["--api-key", "$(MMIS_API_KEY)"]  # expanded by the kubelet from the Secret
+    """``mmis frontend`` flags; every one exists in ``mmis.server.entrypoints.frontend``."""
+    args = ["frontend", "--model", spec.model.name, "--served-model-name", spec.model.served_name]
+    args += ["--host", "0.0.0.0", "--port", str(r.HTTP_PORT), *address_args()]
+    shadow = quantity.gib(spec.cache.size_bytes)
+    args += ["--mm-cache-type", spec.cache.type, "--mm-cache-gb", shadow]
+    if spec.cache.type == "shm":
+        args += [*_shm_args(spec), "--shm-gb", quantity.gib(spec.cache.shm_store_bytes)]
+    args += ["--drift-window-s", str(spec.cache.drift_window_seconds)]
     if spec.allowed_local_media_path:
         args += ["--allowed-local-media-path", spec.allowed_local_media_path]
     if spec.otlp_endpoint:
@@ -61,9 +65,17 @@ def frontend_args(spec: ServiceSpec) -> list[str]:
 
 
 def engine_args(spec: ServiceSpec) -> list[str]:
-    args = ["engine", "--model", spec.model.name, *_cache_args(spec), *address_args()]
+    """``mmis engine`` flags; every one exists in ``mmis.server.entrypoints.engine``."""
+    receiver = spec.cache.size_bytes
     if spec.cache.engine_size_bytes is not None:
-        args += ["--engine-mm-cache-gb", quantity.gib(spec.cache.engine_size_bytes)]
+        receiver = spec.cache.engine_size_bytes
+    args = ["engine", "--model", spec.model.name, *address_args()]
+    args += ["--mm-cache-type", spec.cache.type, "--engine-mm-cache-gb", quantity.gib(receiver)]
+    args += _shm_args(spec)
+    args += ["--max-num-seqs", str(spec.max_num_seqs)]
+    args += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
+    if spec.kv_cache_bytes is not None:
+        args += ["--kv-cache-gb", quantity.gib(spec.kv_cache_bytes)]
     if spec.fault_evict_rate is not None:
         args += ["--fault-evict-rate", f"{spec.fault_evict_rate:g}"]
     if spec.otlp_endpoint:
@@ -72,25 +84,16 @@ def engine_args(spec: ServiceSpec) -> list[str]:
 
 
 def common_env(spec: ServiceSpec, name: str) -> list[dict[str, Any]]:
-    """Settings without a CLI flag travel as ``MMIS_<SECTION>_<FIELD>`` (the config layer)."""
-    env: list[dict[str, Any]] = [
+    """Environment both containers share. Settings travel as flags; no ``MMIS_*`` here, so
+    the pod never carries a variable the server does not read (``tests/contract``)."""
+    return [
         {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
-        {"name": "MMIS_CACHE_SHM_GB", "value": quantity.gib(spec.cache.shm_store_bytes)},
-        {"name": "MMIS_MODEL_SERVED_NAME", "value": spec.model.served_name},
-        {"name": "MMIS_MODEL_PROCESSOR_KWARGS", "value": json.dumps(spec.model.processor_kwargs)},
-        {"name": "MMIS_ENGINE_MAX_NUM_SEQS", "value": str(spec.max_num_seqs)},
-        {"name": "MMIS_ENGINE_MAX_NUM_BATCHED_TOKENS", "value": str(spec.max_num_batched_tokens)},
         {"name": "OTEL_SERVICE_NAME", "value": f"mmis-{name}"},
         {"name": "OTEL_TRACES_SAMPLER", "value": "parentbased_traceidratio"},
         {"name": "OTEL_TRACES_SAMPLER_ARG", "value": f"{spec.sampling_ratio:g}"},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
     ]
-    if spec.model.revision:
-        env.append({"name": "MMIS_MODEL_REVISION", "value": spec.model.revision})
-    if spec.kv_cache_bytes is not None:
-        env.append({"name": "MMIS_ENGINE_KV_CACHE_GB", "value": quantity.gib(spec.kv_cache_bytes)})
-    return env
 
 
 def _probe(path: str, period: int, failures: int, timeout: int) -> dict[str, Any]:
@@ -128,9 +131,10 @@ def frontend_container(spec: ServiceSpec, name: str) -> dict[str, Any]:
     env = common_env(spec, name)
     if spec.api_key_secret:
         secret, key = spec.api_key_secret
+        # read by the server's config layer; never a flag (it would show in the pod spec)
         env.append(
             {
-                "name": "MMIS_API_KEY",
+                "name": API_KEY_ENV,
                 "valueFrom": {"secretKeyRef": {"name": secret, "key": key}},
             }
         )

@@ -18,6 +18,7 @@ import kopf
 from mmis.operator import settings as operator_settings
 from mmis.operator.handlers import build_registry
 from mmis.operator.kube import Kube
+from mmis.operator.probe import CoherenceProbe
 
 
 async def serve(
@@ -28,7 +29,12 @@ async def serve(
 ) -> None:
     settings = operator_settings.configure(kopf.OperatorSettings(), options)
     await kopf.operator(
-        registry=build_registry(kube, options.resync_seconds),
+        registry=build_registry(
+            kube,
+            options.resync_seconds,
+            CoherenceProbe(kube, options.probe_timeout, options.allow_stats_endpoint_override),
+            options.probe_seconds,
+        ),
         settings=settings,
         clusterwide=not options.namespaces,
         namespaces=list(options.namespaces),

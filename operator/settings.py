@@ -33,6 +33,11 @@ class Options:
     resync_seconds: float = 60.0
     workers: int | None = None
     event_level: int = logging.WARNING
+    # the CacheCoherent probe: interval, per-pod HTTP timeout, and whether the test-only
+    # ``mmis.dev/stats-endpoints`` annotation may redirect it (never in production)
+    probe_seconds: float = 30.0
+    probe_timeout: float = 2.0
+    allow_stats_endpoint_override: bool = False
 
     def __post_init__(self) -> None:
         if self.watch_client_timeout <= self.watch_server_timeout:
@@ -42,6 +47,11 @@ class Options:
             )
         if self.resync_seconds <= 0:
             raise ValueError(f"resync interval must be positive, got {self.resync_seconds}")
+        if self.probe_seconds <= 0 or self.probe_timeout <= 0:
+            raise ValueError(
+                f"probe interval and timeout must be positive, got {self.probe_seconds}, "
+                f"{self.probe_timeout}"
+            )
 
 
 def configure(settings: kopf.OperatorSettings, options: Options) -> kopf.OperatorSettings:

@@ -36,7 +36,22 @@ SAMPLE: dict[str, Any] = {
 }
 
 
+_SERVER_VERSIONS: dict[str, str] = {}
+
+
+def _server_version(cluster: Cluster) -> str:
+    key = str(cluster.kubeconfig)
+    if key not in _SERVER_VERSIONS:
+        out = cluster.kubectl("version", "-o", "json").stdout
+        _SERVER_VERSIONS[key] = json.loads(out)["serverVersion"]["gitVersion"]
+    return _SERVER_VERSIONS[key]
+
+
 def _helm(cluster: Cluster, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run helm; ``template`` renders for the test cluster's version (Chart.yaml kubeVersion
+    is checked against it; helm's offline default, v1.20, is refused)."""
+    if args and args[0] == "template" and "--kube-version" not in args:
+        args = (*args, "--kube-version", _server_version(cluster))
     proc = subprocess.run(
         [str(cluster.bin("helm")), *args],
         capture_output=True, text=True, env=cluster.env, timeout=300,
@@ -87,6 +102,39 @@ def test_chart_refuses_inconsistent_values(cluster: Cluster) -> None:
         cluster, "template", "rel", str(CHART), "--set", "operator.replicas=-1", check=False
     )
     assert negative.returncode != 0
+
+
+def test_chart_refuses_kubernetes_older_than_1_30(cluster: Cluster) -> None:
+    old = _helm(cluster, "template", "rel", str(CHART), "--kube-version", "1.29.9", check=False)
+    assert old.returncode != 0
+    assert ">=1.30.0-0" in old.stderr
+
+
+def _docs(cluster: Cluster, *values: str) -> dict[str, dict[str, Any]]:
+    out = _helm(cluster, "template", "rel", str(CHART), *values).stdout
+    return {doc["kind"]: doc for doc in yaml.safe_load_all(out) if doc}
+
+
+def test_dashboard_and_alert_values(cluster: Cluster) -> None:
+    defaults = _docs(cluster)
+    board = defaults["ConfigMap"]["metadata"]
+    assert board["labels"]["grafana_dashboard"] == "1"
+    assert board["annotations"]["grafana_folder"] == "mmis"
+    assert "PrometheusRule" not in defaults  # offline render: the cluster serves no such API
+    custom = _docs(
+        cluster, "--set", "dashboards.folder=Serving", "--set", "dashboards.labels.team=ml",
+        "--set", "alerts.enabled=true", "--set", "alerts.labels.release=kps",
+    )  # fmt: skip
+    assert custom["ConfigMap"]["metadata"]["annotations"]["grafana_folder"] == "Serving"
+    assert custom["ConfigMap"]["metadata"]["labels"]["team"] == "ml"
+    assert custom["PrometheusRule"]["metadata"]["labels"]["release"] == "kps"
+    assert custom["PrometheusRule"]["spec"]["groups"]
+    off = _docs(cluster, "--set", "dashboards.enabled=false", "--set", "alerts.enabled=false")
+    assert "ConfigMap" not in off and "PrometheusRule" not in off
+    typo = _helm(
+        cluster, "template", "rel", str(CHART), "--set", "dashboards.folders=x", check=False
+    )
+    assert typo.returncode != 0 and "folders" in typo.stderr
 
 
 def test_template_includes_the_crd_unchanged(cluster: Cluster) -> None:

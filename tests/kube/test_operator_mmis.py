@@ -209,9 +209,10 @@ def test_foreign_conditions_survive_reconciles(
     _apply(cluster, namespace, SAMPLE)
     _wait(cluster, namespace, "mmis/llava", "--for=condition=Ready")
     obj = _get(cluster, namespace, "mmis/llava")
+    # a type nobody in mmis writes (the operator's own drift probe now owns CacheCoherent)
     obj["status"]["conditions"].append(
-        {"type": "CacheCoherent", "status": "True", "reason": "LowDrift", "message": "0.1%",
-         "lastTransitionTime": "2026-01-01T00:00:00Z"}
+        {"type": "example.com/PolicyChecked", "status": "True", "reason": "Approved",
+         "message": "checked by a policy controller", "lastTransitionTime": "2026-01-01T00:00:00Z"}
     )  # fmt: skip
     cluster.kubectl(
         "replace", "--subresource=status", "-n", namespace, "-f", "-", input=json.dumps(obj)
@@ -219,7 +220,7 @@ def test_foreign_conditions_survive_reconciles(
     cluster.kubectl("scale", "-n", namespace, "mmis/llava", "--replicas=2")
     _wait(cluster, namespace, "mmis/llava", "--for=jsonpath={.status.readyReplicas}=2")
     after = _get(cluster, namespace, "mmis/llava")
-    assert _condition(after, "CacheCoherent")["reason"] == "LowDrift"
+    assert _condition(after, "example.com/PolicyChecked")["reason"] == "Approved"
 
 
 def test_deleted_deployment_is_recreated(

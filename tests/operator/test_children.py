@@ -62,8 +62,8 @@ def test_addresses_and_cache_flags_come_from_one_place(sample: dict[str, Any]) -
     assert _args(front, "--engine-input-address") == r.ENGINE_INPUT_ADDRESS
     assert _args(front, "--mm-cache-gb") == "4"
     assert _args(front, "--port") == str(r.HTTP_PORT)
-    env = {e["name"]: e.get("value") for e in engine["env"]}
-    assert env["MMIS_CACHE_SHM_GB"] == "6"
+    assert _args(front, "--shm-gb") == "6"
+    assert _args(front, "--shm-dir") == _args(engine, "--shm-dir") == r.SHM_MOUNT
 
 
 def test_optional_flags(sample: dict[str, Any]) -> None:
@@ -80,8 +80,8 @@ def test_optional_flags(sample: dict[str, Any]) -> None:
     assert _args(engine, "--fault-evict-rate") == "0.25"
     assert "--engine-mm-cache-gb" not in front["args"]
     assert _args(front, "--otlp-traces-endpoint") == "http://otel:4317"
-    assert _args(front, "--api-key") == "$(MMIS_API_KEY)"
-    (key,) = [e for e in front["env"] if e["name"] == "MMIS_API_KEY"]
+    assert "--api-key" not in front["args"]  # a flag would show the key in the pod spec
+    (key,) = [e for e in front["env"] if e["name"] == "MMIS_FRONTEND_API_KEY"]
     assert key["valueFrom"]["secretKeyRef"] == {"name": "keys", "key": "api-key"}
     assert _args(front, "--allowed-local-media-path") == "/data"
 
@@ -177,7 +177,7 @@ def test_pod_template_override_merges_but_keeps_the_selector(sample: dict[str, A
     by_name = _containers(dep)
     assert list(by_name) == ["frontend", "engine", "sidecar"]
     env = {e["name"] for e in by_name["engine"]["env"]}
-    assert {"EXTRA", "MMIS_CACHE_SHM_GB"} <= env
+    assert {"EXTRA", "HF_HOME"} <= env
     assert {v["name"] for v in template["spec"]["volumes"]} >= {"dshm", "models"}
 
 

@@ -38,7 +38,7 @@ def test_handler_ids_are_valid_annotation_names() -> None:
     ids = {h.id for h in registry._changing.get_all_handlers()}
     ids |= {h.id for h in registry._spawning.get_all_handlers()}
     ids |= {h.id for h in registry._watching.get_all_handlers()}
-    assert ids == {"reconcile", "reconcile/spec", "delete", "resync", "deployment"}
+    assert ids == {"reconcile", "reconcile/spec", "delete", "resync", "coherence", "deployment"}
     for handler_id in ids:
         assert re.fullmatch(r"[A-Za-z0-9][-A-Za-z0-9_./]*", handler_id)
 

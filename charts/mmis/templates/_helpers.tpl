@@ -58,6 +58,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+# the CacheCoherent probe finds ready pods and their IPs
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list]
 {{- if .Values.peering.enabled }}
 - apiGroups: [kopf.dev]
   resources: [kopfpeerings]

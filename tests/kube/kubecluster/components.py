@@ -116,4 +116,8 @@ def kwok_argv(tools: Tools, ports: Ports, kubeconfig: Path) -> list[str]:
         f"--cidr={POD_CIDR}",
         "--node-ip=10.240.0.1",
         f"--server-address=127.0.0.1:{ports.kwok}",
+        # renew node Leases (every ~10 s): without them the node lifecycle controller sees
+        # only kwok's sparse status heartbeats (~50 s apart under load), marks the nodes
+        # unhealthy and sets every pod Ready=False, which kwok never sets back
+        "--node-lease-duration-seconds=40",
     ]

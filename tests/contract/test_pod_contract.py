@@ -1,0 +1,223 @@
+"""The operator's pods against the real server command lines: what the spec asks for is what
+``mmis frontend`` / ``mmis engine`` end up running with.
+
+Each container whose command is ``mmis`` is parsed exactly as ``mmis.cli.main`` would parse it
+(the subcommand's own ``add_arguments``), with the container's environment applied to
+``os.environ``; then the server's own settings builders run (``settings_from`` /
+``config_from_args``). Every ``MMIS_*`` variable in a container must be one that container's
+server config reads: a dead variable fails here instead of being silently ignored in a pod.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import importlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from mmis.cli import COMMANDS
+from mmis.operator import children
+from mmis.operator import resource as r
+from mmis.operator.spec import ServiceSpec, parse_spec
+from mmis.server.config import GiB
+from mmis.server.entrypoints import engine as engine_cli
+from mmis.server.entrypoints import frontend as frontend_cli
+from mmis.server.frontend.config import FrontendConfig
+from mmis.server.frontend.state import ServerSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+SECRET_VALUE = "from-secret"  # stands in for a secretKeyRef the kubelet would resolve
+GB_ROUNDING = 0.00005  # quantity.gib keeps 4 decimals
+
+# MMIS_* names each command's config layer reads (from_env sections, parser defaults)
+READ_ENV = {
+    "frontend": {
+        f"MMIS_FRONTEND_{f.name.upper()}"
+        for cls in (ServerSettings, FrontendConfig)
+        for f in dataclasses.fields(cls)
+    },
+    "engine": {f"MMIS_ENGINE_{f.name.upper()}" for f in dataclasses.fields(engine_cli.EngineConfig)}
+    | {"MMIS_LOG_LEVEL"},
+}
+
+
+def _variants() -> Iterator[tuple[str, dict[str, Any]]]:
+    for path in EXAMPLES:
+        yield path.stem, yaml.safe_load(path.read_text())
+    base = yaml.safe_load((ROOT / "examples" / "llava-lru.yaml").read_text())
+    changes: dict[str, dict[str, Any]] = {
+        "shm": {"cache": {"type": "shm", "size": "3Gi", "shmSize": "5Gi"}},
+        "shm-default-store": {"cache": {"type": "shm", "size": "1536Mi"}},
+        "fault-knob": {
+            "cache": {"size": "4Gi", "engineSize": "1Gi", "driftWindowSeconds": 30},
+            "engine": {"faultEvictRate": 0.25, "maxNumSeqs": 7, "maxNumBatchedTokens": 1024},
+        },
+        "api-key": {"auth": {"apiKeySecretRef": {"name": "keys", "key": "token"}}},
+        "otlp": {"telemetry": {"otlpEndpoint": "http://otel:4317", "samplingRatio": 0.25}},
+        "cpu-kv-media": {
+            "resources": {"gpus": 0, "memory": "8Gi"},
+            "engine": {"kvCacheMemory": "1Gi"},
+            "cache": {"size": "512Mi"},
+            "allowedLocalMediaPath": "/data",
+            "model": {"path": "/models/x", "servedName": "friendly"},
+        },
+    }
+    for name, change in changes.items():
+        obj = copy.deepcopy(base)
+        obj["spec"].update(change)
+        yield name, obj
+
+
+VARIANTS = dict(_variants())
+
+
+def _deployment(obj: dict[str, Any]) -> tuple[ServiceSpec, dict[str, Any]]:
+    obj = copy.deepcopy(obj)
+    obj["metadata"].update(namespace="ns", uid="u")
+    spec = parse_spec(obj["spec"])
+    return spec, children.deployment(obj, spec)
+
+
+def _env_value(item: dict[str, Any]) -> str:
+    if "value" in item:
+        return str(item["value"])
+    source = item.get("valueFrom", {})
+    if "secretKeyRef" in source:
+        return SECRET_VALUE
+    return f"<{item['name']}>"  # fieldRef etc.: the kubelet fills these
+
+
+def _parse(container: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The settings the server builds from this container's command, args and env."""
+    argv = [*container.get("command", []), *container.get("args", [])]
+    assert argv[0] == "mmis", f"{container['name']}: not an mmis command: {argv}"
+    assert not any("$(" in a for a in argv), f"unexpanded variable in {argv}"
+    for key in list(os.environ):
+        if key.startswith(("MMIS_", "OTEL_")):
+            monkeypatch.delenv(key)
+    for item in container.get("env", []):
+        monkeypatch.setenv(item["name"], _env_value(item))
+    name, rest = argv[1], argv[2:]
+    assert name in COMMANDS, f"unknown mmis subcommand {name!r}"
+    module = importlib.import_module(COMMANDS[name][0])
+    parser = argparse.ArgumentParser(prog=f"mmis {name}", exit_on_error=False)
+    module.add_arguments(parser)
+    args = parser.parse_args(rest)  # an unknown flag raises SystemExit: the test fails
+    if module is frontend_cli:
+        return frontend_cli.settings_from(args)
+    if module is engine_cli:
+        return engine_cli.config_from_args(args)
+    return args
+
+
+def _gib(value: float, expected_bytes: int) -> bool:
+    return abs(value - expected_bytes / GiB) <= GB_ROUNDING
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_no_dead_mmis_environment(variant: str) -> None:
+    _, dep = _deployment(VARIANTS[variant])
+    for container in dep["spec"]["template"]["spec"]["containers"]:
+        if container["name"] not in READ_ENV:
+            continue
+        names = {e["name"] for e in container.get("env", []) if e["name"].startswith("MMIS_")}
+        dead = names - READ_ENV[container["name"]]
+        assert not dead, f"{variant}/{container['name']}: nobody reads {sorted(dead)}"
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_mmis_command_in_the_pod_parses(
+    variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, dep = _deployment(VARIANTS[variant])
+    pod = dep["spec"]["template"]["spec"]
+    commands = [
+        c for c in pod.get("initContainers", []) + pod["containers"] if c.get("command") == ["mmis"]
+    ]
+    assert {r.FRONTEND, r.ENGINE} <= {c["name"] for c in commands}
+    for container in commands:
+        with monkeypatch.context() as patch:
+            _parse(container, patch)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_server_settings_match_the_spec(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec, dep = _deployment(VARIANTS[variant])
+    pod = dep["spec"]["template"]["spec"]
+    by_name = {c["name"]: c for c in pod["containers"]}
+    front_c, engine_c = by_name[r.FRONTEND], by_name[r.ENGINE]
+    with monkeypatch.context() as patch:
+        settings, config = _parse(front_c, patch)
+    with monkeypatch.context() as patch:
+        engine = _parse(engine_c, patch)
+
+    # the model and its name
+    assert settings.model == engine.model == spec.model.name
+    assert settings.model_name == spec.model.served_name
+    # one engine, both ends agree on its sockets
+    assert settings.engine_input_address == engine.input_address == r.ENGINE_INPUT_ADDRESS
+    assert settings.engine_output_address == engine.output_address == r.ENGINE_OUTPUT_ADDRESS
+    # caches: type, shadow budget, receiver budget (equal unless engineSize says otherwise)
+    assert settings.mm_cache_type == engine.mm_cache_type == spec.cache.type
+    assert _gib(settings.mm_cache_gb, spec.cache.size_bytes)
+    receiver = spec.cache.engine_size_bytes or spec.cache.size_bytes
+    assert _gib(engine.mm_cache_gb, receiver)
+    if spec.cache.engine_size_bytes is None:
+        assert settings.mm_cache_gb == engine.mm_cache_gb
+    assert settings.drift_window_s == spec.cache.drift_window_seconds
+    # shared memory: both on the memory-backed volume, the writer sized to the store
+    shm_mounts = {
+        c["name"]: m["mountPath"]
+        for c in (front_c, engine_c)
+        for m in c["volumeMounts"]
+        if m["name"] == r.SHM_VOLUME
+    }
+    assert settings.shm_dir == engine.shm_dir == shm_mounts[r.FRONTEND] == shm_mounts[r.ENGINE]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == r.SHM_VOLUME]
+    assert volume["emptyDir"]["medium"] == "Memory"
+    if spec.cache.type == "shm":
+        assert _gib(settings.shm_gb, spec.cache.shm_store_bytes)
+    # engine knobs
+    assert engine.fault_evict_rate == (spec.fault_evict_rate or 0.0)
+    assert engine.max_num_seqs == spec.max_num_seqs
+    assert engine.max_num_batched_tokens == spec.max_num_batched_tokens
+    if spec.kv_cache_bytes is None:
+        assert engine.kv_cache_gb is None
+    else:
+        assert engine.kv_cache_gb is not None and _gib(engine.kv_cache_gb, spec.kv_cache_bytes)
+    # telemetry, auth, media
+    assert settings.otlp_traces_endpoint == engine.otlp_traces_endpoint == spec.otlp_endpoint
+    assert settings.api_key == (SECRET_VALUE if spec.api_key_secret else None)
+    assert config.allowed_local_media_path == spec.allowed_local_media_path
+    # the port the probes and the Service use is the one the server binds
+    (port,) = front_c["ports"]
+    assert port["name"] == r.HTTP_PORT_NAME and port["containerPort"] == settings.port
+    assert settings.host == "0.0.0.0"  # a pod must listen on its pod IP
+
+
+def test_probe_and_scrape_paths_are_front_end_routes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mmis.server.frontend.api_server import create_app
+
+    _, dep = _deployment(VARIANTS["llava-lru"])
+    front_c = dep["spec"]["template"]["spec"]["containers"][0]
+    with monkeypatch.context() as patch:
+        settings, config = _parse(front_c, patch)
+    app = create_app(settings, config)  # the lifespan (engine connection) does not run here
+    routes = {getattr(route, "path", None) for route in app.routes}
+    probes = {
+        front_c[kind]["httpGet"]["path"]
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe")
+    }
+    assert probes == {"/health", "/ready"}
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert front_c[kind]["httpGet"]["port"] == r.HTTP_PORT_NAME
+    # /stats/cache: the operator's drift probe; /metrics: Prometheus
+    assert probes | {"/stats/cache", "/metrics"} <= routes

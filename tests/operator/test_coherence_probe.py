@@ -1,0 +1,152 @@
+"""The coherence probe: targets, real HTTP fetches, and the status write (fake Kube only)."""
+
+from __future__ import annotations
+
+import copy
+import http.server
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from mmis.operator import coherence
+from mmis.operator.kube import KubeError
+from mmis.operator.probe import OVERRIDE_ANNOTATION, CoherenceProbe, Target, fetch_all, targets
+
+STATS = {
+    "drift_rate": 0.5,
+    "hit_rate": 0.5,
+    "retry_rate": 0.25,
+    "window_seconds": 3.0,
+    "shadow_hits": 4,
+    "drift_misses": 2,
+    "queries": 8,
+    "retries": 2,
+    "requests": 8,
+    "span_seconds": 3.0,
+}
+
+
+def _pod(name: str, ip: str | None = "10.0.0.1", ready: bool = True) -> dict[str, Any]:
+    cond = {"type": "Ready", "status": "True" if ready else "False"}
+    return {"metadata": {"name": name}, "status": {"podIP": ip, "conditions": [cond]}}
+
+
+def test_targets_are_ready_pods_with_ips(sample: dict[str, Any]) -> None:
+    pods = [_pod("b", "10.0.0.2"), _pod("a"), _pod("c", ready=False), _pod("d", ip=None)]
+    assert targets(sample, pods, allow_override=False) == [
+        Target("a", "http://10.0.0.1:8000/stats/cache"),
+        Target("b", "http://10.0.0.2:8000/stats/cache"),
+    ]
+
+
+def test_override_is_ignored_unless_allowed(sample: dict[str, Any]) -> None:
+    sample["metadata"]["annotations"] = {OVERRIDE_ANNOTATION: "http://127.0.0.1:9/"}
+    pods = [_pod("a"), _pod("b")]
+    assert targets(sample, pods, False)[0].url == "http://10.0.0.1:8000/stats/cache"
+    assert targets(sample, pods, True) == [Target("a", "http://127.0.0.1:9/stats/cache")]
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    answers: dict[str, tuple[int, bytes]] = {}
+
+    def do_GET(self) -> None:
+        code, payload = self.answers.get(self.path, (404, b"{}"))
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+async def test_fetch_all_reports_answers_and_failures(server: str) -> None:
+    _Handler.answers = {
+        "/good/stats/cache": (200, json.dumps(STATS).encode()),
+        "/bad/stats/cache": (200, b'{"drift_rate": "x"}'),
+        "/err/stats/cache": (500, b"{}"),
+    }
+    found = [Target(n, f"{server}/{n}/stats/cache") for n in ("good", "bad", "err")]
+    found.append(Target("closed", "http://127.0.0.1:9/stats/cache"))
+    results = {r.pod: r for r in await fetch_all(found, timeout=2.0)}
+    assert results["good"].stats == coherence.parse_stats(STATS)
+    assert results["bad"].stats is None and "drift_rate" in (results["bad"].error or "")
+    assert results["err"].stats is None and "500" in (results["err"].error or "")
+    assert results["closed"].stats is None and results["closed"].error
+
+
+class FakeKube:
+    """The resource store: conflicts on demand, records status writes and events."""
+
+    def __init__(self, obj: dict[str, Any], conflicts: int = 0) -> None:
+        self.obj = obj
+        self.conflicts = conflicts
+        self.writes = 0
+        self.events: list[tuple[str, str]] = []
+
+    def get(self, path: str) -> dict[str, Any]:
+        return copy.deepcopy(self.obj)
+
+    def replace_status(self, obj: dict[str, Any]) -> dict[str, Any]:
+        if self.conflicts:
+            self.conflicts -= 1
+            foreign = {"type": "Ready", "status": "True", "reason": "AllReplicasReady"}
+            self.obj["status"] = {"conditions": [foreign], "readyReplicas": 2}
+            raise KubeError(409, "conflict")
+        self.writes += 1
+        self.obj = copy.deepcopy(obj)
+        return copy.deepcopy(obj)
+
+    def post_event(self, involved: Any, kind: str, reason: str, message: str) -> None:
+        self.events.append((kind, reason))
+
+
+def _judged(rate: float) -> coherence.Coherence:
+    stats = {**STATS, "drift_rate": rate, "drift_misses": rate * 4}
+    return coherence.evaluate([coherence.ProbeResult("p", coherence.parse_stats(stats))], 0.1)
+
+
+def test_store_keeps_other_conditions_and_posts_events_only_on_flips(
+    sample: dict[str, Any],
+) -> None:
+    kube = FakeKube(sample, conflicts=1)
+    probe = CoherenceProbe(kube)  # type: ignore[arg-type]
+    probe.store("ml", "llava", _judged(0.5))
+    status = kube.obj["status"]
+    kinds = {c["type"]: c for c in status["conditions"]}
+    assert kinds["Ready"]["reason"] == "AllReplicasReady"  # written by the conflicting writer
+    assert status["readyReplicas"] == 2
+    assert kinds["CacheCoherent"]["reason"] == "DriftRateHigh"
+    assert status["cache"]["driftRate"] == 0.5
+    assert kube.events == [("Warning", "DriftRateHigh")]
+    probe.store("ml", "llava", _judged(0.5))  # nothing changed: no write, no event
+    assert (kube.writes, len(kube.events)) == (1, 1)
+    probe.store("ml", "llava", _judged(0.75))  # new rate, same status: write, no event
+    assert (kube.writes, len(kube.events)) == (2, 1)
+    probe.store("ml", "llava", _judged(0.0))
+    assert kube.events[-1] == ("Normal", "DriftRateNormal")
+    assert kube.obj["status"]["cache"]["driftRate"] == 0.0
+
+
+def test_store_gives_up_after_persistent_conflicts(sample: dict[str, Any]) -> None:
+    probe = CoherenceProbe(FakeKube(sample, conflicts=100))  # type: ignore[arg-type]
+    with pytest.raises(KubeError, match="kept changing"):
+        probe.store("ml", "llava", _judged(0.5))
+
+
+def test_probe_timeout_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="timeout"):
+        CoherenceProbe(None, timeout=0)  # type: ignore[arg-type]
