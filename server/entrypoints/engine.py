@@ -207,7 +207,7 @@ def engine_tracing(cfg: EngineConfig) -> Any:
         )
     except TracingConfigError as exc:
         raise SystemExit(f"mmis engine: {exc}") from None
-    return setup_tracing(config, set_global=True)
+    return setup_tracing(config)
 
 
 def run(args: argparse.Namespace) -> int:
