@@ -199,13 +199,13 @@ def test_operator_works_with_the_chart_service_account_and_nothing_more(
     with OperatorThread(kubeconfig, options) as running:
         cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(SAMPLE))
         proc = cluster.kubectl(
-            "wait", "-n", namespace, "mmis/rbac-check", "--for=condition=Ready", "--timeout=90s",
+            "wait", "-n", namespace, "mmis/rbac-check", "--for=condition=Ready", "--timeout=240s",
             check=False,
         )  # fmt: skip
         assert proc.returncode == 0, cluster.kubectl(
             "get", "-n", namespace, "mmis/rbac-check", "-o", "yaml", check=False
         ).stdout
-        cluster.kubectl("delete", "-n", namespace, "mmis/rbac-check", "--timeout=60s")
+        cluster.kubectl("delete", "-n", namespace, "mmis/rbac-check", "--timeout=180s")
     assert running.error is None
     # a forbidden action is refused for real, not just absent from a list
     secrets = cluster.kubectl("get", "secrets", "-n", namespace, kubeconfig=kubeconfig, check=False)
