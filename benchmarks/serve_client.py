@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -70,6 +71,8 @@ class ServerProcess:
             proc.stop()
             raise RuntimeError(f"{name} did not start: {first!r}\n{proc.log_tail()}")
         proc.root_url = match.group(1)
+        # drain the access log so the server never blocks on a full stdout pipe
+        threading.Thread(target=proc.popen.stdout.read, daemon=True).start()
         return proc
 
     def wait_http(self, path: str, timeout: float = 300.0) -> float:

@@ -117,6 +117,16 @@ class Frontend(Proc):
             raise RuntimeError(f"{name} did not start: {first!r}\n{self.log_tail()}")
         self.root_url = match.group(1)
         self.base_url = self.root_url + "/v1"
+        # keep draining stdout (access logs) so the server can never block on a full pipe
+        threading.Thread(target=self._drain, args=(self.popen.stdout,), daemon=True).start()
+
+    def _drain(self, stream: Any) -> None:
+        for line in iter(stream.readline, b""):
+            if not self._log.closed:
+                try:
+                    self._log.write(line)
+                except ValueError:  # closed by stop() between the check and the write
+                    return
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
