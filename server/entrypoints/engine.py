@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import logging
 import signal
 import sys
@@ -164,7 +165,7 @@ def build(cfg: EngineConfig) -> Any:
         tokenizer=tokenizer,
         eos_token_id=adapter.eos_token_ids[0] if adapter.eos_token_ids else None,
         max_model_len=max_len,
-        spans=RequestSpans(tracing) if tracing.enabled else None,
+        spans=RequestSpans(tracing, background=True) if tracing.enabled else None,
     )
     readers = ShmReaderSet(cfg.shm_dir)
 
@@ -221,7 +222,16 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    proc.run()
+    # the model and libraries are loaded: keep the cyclic GC from re-scanning them at every
+    # full collection (pauses of tens of ms in the busy loop otherwise)
+    gc.collect()
+    gc.freeze()
+    try:
+        proc.run()
+    finally:
+        spans = getattr(proc.core, "spans", None)
+        if spans is not None:
+            spans.close()  # the spans of requests that finished last, before the exporter's exit
     return 0
 
 

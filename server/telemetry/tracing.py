@@ -138,11 +138,9 @@ def otlp_exporter(config: TracingConfig) -> SpanExporter:
     """The OTLP span exporter for ``config``'s protocol and endpoint (connects lazily)."""
     endpoint = config.otlp_traces_endpoint
     if config.protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
-            OTLPSpanExporter as GrpcExporter,
-        )
+        from mmis.server.telemetry.grpc_exporter import GrpcSpanExporter
 
-        return GrpcExporter(endpoint=endpoint)
+        return GrpcSpanExporter(endpoint=endpoint)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
         OTLPSpanExporter as HttpExporter,
     )

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace import Span, SpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from mmis.server.telemetry import genai
@@ -78,3 +81,60 @@ def test_aborted_requests_are_forgotten_and_tracking_is_bounded() -> None:
     assert exported.get_finished_spans() == ()  # neither is tracked any more
     spans.on_step([Scheduled("c", [])], [Event("c", [1], "stop")], 3, 4)
     assert "engine_core" in {s.name for s in exported.get_finished_spans()}
+
+
+class _ThreadRecorder(SpanProcessor):
+    """Records which thread started each span; can hold the first ``on_start`` until released."""
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.release.set()
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        self.threads.append(threading.current_thread().name)
+        self.entered.set()
+        assert self.release.wait(30), "the test never released the emitter"
+
+
+def _background_setup() -> tuple[Tracing, InMemorySpanExporter, _ThreadRecorder]:
+    p1, exported = _setup()
+    recorder = _ThreadRecorder()
+    assert p1.provider is not None
+    p1.provider.add_span_processor(recorder)
+    return p1, exported, recorder
+
+
+def test_background_spans_are_built_on_the_emitter_thread_and_close_drains_them() -> None:
+    p1, exported, recorder = _background_setup()
+    spans = RequestSpans(p1, background=True)
+    try:
+        for rid in ("a", "b"):
+            spans.admit(rid, {}, now_ns=1_000)
+            spans.on_step([Scheduled(rid, [0])], [Event(rid, [5], "stop")], 2_000, 3_000)
+    finally:
+        spans.close()
+    names = sorted(s.name for s in exported.get_finished_spans())
+    assert names == sorted(["engine_core", "queue", "prefill", "encoder"] * 2)
+    assert set(recorder.threads) == {"mmis-spans"}  # never the caller's (the busy loop's)
+    spans.close()  # idempotent
+
+
+def test_background_queue_is_bounded_and_drops_are_counted() -> None:
+    p1, exported, recorder = _background_setup()
+    recorder.release.clear()
+    spans = RequestSpans(p1, max_tracked=2, background=True)
+    try:
+        spans.admit("a", {})
+        spans.on_step([], [Event("a", [1], "stop")], 1, 2)
+        assert recorder.entered.wait(30)  # the emitter holds "a"; the queue is empty
+        for t, rid in enumerate(("b", "c", "d")):
+            spans.admit(rid, {})
+            spans.on_step([], [Event(rid, [1], "stop")], 10 * t + 1, 10 * t + 2)
+        assert spans.dropped == 1  # "b" and "c" wait in the queue, "d" found it full
+    finally:
+        recorder.release.set()
+        spans.close()
+    roots = [s for s in exported.get_finished_spans() if s.name == "engine_core"]
+    assert [s.end_time for s in roots] == [2, 2, 12]  # "a", "b", "c"
