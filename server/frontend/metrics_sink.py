@@ -12,8 +12,9 @@ counter             series
 ``drift_misses``    ``mmis_drift_misses_total``
 ``invalidations``   ``mmis_shadow_invalidations_total``
 ``retries``         ``mmis_mm_retries_total{endpoint, outcome}``: endpoint as its route,
-                    ``miss_again`` -> ``failed``; ``hash_only`` (refused, never retried)
-                    and the readiness probe's retries are not client retries: not counted
+                    ``miss_again`` -> ``failed``, ``hash_only`` (refused with a 422, never
+                    retried) kept as is; the readiness probe's retries are not client
+                    requests: not counted
 ``epoch_changes``   ``mmis_frontend_epoch_changes_total`` (:class:`FrontendLevels`)
 ==================  ================================================================
 
@@ -44,7 +45,12 @@ ENDPOINT_ROUTES = {
     "completions": "/v1/completions",
     "embeddings": "/v1/embeddings",
 }
-RETRY_OUTCOMES = {"success": "success", "miss_again": "failed", "error": "error"}
+RETRY_OUTCOMES = {
+    "success": "success",
+    "miss_again": "failed",
+    "error": "error",
+    "hash_only": "hash_only",
+}
 
 
 class MetricsSink:

@@ -37,7 +37,9 @@ class Owner(enum.StrEnum):
 # The label names a metric may carry, each with its closed set of values ("model" is fixed per
 # process, so it is bounded by deployment, not by traffic).
 ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
-RETRY_OUTCOMES = frozenset({"success", "failed", "error"})  # failed: missed again -> 503
+# success: the retry healed it; failed: missed again (503); error: the retry failed otherwise;
+# hash_only: the missing items were sent by uuid only, so no retry: refused with a 422.
+RETRY_OUTCOMES = frozenset({"success", "failed", "error", "hash_only"})
 STATUS_CLASSES = frozenset({"1xx", "2xx", "3xx", "4xx", "5xx"})
 ALLOWED_LABELS = frozenset({"model", "endpoint", "outcome", "status"})
 
@@ -103,7 +105,12 @@ INVALIDATIONS = _p0(
     "mmis_shadow_invalidations_total", C, "Shadow entries dropped on P1's word.", "model"
 )
 RETRIES = _p0(
-    "mmis_mm_retries_total", C, "Requests re-rendered with data after a miss.", *ME, "outcome"
+    "mmis_mm_retries_total",
+    C,
+    "Requests whose first attempt failed retryably (cache miss, P1 restart), by how recovery "
+    "ended: success, failed (missed again, 503), error, hash_only (uuid-only items, 422).",
+    *ME,
+    "outcome",
 )
 
 DRIFT_RATE = MetricSpec(

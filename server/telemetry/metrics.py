@@ -106,7 +106,11 @@ class MMISMetrics:
         self._inc(catalog.INVALIDATIONS, count)
 
     def retry(self, endpoint: str, outcome: str) -> None:
-        """One retry after a miss; ``outcome`` is success | failed (missed again) | error."""
+        """One request whose first attempt failed retryably, by how its recovery ended.
+
+        ``outcome`` is success | failed (missed again) | error | hash_only (refused with a 422
+        naming the uuids the client must resend with data; no retry was possible).
+        """
         self._inc(catalog.RETRIES, 1, endpoint=endpoint, outcome=outcome)
 
     # -- requests ------------------------------------------------------------------------
