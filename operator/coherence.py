@@ -10,8 +10,13 @@ Invariants:
 - The condition is judged on the *worst* pod (one drifting pod is actionable on its own):
   False / ``DriftRateHigh`` when its rate exceeds the threshold, True / ``DriftRateNormal``
   otherwise; the message names that rate, the threshold and the pod.
-- ``Unknown`` when there is nothing to judge: ``NoData`` (no ready pod, or no shadow hit in any
-  pod's window, so a 0.0 rate carries no evidence), ``ProbeFailed`` (no pod answered).
+- ``Unknown`` when there is nothing to judge: ``NoData`` (no ready pod), ``ProbeFailed`` (no
+  pod answered).
+- No traffic (pods answer, but no shadow hit in any pod's window, so a 0.0 rate carries no
+  evidence) is ``NoTraffic`` with ``hold_status``: the stored True/False verdict is kept, its
+  message says since when the window had no traffic, and no Event is posted (see
+  :mod:`conditions`); with no verdict yet it is ``Unknown``. A healthy service that goes idle
+  and busy again never flaps through ``Unknown``.
 - ``status.cache`` rates are pooled over the answering pods (sums of the window deltas) and
   rounded, so an unchanged picture never rewrites the status.
 - A malformed answer is a :class:`StatsError` for that pod (treated as a failed probe), never
@@ -31,6 +36,7 @@ from mmis.operator.conditions import Condition
 DRIFT_HIGH = "DriftRateHigh"
 DRIFT_NORMAL = "DriftRateNormal"
 NO_DATA = "NoData"
+NO_TRAFFIC = "NoTraffic"
 PROBE_FAILED = "ProbeFailed"
 DIGITS = 4
 
@@ -133,9 +139,10 @@ def evaluate(results: Sequence[ProbeResult], threshold: float) -> Coherence:
         condition = Condition(
             r.CACHE_COHERENT,
             "Unknown",
-            NO_DATA,
-            f"no shadow hit on any of {len(answered)} pod(s) in the last {window}: "
-            "no traffic reusing images, so the drift rate carries no evidence",
+            NO_TRAFFIC,
+            f"no traffic in the last {window} window: no shadow hit on any of "
+            f"{len(answered)} pod(s), so the drift rate carries no evidence",
+            hold_status=True,
         )
         return Coherence(condition, cache)
     worst_pod, worst = max(answered, key=lambda item: (item[1].drift_rate, item[0]))

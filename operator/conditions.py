@@ -7,6 +7,12 @@ Invariants:
   same status keeps the old time (Kubernetes API conventions).
 - ``status`` is always one of "True", "False", "Unknown"; anything else is a ValueError.
 - Every condition written records the generation it describes (``observedGeneration``).
+- A condition with ``hold_status`` carries no new evidence (e.g. ``CacheCoherent`` of an idle
+  service). Against a stored True/False it keeps that status (so ``lastTransitionTime`` stays)
+  and takes its own reason, with a message that says since when and quotes the last verdict;
+  with no stored verdict it is written as given (``Unknown``). Once written, later held
+  conditions of the same reason leave the entry as it is (the "since" time stays, nothing is
+  rewritten). A held condition is never a transition, so it never causes an Event.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ class Condition:
     status: str
     reason: str
     message: str
+    hold_status: bool = False  # no new evidence: keep a stored True/False (see the module doc)
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -66,10 +73,12 @@ def upsert(
             result.append(dict(item))
             continue
         replaced = True
-        same = item.get("status") == condition.status and item.get("lastTransitionTime")
-        result.append(_entry(condition, generation, item["lastTransitionTime"] if same else stamp))
+        settled = held(item, condition, stamp) if condition.hold_status else condition
+        same = item.get("status") == settled.status and item.get("lastTransitionTime")
+        result.append(_entry(settled, generation, item["lastTransitionTime"] if same else stamp))
     if not replaced:
-        result.append(_entry(condition, generation, stamp))
+        fresh = held({}, condition, stamp) if condition.hold_status else condition
+        result.append(_entry(fresh, generation, stamp))
     return result
 
 
@@ -91,11 +100,25 @@ def transitions(
     """Conditions in ``new`` whose status differs from ``before`` (or that are new)."""
     found = []
     for condition in new:
+        if condition.hold_status:
+            continue  # keeps a stored status, or is Unknown where no verdict was ever given
         old = find(before or (), condition.type)
         old_status = None if old is None else old.get("status")
         if old_status != condition.status:
             found.append(Transition(condition.type, old_status, condition))
     return found
+
+
+def held(stored: Mapping[str, Any], condition: Condition, stamp: str) -> Condition:
+    """What a ``hold_status`` condition becomes over the ``stored`` entry of its type."""
+    status = stored.get("status")
+    if stored.get("reason") == condition.reason and status in STATUSES:
+        return dataclasses.replace(condition, status=status, message=str(stored.get("message")))
+    since = f"{condition.message} (since {stamp})"
+    if status in ("True", "False"):
+        last = f"last verdict {stored.get('reason')}: {stored.get('message')}"
+        return dataclasses.replace(condition, status=status, message=f"{since}; {last}")
+    return dataclasses.replace(condition, message=since)
 
 
 def _entry(condition: Condition, generation: int | None, stamp: str) -> dict[str, Any]:

@@ -75,7 +75,9 @@ def test_some_answers_are_enough_to_judge() -> None:
 
 def test_no_shadow_hits_is_no_evidence() -> None:
     judged = evaluate([pod("a", shadow_hits=0, drift_misses=0)], 0.01)
-    assert (judged.condition.status, judged.condition.reason) == ("Unknown", "NoData")
+    assert (judged.condition.status, judged.condition.reason) == ("Unknown", "NoTraffic")
+    assert judged.condition.hold_status  # keeps a stored verdict (test_coherence_idle.py)
+    assert "no traffic in the last 3s window" in judged.condition.message
     assert judged.cache["driftRate"] == 0.0  # the Drift column still shows the value
 
 
