@@ -14,13 +14,15 @@ Invariants:
 - Settings reach the server as flags its parsers know (``tests/contract`` parses them with
   the real ``mmis frontend`` / ``mmis engine`` parsers); the only ``MMIS_*`` variable is
   ``MMIS_FRONTEND_API_KEY`` from the Secret, so the key never appears in the pod spec.
-  ``model.revision`` and ``model.processorKwargs`` have no server setting yet: not passed.
+  ``model.revision`` goes to both containers (``--revision``); ``model.processorKwargs`` to
+  the front end only (``--processor-kwargs``, compact JSON): P1 never runs the processor.
 - The engine stays up while the front end drains (its preStop pause is longer), so in-flight
   requests finish before P1 exits.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -43,6 +45,19 @@ def address_args() -> list[str]:
     ]
 
 
+def revision_args(spec: ServiceSpec) -> list[str]:
+    """The model revision, identical on both containers (none: the hub's default branch)."""
+    return ["--revision", spec.model.revision] if spec.model.revision else []
+
+
+def processor_kwargs_args(spec: ServiceSpec) -> list[str]:
+    """The processor's call kwargs as one JSON object (front end only)."""
+    kwargs = spec.model.processor_kwargs
+    if not kwargs:
+        return []
+    return ["--processor-kwargs", json.dumps(dict(kwargs), sort_keys=True, separators=(",", ":"))]
+
+
 def _shm_args(spec: ServiceSpec) -> list[str]:
     """Both sides name the store's directory; only the writer (P0) sizes it."""
     return ["--shm-dir", r.SHM_MOUNT] if spec.cache.type == "shm" else []
@@ -51,6 +66,7 @@ def _shm_args(spec: ServiceSpec) -> list[str]:
 def frontend_args(spec: ServiceSpec) -> list[str]:
     """``mmis frontend`` flags; every one exists in ``mmis.server.entrypoints.frontend``."""
     args = ["frontend", "--model", spec.model.name, "--served-model-name", spec.model.served_name]
+    args += [*revision_args(spec), *processor_kwargs_args(spec)]
     args += ["--host", "0.0.0.0", "--port", str(r.HTTP_PORT), *address_args()]
     shadow = quantity.gib(spec.cache.size_bytes)
     args += ["--mm-cache-type", spec.cache.type, "--mm-cache-gb", shadow]
@@ -69,7 +85,7 @@ def engine_args(spec: ServiceSpec) -> list[str]:
     receiver = spec.cache.size_bytes
     if spec.cache.engine_size_bytes is not None:
         receiver = spec.cache.engine_size_bytes
-    args = ["engine", "--model", spec.model.name, *address_args()]
+    args = ["engine", "--model", spec.model.name, *revision_args(spec), *address_args()]
     args += ["--mm-cache-type", spec.cache.type, "--engine-mm-cache-gb", quantity.gib(receiver)]
     args += _shm_args(spec)
     args += ["--max-num-seqs", str(spec.max_num_seqs)]

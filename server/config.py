@@ -5,14 +5,18 @@ Invariants:
 - Precedence: explicit argument (CLI) > environment (``MMIS_<SECTION>_<FIELD>``) > default.
 - Environment values are parsed by the field's declared type; a bad value raises
   :class:`ConfigError` naming the variable, never a bare ``ValueError`` later.
+- A ``Mapping`` setting is written as a JSON object (env and CLI alike, through
+  :func:`parse_json_object`); anything else (bad JSON, a list, a number) is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import types
 import typing
+from collections import abc
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -45,6 +49,39 @@ class CacheConfig:
         return int((self.gb if self.engine_gb is None else self.engine_gb) * GiB)
 
 
+_JSON_KINDS: dict[type, str] = {
+    list: "array",
+    str: "string",
+    int: "number",
+    float: "number",
+    bool: "boolean",
+    type(None): "null",
+}
+
+
+def json_object(raw: str) -> dict[str, Any]:
+    """``raw`` as a JSON object (a dict with string keys); ``ValueError`` saying what is wrong
+    (without naming the setting: callers add the flag or variable)."""
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"expected a JSON object, got invalid JSON {raw!r} ({exc})") from None
+    if not isinstance(value, dict):
+        kind = _JSON_KINDS.get(type(value), type(value).__name__)
+        raise ValueError(
+            f"expected a JSON object like '{{\"do_normalize\": false}}', got a JSON {kind}: {raw!r}"
+        )
+    return value
+
+
+def parse_json_object(raw: str, name: str) -> dict[str, Any]:
+    """:func:`json_object`, or :class:`ConfigError` naming ``name`` (a flag or variable)."""
+    try:
+        return json_object(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+
+
 def _parse(raw: str, tp: Any, name: str) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -52,6 +89,8 @@ def _parse(raw: str, tp: Any, name: str) -> Any:
         if raw.strip().lower() in ("", "none", "null"):
             return None
         return _parse(raw, args[0], name)
+    if origin in (dict, abc.Mapping):
+        return parse_json_object(raw, name)
     try:
         if tp is bool:
             low = raw.strip().lower()

@@ -3,6 +3,10 @@
 Invariants:
 - ``--model`` accepts a local directory, a hub id, or ``mmis-tiny`` / ``mmis-tiny-qwen2-vl``
   (the built-in tiny models, built on first use into the model cache; never committed).
+- ``--revision`` (a branch, tag or commit of a hub model) goes to every ``from_pretrained``
+  of config, model, processor and tokenizer; for a local directory transformers ignores it.
+- ``--processor-kwargs`` is a JSON object, checked while parsing: bad JSON or a non-object is
+  a usage error (exit status 2) naming the flag, before anything starts.
 - Engine addresses default to loopback TCP ports that both sides agree on; ``mmis serve``
   picks fresh IPC paths instead.
 """
@@ -12,11 +16,30 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from typing import Any
+
+from mmis.server.config import json_object
 
 TINY_MODELS = {"mmis-tiny": "llava", "mmis-tiny-llava": "llava", "mmis-tiny-qwen2-vl": "qwen2-vl"}
 DEFAULT_MODEL = "mmis-tiny"
 DEFAULT_INPUT_ADDRESS = "tcp://127.0.0.1:5570"
 DEFAULT_OUTPUT_ADDRESS = "tcp://127.0.0.1:5571"
+REVISION_HELP = (
+    "model revision (branch, tag or commit) for every from_pretrained; "
+    "ignored for a local directory"
+)
+PROCESSOR_KWARGS_HELP = (
+    "JSON object of keyword arguments for the model's processor call, "
+    """e.g. '{"do_normalize": false}'; part of every image's mm_hash"""
+)
+
+
+def json_object_arg(raw: str) -> dict[str, Any]:
+    """argparse ``type=`` of a JSON-object flag: a bad value is a usage error (exit 2)."""
+    try:
+        return json_object(raw)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def resolve_model(model: str) -> str:

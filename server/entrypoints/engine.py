@@ -4,6 +4,9 @@ Invariants:
 - Settings come from one frozen :class:`EngineConfig` (CLI > ``MMIS_ENGINE_*`` env > default).
 - The KV pool is preallocated from ``kv_cache_gb`` (or ``num_kv_blocks``) before the engine
   reports ready; the scheduler's block count is the pool's.
+- ``--revision`` reaches every ``from_pretrained`` of P1 (config, model, tokenizer) through
+  :func:`load_model`. P1 takes no processor kwargs: it never runs the processor, it receives
+  the tensors P0 made (their shapes carry everything it derives, e.g. placeholder counts).
 - SIGTERM/SIGINT stop the busy loop; the sockets close; the process exits 0.
 """
 
@@ -20,6 +23,7 @@ from typing import Any
 from mmis.server.config import ConfigError, GiB, from_env
 from mmis.server.entrypoints.common import (
     DEFAULT_MODEL,
+    REVISION_HELP,
     add_engine_addresses,
     resolve_model,
     setup_logging,
@@ -31,6 +35,7 @@ log = logging.getLogger("mmis.engine")
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL
+    revision: str | None = None  # hub branch, tag or commit; ignored for a local directory
     input_address: str = "tcp://127.0.0.1:5570"
     output_address: str = "tcp://127.0.0.1:5571"
     mm_cache_gb: float = 4.0  # the receiver cache budget (P1); P0 mirrors it by default
@@ -53,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=None, help="model directory or hub id (default: mmis-tiny)"
     )
+    parser.add_argument("--revision", default=None, metavar="REV", help=REVISION_HELP)
     add_engine_addresses(parser)
     parser.add_argument("--engine-mm-cache-gb", "--mm-cache-gb", dest="mm_cache_gb", type=float)
     parser.add_argument("--mm-cache-type", choices=["lru", "shm"], default=None)
@@ -113,13 +119,23 @@ def check_config(cfg: EngineConfig) -> str | None:
     return None
 
 
-def build(cfg: EngineConfig) -> Any:
-    """Load the model and wire scheduler, runner, receiver cache and process shell."""
+def load_model(cfg: EngineConfig) -> tuple[Any, Any]:
+    """The model adapter and the tokenizer of ``cfg.model`` at ``cfg.revision``."""
     from transformers import AutoTokenizer
 
+    from mmis.server.engine.model import load_adapter
+
+    path = resolve_model(cfg.model)
+    log.info("loading model %s (revision %s)", path, cfg.revision or "default")
+    adapter = load_adapter(path, device=cfg.device, revision=cfg.revision)
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=cfg.revision)
+    return adapter, tokenizer
+
+
+def build(cfg: EngineConfig) -> Any:
+    """Load the model and wire scheduler, runner, receiver cache and process shell."""
     from mmis.server.engine.core import EngineCore
     from mmis.server.engine.core_process import EngineCoreProc
-    from mmis.server.engine.model import load_adapter
     from mmis.server.engine.paged_attention import PagedAttentionError
     from mmis.server.engine.receiver_cache import ReceiverCache
     from mmis.server.engine.runner import ModelRunner
@@ -128,9 +144,7 @@ def build(cfg: EngineConfig) -> Any:
     from mmis.server.shm.reader_set import ShmReaderSet
     from mmis.server.telemetry.request_spans import RequestSpans
 
-    path = resolve_model(cfg.model)
-    log.info("loading model %s", path)
-    adapter = load_adapter(path, device=cfg.device)
+    adapter, tokenizer = load_model(cfg)
     kv_bytes = None if cfg.kv_cache_gb is None else int(cfg.kv_cache_gb * GiB)
     num_blocks = cfg.num_kv_blocks
     if kv_bytes is None and num_blocks is None:
@@ -157,7 +171,6 @@ def build(cfg: EngineConfig) -> Any:
             max_model_len=max_len,
         )
     )
-    tokenizer = AutoTokenizer.from_pretrained(path)
     tracing = engine_tracing(cfg)
     core = EngineCore(
         scheduler,

@@ -21,16 +21,19 @@ import logging
 import signal
 import socket
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mmis.server.config import ConfigError, from_env
+from mmis.server.entrypoints.common import PROCESSOR_KWARGS_HELP, REVISION_HELP, json_object_arg
 
 if TYPE_CHECKING:
     from mmis.server.frontend.config import FrontendConfig
     from mmis.server.frontend.state import ServerSettings
 
-_SETTINGS_FLAGS = {
+_SETTINGS_FLAGS: dict[str, tuple[Any, str]] = {
     "model": (str, "model directory or id (processor and config are read from it)"),
+    "revision": (str, REVISION_HELP),
+    "processor_kwargs": (json_object_arg, PROCESSOR_KWARGS_HELP),
     "served_model_name": (str, "model name shown to clients (default: --model)"),
     "host": (str, "address to bind (default 127.0.0.1)"),
     "port": (int, "port to bind; 0 picks a free one (default 8000)"),
@@ -54,6 +57,9 @@ _SETTINGS_FLAGS = {
     "drift_window_s": (float, "window of the drift rate on /metrics and /stats/cache"),
     "stats_interval_s": (float, "how often P1's figures are polled for /metrics"),
 }
+_METAVARS = {"revision": "REV", "processor_kwargs": "JSON"}
+# arguments of the processor call that mmis sets itself (ModelProcessor.process_image)
+_PROCESSOR_CALL_ARGS = frozenset({"text", "images", "return_tensors"})
 _CONFIG_FLAGS = {
     "allowed_local_media_path": (str, "root under which file:// images may be read"),
     "allow_private_media_urls": (bool, "allow image URLs on private/loopback addresses"),
@@ -70,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             parser.add_argument(flag, action="store_const", const=True, default=None, help=text)
         else:
-            parser.add_argument(flag, type=kind, default=None, help=text)
+            metavar = _METAVARS.get(name)
+            parser.add_argument(flag, type=kind, default=None, metavar=metavar, help=text)
     parser.add_argument(
         "--allow-private-media",
         dest="allow_private_media_urls",
@@ -93,6 +100,9 @@ def settings_from(args: argparse.Namespace) -> tuple[ServerSettings, FrontendCon
         raise ConfigError("--model (or MMIS_FRONTEND_MODEL) is required")
     if settings.mm_cache_type not in ("lru", "shm"):
         raise ConfigError(f"--mm-cache-type must be lru or shm, got {settings.mm_cache_type!r}")
+    reserved = sorted(_PROCESSOR_CALL_ARGS & set(settings.processor_kwargs))
+    if reserved:
+        raise ConfigError(f"--processor-kwargs must not set {reserved}: mmis passes them itself")
     for name in ("drift_window_s", "stats_interval_s"):
         if not getattr(settings, name) > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0")

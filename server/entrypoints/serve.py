@@ -18,6 +18,8 @@ Invariants:
   terminal's Ctrl-C cannot stop it before P0 has drained). If we die without cleaning up
   (SIGKILL), the kernel sends P1 SIGTERM (Linux parent-death signal): no orphan keeps running.
 - Bad engine-only flags exit 2 before anything starts (not through a P1 restart loop).
+- P1 gets the model's ``--revision`` too (both sides load the same revision); processor
+  kwargs stay in P0, the only side that runs the processor.
 """
 
 from __future__ import annotations
@@ -93,8 +95,10 @@ def engine_command(
     launcher = "from mmis.server.entrypoints.serve import engine_child_main; engine_child_main()"
     cmd = [sys.executable, "-c", launcher, "engine", "--model", model_path]
     cmd += ["--input-address", in_addr, "--output-address", out_addr]
+    revision = getattr(args, "revision", None) or os.environ.get("MMIS_FRONTEND_REVISION")
     budget = args.engine_mm_cache_gb if args.engine_mm_cache_gb is not None else args.mm_cache_gb
     pairs = {
+        "--revision": revision,
         "--engine-mm-cache-gb": budget,
         "--mm-cache-type": args.mm_cache_type,
         "--shm-dir": args.shm_dir,

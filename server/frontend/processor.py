@@ -9,6 +9,9 @@ Invariants:
   so this equals tokenizing the fully expanded text) and then expanded in token space.
 - Per-image tensors exclude the text outputs (input_ids, attention_mask, token-type ids):
   what remains is exactly what the engine's vision encoder needs for that item.
+- ``processor_kwargs`` (``--processor-kwargs``) go to every processor call on an image; the
+  renderer hashes the same mapping into each content mm_hash, so changing them changes
+  both the tensors and the hashes.
 - Not thread-safe: used from the single multimodal worker thread only.
 """
 
@@ -48,11 +51,18 @@ class ModelProcessor:
 
     @classmethod
     def from_pretrained(
-        cls, model: str, processor_kwargs: Mapping[str, Any] | None = None, **kwargs: Any
+        cls,
+        model: str,
+        processor_kwargs: Mapping[str, Any] | None = None,
+        *,
+        revision: str | None = None,
+        **kwargs: Any,
     ) -> ModelProcessor:
+        """Load the processor (and its tokenizer) of ``model`` at ``revision``."""
         from transformers import AutoProcessor
 
-        return cls(AutoProcessor.from_pretrained(model, **kwargs), processor_kwargs)
+        processor = AutoProcessor.from_pretrained(model, revision=revision, **kwargs)
+        return cls(processor, processor_kwargs)
 
     # ------------------------------------------------------------------ text
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> str:

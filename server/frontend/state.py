@@ -8,6 +8,10 @@ Invariants:
 - One single-worker executor runs every render (the only place the shadow is mutated); the
   engine client's output handler only *enqueues* invalidations (misses, evictions, a changed
   cache epoch) into :class:`PendingInvalidations`, before the outputs that carry them.
+- The processor and the model config are loaded at ``revision`` (:func:`load_processor`);
+  ``processor_kwargs`` go to every processor call and into every content mm_hash, whose
+  model id also names the revision (:func:`hash_model_id`): an image processed one way is
+  never served for a request that would have processed it another way.
 - ``ready`` becomes true only after a synthetic image request went P0 -> cache -> P1 ->
   output since this process started (``/ready``); ``/health`` needs the process and a live
   engine (a ping answered recently).
@@ -28,6 +32,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -61,6 +66,8 @@ class ServerSettings:
     """``mmis frontend`` settings (``MMIS_FRONTEND_<FIELD>``); media limits: FrontendConfig."""
 
     model: str = ""
+    revision: str | None = None  # hub branch, tag or commit; ignored for a local directory
+    processor_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # JSON object
     served_model_name: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
@@ -99,12 +106,29 @@ def frontend_tracing(settings: ServerSettings) -> Tracing:
     return setup_tracing(config)
 
 
-def _max_model_len(model: str) -> int:
+def _max_model_len(model: str, revision: str | None = None) -> int:
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model)
+    config = AutoConfig.from_pretrained(model, revision=revision)
     text = getattr(config, "text_config", None) or config
     return int(getattr(text, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
+
+
+def load_processor(settings: ServerSettings) -> tuple[ModelProcessor, int]:
+    """The processor (with the configured call kwargs) and the context window of
+    ``settings.model`` at ``settings.revision``."""
+    processor = ModelProcessor.from_pretrained(
+        settings.model, settings.processor_kwargs, revision=settings.revision
+    )
+    max_len = settings.max_model_len
+    if max_len is None:
+        max_len = _max_model_len(settings.model, settings.revision)
+    return processor, max_len
+
+
+def hash_model_id(settings: ServerSettings) -> str:
+    """The model id hashed into every content mm_hash: the model, and its revision if set."""
+    return settings.model if settings.revision is None else f"{settings.model}@{settings.revision}"
 
 
 class FrontendState:
@@ -152,7 +176,7 @@ class FrontendState:
             self.shadow,
             self.pending,
             self.executor,
-            model_id=settings.model,
+            model_id=hash_model_id(settings),
             max_model_len=max_model_len,
             max_images=config.max_images_per_prompt,
             hash_algorithm=settings.hash_algorithm,
@@ -177,10 +201,7 @@ class FrontendState:
                 f"mm_cache_type must be 'lru' or 'shm', got {settings.mm_cache_type!r}"
             )
         loop = asyncio.get_running_loop()
-        processor = await loop.run_in_executor(None, ModelProcessor.from_pretrained, settings.model)
-        max_len = settings.max_model_len
-        if max_len is None:
-            max_len = await loop.run_in_executor(None, _max_model_len, settings.model)
+        processor, max_len = await loop.run_in_executor(None, load_processor, settings)
         state = cls(settings, config, processor, max_model_len=max_len, tracing=tracing)
         try:
             await state.client.start(timeout=settings.engine_timeout_s)

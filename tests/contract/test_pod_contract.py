@@ -36,6 +36,16 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 SECRET_VALUE = "from-secret"  # stands in for a secretKeyRef the kubelet would resolve
 GB_ROUNDING = 0.00005  # quantity.gib keeps 4 decimals
+# spec.model.revision / processorKwargs as a platform engineer writes them (nested, unicode)
+MODEL_EXTRAS: dict[str, Any] = {
+    "revision": "v1.2-rc",
+    "processorKwargs": {
+        "do_normalize": False,
+        "size": {"shortest_edge": 3136, "longest_edge": 12544},
+        "image_mean": [0.5, 0.5, 0.5],
+        "note": "größe 'quoted' {braces}",
+    },
+}
 
 # MMIS_* names each command's config layer reads (from_env sections, parser defaults)
 READ_ENV = {
@@ -69,6 +79,7 @@ def _variants() -> Iterator[tuple[str, dict[str, Any]]]:
             "allowedLocalMediaPath": "/data",
             "model": {"path": "/models/x", "servedName": "friendly"},
         },
+        "revision-processor-kwargs": {"model": {"id": "acme/vlm", **MODEL_EXTRAS}},
     }
     for name, change in changes.items():
         obj = copy.deepcopy(base)
@@ -161,6 +172,10 @@ def test_server_settings_match_the_spec(variant: str, monkeypatch: pytest.Monkey
 
     # the model and its name
     assert settings.model == engine.model == spec.model.name
+    # its revision on both sides; processor kwargs on the only side that runs the processor
+    assert settings.revision == engine.revision == spec.model.revision
+    assert settings.processor_kwargs == spec.model.processor_kwargs
+    assert "--processor-kwargs" not in engine_c["args"]
     assert settings.model_name == spec.model.served_name
     # one engine, both ends agree on its sockets
     assert settings.engine_input_address == engine.input_address == r.ENGINE_INPUT_ADDRESS
@@ -201,6 +216,24 @@ def test_server_settings_match_the_spec(variant: str, monkeypatch: pytest.Monkey
     (port,) = front_c["ports"]
     assert port["name"] == r.HTTP_PORT_NAME and port["containerPort"] == settings.port
     assert settings.host == "0.0.0.0"  # a pod must listen on its pod IP
+
+
+def test_revision_and_processor_kwargs_reach_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both fields set in the resource come out as the server's own config values."""
+    _, dep = _deployment(VARIANTS["revision-processor-kwargs"])
+    by_name = {c["name"]: c for c in dep["spec"]["template"]["spec"]["containers"]}
+    with monkeypatch.context() as patch:
+        settings, _ = _parse(by_name[r.FRONTEND], patch)
+    with monkeypatch.context() as patch:
+        engine = _parse(by_name[r.ENGINE], patch)
+    assert settings.revision == engine.revision == MODEL_EXTRAS["revision"]
+    assert settings.processor_kwargs == MODEL_EXTRAS["processorKwargs"]
+    # and the resources that leave them unset give the server's defaults
+    _, plain = _deployment(VARIANTS["llava-lru"])
+    front_c = plain["spec"]["template"]["spec"]["containers"][0]
+    with monkeypatch.context() as patch:
+        settings, _ = _parse(front_c, patch)
+    assert settings.revision is None and settings.processor_kwargs == {}
 
 
 def test_probe_and_scrape_paths_are_front_end_routes(monkeypatch: pytest.MonkeyPatch) -> None:

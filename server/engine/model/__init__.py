@@ -1,7 +1,10 @@
 """Model adapters: one per model family, chosen from the checkpoint's ``model_type``.
 
-Invariant: every adapter implements :class:`ModelAdapter`; the runner never touches a
-family-specific attribute of the Hugging Face model.
+Invariants:
+- Every adapter implements :class:`ModelAdapter`; the runner never touches a
+  family-specific attribute of the Hugging Face model.
+- :func:`load_adapter` passes ``revision`` to every ``from_pretrained`` it makes (config and
+  model), so the family is chosen from the same revision that is loaded.
 """
 
 from __future__ import annotations
@@ -30,22 +33,26 @@ def adapter_class(model_type: str) -> type[ModelAdapter]:
     raise UnsupportedModelError(f"model_type {model_type!r} is not supported; known: {known}")
 
 
-def _model_type(path_or_id: str | Path) -> str:
+def _model_type(path_or_id: str | Path, revision: str | None = None) -> str:
     local = Path(path_or_id) / "config.json"
-    if local.is_file():
+    if local.is_file():  # a local directory has no revisions
         return str(json.loads(local.read_text()).get("model_type", ""))
     from transformers import AutoConfig
 
-    return str(AutoConfig.from_pretrained(str(path_or_id)).model_type)
+    return str(AutoConfig.from_pretrained(str(path_or_id), revision=revision).model_type)
 
 
 def load_adapter(
     path_or_id: str | Path,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    *,
+    revision: str | None = None,
 ) -> ModelAdapter:
-    """Load a checkpoint with the adapter of its family (CUDA when available, else CPU)."""
-    return adapter_class(_model_type(path_or_id)).load(path_or_id, device, dtype)
+    """Load a checkpoint (at a hub ``revision``: branch, tag or commit) with the adapter of
+    its family (CUDA when available, else CPU)."""
+    family = adapter_class(_model_type(path_or_id, revision))
+    return family.load(path_or_id, device, dtype, revision=revision)
 
 
 __all__ = [

@@ -85,13 +85,18 @@ class ModelAdapter(abc.ABC):
         path_or_id: str | Path,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        *,
+        revision: str | None = None,
     ) -> ModelAdapter:
-        """``from_pretrained`` (CUDA when available, else CPU) with paged text attention."""
+        """``from_pretrained`` at ``revision`` (CUDA when available, else CPU) with paged text
+        attention."""
         from transformers import AutoModelForImageTextToText
 
         dev = torch.device(device) if device is not None else default_device()
         dt = dtype if dtype is not None else default_dtype(dev)
-        model: Any = AutoModelForImageTextToText.from_pretrained(str(path_or_id), dtype=dt)
+        model: Any = AutoModelForImageTextToText.from_pretrained(
+            str(path_or_id), dtype=dt, revision=revision
+        )
         model = model.to(dev).eval()
         model.set_attn_implementation({"text_config": ATTENTION_NAME})
         return cls(model, dev, dt)
