@@ -212,7 +212,6 @@ class RequestSpans:
             attributes={**usage, ATTR_FINISH_REASON: finished.finish_reason},
             start_time=track.admitted_ns,
         )
-        parent = trace.set_span_in_context(root)
         scheduled = track.scheduled_ns or end_ns
         first = track.first_token_ns
         phases = [(QUEUE_SPAN, track.admitted_ns, scheduled)]
@@ -220,13 +219,8 @@ class RequestSpans:
         if first is not None and first < end_ns:
             phases.append((DECODE_SPAN, first, end_ns))
         for name, start, end in phases:
-            self.tracing.start(name, context=parent, start_time=start).end(end_time=end)
+            self.tracing.record_finished(root, name, start, end)
         for start, end, items in track.encoder_steps:
-            span = self.tracing.start(
-                ENCODER_SPAN,
-                context=parent,
-                attributes={ATTR_ENCODER_ITEMS: items},
-                start_time=start,
-            )
-            span.end(end_time=end)
+            attrs = {ATTR_ENCODER_ITEMS: items}
+            self.tracing.record_finished(root, ENCODER_SPAN, start, end, attrs)
         root.end(end_time=end_ns)

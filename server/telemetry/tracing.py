@@ -36,7 +36,7 @@ from mmis.server.telemetry.genai import AttributeValue
 from mmis.server.telemetry.tracing_config import TracingConfig
 
 if TYPE_CHECKING:
-    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
 
 TRACER_NAME = "mmis"
@@ -59,6 +59,7 @@ class Tracing:
 
     tracer: trace.Tracer
     provider: TracerProvider | None = None
+    processor: SpanProcessor | None = None  # the one processor setup_tracing attached
 
     @property
     def enabled(self) -> bool:
@@ -95,6 +96,45 @@ class Tracing:
             name, context=context, kind=kind, attributes=attributes, start_time=start_time
         )
 
+    def record_finished(
+        self,
+        parent: trace.Span,
+        name: str,
+        start_time: int,
+        end_time: int,
+        attributes: Mapping[str, AttributeValue] | None = None,
+    ) -> None:
+        """Record an INTERNAL child of ``parent`` that already ran from ``start_time`` to
+        ``end_time`` (P1's phases, known only afterwards).
+
+        It is handed straight to the processor as a finished span: no live span, no sampler
+        call (a child shares its parent's decision: ``parent`` not recording -> nothing),
+        about a fifth of a live span's cost. Off: nothing.
+        """
+        if self.provider is None or self.processor is None or not parent.is_recording():
+            return
+        from opentelemetry.sdk.trace import ReadableSpan
+
+        up = parent.get_span_context()
+        context = trace.SpanContext(
+            up.trace_id,
+            self.provider.id_generator.generate_span_id(),
+            is_remote=False,
+            trace_flags=up.trace_flags,
+            trace_state=up.trace_state,
+        )
+        span = ReadableSpan(
+            name,
+            context=context,
+            parent=up,
+            resource=self.provider.resource,
+            attributes=dict(attributes or {}),
+            start_time=start_time,
+            end_time=end_time,
+            instrumentation_scope=getattr(parent, "instrumentation_scope", None),
+        )
+        self.processor.on_end(span)
+
     def force_flush(self, timeout_ms: int = 5000) -> bool:
         return True if self.provider is None else self.provider.force_flush(timeout_ms)
 
@@ -127,13 +167,15 @@ def setup_tracing(
         sampler=ParentBased(ratio) if config.parent_based else ratio,
         resource=Resource.create({SERVICE_NAME: config.service_name}),
     )
+    processor: SpanProcessor
     if exporter is not None:
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        processor = SimpleSpanProcessor(exporter)
     else:
-        provider.add_span_processor(BatchSpanProcessor(otlp_exporter(config)))
+        processor = BatchSpanProcessor(otlp_exporter(config))
+    provider.add_span_processor(processor)
     if set_global:
         trace.set_tracer_provider(provider)
-    return Tracing(tracer=provider.get_tracer(TRACER_NAME), provider=provider)
+    return Tracing(tracer=provider.get_tracer(TRACER_NAME), provider=provider, processor=processor)
 
 
 def otlp_exporter(config: TracingConfig) -> SpanExporter:

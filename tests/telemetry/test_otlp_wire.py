@@ -17,6 +17,8 @@ from opentelemetry.trace import Link, Status, StatusCode
 
 from mmis.server.telemetry import otlp_wire
 from mmis.server.telemetry.otlp_wire import Encoder
+from mmis.server.telemetry.tracing import setup_tracing
+from mmis.server.telemetry.tracing_config import TracingConfig
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -112,3 +114,15 @@ def test_varint_is_leb128(n: int) -> None:
         shift += 7
         assert (byte & 0x80 != 0) == (i < len(encoded) - 1)
     assert decoded == n
+
+
+def test_finished_children_recorded_without_a_live_span_encode_like_the_sdk() -> None:
+    exporter = InMemorySpanExporter()
+    tracing = setup_tracing(TracingConfig(), exporter=exporter)
+    root = tracing.start("engine_core", start_time=1_000)
+    tracing.record_finished(root, "queue", 1_000, 2_000)
+    tracing.record_finished(root, "encoder", 2_000, 3_000, {"mmis.encoder.items": 2})
+    root.end(end_time=4_000)
+    spans = exporter.get_finished_spans()
+    assert [s.name for s in spans] == ["queue", "encoder", "engine_core"]
+    assert Encoder().encode_request(spans) == encode_spans(spans).SerializeToString()

@@ -138,3 +138,30 @@ def test_background_queue_is_bounded_and_drops_are_counted() -> None:
         spans.close()
     roots = [s for s in exported.get_finished_spans() if s.name == "engine_core"]
     assert [s.end_time for s in roots] == [2, 2, 12]  # "a", "b", "c"
+
+
+def test_phase_spans_share_the_roots_scope_resource_and_sampling_decision() -> None:
+    p1, exported = _setup()
+    spans = RequestSpans(p1)
+    spans.admit("r", {}, now_ns=1_000)
+    spans.on_step([Scheduled("r", [0])], [Event("r", [5], "stop")], 2_000, 3_000)
+    by_name = {s.name: s for s in exported.get_finished_spans()}
+    root = by_name.pop("engine_core")
+    assert set(by_name) == {"queue", "prefill", "encoder"}
+    for child in by_name.values():
+        assert child.instrumentation_scope is root.instrumentation_scope
+        assert child.resource is root.resource
+        assert child.context.trace_id == root.context.trace_id
+        assert child.context.span_id != root.context.span_id
+        assert child.kind.name == "INTERNAL" and child.status.status_code.name == "UNSET"
+    assert dict(by_name["encoder"].attributes or {}) == {"mmis.encoder.items": 1}
+
+    # a root the sampler dropped takes its phases with it: nothing at all is exported
+    unsampled, nothing = _setup()
+    with unsampled.span("engine"):
+        carrier = inject()
+    carrier["traceparent"] = carrier["traceparent"][:-2] + "00"  # P0 did not sample it
+    dropped = RequestSpans(unsampled)
+    dropped.admit("s", carrier, now_ns=1_000)
+    dropped.on_step([Scheduled("s", [0])], [Event("s", [5], "stop")], 2_000, 3_000)
+    assert [s.name for s in nothing.get_finished_spans()] == ["engine"]
