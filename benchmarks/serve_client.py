@@ -1,9 +1,10 @@
 """Shared pieces of the serve-level benchmarks: server processes, images, an async load loop.
 
-- :class:`ServerProcess` starts a server command with its logs in a file and stops it with
-  SIGTERM (SIGKILL after a bound, then its whole process group), so a benchmark never leaves a
-  server behind. ``mmis serve --port 0`` announces its address on its first stdout line; other
-  servers get a free port from us and are waited for through an HTTP probe.
+- :class:`ServerProcess` is ``tests/tools.Daemon`` (the one process wrapper tests use too):
+  logs in a file, stopped with SIGTERM (SIGKILL of its whole process group after a bound), so
+  a benchmark never leaves a server behind. ``mmis serve --port 0`` announces its address on
+  its first stdout line and its stdout keeps being drained after it; other servers get a free
+  port from us and are waited for through an HTTP probe (``wait_http``).
 - :func:`run_load` sends every request exactly once with at most ``concurrency`` in flight;
   each request has its own timeout (a hang is counted, never waited out forever). Latency is
   measured per request from just before sending to the full response.
@@ -15,13 +16,7 @@ import asyncio
 import base64
 import dataclasses
 import io
-import os
-import re
-import signal
-import socket
-import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -31,64 +26,23 @@ import httpx
 import numpy as np
 from PIL import Image
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from tools import Daemon
+from tools import free_port as free_port  # re-exported for the benchmarks
+
 MMIS = str(Path(sys.executable).parent / "mmis")
-LISTENING = re.compile(r"listening on (http://\S+)")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-class ServerProcess:
+class ServerProcess(Daemon):
     """One server process; ``root_url`` is where it answers HTTP."""
 
-    def __init__(self, name: str, cmd: list[str], log_dir: Path, env: dict[str, str]) -> None:
-        self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.started_at = time.monotonic()
-        self.popen = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            env={**os.environ, **env},
-            start_new_session=True,
-        )
-        self.root_url = ""
+    stop_timeout_s = 60.0  # a server under load may take a while to drain
 
     @classmethod
     def mmis_serve(
         cls, name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None
     ) -> ServerProcess:
-        proc = cls(name, [MMIS, "serve", "--port", "0", *args], log_dir, env or {})
-        assert proc.popen.stdout is not None
-        first = proc.popen.stdout.readline().decode()
-        match = LISTENING.search(first)
-        if match is None:
-            proc.stop()
-            raise RuntimeError(f"{name} did not start: {first!r}\n{proc.log_tail()}")
-        proc.root_url = match.group(1)
-        # drain the access log so the server never blocks on a full stdout pipe
-        threading.Thread(target=proc.popen.stdout.read, daemon=True).start()
-        return proc
-
-    def wait_http(self, path: str, timeout: float = 300.0) -> float:
-        """Poll ``path`` until it answers 200; seconds since the process started."""
-        deadline = time.monotonic() + timeout
-        with httpx.Client(timeout=5) as http:
-            while time.monotonic() < deadline:
-                if self.popen.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited\n{self.log_tail()}")
-                try:
-                    if http.get(self.root_url + path).status_code == 200:
-                        return time.monotonic() - self.started_at
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)  # polling another process's probe
-        raise TimeoutError(f"{self.name}: {path} not 200 after {timeout:.0f}s\n{self.log_tail()}")
+        return cls(name, [MMIS, "serve", "--port", "0", *args], log_dir, env, announces=True)
 
     def metrics(self) -> dict[str, float]:
         """Every ``mmis_*`` sample on ``/metrics`` (text format), by its full series name."""
@@ -99,22 +53,6 @@ class ServerProcess:
                 series, value = line.rsplit(" ", 1)
                 out[series] = float(value)
         return out
-
-    def stop(self, timeout: float = 60.0) -> int | None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait(10)
-        if not self._log.closed:
-            self._log.close()
-        return self.popen.returncode
-
-    def log_tail(self, lines: int = 30) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
 
 
 def image_data_url(seed: int, size: int = 64) -> str:

@@ -1,42 +1,43 @@
-"""The observability Go tools (jaeger, prometheus, promtool) for tests and benchmarks.
+"""The observability Go tools (jaeger, prometheus, promtool) and the process wrapper that
+tests and benchmarks share.
 
 - :func:`go_tool` finds a binary built by ``scripts/gotools`` in ``$MMIS_TOOLS_DIR/bin``
   (default ``~/.cache/mmis/tools/bin``; never PATH, so a stray binary of another version is
   never used) at its pinned version (``scripts/gotools --check``). When it is missing, the
   test FAILS with the reason under ``CI=true`` and skips with "run scripts/gotools" otherwise.
+- :class:`Daemon` is the one process wrapper (Go tools, ``tests/e2e/procs.Proc``, the
+  benchmarks' ``ServerProcess``): a session of its own, output in a log file, SIGTERM then
+  SIGKILL of its process group. A server that *announces* prints ``listening on URL`` as its
+  first stdout line; after that line stdout is copied into the log until EOF by a thread, so
+  the server can never stall on a full pipe (uvicorn's access log goes to stdout).
 - :class:`Jaeger` runs a Jaeger v2 all-in-one on loopback: OTLP gRPC + HTTP receivers and the
   query API on free ports, in-memory storage, no other listener (its own metrics are off),
   from a config file written into a temporary directory (its self-tracing off, so it never
   dials the default ``localhost:4317``); :meth:`Jaeger.stop` terminates it.
-- :class:`Daemon` is the process wrapper both use: output in a log file, SIGTERM then SIGKILL.
-- :class:`Serve` is the ``mmis serve`` they observe (``tests/e2e/procs.Proc``, port 0).
 
-Waiting for a tool is a bounded poll of its HTTP API, never a fixed sleep.
+Waiting for a process is a bounded poll of its HTTP API, never a fixed sleep.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import IO
 
 import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "e2e"))
-from procs import LISTENING, Proc  # noqa: E402
-
-from mmis.server.engine.tiny_model import tiny_model_dir  # noqa: E402
-
 GOTOOLS = ROOT / "scripts" / "gotools"
+LISTENING = re.compile(r"listening on (http://\S+)")
 
 
 def tools_bin() -> Path:
@@ -80,16 +81,7 @@ def free_port() -> int:
         return port
 
 
-class Watched(Protocol):
-    """A process to watch while waiting (:class:`Daemon`, or ``tests/e2e/procs.Proc``)."""
-
-    name: str
-    popen: subprocess.Popen[bytes]
-
-    def log_tail(self, lines: int = 30) -> str: ...
-
-
-def wait_until(what: str, check: Callable[[], object], timeout: float, alive: Watched) -> object:
+def wait_until(what: str, check: Callable[[], object], timeout: float, alive: Daemon) -> object:
     """Poll ``check`` until it returns something truthy; fail if ``alive`` exits first."""
     deadline = time.monotonic() + timeout
     while True:
@@ -107,27 +99,82 @@ def wait_until(what: str, check: Callable[[], object], timeout: float, alive: Wa
 
 
 class Daemon:
-    """A tool process with its output in ``<log_dir>/<name>.log``."""
+    """A process in a session of its own, its output in ``<log_dir>/<name>.log``.
+
+    ``announces``: the process prints ``listening on URL`` first (``mmis serve``, ``mmis
+    frontend``); the constructor reads that line into ``root_url`` (``RuntimeError`` with the
+    log's tail if it is not that), then keeps draining stdout into the log until EOF.
+    Otherwise stdout goes straight to the log and ``root_url`` is for the caller to set.
+    A subclass may set ``prefix`` (put before ``cmd``) and ``base_env`` (under ``env``).
+    """
+
+    prefix: tuple[str, ...] = ()
+    base_env: Mapping[str, str] = {}
+    stop_timeout_s = 30.0  # SIGTERM's bound before SIGKILL of the process group
 
     def __init__(
-        self, name: str, cmd: list[str], log_dir: Path, env: dict[str, str] | None = None
+        self,
+        name: str,
+        cmd: list[str],
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+        *,
+        announces: bool = False,
     ) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self._log = open(self.log_path, "wb", buffering=0)  # noqa: SIM115 - closed in stop()
+        self.root_url = ""
+        self.started_at = time.monotonic()
         self.popen = subprocess.Popen(
-            cmd,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
+            [*self.prefix, *cmd],
+            stdout=subprocess.PIPE if announces else self._log,
+            stderr=self._log,
             start_new_session=True,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, **self.base_env, **(env or {})},
         )
+        if announces:
+            self._read_address()
 
-    def stop(self, timeout: float = 20.0) -> int | None:
+    def _read_address(self) -> None:
+        stdout = self.popen.stdout
+        if stdout is None:
+            raise RuntimeError(f"{self.name}: stdout is not a pipe")
+        first = stdout.readline()
+        match = LISTENING.search(first.decode(errors="replace"))
+        if match is None:
+            self.stop()
+            raise RuntimeError(f"{self.name} did not start: {first!r}\n{self.log_tail()}")
+        self._log.write(first)
+        self.root_url = match.group(1)
+        drain = threading.Thread(
+            target=self._drain, args=(stdout,), name=f"{self.name}-stdout", daemon=True
+        )
+        drain.start()
+
+    def _drain(self, stream: IO[bytes]) -> None:
+        """Copy ``stream`` into the log until EOF; once the log is closed, still read it all."""
+        for line in iter(stream.readline, b""):
+            if not self._log.closed:
+                with contextlib.suppress(ValueError):  # closed by stop() just now
+                    self._log.write(line)
+
+    def wait_http(self, path: str, timeout: float = 300.0) -> float:
+        """Poll ``root_url + path`` until it answers 200; seconds since the process started."""
+        url = self.root_url + path
+
+        def answered() -> bool:
+            return httpx.get(url, timeout=5).status_code == 200
+
+        wait_until(f"{self.name} {path}", answered, timeout, self)
+        return time.monotonic() - self.started_at
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float | None = None) -> int:
+        """Send ``sig``; after ``timeout`` (default ``stop_timeout_s``) SIGKILL the group."""
         if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
+            self.popen.send_signal(sig)
             try:
-                self.popen.wait(timeout)
+                self.popen.wait(self.stop_timeout_s if timeout is None else timeout)
             except subprocess.TimeoutExpired:
                 os.killpg(self.popen.pid, signal.SIGKILL)
                 self.popen.wait(10)
@@ -212,18 +259,3 @@ class Jaeger(Daemon):
         reply.raise_for_status()
         data: list[dict[str, object]] = reply.json()["data"] or []
         return data
-
-
-class Serve(Proc):
-    """``mmis serve --port 0`` on the tiny model, served as ``tiny``."""
-
-    def __init__(self, log_dir: Path, *extra: str, env: dict[str, str]) -> None:
-        args = ["serve", "--port", "0", "--model", str(tiny_model_dir())]
-        super().__init__("serve", [*args, "--served-model-name", "tiny", *extra], log_dir, env)
-        assert self.popen.stdout is not None
-        match = LISTENING.search(self.popen.stdout.readline().decode())
-        if match is None:
-            self.stop()
-            raise RuntimeError(f"serve did not start\n{self.log_tail()}")
-        self.root_url = match.group(1)
-        threading.Thread(target=self.popen.stdout.read, daemon=True).start()

@@ -28,8 +28,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from procs import chat_body
-from tools import Jaeger, Serve, go_tool, wait_until
+from procs import Serve, chat_body
+from tools import Jaeger, go_tool, wait_until
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -78,7 +78,7 @@ def test_drifted_request_is_one_trace_across_frontend_and_engine_in_jaeger(
         env=env,
     )
     try:
-        wait_until("serve /ready", lambda: _ready(serve.root_url), 300, serve)
+        serve.wait_http("/ready", 300)
         with httpx.Client(timeout=120) as http:
             for _ in range(2):  # the second is a shadow hit that P1 evicted on purpose
                 reply = http.post(
@@ -115,7 +115,3 @@ def test_drifted_request_is_one_trace_across_frontend_and_engine_in_jaeger(
     assert parent(core) == retry["spanID"]  # the context crossed P0 -> P1 on the retry
     phases = {s["operationName"] for s in spans if parent(s) == core["spanID"]}
     assert {"queue", "prefill", "decode"} <= phases
-
-
-def _ready(root_url: str) -> bool:
-    return httpx.get(root_url + "/ready", timeout=5).status_code == 200

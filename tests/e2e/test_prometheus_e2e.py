@@ -42,8 +42,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from procs import chat_body
-from tools import Daemon, Serve, free_port, go_tool, wait_until
+from procs import Serve, chat_body
+from tools import Daemon, free_port, go_tool, wait_until
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "mmis" / "dashboards"
 DASHBOARD = CHART / "mmis.json"
@@ -188,8 +188,7 @@ def scraped(tmp_path: Path, tools: tuple[Path, Path]) -> Iterator[Prometheus]:
     )
     prometheus: Prometheus | None = None
     try:
-        ready = serve.root_url + "/ready"
-        wait_until("serve /ready", lambda: httpx.get(ready).status_code == 200, 300, serve)
+        serve.wait_http("/ready", 300)
         prometheus = Prometheus(tools[0], tmp_path, serve.root_url.removeprefix("http://"))
         with httpx.Client(timeout=120) as http:
             for _ in range(4):  # repeats are shadow hits, some evicted on purpose by P1

@@ -29,7 +29,7 @@ import openai
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from procs import LISTENING, MMIS, Proc, image_url
+from procs import MMIS, Proc, image_url
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -72,16 +72,7 @@ class Serve(Proc):
     """``mmis serve --port 0`` plus an openai client on it."""
 
     def __init__(self, log_dir: Path, *extra: str) -> None:
-        self.started_at = time.monotonic()
-        super().__init__("serve", ["serve", "--port", "0", *extra], log_dir)
-        assert self.popen.stdout is not None
-        first = self.popen.stdout.readline().decode()
-        match = LISTENING.search(first)
-        if match is None:
-            self.stop()
-            raise RuntimeError(f"serve did not start: {first!r}\n{self.log_tail()}")
-        threading.Thread(target=self.popen.stdout.read, daemon=True).start()
-        self.root_url = match.group(1)
+        super().__init__("serve", ["serve", "--port", "0", *extra], log_dir, announces=True)
         self.engines: set[int] = set()  # every engine pid seen, killed in teardown if alive
         self.client = openai.OpenAI(
             base_url=self.root_url + "/v1", api_key="unused", timeout=300, max_retries=0

@@ -10,7 +10,6 @@ polls of the receiver (P1's batch exporter flushes on its own schedule), never s
 
 from __future__ import annotations
 
-import http.server
 import sys
 import threading
 import time
@@ -20,24 +19,23 @@ from typing import Any
 
 import httpx
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "frontend"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "telemetry"))
 from fake_engine import RunningFrontend
+from otlp_receiver import ExportRequest, serve_otlp_http, service_spans
 from procs import Engine, chat_body
+from scripted_stack import tiny_settings
 
 from mmis.server.engine.tiny_model import tiny_model_dir
-from mmis.server.frontend.state import ServerSettings
 from mmis.server.telemetry import genai
 from mmis.server.telemetry.tracing import setup_tracing
 from mmis.server.telemetry.tracing_config import TracingConfig
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
-
-ExportRequest = trace_service_pb2.ExportTraceServiceRequest
 
 
 class Receiver:
@@ -47,26 +45,19 @@ class Receiver:
         self.spans: list[dict[str, Any]] = []
         self.lock = threading.Lock()
 
-    def add(self, body: bytes) -> None:
-        request = ExportRequest.FromString(body)
+    def add(self, request: ExportRequest, path: str) -> None:
         with self.lock:
-            for rs in request.resource_spans:
-                service = next(
-                    a.value.string_value for a in rs.resource.attributes if a.key == "service.name"
+            for service, s in service_spans(request):
+                self.spans.append(
+                    {
+                        "service": service,
+                        "trace": s.trace_id.hex(),
+                        "id": s.span_id.hex(),
+                        "parent": s.parent_span_id.hex(),
+                        "name": s.name,
+                        "attrs": {a.key: _value(a.value) for a in s.attributes},
+                    }
                 )
-                for ss in rs.scope_spans:
-                    for s in ss.spans:
-                        attrs = {a.key: _value(a.value) for a in s.attributes}
-                        self.spans.append(
-                            {
-                                "service": service,
-                                "trace": s.trace_id.hex(),
-                                "id": s.span_id.hex(),
-                                "parent": s.parent_span_id.hex(),
-                                "name": s.name,
-                                "attrs": attrs,
-                            }
-                        )
 
     def in_trace(self, trace_id: str) -> list[dict[str, Any]]:
         with self.lock:
@@ -80,29 +71,8 @@ def _value(v: Any) -> Any:
 @pytest.fixture
 def receiver() -> Iterator[tuple[str, Receiver]]:
     received = Receiver()
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            received.add(self.rfile.read(int(self.headers["Content-Length"])))
-            reply = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.send_header("Content-Length", str(len(reply)))
-            self.end_headers()
-            self.wfile.write(reply)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1/traces", received
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
+    with serve_otlp_http(received.add) as base:
+        yield f"{base}/v1/traces", received
 
 
 def _wait(what: str, check: Any, timeout: float = 60.0) -> Any:
@@ -128,13 +98,7 @@ def test_drifted_request_traced_across_p0_and_p1_and_p1_figures_on_metrics(
     )
     exporter = InMemorySpanExporter()
     tracing = setup_tracing(TracingConfig(), exporter=exporter)
-    settings = ServerSettings(
-        model=str(model),
-        served_model_name="tiny",
-        engine_input_address=engine.input_address,
-        engine_output_address=engine.output_address,
-        stats_interval_s=0.5,
-    )
+    settings = tiny_settings(engine, stats_interval_s=0.5)
     frontend: RunningFrontend | None = None
     try:
         frontend = RunningFrontend(settings, tracing=tracing).start(timeout=300)

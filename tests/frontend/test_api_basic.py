@@ -12,9 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine, RunningFrontend, image_part
-
-from mmis.server.engine.tiny_model import tiny_model_dir
-from mmis.server.frontend.state import ServerSettings
+from scripted_stack import scripted_stack
 
 KEY = "sk-test"
 
@@ -22,21 +20,8 @@ KEY = "sk-test"
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FakeEngine, RunningFrontend]]:
     directory = tmp_path_factory.mktemp("p1")
-    engine = FakeEngine(str(directory)).start()
-    settings = ServerSettings(
-        model=str(tiny_model_dir()),
-        served_model_name="tiny",
-        engine_input_address=engine.input_address,
-        engine_output_address=engine.output_address,
-        api_key=KEY,
-        ping_interval_s=0.5,
-    )
-    frontend = RunningFrontend(settings).start()
-    try:
-        yield engine, frontend
-    finally:
-        frontend.stop()
-        engine.stop()
+    with scripted_stack(directory, api_key=KEY, ping_interval_s=0.5) as running:
+        yield running
 
 
 @pytest.fixture

@@ -19,10 +19,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine, RunningFrontend, ScriptedCore, image_part
+from scripted_stack import scripted_stack
 
-from mmis.server.engine.tiny_model import tiny_model_dir
 from mmis.server.frontend.engine_client import EngineClient
-from mmis.server.frontend.state import ServerSettings
 from mmis.server.telemetry import catalog
 from mmis.server.telemetry.engine_stats import EngineStats
 
@@ -43,23 +42,8 @@ class StatsCore(ScriptedCore):
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[tuple[FakeEngine, RunningFrontend]]:
-    engine = FakeEngine(str(tmp_path))
-    engine.core = engine.proc.core = StatsCore()
-    engine.start()
-    settings = ServerSettings(
-        model=str(tiny_model_dir()),
-        served_model_name="tiny",
-        engine_input_address=engine.input_address,
-        engine_output_address=engine.output_address,
-        drift_window_s=1.0,
-        stats_interval_s=0.2,
-    )
-    frontend = RunningFrontend(settings).start()
-    try:
-        yield engine, frontend
-    finally:
-        frontend.stop()
-        engine.stop()
+    with scripted_stack(tmp_path, StatsCore(), drift_window_s=1.0, stats_interval_s=0.2) as running:
+        yield running
 
 
 Key = tuple[str, frozenset[tuple[str, str]]]

@@ -23,9 +23,8 @@ from opentelemetry.trace import SpanKind
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine, RunningFrontend, ScriptedCore, image_part
+from scripted_stack import scripted_stack
 
-from mmis.server.engine.tiny_model import tiny_model_dir
-from mmis.server.frontend.state import ServerSettings
 from mmis.server.protocol.messages import EngineCoreRequest
 from mmis.server.telemetry import genai
 from mmis.server.telemetry import tracing as tr
@@ -49,23 +48,12 @@ class ContextCore(ScriptedCore):
 
 @pytest.fixture
 def traced(tmp_path: Path) -> Iterator[tuple[FakeEngine, RunningFrontend, InMemorySpanExporter]]:
-    engine = FakeEngine(str(tmp_path))
-    engine.core = engine.proc.core = ContextCore()
-    engine.start()
     exporter = InMemorySpanExporter()
     tracing = setup_tracing(TracingConfig(), exporter=exporter)
-    settings = ServerSettings(
-        model=str(tiny_model_dir()),
-        served_model_name="tiny",
-        engine_input_address=engine.input_address,
-        engine_output_address=engine.output_address,
-    )
-    frontend = RunningFrontend(settings, tracing=tracing).start()
     try:
-        yield engine, frontend, exporter
+        with scripted_stack(tmp_path, ContextCore(), tracing=tracing) as (engine, frontend):
+            yield engine, frontend, exporter
     finally:
-        frontend.stop()
-        engine.stop()
         tracing.shutdown()
 
 
@@ -152,17 +140,7 @@ def test_drifted_then_retried_request_shows_both_attempts_under_one_span(
 
 
 def test_tracing_off_sends_no_context_and_builds_no_provider(tmp_path: Path) -> None:
-    engine = FakeEngine(str(tmp_path))
-    engine.core = engine.proc.core = ContextCore()
-    engine.start()
-    settings = ServerSettings(
-        model=str(tiny_model_dir()),
-        served_model_name="tiny",
-        engine_input_address=engine.input_address,
-        engine_output_address=engine.output_address,
-    )
-    frontend = RunningFrontend(settings).start()
-    try:
+    with scripted_stack(tmp_path, ContextCore()) as (engine, frontend):
         assert frontend.state is not None and not frontend.state.tracing.enabled
         with httpx.Client(timeout=30) as http:
             reply = http.post(
@@ -172,6 +150,3 @@ def test_tracing_off_sends_no_context_and_builds_no_provider(tmp_path: Path) -> 
         core = engine.core
         assert isinstance(core, ContextCore)
         assert core.contexts and all(ctx == {} for ctx in core.contexts.values())
-    finally:
-        frontend.stop()
-        engine.stop()

@@ -8,7 +8,9 @@ Stable interface (mark such tests ``@pytest.mark.controlplane``):
     ApiClient), ``.kubeconfig_for_serviceaccount(namespace, name) -> Path``, ``.nodes``
     (names of the fake nodes, each with ``nvidia.com/gpu: 8``);
   * ``namespace`` (function): a fresh namespace (with its ``default`` ServiceAccount),
-    deleted afterwards.
+    deleted afterwards;
+  * ``crd`` (session): the MMInferenceService CRD (``crds/``) applied and Established
+    (``kubecluster.apply_crds``; ``kubecluster.kubectl_wait`` is the retrying wait).
 
 Tools come from ``$MMIS_TOOLS_DIR/bin`` (``scripts/gotools``) and etcd from
 ``scripts/system-deps``. When controlplane tests are selected and the Go tools are
@@ -28,7 +30,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kubecluster import Cluster, Tools, ToolsMissing, find_tools
+from kubecluster import Cluster, Tools, ToolsMissing, apply_crds, find_tools
+
+CRD = Path(__file__).resolve().parents[2] / "crds" / "mminferenceservice.yaml"
 
 _tools: Tools | None = None
 _tools_error: str | None = None
@@ -87,3 +91,8 @@ def namespace(cluster: Cluster) -> Iterator[str]:
     )  # fmt: skip
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found")
+
+
+@pytest.fixture(scope="session")
+def crd(cluster: Cluster) -> None:
+    apply_crds(cluster, CRD, "mminferenceservices.mmis.dev")

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
-from kubecluster import Cluster
+from kubecluster import Cluster, apply_crds, kubectl_wait
 
 from mmis.operator.runner import OperatorThread
 from mmis.operator.settings import Options
@@ -61,24 +61,11 @@ def _helm(cluster: Cluster, *args: str, check: bool = True) -> subprocess.Comple
     return proc
 
 
-def _established(cluster: Cluster, crd: str) -> None:
-    # `kubectl wait` fails at once while .status.conditions is still null: retry that case
-    for _ in range(30):
-        proc = cluster.kubectl(
-            "wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s", check=False
-        )
-        if proc.returncode == 0:
-            return
-        if "accessor error" not in proc.stderr:
-            break
-    pytest.fail(f"CRD {crd} not established: {proc.stderr}")
-
-
 @pytest.fixture(scope="module")
 def chart_crds(cluster: Cluster) -> None:
-    cluster.kubectl("apply", "--server-side", "-f", str(CHART / "crds"))
-    for crd in ("mminferenceservices.mmis.dev", "clusterkopfpeerings.kopf.dev"):
-        _established(cluster, crd)
+    apply_crds(
+        cluster, CHART / "crds", "mminferenceservices.mmis.dev", "clusterkopfpeerings.kopf.dev"
+    )
 
 
 @pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
@@ -198,14 +185,15 @@ def test_operator_works_with_the_chart_service_account_and_nothing_more(
     options = Options(namespaces=(namespace,), resync_seconds=600.0)
     with OperatorThread(kubeconfig, options) as running:
         cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(SAMPLE))
-        proc = cluster.kubectl(
-            "wait", "-n", namespace, "mmis/rbac-check", "--for=condition=Ready", "--timeout=240s",
-            check=False,
-        )  # fmt: skip
+        proc = kubectl_wait(
+            cluster, "-n", namespace, "mmis/rbac-check", "--for=condition=Ready", timeout_s=240
+        )
         assert proc.returncode == 0, cluster.kubectl(
             "get", "-n", namespace, "mmis/rbac-check", "-o", "yaml", check=False
         ).stdout
-        cluster.kubectl("delete", "-n", namespace, "mmis/rbac-check", "--timeout=180s")
+        cluster.kubectl(
+            "delete", "-n", namespace, "mmis/rbac-check", "--timeout=180s", timeout=200
+        )  # kubectl's own bound first
     assert running.error is None
     # a forbidden action is refused for real, not just absent from a list
     secrets = cluster.kubectl("get", "secrets", "-n", namespace, kubeconfig=kubeconfig, check=False)

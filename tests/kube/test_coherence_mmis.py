@@ -35,8 +35,6 @@ from mmis.server.protocol.messages import UtilityCall
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.model, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
-CRD = ROOT / "crds" / "mminferenceservice.yaml"
 THRESHOLD = 0.05
 COLORS = [(200, 10, 10), (10, 200, 10), (10, 10, 200)]
 KNOB_CLIENT = 7  # the knob's own topic; P0 is client 0
@@ -110,19 +108,6 @@ def stack(tmp_path: Path) -> Iterator[tuple[Engine, Frontend]]:
             frontend.stop()
     finally:
         engine.stop()
-
-
-@pytest.fixture
-def crd(cluster: Cluster) -> None:
-    cluster.kubectl("apply", "--server-side", "-f", str(CRD))
-    for _ in range(30):  # `kubectl wait` fails at once while .status.conditions is null
-        proc = cluster.kubectl(
-            "wait", "--for=condition=Established", "crd/mminferenceservices.mmis.dev",
-            "--timeout=60s", check=False,
-        )  # fmt: skip
-        if proc.returncode == 0 or "accessor error" not in proc.stderr:
-            break
-    assert proc.returncode == 0, proc.stderr
 
 
 def _get(cluster: Cluster, namespace: str, *what: str) -> dict[str, Any]:
@@ -215,7 +200,7 @@ def test_fault_knob_flips_cache_coherent_and_back(
 
             traffic.close()
             frontend.stop()
-            # idle first (Unknown/NoData: no shadow hits), then nobody answers
+            # briefly idle (True held, reason NoTraffic: no shadow hits), then nobody answers
             gone = _poll(
                 "ProbeFailed", fetch, lambda o: _coherent(o).get("reason") == "ProbeFailed"
             )

@@ -15,7 +15,6 @@ from kubecluster import Cluster
 pytestmark = pytest.mark.controlplane
 
 ROOT = Path(__file__).resolve().parents[2]
-CRD = ROOT / "crds" / "mminferenceservice.yaml"
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 VALID: dict[str, Any] = {
     "apiVersion": "mmis.dev/v1alpha1",
@@ -23,25 +22,6 @@ VALID: dict[str, Any] = {
     "metadata": {"name": "sample"},
     "spec": {"model": {"id": "llava-hf/llava-1.5-7b-hf"}},
 }
-
-
-def _established(cluster: Cluster, crd: str) -> None:
-    # `kubectl wait` fails at once while .status.conditions is still null: retry that case
-    for _ in range(30):
-        proc = cluster.kubectl(
-            "wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s", check=False
-        )
-        if proc.returncode == 0:
-            return
-        if "accessor error" not in proc.stderr:
-            break
-    pytest.fail(f"CRD {crd} not established: {proc.stderr}")
-
-
-@pytest.fixture(scope="module")
-def crd(cluster: Cluster) -> None:
-    cluster.kubectl("apply", "--server-side", "-f", str(CRD))
-    _established(cluster, "mminferenceservices.mmis.dev")
 
 
 def _dry_run(

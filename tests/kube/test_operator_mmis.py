@@ -11,20 +11,16 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from kubecluster import Cluster
+from kubecluster import Cluster, kubectl_wait
 
 from mmis.operator.runner import OperatorThread
 from mmis.operator.settings import Options
 
 pytestmark = pytest.mark.controlplane
 
-ROOT = Path(__file__).resolve().parents[2]
-CRD = ROOT / "crds" / "mminferenceservice.yaml"
-WAIT = "--timeout=180s"
 SAMPLE: dict[str, Any] = {
     "apiVersion": "mmis.dev/v1alpha1",
     "kind": "MMInferenceService",
@@ -37,25 +33,6 @@ SAMPLE: dict[str, Any] = {
         "probes": {"startupTimeoutSeconds": 600, "drainSeconds": 5},
     },
 }
-
-
-def _established(cluster: Cluster, crd: str) -> None:
-    # `kubectl wait` fails at once while .status.conditions is still null: retry that case
-    for _ in range(30):
-        proc = cluster.kubectl(
-            "wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s", check=False
-        )
-        if proc.returncode == 0:
-            return
-        if "accessor error" not in proc.stderr:
-            break
-    pytest.fail(f"CRD {crd} not established: {proc.stderr}")
-
-
-@pytest.fixture(scope="module")
-def crd(cluster: Cluster) -> None:
-    cluster.kubectl("apply", "--server-side", "-f", str(CRD))
-    _established(cluster, "mminferenceservices.mmis.dev")
 
 
 def _options(namespace: str) -> Options:
@@ -84,15 +61,18 @@ def _get(cluster: Cluster, namespace: str, *what: str) -> dict[str, Any]:
 
 
 def _wait(cluster: Cluster, namespace: str, *args: str) -> None:
-    for _ in range(30):  # `kubectl wait` fails at once while .status is still null: retry that
-        proc = cluster.kubectl("wait", "-n", namespace, *args, WAIT, check=False, timeout=200)
-        if proc.returncode == 0 or "accessor error" not in proc.stderr:
-            break
+    proc = kubectl_wait(cluster, "-n", namespace, *args, timeout_s=180)
     if proc.returncode != 0:
         state = cluster.kubectl(
             "get", "-n", namespace, "mmis,deploy,pods", "-o", "yaml", check=False
         )
         pytest.fail(f"kubectl wait {' '.join(args)} failed: {proc.stderr}\n{state.stdout[-6000:]}")
+
+
+def _apply_ready(cluster: Cluster, namespace: str, obj: dict[str, Any] = SAMPLE) -> None:
+    """Apply ``obj`` and wait until the operator reports it Ready."""
+    _apply(cluster, namespace, obj)
+    _wait(cluster, namespace, f"mmis/{obj['metadata']['name']}", "--for=condition=Ready")
 
 
 def _condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -108,8 +88,7 @@ def _events(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]
 def test_resource_becomes_a_ready_deployment_and_service(
     cluster: Cluster, namespace: str, operator: OperatorThread
 ) -> None:
-    _apply(cluster, namespace, SAMPLE)
-    _wait(cluster, namespace, "mmis/llava", "--for=condition=Ready")
+    _apply_ready(cluster, namespace)
     dep = _get(cluster, namespace, "deployment/llava")
     pod_spec = dep["spec"]["template"]["spec"]
     containers = {c["name"]: c for c in pod_spec["containers"]}
@@ -140,8 +119,7 @@ def test_resource_becomes_a_ready_deployment_and_service(
 def test_spec_change_rolls_out_and_observed_generation_follows(
     cluster: Cluster, namespace: str, operator: OperatorThread
 ) -> None:
-    _apply(cluster, namespace, SAMPLE)
-    _wait(cluster, namespace, "mmis/llava", "--for=condition=Ready")
+    _apply_ready(cluster, namespace)
     before = _get(cluster, namespace, "deployment/llava")
     changed = copy.deepcopy(SAMPLE)
     changed["spec"]["cache"]["size"] = "3Gi"
@@ -158,8 +136,7 @@ def test_spec_change_rolls_out_and_observed_generation_follows(
 
 
 def test_scale_subresource(cluster: Cluster, namespace: str, operator: OperatorThread) -> None:
-    _apply(cluster, namespace, SAMPLE)
-    _wait(cluster, namespace, "mmis/llava", "--for=condition=Ready")
+    _apply_ready(cluster, namespace)
     cluster.kubectl("scale", "-n", namespace, "mmis/llava", "--replicas=3")
     _wait(cluster, namespace, "deployment/llava", "--for=jsonpath={.spec.replicas}=3")
     _wait(cluster, namespace, "mmis/llava", "--for=jsonpath={.status.readyReplicas}=3")
@@ -172,8 +149,7 @@ def test_scale_subresource(cluster: Cluster, namespace: str, operator: OperatorT
 def test_deletion_removes_children(
     cluster: Cluster, namespace: str, operator: OperatorThread
 ) -> None:
-    _apply(cluster, namespace, SAMPLE)
-    _wait(cluster, namespace, "mmis/llava", "--for=condition=Ready")
+    _apply_ready(cluster, namespace)
     cluster.kubectl("delete", "-n", namespace, "mmis/llava", "--wait=false")
     _wait(cluster, namespace, "mmis/llava", "--for=delete")
     gone = cluster.kubectl("get", "-n", namespace, "deployment/llava", "service/llava", check=False)
@@ -197,8 +173,7 @@ def test_invalid_spec_is_reported_not_retried_and_a_fix_recovers(
     )
     warnings = [e for e in _events(cluster, namespace, "llava") if e["type"] == "Warning"]
     assert any(e["reason"] == "InvalidSpec" for e in warnings)
-    _apply(cluster, namespace, SAMPLE)  # the fix
-    _wait(cluster, namespace, "mmis/llava", "--for=condition=Ready")
+    _apply_ready(cluster, namespace)  # the fix
     _wait(cluster, namespace, "mmis/llava", "--for=condition=Degraded=False")
     assert operator.error is None
 
@@ -206,8 +181,7 @@ def test_invalid_spec_is_reported_not_retried_and_a_fix_recovers(
 def test_foreign_conditions_survive_reconciles(
     cluster: Cluster, namespace: str, operator: OperatorThread
 ) -> None:
-    _apply(cluster, namespace, SAMPLE)
-    _wait(cluster, namespace, "mmis/llava", "--for=condition=Ready")
+    _apply_ready(cluster, namespace)
     obj = _get(cluster, namespace, "mmis/llava")
     # a type nobody in mmis writes (the operator's own drift probe now owns CacheCoherent)
     obj["status"]["conditions"].append(
@@ -226,8 +200,7 @@ def test_foreign_conditions_survive_reconciles(
 def test_deleted_deployment_is_recreated(
     cluster: Cluster, namespace: str, operator: OperatorThread
 ) -> None:
-    _apply(cluster, namespace, SAMPLE)
-    _wait(cluster, namespace, "mmis/llava", "--for=condition=Ready")
+    _apply_ready(cluster, namespace)
     uid = _get(cluster, namespace, "deployment/llava")["metadata"]["uid"]
     cluster.kubectl("delete", "-n", namespace, "deployment/llava", "--wait=true")
     _wait(cluster, namespace, "deployment/llava", "--for=create")
@@ -238,13 +211,11 @@ def test_deleted_deployment_is_recreated(
 def test_apiserver_restart_does_not_wedge_the_operator(
     cluster: Cluster, namespace: str, operator: OperatorThread
 ) -> None:
-    _apply(cluster, namespace, SAMPLE)
-    _wait(cluster, namespace, "mmis/llava", "--for=condition=Ready")
+    _apply_ready(cluster, namespace)
     cluster.restart_apiserver()
     second = copy.deepcopy(SAMPLE)
     second["metadata"]["name"] = "after-restart"
-    _apply(cluster, namespace, second)
-    _wait(cluster, namespace, "mmis/after-restart", "--for=condition=Ready")
+    _apply_ready(cluster, namespace, second)
     cluster.kubectl("scale", "-n", namespace, "mmis/llava", "--replicas=2")
     _wait(cluster, namespace, "mmis/llava", "--for=jsonpath={.status.readyReplicas}=2")
     assert operator.error is None
@@ -257,8 +228,7 @@ def test_mmis_operator_command_runs_and_stops_cleanly(
            f"--namespace={namespace}"]  # fmt: skip
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         try:
-            _apply(cluster, namespace, SAMPLE)
-            _wait(cluster, namespace, "mmis/llava", "--for=condition=Ready")
+            _apply_ready(cluster, namespace)
         finally:
             proc.terminate()
             out, _ = proc.communicate(timeout=60)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-import http.server
+import sys
 import threading
 from collections.abc import Iterator
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+sys.path.insert(0, str(Path(__file__).parent))
+from otlp_receiver import serve_otlp_http, service_spans
 
 from mmis.server.telemetry.tracing import CACHE_MISS, record_cache_event, setup_tracing
 from mmis.server.telemetry.tracing_config import TracingConfig
@@ -30,44 +34,18 @@ class Received:
 
     def spans(self) -> list[tuple[str, str, list[str]]]:
         """(service.name, span name, event names) of everything received."""
-        out: list[tuple[str, str, list[str]]] = []
-        for request in self.requests:
-            for rs in request.resource_spans:
-                service = next(
-                    a.value.string_value for a in rs.resource.attributes if a.key == "service.name"
-                )
-                for ss in rs.scope_spans:
-                    out.extend((service, s.name, [e.name for e in s.events]) for s in ss.spans)
-        return out
+        return [
+            (service, span.name, [event.name for event in span.events])
+            for request in self.requests
+            for service, span in service_spans(request)
+        ]
 
 
 @pytest.fixture
 def http_receiver() -> Iterator[tuple[str, Received]]:
     received = Received()
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            received.add(Request.FromString(body), self.path)
-            reply = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.send_header("Content-Length", str(len(reply)))
-            self.end_headers()
-            self.wfile.write(reply)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", received
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
+    with serve_otlp_http(received.add) as base:
+        yield base, received
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ not import mmis, so ``scripts/controlplane`` can run it with any Python >= 3.11.
 from .cluster import GPUS_PER_NODE, Cluster, KubectlError
 from .process import ComponentError
 from .tools import Tools, ToolsMissing, find_tools
+from .waits import apply_crds, kubectl_wait
 
 __all__ = [
     "GPUS_PER_NODE",
@@ -15,5 +16,7 @@ __all__ = [
     "KubectlError",
     "Tools",
     "ToolsMissing",
+    "apply_crds",
     "find_tools",
+    "kubectl_wait",
 ]
