@@ -1,4 +1,4 @@
-"""otlp_wire writes the very bytes the OpenTelemetry SDK's protobuf encoder writes."""
+"""otlp_wire and protobuf_fields write the very bytes the OpenTelemetry SDK encoder writes."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Link, Status, StatusCode
 
-from mmis.server.telemetry import otlp_wire
+from mmis.server.telemetry import otlp_wire, protobuf_fields
 from mmis.server.telemetry.otlp_wire import Encoder
 from mmis.server.telemetry.tracing import setup_tracing
 from mmis.server.telemetry.tracing_config import TracingConfig
@@ -90,7 +90,7 @@ def test_cached_headers_and_key_values_give_the_same_bytes_on_every_batch() -> N
      b"", b"\x00\xff", (), ("a", 1, True, 2.0), (("nested",),), {"k": 1, "m": {"n": "o"}}],
 )  # fmt: skip
 def test_any_value_matches_the_sdk(value: object) -> None:
-    assert otlp_wire.any_value(value) == _encode_value(value).SerializeToString()
+    assert protobuf_fields.any_value(value) == _encode_value(value).SerializeToString()
 
 
 @pytest.mark.parametrize("value", [2**63, -(2**63) - 1, object()])
@@ -98,16 +98,16 @@ def test_a_value_protobuf_cannot_hold_is_refused_like_the_sdk(value: object) -> 
     with pytest.raises(Exception):  # noqa: B017 - the SDK raises ValueError or a bare Exception
         _encode_value(value)
     with pytest.raises((TypeError, ValueError)):
-        otlp_wire.any_value(value)
+        protobuf_fields.any_value(value)
     # inside an attribute map it is skipped, as the SDK skips it
-    assert otlp_wire.attributes(otlp_wire.SPAN_ATTRS, {"bad": value, "ok": 1}) == (
-        otlp_wire.attributes(otlp_wire.SPAN_ATTRS, {"ok": 1})
+    assert protobuf_fields.attributes(otlp_wire.SPAN_ATTRS, {"bad": value, "ok": 1}) == (
+        protobuf_fields.attributes(otlp_wire.SPAN_ATTRS, {"ok": 1})
     )
 
 
 @pytest.mark.parametrize("n", [0, 1, 127, 128, 16383, 16384, 2**32, 2**63 - 1])
 def test_varint_is_leb128(n: int) -> None:
-    encoded = otlp_wire.varint(n)
+    encoded = protobuf_fields.varint(n)
     decoded, shift = 0, 0
     for i, byte in enumerate(encoded):
         decoded |= (byte & 0x7F) << shift
