@@ -29,10 +29,8 @@ from mmis.server.config import GiB
 from mmis.server.engine.core import EngineCore
 from mmis.server.engine.model import ModelAdapter
 from mmis.server.engine.runner import ModelRunner
-from mmis.server.engine.sched_config import SchedulerConfig
-from mmis.server.engine.scheduler import Scheduler
 from mmis.server.engine.step_batch import MultiModalInput, ScheduledSequence, StepBatch
-from mmis.server.entrypoints.engine import EngineConfig
+from mmis.server.entrypoints.engine import EngineConfig, make_core
 from mmis.server.protocol.messages import (
     EngineCoreRequest,
     FinishReason,
@@ -144,28 +142,10 @@ def engine_runner(adapter: ModelAdapter) -> ModelRunner:
 
 
 def engine_core(runner: ModelRunner, tokenizer: Any) -> EngineCore:
-    """A fresh scheduler + core around ``runner``, wired as ``entrypoints.engine.build``."""
+    """A fresh scheduler + core around ``runner``, built as ``mmis engine`` builds its own."""
     runner.encoder_outputs.clear()  # no embeddings left over from a previous run
-    adapter = runner.adapter
-    cfg = ENGINE_DEFAULTS
-    max_len = cfg.max_model_len or getattr(adapter.text_config, "max_position_embeddings", None)
-    scheduler = Scheduler(
-        SchedulerConfig(
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            num_blocks=runner.pool.num_blocks,
-            block_size=cfg.block_size,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            max_model_len=max_len,
-        )
-    )
-    return EngineCore(
-        scheduler,
-        runner,
-        tokenizer=tokenizer,
-        eos_token_id=adapter.eos_token_ids[0] if adapter.eos_token_ids else None,
-        max_model_len=max_len,
-    )
+    core: EngineCore = make_core(ENGINE_DEFAULTS, runner, tokenizer)
+    return core
 
 
 def engine_requests(items: list[Item], tokens: int) -> list[EngineCoreRequest]:

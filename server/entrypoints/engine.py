@@ -132,15 +132,41 @@ def load_model(cfg: EngineConfig) -> tuple[Any, Any]:
     return adapter, tokenizer
 
 
+def make_core(cfg: EngineConfig, runner: Any, tokenizer: Any, spans: Any = None) -> Any:
+    """A scheduler sized from ``cfg`` and the runner's KV pool, and the core around both
+    (what ``mmis engine`` runs; benchmarks build theirs here too)."""
+    from mmis.server.engine.core import EngineCore
+    from mmis.server.engine.sched_config import SchedulerConfig
+    from mmis.server.engine.scheduler import Scheduler
+
+    adapter = runner.adapter
+    max_len = cfg.max_model_len or getattr(adapter.text_config, "max_position_embeddings", None)
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            num_blocks=runner.pool.num_blocks,
+            block_size=cfg.block_size,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            max_model_len=max_len,
+        )
+    )
+    return EngineCore(
+        scheduler,
+        runner,
+        tokenizer=tokenizer,
+        eos_token_id=adapter.eos_token_ids[0] if adapter.eos_token_ids else None,
+        max_model_len=max_len,
+        spans=spans,
+    )
+
+
 def build(cfg: EngineConfig) -> Any:
     """Load the model and wire scheduler, runner, receiver cache and process shell."""
-    from mmis.server.engine.core import EngineCore
     from mmis.server.engine.core_process import EngineCoreProc
     from mmis.server.engine.paged_attention import PagedAttentionError
     from mmis.server.engine.receiver_cache import ReceiverCache
     from mmis.server.engine.runner import ModelRunner
-    from mmis.server.engine.sched_config import SchedulerConfig
-    from mmis.server.engine.scheduler import Scheduler
     from mmis.server.shm.reader_set import ShmReaderSet
     from mmis.server.telemetry.request_spans import RequestSpans
 
@@ -160,26 +186,9 @@ def build(cfg: EngineConfig) -> Any:
             f"mmis engine: --kv-cache-gb {cfg.kv_cache_gb} holds {runner.pool.num_blocks} KV "
             f"block(s) of {runner.pool.spec.bytes_per_block} bytes; at least 2 are needed"
         )
-    max_len = cfg.max_model_len or getattr(adapter.text_config, "max_position_embeddings", None)
-    scheduler = Scheduler(
-        SchedulerConfig(
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            num_blocks=runner.pool.num_blocks,
-            block_size=cfg.block_size,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            max_model_len=max_len,
-        )
-    )
     tracing = engine_tracing(cfg)
-    core = EngineCore(
-        scheduler,
-        runner,
-        tokenizer=tokenizer,
-        eos_token_id=adapter.eos_token_ids[0] if adapter.eos_token_ids else None,
-        max_model_len=max_len,
-        spans=RequestSpans(tracing, background=True) if tracing.enabled else None,
-    )
+    spans = RequestSpans(tracing, background=True) if tracing.enabled else None
+    core = make_core(cfg, runner, tokenizer, spans)
     readers = ShmReaderSet(cfg.shm_dir)
 
     def shm_reader(address: Any) -> Any:

@@ -34,7 +34,7 @@ from procs import MMIS, Proc, image_url
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
 
 COLORS = [(200, 10, 10), (10, 200, 10), (10, 10, 200), (120, 120, 0)]
-LONG = 200  # tokens: a request this long is still decoding when the test signals
+LONG = 2000  # tokens, EOS ignored: seconds of decoding, so both are still in P1 at the signal
 
 
 def _running(pid: int) -> bool:
@@ -84,6 +84,7 @@ class Serve(Proc):
             max_tokens=max_tokens,
             temperature=0,
             messages=[{"role": "user", "content": _content(color)}],  # type: ignore[misc,list-item]
+            extra_body={"ignore_eos": True},
         )
         choice = response.choices[0]
         return choice.message.content or "", str(choice.finish_reason)
@@ -152,6 +153,7 @@ def test_fresh_install_serves_then_drains_on_sigterm(
     (ipc_dir,) = (serve_env / "tmp").glob("mmis-serve-*")
 
     expected = serve.chat(COLORS[1], max_tokens=LONG)
+    assert expected[1] == "length"  # EOS ignored: the full LONG tokens
     results: list[tuple[str, str]] = []
     worker = threading.Thread(target=lambda: results.append(serve.chat(COLORS[1], LONG)))
     worker.start()
@@ -161,6 +163,7 @@ def test_fresh_install_serves_then_drains_on_sigterm(
         temperature=0,
         stream=True,
         messages=[{"role": "user", "content": _content(COLORS[1])}],  # type: ignore[misc,list-item]
+        extra_body={"ignore_eos": True},
     )
     chunks = iter(stream)
     first = next(chunks)

@@ -92,6 +92,9 @@ def test_string_content_is_one_text_part_and_defaults_apply() -> None:
     assert (params.n, params.temperature, params.top_p, params.max_tokens) == (1, 1.0, 1.0, 33)
     assert not request.include_usage
     assert parse_request(ChatCompletionRequest, chat(stop="x")).stop_list() == ["x"]
+    assert params.ignore_eos is False
+    ignoring = parse_request(ChatCompletionRequest, chat(ignore_eos=True))
+    assert ignoring.to_sampling_params(default_max_tokens=33).ignore_eos is True
 
 
 @pytest.mark.parametrize(

@@ -36,6 +36,7 @@ class SamplingRequest(OpenAIModel):
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     user: str | None = Field(default=None, max_length=256)
+    ignore_eos: bool = False  # extension (as in vLLM): decode to max_tokens past end-of-sequence
 
     @field_validator("n")
     @classmethod
@@ -89,6 +90,7 @@ class SamplingRequest(OpenAIModel):
             seed=self.seed,
             max_tokens=default_max_tokens if requested is None else requested,
             stop=self.stop_list(),
+            ignore_eos=self.ignore_eos,
         )
 
 
