@@ -30,11 +30,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mmis.server.engine.core import EngineCore
-from mmis.server.entrypoints.common import resolve_model
-from mmis.server.entrypoints.engine import EngineConfig, build
-from mmis.server.frontend.processor import ModelProcessor
-from mmis.server.protocol.messages import (
+from mmis.engine.core import EngineCore
+from mmis.entrypoints.common import resolve_model
+from mmis.entrypoints.engine import EngineConfig, build
+from mmis.frontend.processor import ModelProcessor
+from mmis.protocol.messages import (
     EngineCoreRequest,
     MultiModalFeature,
     SamplingParams,

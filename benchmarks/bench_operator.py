@@ -35,10 +35,10 @@ import kubernetes.client
 import kubernetes.watch
 import yaml
 
-from mmis.operator import resource as r
-from mmis.operator.kube import APPLY, Kube, object_path, service_path
-from mmis.operator.runner import OperatorThread
-from mmis.operator.settings import Options
+from mmis_operator import resource as r
+from mmis_operator.kube import APPLY, Kube, object_path, service_path
+from mmis_operator.runner import OperatorThread
+from mmis_operator.settings import Options
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from mmis.server.protocol import (
+from mmis.protocol import (
     EngineCoreRequest,
     MultiModalFeature,
     PlaceholderRange,

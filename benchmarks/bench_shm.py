@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from mmis.server.shm import ShmReader, ShmWriter
+from mmis.shm import ShmReader, ShmWriter
 
 Payload = dict[str, np.ndarray]
 

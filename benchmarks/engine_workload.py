@@ -25,13 +25,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mmis.server.config import GiB
-from mmis.server.engine.core import EngineCore
-from mmis.server.engine.model import ModelAdapter
-from mmis.server.engine.runner import ModelRunner
-from mmis.server.engine.step_batch import MultiModalInput, ScheduledSequence, StepBatch
-from mmis.server.entrypoints.engine import EngineConfig, make_core
-from mmis.server.protocol.messages import (
+from mmis.config import GiB
+from mmis.engine.core import EngineCore
+from mmis.engine.model import ModelAdapter
+from mmis.engine.runner import ModelRunner
+from mmis.engine.step_batch import MultiModalInput, ScheduledSequence, StepBatch
+from mmis.entrypoints.engine import EngineConfig, make_core
+from mmis.protocol.messages import (
     EngineCoreRequest,
     FinishReason,
     MultiModalFeature,

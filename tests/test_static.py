@@ -41,9 +41,21 @@ def test_import_contracts() -> None:
     _run("lint-imports", "--no-cache")
 
 
-def test_no_top_level_operator_package() -> None:
-    # a regular package named `operator` at the root would shadow the standard library
-    assert not (ROOT / "operator" / "__init__.py").exists()
-    import operator
+def test_no_symlinks_in_the_tree() -> None:
+    # every module is a real file whose path ends the way its import name does
+    proc = subprocess.run(
+        ["git", "ls-files", "-s"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    links = [line for line in proc.stdout.splitlines() if line.startswith("120000")]
+    assert links == []
 
-    assert Path(operator.__file__).parent != ROOT / "operator"
+
+def test_module_paths_end_like_their_import_names() -> None:
+    import mmis
+    import mmis_operator
+
+    assert Path(mmis.__file__) == ROOT / "server" / "mmis" / "__init__.py"
+    assert Path(mmis_operator.__file__) == ROOT / "operator" / "mmis_operator" / "__init__.py"
+    import operator  # the standard library's, never a folder of ours
+
+    assert not Path(operator.__file__).is_relative_to(ROOT)

@@ -23,14 +23,14 @@ import pytest
 import yaml
 
 from mmis.cli import COMMANDS
-from mmis.operator import children
-from mmis.operator import resource as r
-from mmis.operator.spec import ServiceSpec, parse_spec
-from mmis.server.config import GiB
-from mmis.server.entrypoints import engine as engine_cli
-from mmis.server.entrypoints import frontend as frontend_cli
-from mmis.server.frontend.config import FrontendConfig
-from mmis.server.frontend.state import ServerSettings
+from mmis.config import GiB
+from mmis.entrypoints import engine as engine_cli
+from mmis.entrypoints import frontend as frontend_cli
+from mmis.frontend.config import FrontendConfig
+from mmis.frontend.state import ServerSettings
+from mmis_operator import children
+from mmis_operator import resource as r
+from mmis_operator.spec import ServiceSpec, parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -237,7 +237,7 @@ def test_revision_and_processor_kwargs_reach_the_server(monkeypatch: pytest.Monk
 
 
 def test_probe_and_scrape_paths_are_front_end_routes(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mmis.server.frontend.api_server import create_app
+    from mmis.frontend.api_server import create_app
 
     _, dep = _deployment(VARIANTS["llava-lru"])
     front_c = dep["spec"]["template"]["spec"]["containers"][0]

@@ -21,16 +21,16 @@ import pytest
 import torch
 from PIL import Image
 
-from mmis.server.engine.model import ModelAdapter, load_adapter
-from mmis.server.engine.runner import ModelRunner
-from mmis.server.engine.step_batch import (
+from mmis.engine.model import ModelAdapter, load_adapter
+from mmis.engine.runner import ModelRunner
+from mmis.engine.step_batch import (
     MultiModalInput,
     ScheduledSequence,
     StepBatch,
     StepOutput,
 )
-from mmis.server.engine.tiny_model import build_tiny_model
-from mmis.server.protocol.messages import PoolingParams, SamplingParams
+from mmis.engine.tiny_model import build_tiny_model
+from mmis.protocol.messages import PoolingParams, SamplingParams
 
 FAMILIES = ("llava", "qwen2-vl")
 

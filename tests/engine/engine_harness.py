@@ -29,8 +29,8 @@ from typing import Any
 
 import zmq
 
-from mmis.server.protocol.codec import WireCodec
-from mmis.server.protocol.messages import (
+from mmis.protocol.codec import WireCodec
+from mmis.protocol.messages import (
     AbortRequests,
     EngineCoreOutputs,
     EngineCoreRequest,

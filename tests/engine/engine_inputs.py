@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mmis.server.protocol.messages import (
+from mmis.protocol.messages import (
     EngineCoreRequest,
     MultiModalFeature,
     PlaceholderRange,

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import hashlib
 
-from mmis.server.engine.request import Request
-from mmis.server.engine.sched_config import SchedulerConfig
-from mmis.server.engine.sched_output import RequestEvent, SchedulerOutput
-from mmis.server.engine.scheduler import Scheduler
-from mmis.server.protocol.messages import (
+from mmis.engine.request import Request
+from mmis.engine.sched_config import SchedulerConfig
+from mmis.engine.sched_output import RequestEvent, SchedulerOutput
+from mmis.engine.scheduler import Scheduler
+from mmis.protocol.messages import (
     MultiModalFeature,
     PlaceholderRange,
     SamplingParams,

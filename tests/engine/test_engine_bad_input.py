@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_harness import EngineHarness
 from engine_inputs import ModelKit, image, kit_for, new_id, with_data
 
-from mmis.server.protocol.messages import (
+from mmis.protocol.messages import (
     EngineCoreRequest,
     MultiModalFeature,
     PlaceholderRange,

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_harness import EngineHarness, Result
 from engine_inputs import ModelKit, hash_only, image, kit_for, renamed, with_data
 
-from mmis.server.config import GiB
-from mmis.server.multimodal.sizing import item_nbytes
+from mmis.config import GiB
+from mmis.multimodal.sizing import item_nbytes
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 

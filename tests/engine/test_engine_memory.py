@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_harness import EngineHarness
 from engine_inputs import ModelKit, image, kit_for
 
-from mmis.server.config import GiB
+from mmis.config import GiB
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 

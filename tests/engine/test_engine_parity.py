@@ -29,8 +29,8 @@ from engine_inputs import (
     with_data,
 )
 
-from mmis.server.protocol.messages import PoolingParams
-from mmis.server.shm import ShmWriter
+from mmis.protocol.messages import PoolingParams
+from mmis.shm import ShmWriter
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from mmis.server.engine.block_pool import NULL_BLOCK_ID, BlockPool, BlockPoolError
-from mmis.server.engine.kv_cache import KVCacheManager, update_block_hashes
-from mmis.server.engine.request import Request
-from mmis.server.protocol.messages import MultiModalFeature, PlaceholderRange
+from mmis.engine.block_pool import NULL_BLOCK_ID, BlockPool, BlockPoolError
+from mmis.engine.kv_cache import KVCacheManager, update_block_hashes
+from mmis.engine.request import Request
+from mmis.protocol.messages import MultiModalFeature, PlaceholderRange
 
 BS = 4
 

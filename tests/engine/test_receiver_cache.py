@@ -7,10 +7,10 @@ import random
 import numpy as np
 import pytest
 
-from mmis.server.engine.receiver_cache import ReceiverCache
-from mmis.server.multimodal.sizing import TENSOR_OVERHEAD_BYTES, item_nbytes
-from mmis.server.protocol.errors import MultiModalCacheMissError, ProtocolError
-from mmis.server.protocol.messages import MultiModalFeature, PlaceholderRange, ShmAddress
+from mmis.engine.receiver_cache import ReceiverCache
+from mmis.multimodal.sizing import TENSOR_OVERHEAD_BYTES, item_nbytes
+from mmis.protocol.errors import MultiModalCacheMissError, ProtocolError
+from mmis.protocol.messages import MultiModalFeature, PlaceholderRange, ShmAddress
 
 UNIT = 100  # payload bytes per unit of item size
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmis.server.engine.paged_attention import (
+from mmis.engine.paged_attention import (
     STEP_KWARG,
     KVCacheSpec,
     PagedAttentionError,

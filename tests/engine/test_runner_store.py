@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from mmis.server.engine.model import ModelInputError
-from mmis.server.engine.paged_attention import PagedAttentionError
-from mmis.server.engine.runner import EncoderOutputMissingError, StepInputError
-from mmis.server.engine.step_batch import MultiModalInput, ScheduledSequence, StepBatch
-from mmis.server.protocol.messages import PoolingParams
+from mmis.engine.model import ModelInputError
+from mmis.engine.paged_attention import PagedAttentionError
+from mmis.engine.runner import EncoderOutputMissingError, StepInputError
+from mmis.engine.step_batch import MultiModalInput, ScheduledSequence, StepBatch
+from mmis.protocol.messages import PoolingParams
 
 pytestmark = pytest.mark.model
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmis.server.engine.sampler import Sampler, SamplingParamsError, seed_for
-from mmis.server.protocol.messages import SamplingParams
+from mmis.engine.sampler import Sampler, SamplingParamsError, seed_for
+from mmis.protocol.messages import SamplingParams
 
 VOCAB = 6
 LOGITS = torch.tensor([[0.5, 2.0, 1.0, -1.0, 1.5, 0.0]])  # order: 1, 4, 2, 0, 5, 3

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sched_harness import IMG, Engine, image, make, reference, text
 
-from mmis.server.protocol.messages import ErrorCode, FinishReason
+from mmis.protocol.messages import ErrorCode, FinishReason
 
 
 def test_an_image_larger_than_the_encoder_cache_is_rejected():

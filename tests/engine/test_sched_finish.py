@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sched_harness import EOS, Engine, make, text
 
-from mmis.server.engine.request import Request
-from mmis.server.protocol.messages import ErrorCode, FinishReason
+from mmis.engine.request import Request
+from mmis.protocol.messages import ErrorCode, FinishReason
 
 
 def test_stop_conditions_without_a_tokenizer():
@@ -52,7 +52,7 @@ def test_max_model_len_stops_generation_and_rejects_long_prompts():
 
 
 def test_pooling_requests_finish_after_prefill():
-    from mmis.server.protocol.messages import PoolingParams
+    from mmis.protocol.messages import PoolingParams
 
     eng = Engine(block_size=4, num_blocks=16)
     eng.add(Request("emb", text(1, 9), pooling_params=PoolingParams()))

@@ -16,10 +16,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sched_harness import IMG, Engine, image, make, reference, text
 
-from mmis.server.engine.request import InvalidRequestError, Request
-from mmis.server.engine.sched_config import SchedulerConfig
-from mmis.server.engine.scheduler import Scheduler
-from mmis.server.protocol.messages import ErrorCode, FinishReason
+from mmis.engine.request import InvalidRequestError, Request
+from mmis.engine.sched_config import SchedulerConfig
+from mmis.engine.scheduler import Scheduler
+from mmis.protocol.messages import ErrorCode, FinishReason
 
 
 def test_a_request_that_can_never_fit_is_rejected_and_others_continue():

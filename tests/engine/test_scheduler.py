@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sched_harness import Engine, make, reference, text
 
-from mmis.server.protocol.messages import FinishReason
+from mmis.protocol.messages import FinishReason
 
 
 def test_requests_join_and_leave_while_others_decode():

@@ -20,10 +20,10 @@ CHILD = textwrap.dedent(
     sys.modules["torch"] = None
     sys.meta_path.insert(0, Block())
 
-    from mmis.server.engine.request import Request
-    from mmis.server.engine.sched_config import SchedulerConfig
-    from mmis.server.engine.scheduler import Scheduler
-    from mmis.server.protocol.messages import MultiModalFeature, PlaceholderRange, SamplingParams
+    from mmis.engine.request import Request
+    from mmis.engine.sched_config import SchedulerConfig
+    from mmis.engine.scheduler import Scheduler
+    from mmis.protocol.messages import MultiModalFeature, PlaceholderRange, SamplingParams
 
     sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16, max_num_batched_tokens=8))
     img = MultiModalFeature("image", "h", "h", PlaceholderRange(2, 4))

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from mmis.cli import main as cli_main
-from mmis.server.engine.tiny_model import (
+from mmis.engine.tiny_model import (
     TinyModelError,
     build_tiny_model,
     default_model_dir,
@@ -102,7 +102,7 @@ def test_cli_writes_a_model(tmp_path: Path, capsys):
 
 _FIRST_USE = """
 import sys
-from mmis.server.engine.tiny_model import default_model_dir
+from mmis.engine.tiny_model import default_model_dir
 print("ready", flush=True)
 sys.stdin.readline()  # the barrier: wait until the parent says go
 print(default_model_dir(), flush=True)

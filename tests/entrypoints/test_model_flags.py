@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from mmis.server.entrypoints import engine as engine_cli
-from mmis.server.entrypoints import frontend as frontend_cli
-from mmis.server.entrypoints import serve as serve_cli
+from mmis.entrypoints import engine as engine_cli
+from mmis.entrypoints import frontend as frontend_cli
+from mmis.entrypoints import serve as serve_cli
 
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("MMIS_")}
 

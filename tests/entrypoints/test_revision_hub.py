@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from mmis.server.engine.tiny_model import tiny_model_dir
+from mmis.engine.tiny_model import tiny_model_dir
 
 REPO = "acme/tiny"
 MAIN_COMMIT = "a" * 40
@@ -29,8 +29,8 @@ V2_COMMIT = "b" * 40
 
 CHILD = r"""
 import argparse, json, sys
-from mmis.server.entrypoints import engine, frontend
-from mmis.server.frontend.state import load_processor
+from mmis.entrypoints import engine, frontend
+from mmis.frontend.state import load_processor
 
 def parse(module, argv):
     parser = argparse.ArgumentParser()

@@ -27,21 +27,21 @@ import numpy as np
 import uvicorn
 from PIL import Image
 
-from mmis.server.engine.core_process import EngineCoreProc
-from mmis.server.engine.receiver_cache import ReceiverCache
-from mmis.server.frontend.api_server import create_app
-from mmis.server.frontend.config import FrontendConfig
-from mmis.server.frontend.state import FrontendState, ServerSettings
-from mmis.server.protocol.errors import MultiModalCacheMissError
-from mmis.server.protocol.messages import (
+from mmis.engine.core_process import EngineCoreProc
+from mmis.engine.receiver_cache import ReceiverCache
+from mmis.frontend.api_server import create_app
+from mmis.frontend.config import FrontendConfig
+from mmis.frontend.state import FrontendState, ServerSettings
+from mmis.protocol.errors import MultiModalCacheMissError
+from mmis.protocol.messages import (
     EngineCoreOutput,
     EngineCoreRequest,
     ErrorCode,
     FinishReason,
     RequestError,
 )
-from mmis.server.shm import ShmReaderSet
-from mmis.server.telemetry.tracing import Tracing
+from mmis.shm import ShmReaderSet
+from mmis.telemetry.tracing import Tracing
 
 VOCAB_LOW, VOCAB_HIGH = 262, 448  # tokens of the tiny LLaVA tokenizer that decode to ASCII
 

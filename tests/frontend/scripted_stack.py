@@ -18,9 +18,9 @@ from typing import Any, Protocol
 
 from fake_engine import FakeEngine, RunningFrontend, ScriptedCore
 
-from mmis.server.engine.tiny_model import tiny_model_dir
-from mmis.server.frontend.state import ServerSettings
-from mmis.server.telemetry.tracing import Tracing
+from mmis.engine.tiny_model import tiny_model_dir
+from mmis.frontend.state import ServerSettings
+from mmis.telemetry.tracing import Tracing
 
 
 class EngineAddresses(Protocol):

@@ -13,7 +13,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
-from mmis.server.frontend.errors import (
+from mmis.frontend.errors import (
     SSE_DONE,
     ContextLengthExceededError,
     FrontendError,
@@ -29,7 +29,7 @@ from mmis.server.frontend.errors import (
     from_request_error,
     sse_error_event,
 )
-from mmis.server.frontend.schemas import (
+from mmis.frontend.schemas import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -40,8 +40,8 @@ from mmis.server.frontend.schemas import (
     install_exception_handlers,
     sse_chunk,
 )
-from mmis.server.protocol.errors import MMISError, MultiModalCacheMissError, ProtocolError
-from mmis.server.protocol.messages import RequestError
+from mmis.protocol.errors import MMISError, MultiModalCacheMissError, ProtocolError
+from mmis.protocol.messages import RequestError
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mmis.server.config import ConfigError, from_env
-from mmis.server.frontend.config import FrontendConfig
+from mmis.config import ConfigError, from_env
+from mmis.frontend.config import FrontendConfig
 
 
 def test_defaults_are_secure() -> None:

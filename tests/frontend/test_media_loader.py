@@ -16,16 +16,16 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmis.server.frontend.config import FrontendConfig
-from mmis.server.frontend.errors import (
+from mmis.frontend.config import FrontendConfig
+from mmis.frontend.errors import (
     InvalidMediaError,
     MediaForbiddenError,
     MediaTooLargeError,
     TooManyImagesError,
 )
-from mmis.server.frontend.media import MediaLoader, check_image_count
-from mmis.server.frontend.media.fetch import MediaFetcher
-from mmis.server.frontend.ssrf import SSRFGuard
+from mmis.frontend.media import MediaLoader, check_image_count
+from mmis.frontend.media.fetch import MediaFetcher
+from mmis.frontend.ssrf import SSRFGuard
 
 
 def png(seed: int, size: int = 16) -> bytes:

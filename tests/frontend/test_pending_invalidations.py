@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from mmis.server.frontend.pending_invalidations import PendingInvalidations
-from mmis.server.frontend.sender_cache import SenderCache, ShadowEntry, ShadowItem
-from mmis.server.protocol.messages import MultiModalFeature, PlaceholderRange
+from mmis.frontend.pending_invalidations import PendingInvalidations
+from mmis.frontend.sender_cache import SenderCache, ShadowEntry, ShadowItem
+from mmis.protocol.messages import MultiModalFeature, PlaceholderRange
 
 WAIT = 10.0  # upper bound for a forced step; never reached when the code is right
 

@@ -19,12 +19,12 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine, RunningFrontend, image_part
 
-from mmis.server.engine.tiny_model import tiny_model_dir
-from mmis.server.frontend.counters import FrontendCounters
-from mmis.server.frontend.metrics_sink import MetricsSink
-from mmis.server.frontend.state import ServerSettings
-from mmis.server.telemetry import catalog
-from mmis.server.telemetry.metrics import MMISMetrics
+from mmis.engine.tiny_model import tiny_model_dir
+from mmis.frontend.counters import FrontendCounters
+from mmis.frontend.metrics_sink import MetricsSink
+from mmis.frontend.state import ServerSettings
+from mmis.telemetry import catalog
+from mmis.telemetry.metrics import MMISMetrics
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -19,19 +19,19 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from mmis.server.engine.tiny_model import tiny_model_dir
-from mmis.server.frontend.config import FrontendConfig
-from mmis.server.frontend.errors import (
+from mmis.engine.tiny_model import tiny_model_dir
+from mmis.frontend.config import FrontendConfig
+from mmis.frontend.errors import (
     ContextLengthExceededError,
     HashOnlyCacheMissError,
     InvalidRequestError,
 )
-from mmis.server.frontend.media import MediaLoader
-from mmis.server.frontend.pending_invalidations import PendingInvalidations
-from mmis.server.frontend.processor import ModelProcessor, ProcessedImage
-from mmis.server.frontend.renderer import ImageRef, Renderer, SourceItem, SourcePrompt
-from mmis.server.frontend.sender_cache import SenderCache
-from mmis.server.shm import ShmWriter
+from mmis.frontend.media import MediaLoader
+from mmis.frontend.pending_invalidations import PendingInvalidations
+from mmis.frontend.processor import ModelProcessor, ProcessedImage
+from mmis.frontend.renderer import ImageRef, Renderer, SourceItem, SourcePrompt
+from mmis.frontend.sender_cache import SenderCache
+from mmis.shm import ShmWriter
 
 WAIT = 10.0
 

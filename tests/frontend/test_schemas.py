@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from mmis.server.frontend.errors import InvalidRequestError, error_body
-from mmis.server.frontend.schemas import (
+from mmis.frontend.errors import InvalidRequestError, error_body
+from mmis.frontend.schemas import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,

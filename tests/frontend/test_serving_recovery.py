@@ -22,8 +22,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine, RunningFrontend, image_part
 
-from mmis.server.engine.tiny_model import tiny_model_dir
-from mmis.server.frontend.state import ServerSettings
+from mmis.engine.tiny_model import tiny_model_dir
+from mmis.frontend.state import ServerSettings
 
 
 class Stack:

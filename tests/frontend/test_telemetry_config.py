@@ -6,11 +6,11 @@ import argparse
 
 import pytest
 
-from mmis.server.config import ConfigError
-from mmis.server.entrypoints import engine as engine_cli
-from mmis.server.entrypoints import frontend as frontend_cli
-from mmis.server.entrypoints import serve as serve_cli
-from mmis.server.frontend.state import ServerSettings, frontend_tracing
+from mmis.config import ConfigError
+from mmis.entrypoints import engine as engine_cli
+from mmis.entrypoints import frontend as frontend_cli
+from mmis.entrypoints import serve as serve_cli
+from mmis.frontend.state import ServerSettings, frontend_tracing
 
 OTEL = (
     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",

@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine, RunningFrontend, ScriptedCore, image_part
 from scripted_stack import scripted_stack
 
-from mmis.server.frontend.engine_client import EngineClient
-from mmis.server.telemetry import catalog
-from mmis.server.telemetry.engine_stats import EngineStats
+from mmis.frontend.engine_client import EngineClient
+from mmis.telemetry import catalog
+from mmis.telemetry.engine_stats import EngineStats
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -25,11 +25,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine, RunningFrontend, ScriptedCore, image_part
 from scripted_stack import scripted_stack
 
-from mmis.server.protocol.messages import EngineCoreRequest
-from mmis.server.telemetry import genai
-from mmis.server.telemetry import tracing as tr
-from mmis.server.telemetry.tracing import setup_tracing
-from mmis.server.telemetry.tracing_config import TracingConfig
+from mmis.protocol.messages import EngineCoreRequest
+from mmis.telemetry import genai
+from mmis.telemetry import tracing as tr
+from mmis.telemetry.tracing import setup_tracing
+from mmis.telemetry.tracing_config import TracingConfig
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -12,8 +12,8 @@ import pytest
 import yaml
 from kubecluster import Cluster, apply_crds, kubectl_wait
 
-from mmis.operator.runner import OperatorThread
-from mmis.operator.settings import Options
+from mmis_operator.runner import OperatorThread
+from mmis_operator.settings import Options
 
 pytestmark = pytest.mark.controlplane
 

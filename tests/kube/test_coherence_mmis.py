@@ -27,11 +27,11 @@ from kubecluster import Cluster
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from procs import Engine, Frontend, chat_body
 
-from mmis.operator.runner import OperatorThread
-from mmis.operator.settings import Options
-from mmis.server.engine.tiny_model import tiny_model_dir
-from mmis.server.protocol.codec import WireCodec
-from mmis.server.protocol.messages import UtilityCall
+from mmis.engine.tiny_model import tiny_model_dir
+from mmis.protocol.codec import WireCodec
+from mmis.protocol.messages import UtilityCall
+from mmis_operator.runner import OperatorThread
+from mmis_operator.settings import Options
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.model, pytest.mark.slow]
 

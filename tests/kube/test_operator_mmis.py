@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from kubecluster import Cluster, kubectl_wait
 
-from mmis.operator.runner import OperatorThread
-from mmis.operator.settings import Options
+from mmis_operator.runner import OperatorThread
+from mmis_operator.settings import Options
 
 pytestmark = pytest.mark.controlplane
 

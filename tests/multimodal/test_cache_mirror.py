@@ -11,11 +11,11 @@ import random
 import numpy as np
 import pytest
 
-from mmis.server.engine.receiver_cache import ReceiverCache
-from mmis.server.frontend.sender_cache import SenderCache, ShadowEntry, ShadowItem
-from mmis.server.multimodal.sizing import TENSOR_OVERHEAD_BYTES, item_nbytes
-from mmis.server.protocol.errors import MultiModalCacheMissError
-from mmis.server.protocol.messages import MultiModalFeature, PlaceholderRange
+from mmis.engine.receiver_cache import ReceiverCache
+from mmis.frontend.sender_cache import SenderCache, ShadowEntry, ShadowItem
+from mmis.multimodal.sizing import TENSOR_OVERHEAD_BYTES, item_nbytes
+from mmis.protocol.errors import MultiModalCacheMissError
+from mmis.protocol.messages import MultiModalFeature, PlaceholderRange
 
 BUDGET = 4000
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmis.server.multimodal.hashing import (
+from mmis.multimodal.hashing import (
     MAX_UUID_LENGTH,
     HashingError,
     InvalidItemUUIDError,

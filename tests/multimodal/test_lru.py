@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from mmis.server.multimodal.lru import ByteBudgetLRU
+from mmis.multimodal.lru import ByteBudgetLRU
 
 
 def _lru(capacity: int = 10) -> ByteBudgetLRU[str, int]:

@@ -4,9 +4,9 @@ from typing import Any
 
 import pytest
 
-from mmis.operator import children, pod
-from mmis.operator import resource as r
-from mmis.operator.spec import parse_spec
+from mmis_operator import children, pod
+from mmis_operator import resource as r
+from mmis_operator.spec import parse_spec
 
 
 def _containers(dep: dict[str, Any]) -> dict[str, dict[str, Any]]:

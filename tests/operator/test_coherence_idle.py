@@ -13,8 +13,8 @@ import copy
 import re
 from typing import Any
 
-from mmis.operator import coherence, conditions, status
-from mmis.operator.probe import CoherenceProbe
+from mmis_operator import coherence, conditions, status
+from mmis_operator.probe import CoherenceProbe
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ"

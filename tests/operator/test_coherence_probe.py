@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from mmis.operator import coherence
-from mmis.operator.kube import KubeError
-from mmis.operator.probe import OVERRIDE_ANNOTATION, CoherenceProbe, Target, fetch_all, targets
+from mmis_operator import coherence
+from mmis_operator.kube import KubeError
+from mmis_operator.probe import OVERRIDE_ANNOTATION, CoherenceProbe, Target, fetch_all, targets
 
 STATS = {
     "drift_rate": 0.5,

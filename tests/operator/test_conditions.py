@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from mmis.operator import conditions
-from mmis.operator.conditions import Condition
+from mmis_operator import conditions
+from mmis_operator.conditions import Condition
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mmis.operator import children
-from mmis.operator.spec import parse_spec
+from mmis_operator import children
+from mmis_operator.spec import parse_spec
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
 

@@ -6,10 +6,10 @@ import kopf
 import kubernetes.client
 import pytest
 
-from mmis.operator import handlers
-from mmis.operator.kube import Kube, KubeError
-from mmis.operator.reconciler import ApplyError
-from mmis.operator.spec import InvalidSpecError
+from mmis_operator import handlers
+from mmis_operator.kube import Kube, KubeError
+from mmis_operator.reconciler import ApplyError
+from mmis_operator.spec import InvalidSpecError
 
 
 def _raise(exc: Exception) -> None:

@@ -4,7 +4,7 @@ from decimal import Decimal
 
 import pytest
 
-from mmis.operator import quantity
+from mmis_operator import quantity
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from mmis.operator.kube import KubeError
-from mmis.operator.reconciler import Reconciler
+from mmis_operator.kube import KubeError
+from mmis_operator.reconciler import Reconciler
 
 
 class FakeKube:

@@ -7,8 +7,8 @@ import kopf
 import pytest
 
 from mmis.cli import main as cli_main
-from mmis.operator import main as operator_main
-from mmis.operator import settings
+from mmis_operator import main as operator_main
+from mmis_operator import settings
 
 
 def _parse(*argv: str) -> argparse.Namespace:

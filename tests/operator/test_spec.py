@@ -6,8 +6,8 @@ from typing import Any
 import pytest
 import yaml
 
-from mmis.operator import spec as specmod
-from mmis.operator.spec import InvalidSpecError, parse_spec
+from mmis_operator import spec as specmod
+from mmis_operator.spec import InvalidSpecError, parse_spec
 
 CRD = Path(__file__).resolve().parents[2] / "crds" / "mminferenceservice.yaml"
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from mmis.operator import status
+from mmis_operator import status
 
 
 def _dep(

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import zmq
 
-from mmis.server.protocol import (
+from mmis.protocol import (
     AbortRequests,
     EngineCoreOutputs,
     EngineCoreRequest,

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from mmis.server.protocol import WireCodec
+from mmis.protocol import WireCodec
 
 NEXT_DEFAULT = "next-default"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from mmis.server.protocol import WIRE_STRUCTS, WireCodec, describe_all
+from mmis.protocol import WIRE_STRUCTS, WireCodec, describe_all
 
 
 def test_current_encoding_is_byte_exact(golden, sample) -> None:

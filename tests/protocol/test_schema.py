@@ -10,8 +10,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from mmis.server.protocol import WIRE_STRUCTS, check_append_only, describe_all
-from mmis.server.protocol.schema import check_struct, describe, type_name
+from mmis.protocol import WIRE_STRUCTS, check_append_only, describe_all
+from mmis.protocol.schema import check_struct, describe, type_name
 
 
 def test_checked_in_schemas_are_prefixes_of_the_current_structs(golden) -> None:

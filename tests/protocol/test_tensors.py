@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from mmis.server.protocol import INLINE_THRESHOLD, TENSOR_EXT_CODE, ProtocolError, WireCodec
-from mmis.server.protocol.tensors import WIRE_DTYPES, TensorHeader, TensorPacker, TensorUnpacker
+from mmis.protocol import INLINE_THRESHOLD, TENSOR_EXT_CODE, ProtocolError, WireCodec
+from mmis.protocol.tensors import WIRE_DTYPES, TensorHeader, TensorPacker, TensorUnpacker
 
 
 def _roundtrip(value: object, codec: WireCodec | None = None) -> tuple[list, object]:
@@ -156,7 +156,7 @@ def test_packer_and_unpacker_reject_bad_construction() -> None:
 def test_numpy_only_traffic_never_imports_torch() -> None:
     code = (
         "import sys, numpy as np\n"
-        "from mmis.server.protocol import WireCodec\n"
+        "from mmis.protocol import WireCodec\n"
         "c = WireCodec()\n"
         "out = c.decode(c.encode({'a': np.arange(1000.0)}), dict)['a']\n"
         "assert out.sum() == 499500.0\n"

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mmis.server.shm import ShmWriter
+from mmis.shm import ShmWriter
 
 
 class FakeClock:

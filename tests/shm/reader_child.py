@@ -18,8 +18,8 @@ from typing import Any
 
 import msgspec
 
-from mmis.server.protocol.messages import ShmAddress
-from mmis.server.shm import ShmError, ShmReader
+from mmis.protocol.messages import ShmAddress
+from mmis.shm import ShmError, ShmReader
 
 Command = tuple[str, list[ShmAddress]]
 _LEN = struct.Struct("<I")

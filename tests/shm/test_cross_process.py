@@ -14,8 +14,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from mmis.server.protocol.messages import ShmAddress
-from mmis.server.shm import ShmStoreFullError, ShmWriter
+from mmis.protocol.messages import ShmAddress
+from mmis.shm import ShmStoreFullError, ShmWriter
 
 CHILD = Path(__file__).with_name("reader_child.py")
 _LEN = struct.Struct("<I")

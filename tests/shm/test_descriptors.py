@@ -6,9 +6,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from mmis.server.protocol.errors import MMISError
-from mmis.server.protocol.messages import ShmAddress
-from mmis.server.shm import (
+from mmis.protocol.errors import MMISError
+from mmis.protocol.messages import ShmAddress
+from mmis.shm import (
     ForgedHandleError,
     ShmReader,
     ShmReaderSet,

@@ -7,13 +7,13 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from mmis.server.multimodal.payload_strip import (
+from mmis.multimodal.payload_strip import (
     PayloadStripError,
     is_covered,
     strip_covered_payloads,
 )
-from mmis.server.protocol.messages import MultiModalFeature, PlaceholderRange
-from mmis.server.shm import ShmReader, ShmWriter, receive_features
+from mmis.protocol.messages import MultiModalFeature, PlaceholderRange
+from mmis.shm import ShmReader, ShmWriter, receive_features
 
 PROMPT = list(range(40))  # image placeholder at tokens 5..20
 

@@ -6,9 +6,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from mmis.server.protocol.errors import MultiModalCacheMissError
-from mmis.server.protocol.messages import MultiModalFeature, PlaceholderRange
-from mmis.server.shm import ForgedHandleError, ShmReader, receive_features
+from mmis.protocol.errors import MultiModalCacheMissError
+from mmis.protocol.messages import MultiModalFeature, PlaceholderRange
+from mmis.shm import ForgedHandleError, ShmReader, receive_features
 
 
 def feature(mm_hash: str, data, offset: int = 0) -> MultiModalFeature:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mmis.server.shm import ShmReader, ShmStoreFullError, StaleHandleError
+from mmis.shm import ShmReader, ShmStoreFullError, StaleHandleError
 
 
 def blob(nbytes: int, fill: int = 0) -> dict[str, np.ndarray]:
@@ -151,7 +151,7 @@ def test_wrap_around_keeps_contents_intact(make_writer) -> None:
 
 
 def test_a_put_that_fails_mid_copy_leaks_nothing(make_writer, monkeypatch) -> None:
-    from mmis.server.shm import payload as payload_module
+    from mmis.shm import payload as payload_module
 
     writer = make_writer(capacity=8192)
     real_write = payload_module.write

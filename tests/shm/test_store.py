@@ -12,8 +12,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from mmis.server.protocol.messages import MultiModalFeature, PlaceholderRange, ShmAddress
-from mmis.server.shm import (
+from mmis.protocol.messages import MultiModalFeature, PlaceholderRange, ShmAddress
+from mmis.shm import (
     ShmPayloadError,
     ShmPayloadTooLargeError,
     ShmReader,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from mmis.server.telemetry.bundle import FrontendTelemetry
-from mmis.server.telemetry.engine_stats import EngineStats
+from mmis.telemetry.bundle import FrontendTelemetry
+from mmis.telemetry.engine_stats import EngineStats
 
 
 class Clock:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from mmis.server.telemetry import alerts, dashboard
+from mmis.telemetry import alerts, dashboard
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "mmis"

@@ -11,7 +11,7 @@ import promql_parser
 import pytest
 import yaml
 
-from mmis.server.telemetry import alerts, catalog, dashboard, generate
+from mmis.telemetry import alerts, catalog, dashboard, generate
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "mmis"

@@ -7,9 +7,9 @@ import json
 import pytest
 from prometheus_client import generate_latest
 
-from mmis.server.telemetry.drift import DriftCollector, DriftCounters, DriftWindow, counters_of
-from mmis.server.telemetry.errors import TelemetryError
-from mmis.server.telemetry.metrics import MMISMetrics
+from mmis.telemetry.drift import DriftCollector, DriftCounters, DriftWindow, counters_of
+from mmis.telemetry.errors import TelemetryError
+from mmis.telemetry.metrics import MMISMetrics
 
 CHAT = "/v1/chat/completions"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as semconv
 
-from mmis.server.telemetry import genai
-from mmis.server.telemetry.errors import TelemetryError
+from mmis.telemetry import genai
+from mmis.telemetry.errors import TelemetryError
 
 
 def test_attribute_names_match_the_published_conventions() -> None:

@@ -7,13 +7,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from mmis.server.telemetry import catalog
-from mmis.server.telemetry.catalog import ALLOWED_LABELS, Owner
-from mmis.server.telemetry.drift import DriftCollector, DriftWindow, counters_of
-from mmis.server.telemetry.engine_stats import KEYS, EngineStats
-from mmis.server.telemetry.errors import LabelValueError, TelemetryError
-from mmis.server.telemetry.metrics import MMISMetrics
-from mmis.server.telemetry.stats_collector import EngineStatsCollector
+from mmis.telemetry import catalog
+from mmis.telemetry.catalog import ALLOWED_LABELS, Owner
+from mmis.telemetry.drift import DriftCollector, DriftWindow, counters_of
+from mmis.telemetry.engine_stats import KEYS, EngineStats
+from mmis.telemetry.errors import LabelValueError, TelemetryError
+from mmis.telemetry.metrics import MMISMetrics
+from mmis.telemetry.stats_collector import EngineStatsCollector
 
 CHAT = "/v1/chat/completions"
 # Label names that would carry per-request values: none may ever appear on a series.

@@ -15,8 +15,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 sys.path.insert(0, str(Path(__file__).parent))
 from otlp_receiver import serve_otlp_http, service_spans
 
-from mmis.server.telemetry.tracing import CACHE_MISS, record_cache_event, setup_tracing
-from mmis.server.telemetry.tracing_config import TracingConfig
+from mmis.telemetry.tracing import CACHE_MISS, record_cache_event, setup_tracing
+from mmis.telemetry.tracing_config import TracingConfig
 
 Request = trace_service_pb2.ExportTraceServiceRequest
 

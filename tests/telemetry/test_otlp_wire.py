@@ -15,10 +15,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Link, Status, StatusCode
 
-from mmis.server.telemetry import otlp_wire, protobuf_fields
-from mmis.server.telemetry.otlp_wire import Encoder
-from mmis.server.telemetry.tracing import setup_tracing
-from mmis.server.telemetry.tracing_config import TracingConfig
+from mmis.telemetry import otlp_wire, protobuf_fields
+from mmis.telemetry.otlp_wire import Encoder
+from mmis.telemetry.tracing import setup_tracing
+from mmis.telemetry.tracing_config import TracingConfig
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 

@@ -9,10 +9,10 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.trace import Span, SpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from mmis.server.telemetry import genai
-from mmis.server.telemetry.request_spans import RequestSpans
-from mmis.server.telemetry.tracing import Tracing, inject, setup_tracing
-from mmis.server.telemetry.tracing_config import TracingConfig
+from mmis.telemetry import genai
+from mmis.telemetry.request_spans import RequestSpans
+from mmis.telemetry.tracing import Tracing, inject, setup_tracing
+from mmis.telemetry.tracing_config import TracingConfig
 
 
 @dataclasses.dataclass

@@ -8,11 +8,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from mmis.server.protocol import EngineCoreOutputs, UtilityResult, WireCodec
-from mmis.server.telemetry.engine_stats import STATS_METHOD, EngineStats
-from mmis.server.telemetry.errors import StatsSnapshotError, TelemetryError
-from mmis.server.telemetry.metrics import MMISMetrics
-from mmis.server.telemetry.stats_collector import EngineStatsCollector
+from mmis.protocol import EngineCoreOutputs, UtilityResult, WireCodec
+from mmis.telemetry.engine_stats import STATS_METHOD, EngineStats
+from mmis.telemetry.errors import StatsSnapshotError, TelemetryError
+from mmis.telemetry.metrics import MMISMetrics
+from mmis.telemetry.stats_collector import EngineStatsCollector
 
 
 class Clock:

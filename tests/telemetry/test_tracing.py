@@ -12,10 +12,10 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from mmis.server.protocol import EngineCoreRequest, WireCodec
-from mmis.server.telemetry import genai
-from mmis.server.telemetry.errors import CacheEventError
-from mmis.server.telemetry.tracing import (
+from mmis.protocol import EngineCoreRequest, WireCodec
+from mmis.telemetry import genai
+from mmis.telemetry.errors import CacheEventError
+from mmis.telemetry.tracing import (
     ATTR_ATTEMPT,
     ATTR_HASHES_COUNT,
     ATTR_OUTCOME,
@@ -28,7 +28,7 @@ from mmis.server.telemetry.tracing import (
     record_cache_event,
     setup_tracing,
 )
-from mmis.server.telemetry.tracing_config import TracingConfig
+from mmis.telemetry.tracing_config import TracingConfig
 
 ON = TracingConfig(otlp_traces_endpoint="http://127.0.0.1:1")  # never reached: exporter injected
 
@@ -67,8 +67,8 @@ def test_off_does_not_even_import_the_sdk() -> None:
     code = textwrap.dedent(
         """
         import sys
-        from mmis.server.telemetry.tracing import setup_tracing, inject
-        from mmis.server.telemetry.tracing_config import TracingConfig
+        from mmis.telemetry.tracing import setup_tracing, inject
+        from mmis.telemetry.tracing_config import TracingConfig
         t = setup_tracing(TracingConfig.from_env({}))
         with t.tracer.start_as_current_span("x"):
             assert inject() == {}
@@ -201,8 +201,8 @@ def test_set_global_installs_the_provider_for_library_tracers() -> None:
         """
         from opentelemetry import trace
         from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-        from mmis.server.telemetry.tracing import setup_tracing
-        from mmis.server.telemetry.tracing_config import TracingConfig
+        from mmis.telemetry.tracing import setup_tracing
+        from mmis.telemetry.tracing_config import TracingConfig
         spans = InMemorySpanExporter()
         config = TracingConfig(otlp_traces_endpoint="http://127.0.0.1:1")
         setup_tracing(config, exporter=spans, set_global=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mmis.server.telemetry.errors import TracingConfigError
-from mmis.server.telemetry.tracing_config import TracingConfig
+from mmis.telemetry.errors import TracingConfigError
+from mmis.telemetry.tracing_config import TracingConfig
 
 
 def test_off_by_default_even_with_other_otel_variables() -> None:

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from mmis.server.protocol import WireCodec, check_append_only, describe_all
+from mmis.protocol import WireCodec, check_append_only, describe_all
 
 
 def _load_samples() -> ModuleType:

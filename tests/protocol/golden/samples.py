@@ -22,7 +22,7 @@ import msgspec
 import numpy as np
 import torch
 
-from mmis.server.protocol import (
+from mmis.protocol import (
     AbortRequests,
     EngineCoreOutput,
     EngineCoreOutputs,

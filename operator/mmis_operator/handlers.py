@@ -1,0 +1,138 @@
+"""The kopf handlers: thin adapters from kopf causes to :class:`Reconciler` calls.
+
+Invariants:
+- Handlers are registered on a fresh ``kopf.OperatorRegistry`` per operator, never on kopf's
+  global registry, so tests can run several operators (different credentials) in one process.
+- A spec the operator can never run (InvalidSpecError, a manifest the API server rejects)
+  becomes ``kopf.PermanentError``: no retry loop; the next spec change is handled normally.
+- A transient failure (API server down, RBAC being fixed) becomes ``kopf.TemporaryError``
+  with a delay, so kopf retries without a crash.
+- Handlers return None: kopf stores nothing in ``status``; all status is ours.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+
+from mmis_operator import resource as r
+from mmis_operator.kube import Kube, KubeError
+from mmis_operator.probe import CoherenceProbe
+from mmis_operator.reconciler import ApplyError, Reconciler
+from mmis_operator.spec import InvalidSpecError, parse_spec
+
+RETRY_DELAY = 5.0
+
+
+def _run(fn: Any, *args: Any) -> None:
+    try:
+        fn(*args)
+    except InvalidSpecError as exc:
+        raise kopf.PermanentError(f"invalid spec: {exc}") from exc
+    except ApplyError as exc:
+        if exc.permanent:
+            raise kopf.PermanentError(str(exc)) from exc
+        raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY) from exc
+    except KubeError as exc:
+        raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY) from exc
+
+
+def build_registry(
+    kube: Kube,
+    resync_seconds: float = 60.0,
+    probe: CoherenceProbe | None = None,
+    probe_seconds: float = 30.0,
+) -> kopf.OperatorRegistry:
+    """Register every handler of the operator on a new registry bound to ``kube``."""
+    registry = kopf.OperatorRegistry()
+    reconciler = Reconciler(kube)
+    resource = (r.GROUP, r.VERSION, r.PLURAL)
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        return connection_info(kube)
+
+    @kopf.on.resume(*resource, id="reconcile", registry=registry)
+    @kopf.on.create(*resource, id="reconcile", registry=registry)
+    @kopf.on.update(*resource, id="reconcile", field="spec", registry=registry)
+    def reconcile(body: kopf.Body, **_: Any) -> None:
+        _run(reconciler.reconcile, _plain(body))
+
+    @kopf.on.delete(*resource, id="delete", registry=registry)
+    def delete(body: kopf.Body, **_: Any) -> None:
+        _run(reconciler.delete, _plain(body))
+
+    @kopf.timer(
+        *resource,
+        id="resync",
+        interval=resync_seconds,
+        initial_delay=resync_seconds,
+        registry=registry,
+    )
+    def resync(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+        try:
+            reconciler.reconcile(_plain(body))
+        except (InvalidSpecError, ApplyError, KubeError) as exc:
+            logger.debug("resync of %s: %s", body.metadata.name, exc)  # status already says it
+
+    coherence_probe = probe or CoherenceProbe(kube)
+
+    @kopf.timer(
+        *resource,
+        id="coherence",
+        interval=probe_seconds,
+        initial_delay=probe_seconds,
+        registry=registry,
+    )
+    async def coherence(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+        plain = _plain(body)
+        try:
+            threshold = parse_spec(plain.get("spec") or {}).cache.drift_threshold
+            await coherence_probe.run(plain, threshold)
+        except (InvalidSpecError, KubeError) as exc:  # Degraded says the first; next tick retries
+            logger.debug("coherence probe of %s: %s", body.metadata.name, exc)
+
+    @kopf.on.event(
+        "apps",
+        "v1",
+        "deployments",
+        id="deployment",
+        labels={r.LABEL_MANAGED_BY: r.MANAGED_BY},
+        registry=registry,
+    )
+    def deployment_event(body: kopf.Body, type: str | None, logger: kopf.Logger, **_: Any) -> None:
+        # type None: a (re-)listing. kopf lists again after every broken watch (API server
+        # restart, 410 Gone), and changes made while the watch was down arrive only that way,
+        # so they refresh the status too (write_status skips unchanged ones).
+        try:
+            reconciler.deployment_changed(_plain(body), deleted=type == "DELETED")
+        except KubeError as exc:  # the next event or the resync timer will catch up
+            logger.warning("status refresh failed: %s", exc)
+
+    return registry
+
+
+def _plain(body: kopf.Body) -> dict[str, Any]:
+    return {key: body[key] for key in body}
+
+
+def connection_info(kube: Kube) -> kopf.ConnectionInfo:
+    """kopf's connection from the same configuration the reconciler uses."""
+    cfg = kube.configuration
+    header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix(
+        "authorization"
+    )
+    parts = header.split(" ", 1) if header else []
+    scheme, token = (None, None) if not parts else (None, parts[0]) if len(parts) == 1 else parts
+    return kopf.ConnectionInfo(
+        server=cfg.host,
+        ca_path=cfg.ssl_ca_cert,
+        insecure=not cfg.verify_ssl,
+        username=cfg.username or None,
+        password=cfg.password or None,
+        scheme=scheme,
+        token=token,
+        certificate_path=cfg.cert_file,
+        private_key_path=cfg.key_file,
+    )

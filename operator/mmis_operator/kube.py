@@ -1,0 +1,186 @@
+"""A small, dict-in/dict-out Kubernetes REST client for the operator (one per operator).
+
+Invariants:
+- Each :class:`Kube` owns its own client configuration (never the process-global default), so
+  several operators with different credentials can run in one process (tests, benchmarks).
+- Every failure surfaces as :class:`KubeError` carrying the HTTP status (0: no answer, e.g. the
+  API server is restarting) and the server's message; nothing hangs: requests have timeouts.
+- Children are written with server-side apply under one field manager (``mmis-operator``), so
+  a re-apply is idempotent and fields other managers own are left alone.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import kubernetes.client
+import kubernetes.config
+import urllib3
+
+from mmis_operator import resource as r
+
+_PLURALS = {
+    "Deployment": "deployments",
+    "Service": "services",
+    "Ingress": "ingresses",
+    "Event": "events",
+    r.KIND: r.PLURAL,
+}
+JSON = "application/json"
+APPLY = "application/apply-patch+yaml"
+
+
+class KubeError(Exception):
+    """An API call failed; ``status`` is the HTTP code (0 when the server did not answer)."""
+
+    def __init__(self, status: int, message: str, reason: str = "") -> None:
+        super().__init__(f"HTTP {status} {reason}: {message}".strip())
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
+def load_configuration(kubeconfig: Path | str | None = None) -> kubernetes.client.Configuration:
+    """A client configuration from ``kubeconfig``, else in-cluster, else ``$KUBECONFIG``."""
+    cfg = kubernetes.client.Configuration()
+    if kubeconfig is not None:
+        kubernetes.config.load_kube_config(config_file=str(kubeconfig), client_configuration=cfg)
+        return cfg
+    try:
+        kubernetes.config.load_incluster_config(client_configuration=cfg)
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config(client_configuration=cfg)
+    return cfg
+
+
+def object_path(api_version: str, kind: str, namespace: str | None, name: str | None = None) -> str:
+    base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    if kind not in _PLURALS:
+        raise KubeError(0, f"the operator does not manage {kind} objects")
+    path = (
+        f"{base}/namespaces/{namespace}/{_PLURALS[kind]}"
+        if namespace
+        else f"{base}/{_PLURALS[kind]}"
+    )
+    return f"{path}/{name}" if name else path
+
+
+def service_path(namespace: str, name: str | None = None) -> str:
+    return object_path(r.API_VERSION, r.KIND, namespace, name)
+
+
+class Kube:
+    """REST calls with one client configuration; thread-safe (urllib3 pool)."""
+
+    def __init__(self, configuration: kubernetes.client.Configuration, timeout: float = 30.0):
+        self.configuration = configuration
+        self.api = kubernetes.client.ApiClient(configuration)
+        self.timeout = timeout
+        self.instance = socket.gethostname()
+
+    @classmethod
+    def from_kubeconfig(cls, kubeconfig: Path | str | None = None, timeout: float = 30.0) -> Kube:
+        return cls(load_configuration(kubeconfig), timeout)
+
+    def close(self) -> None:
+        self.api.close()
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: Mapping[str, str] | None = None,
+        content_type: str = JSON,
+    ) -> dict[str, Any]:
+        headers = {"Content-Type": content_type, "Accept": JSON}
+        try:
+            _, url, headers, payload, _ = self.api.param_serialize(
+                method,
+                path,
+                query_params=list((query or {}).items()) or None,
+                header_params=headers,
+                body=body,
+                auth_settings=["BearerToken"],
+            )
+            resp = self.api.call_api(
+                method, url, header_params=headers, body=payload, _request_timeout=self.timeout
+            )
+            data = resp.read()
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise KubeError(0, f"{method} {path}: {exc}", "NoResponse") from exc
+        except kubernetes.client.ApiException as exc:
+            raise KubeError(int(exc.status or 0), str(exc.reason or exc), "ClientError") from exc
+        parsed: dict[str, Any] = json.loads(data) if data else {}
+        if not 200 <= resp.status <= 299:
+            raise KubeError(
+                resp.status, str(parsed.get("message") or data), parsed.get("reason", "")
+            )
+        return parsed
+
+    def get(self, path: str) -> dict[str, Any] | None:
+        try:
+            return self.request("GET", path)
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """Server-side apply ``manifest`` (create or update) as the operator's field manager."""
+        meta = manifest["metadata"]
+        path = object_path(
+            manifest["apiVersion"], manifest["kind"], meta.get("namespace"), meta["name"]
+        )
+        query = {"fieldManager": r.FIELD_MANAGER, "force": "true"}
+        return self.request("PATCH", path, dict(manifest), query, APPLY)
+
+    def delete(self, path: str, propagation: str = "Background") -> bool:
+        """Delete; True if something was deleted, False if it was already gone."""
+        body = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": propagation}
+        try:
+            self.request("DELETE", path, body)
+        except KubeError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    def replace_status(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """PUT the status subresource; ``metadata.resourceVersion`` makes it conditional."""
+        meta = obj["metadata"]
+        return self.request(
+            "PUT", service_path(meta["namespace"], meta["name"]) + "/status", dict(obj)
+        )
+
+    def post_event(self, involved: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
+        """Record a core/v1 Event on ``involved`` (``kind``: Normal or Warning)."""
+        meta = involved["metadata"]
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": involved.get("apiVersion", r.API_VERSION),
+                "kind": involved.get("kind", r.KIND),
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta.get("uid"),
+            },
+            "reason": reason,
+            "message": message[:1024],
+            "type": kind,
+            "source": {"component": r.REPORTING_COMPONENT},
+            "reportingComponent": r.REPORTING_COMPONENT,
+            "reportingInstance": self.instance,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        self.request("POST", object_path("v1", "Event", meta["namespace"]), event)

@@ -1,0 +1,154 @@
+"""The coherence probe: fetch each ready pod's ``/stats/cache``, store ``CacheCoherent``.
+
+One cycle (:meth:`CoherenceProbe.run`, called by the operator's ``coherence`` timer): list the
+service's pods, GET ``http://<podIP>:8000/stats/cache`` on each ready one concurrently, judge
+the answers (:mod:`mmis_operator.coherence`) and write ``status.cache`` plus the
+``CacheCoherent`` condition, posting one Event per status flip.
+
+Invariants:
+- Every HTTP probe has a short timeout; a pod that does not answer is a failed probe for this
+  cycle, never a hung timer or an exception out of the cycle.
+- The endpoint override (annotation ``mmis.dev/stats-endpoints: "http://h:p,..."``, the i-th
+  endpoint standing in for the i-th ready pod by name) is honoured only when the operator was
+  started with ``allow_endpoint_override``; otherwise it is ignored, so a resource's author
+  cannot point the operator at arbitrary URLs in production.
+- The status write is read-modify-write on the freshest object (409 -> retry) and touches only
+  ``status.cache`` and the ``CacheCoherent`` condition: Ready/Progressing/Degraded survive, and
+  ``CacheCoherent`` never feeds ``Ready``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+
+from mmis_operator import coherence, conditions
+from mmis_operator import resource as r
+from mmis_operator.kube import Kube, KubeError, service_path
+
+logger = logging.getLogger(__name__)
+OVERRIDE_ANNOTATION = f"{r.GROUP}/stats-endpoints"
+STATS_PATH = "/stats/cache"
+STATUS_RETRIES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    pod: str
+    url: str
+
+
+def _ready(pod: Mapping[str, Any]) -> bool:
+    if pod.get("metadata", {}).get("deletionTimestamp"):
+        return False
+    status = pod.get("status") or {}
+    ready = conditions.find(status.get("conditions") or (), "Ready")
+    return bool(status.get("podIP")) and ready is not None and ready.get("status") == "True"
+
+
+def targets(
+    body: Mapping[str, Any], pods: Sequence[Mapping[str, Any]], allow_override: bool
+) -> list[Target]:
+    """The URLs to probe: one per ready pod (sorted by name), or the override's endpoints."""
+    ready = sorted((p for p in pods if _ready(p)), key=lambda p: str(p["metadata"]["name"]))
+    annotations = body.get("metadata", {}).get("annotations") or {}
+    override = annotations.get(OVERRIDE_ANNOTATION)
+    if override and allow_override:
+        endpoints = [e.strip().rstrip("/") for e in str(override).split(",") if e.strip()]
+        return [
+            Target(p["metadata"]["name"], e + STATS_PATH)
+            for p, e in zip(ready, endpoints, strict=False)
+        ]
+    if override:
+        logger.warning("ignoring %s: endpoint overrides are not allowed", OVERRIDE_ANNOTATION)
+    return [
+        Target(p["metadata"]["name"], f"http://{p['status']['podIP']}:{r.HTTP_PORT}{STATS_PATH}")
+        for p in ready
+    ]
+
+
+async def _fetch(client: httpx.AsyncClient, target: Target) -> coherence.ProbeResult:
+    try:
+        response = await client.get(target.url)
+        response.raise_for_status()
+        stats = coherence.parse_stats(response.json())
+    except httpx.HTTPError as exc:
+        return coherence.ProbeResult(target.pod, error=f"{type(exc).__name__}: {exc}"[:200])
+    except ValueError as exc:  # bad JSON or a StatsError
+        return coherence.ProbeResult(target.pod, error=f"bad answer: {exc}"[:200])
+    return coherence.ProbeResult(target.pod, stats=stats)
+
+
+async def fetch_all(found: Sequence[Target], timeout: float) -> list[coherence.ProbeResult]:
+    """Probe every target concurrently, each bounded by ``timeout`` seconds."""
+    if not found:
+        return []
+    async with httpx.AsyncClient(timeout=timeout, follow_redirects=False, trust_env=False) as c:
+        return list(await asyncio.gather(*(_fetch(c, t) for t in found)))
+
+
+def _event_type(condition: conditions.Condition) -> str:
+    return "Normal" if condition.status == "True" else "Warning"
+
+
+class CoherenceProbe:
+    """One operator's probe: its Kube client, HTTP timeout and override permission."""
+
+    def __init__(self, kube: Kube, timeout: float = 2.0, allow_override: bool = False) -> None:
+        if not timeout > 0:
+            raise ValueError(f"probe timeout must be positive, got {timeout}")
+        self.kube = kube
+        self.timeout = timeout
+        self.allow_override = allow_override
+
+    def list_pods(self, namespace: str, name: str) -> list[dict[str, Any]]:
+        path = f"/api/v1/namespaces/{namespace}/pods"
+        found = self.kube.request("GET", path, query={"labelSelector": r.selector_string(name)})
+        return list(found.get("items") or [])
+
+    async def run(self, body: Mapping[str, Any], threshold: float) -> coherence.Coherence:
+        """Probe, judge and store; returns what was stored."""
+        meta = body["metadata"]
+        pods = await asyncio.to_thread(self.list_pods, meta["namespace"], meta["name"])
+        results = await fetch_all(targets(body, pods, self.allow_override), self.timeout)
+        judged = coherence.evaluate(results, threshold)
+        await asyncio.to_thread(self.store, meta["namespace"], meta["name"], judged)
+        return judged
+
+    def store(self, namespace: str, name: str, judged: coherence.Coherence) -> None:
+        """Write ``status.cache`` and ``CacheCoherent``; an Event when the status flips."""
+        for _ in range(STATUS_RETRIES):
+            obj = self.kube.get(service_path(namespace, name))
+            if obj is None or obj["metadata"].get("deletionTimestamp"):
+                return
+            old = obj.get("status") or {}
+            before = old.get("conditions")
+            new = dict(old)
+            new["cache"] = judged.cache
+            generation = obj["metadata"].get("generation")
+            new["conditions"] = conditions.upsert(before, judged.condition, generation)
+            flips = conditions.transitions(before, [judged.condition])
+            if new == old:
+                return
+            obj["status"] = new
+            try:
+                stored = self.kube.replace_status(obj)
+            except KubeError as exc:
+                if exc.status in (409, 0):
+                    continue
+                raise
+            for flip in flips:
+                self._post_event(stored, flip.new)
+            return
+        raise KubeError(409, f"status of {namespace}/{name} kept changing; will retry")
+
+    def _post_event(self, obj: Mapping[str, Any], condition: conditions.Condition) -> None:
+        try:
+            self.kube.post_event(obj, _event_type(condition), condition.reason, condition.message)
+        except KubeError as exc:  # best effort: the condition already says it
+            logger.warning("could not post event %s: %s", condition.reason, exc)

@@ -1,0 +1,173 @@
+"""Reconciling one MMInferenceService: apply its children, keep its status, record events.
+
+Invariants:
+- ``reconcile`` is idempotent: it server-side-applies the same manifests for the same spec, so
+  create, update, resume and the periodic resync can all call it.
+- ``observedGeneration`` is raised only after every child of that generation was applied.
+- Status is written read-modify-write on the freshest object with its ``resourceVersion``
+  (409 -> re-read and retry), so conditions written by others (``CacheCoherent``) survive.
+- An invalid spec never raises past the handler as anything but :class:`InvalidSpecError`,
+  after the status says why (Degraded=True, reason InvalidSpec) and a Warning event is posted.
+- Each condition transition posts one Event (Warning for Degraded=True or Ready lost),
+  except the initial Degraded=False, which is not news.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from mmis_operator import children, conditions, status
+from mmis_operator import resource as r
+from mmis_operator.kube import Kube, KubeError, object_path, service_path
+from mmis_operator.spec import InvalidSpecError, parse_spec
+
+logger = logging.getLogger(__name__)
+STATUS_RETRIES = 8
+
+
+class ApplyError(Exception):
+    """Applying a child failed; ``permanent`` when retrying the same spec cannot help."""
+
+    def __init__(self, message: str, permanent: bool) -> None:
+        super().__init__(message)
+        self.permanent = permanent
+
+
+def _deployment_path(namespace: str, name: str) -> str:
+    return object_path("apps/v1", "Deployment", namespace, name)
+
+
+def _event_type(transition: conditions.Transition) -> str:
+    new = transition.new
+    if new.type == r.DEGRADED and new.status == "True":
+        return "Warning"
+    if new.type == r.READY and new.status == "False" and transition.old_status == "True":
+        return "Warning"
+    return "Normal"
+
+
+class Reconciler:
+    def __init__(self, kube: Kube) -> None:
+        self.kube = kube
+
+    # -- status ------------------------------------------------------------------------------
+    def write_status(
+        self,
+        namespace: str,
+        name: str,
+        deployment: Mapping[str, Any] | None = None,
+        observed_generation: int | None = None,
+        problem: status.Problem | None = None,
+        fetch_deployment: bool = False,
+    ) -> dict[str, Any] | None:
+        """Recompute and store the status; returns the stored object (None if it is gone)."""
+        for _ in range(STATUS_RETRIES):
+            obj = self.kube.get(service_path(namespace, name))
+            if obj is None:
+                return None
+            dep = deployment
+            if fetch_deployment:
+                dep = self.kube.get(_deployment_path(namespace, name))
+            desired = status.desired_status(obj, dep, problem)
+            generation = obj["metadata"].get("generation")
+            old = obj.get("status") or {}
+            new = status.merged_status(old, desired, generation, observed_generation)
+            changes = conditions.transitions(old.get("conditions"), desired.conditions)
+            if new == old:
+                return obj
+            obj["status"] = new
+            try:
+                stored = self.kube.replace_status(obj)
+            except KubeError as exc:
+                if exc.status in (409, 0):
+                    continue
+                raise
+            self._post_events(stored, changes)
+            return stored
+        raise KubeError(409, f"status of {namespace}/{name} kept changing; will retry")
+
+    def _post_events(self, obj: Mapping[str, Any], changes: list[conditions.Transition]) -> None:
+        for change in changes:
+            new = change.new
+            if change.old_status is None and new.type == r.DEGRADED and new.status == "False":
+                continue  # "not degraded" on creation is not news
+            try:
+                self.kube.post_event(
+                    obj, _event_type(change), change.new.reason, change.new.message
+                )
+            except KubeError as exc:  # an event is best effort; status already says it
+                logger.warning("could not post event %s: %s", change.new.reason, exc)
+
+    # -- children ----------------------------------------------------------------------------
+    def reconcile(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Apply the children of ``body``'s spec and record the result; returns the Deployment."""
+        meta = body["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        try:
+            spec = parse_spec(body.get("spec") or {})
+        except InvalidSpecError:
+            self.write_status(namespace, name, fetch_deployment=True)
+            raise
+        manifests = [children.deployment(body, spec), children.service(body, spec)]
+        wanted_ingress = children.ingress(body, spec)
+        if wanted_ingress is not None:
+            manifests.append(wanted_ingress)
+        applied: dict[str, dict[str, Any]] = {}
+        try:
+            for manifest in manifests:
+                applied[manifest["kind"]] = self.kube.apply(manifest)
+            if wanted_ingress is None:
+                self._delete_owned(
+                    object_path("networking.k8s.io/v1", "Ingress", namespace, name), meta
+                )
+        except KubeError as exc:
+            permanent = exc.status in (400, 422)
+            reason = "InvalidPodTemplate" if permanent else "ApplyFailed"
+            hint = (
+                "fix spec.podTemplate / spec fields the API server rejected"
+                if permanent
+                else "check the operator's RBAC and the API server; retrying"
+            )
+            problem = status.Problem(reason, f"applying children failed: {exc.message}; {hint}")
+            if exc.status != 0:
+                self.write_status(namespace, name, problem=problem, fetch_deployment=True)
+            raise ApplyError(str(problem.message), permanent) from exc
+        deployment = applied["Deployment"]
+        self.write_status(namespace, name, deployment, observed_generation=meta.get("generation"))
+        return deployment
+
+    def _delete_owned(self, path: str, owner_meta: Mapping[str, Any]) -> None:
+        found = self.kube.get(path)
+        if found is None:
+            return
+        owners = found["metadata"].get("ownerReferences") or []
+        if any(ref.get("uid") == owner_meta.get("uid") for ref in owners):
+            self.kube.delete(path)
+
+    def delete(self, body: Mapping[str, Any]) -> None:
+        """Remove the children now (garbage collection would too, but later and not always)."""
+        meta = body["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        self._delete_owned(object_path("networking.k8s.io/v1", "Ingress", namespace, name), meta)
+        self._delete_owned(object_path("v1", "Service", namespace, name), meta)
+        self._delete_owned(_deployment_path(namespace, name), meta)
+
+    # -- following the Deployment -------------------------------------------------------------
+    def deployment_changed(self, deployment: Mapping[str, Any], deleted: bool) -> None:
+        """A managed Deployment changed: refresh the owner's status, re-create it if deleted."""
+        meta = deployment["metadata"]
+        owner = (meta.get("labels") or {}).get(r.LABEL_SERVICE)
+        if not owner:
+            return
+        if not deleted:
+            self.write_status(meta["namespace"], owner, deployment)
+            return
+        body = self.kube.get(service_path(meta["namespace"], owner))
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return
+        try:
+            self.reconcile(body)
+        except (InvalidSpecError, ApplyError) as exc:
+            logger.warning("re-creating the Deployment of %s failed: %s", owner, exc)

@@ -1,0 +1,253 @@
+"""The MMInferenceService spec, parsed into frozen dataclasses with every default applied.
+
+Invariants:
+- Defaults here equal the CRD's ``default:`` values (a unit test walks the CRD to check), so
+  a resource stored before a default existed reconciles the same as a new one.
+- Every check the API server's schema/CEL rules make is repeated here, plus checks CEL cannot
+  make (does the cache fit in the memory it lives in?). A violation raises
+  :class:`InvalidSpecError` naming the field and what to change; the handlers turn it into a
+  ``Degraded`` condition and an event, never a crash loop.
+- Sizes are whole bytes; the builders never re-parse strings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from mmis_operator import quantity
+
+MiB = 1 << 20
+SHM_HEADROOM_MIN = 512 * MiB  # /dev/shm space beyond the store: torch, tokenizers, IPC
+DEFAULT_IMAGE = "ghcr.io/mmis-dev/mmis-server:0.1.0"
+
+
+class InvalidSpecError(ValueError):
+    """The spec cannot be turned into pods; ``field`` says where, the message says how to fix."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    name: str  # the id or the path, whichever is set
+    is_path: bool
+    revision: str | None
+    served_name: str
+    processor_kwargs: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    type: str
+    size_bytes: int
+    engine_size_bytes: int | None
+    shm_store_bytes: int  # the SHM object store (0 in lru mode)
+    shm_volume_bytes: int  # the /dev/shm emptyDir sizeLimit = store + headroom
+    drift_threshold: float
+    drift_window_seconds: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceSpec:
+    model: ModelSpec
+    replicas: int
+    image: str
+    image_pull_policy: str
+    gpus: int
+    engine_memory_bytes: int
+    engine_cpu: str
+    frontend_memory_bytes: int
+    frontend_cpu: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_cache_bytes: int | None
+    fault_evict_rate: float | None
+    cache: CacheSpec
+    otlp_endpoint: str | None
+    sampling_ratio: float
+    api_key_secret: tuple[str, str] | None  # (secret name, key)
+    allowed_local_media_path: str | None
+    service_type: str
+    service_port: int
+    service_annotations: Mapping[str, str]
+    ingress: Mapping[str, Any]  # enabled, host, className, path, tlsSecretName, annotations
+    startup_timeout_seconds: int
+    drain_seconds: int
+    scheduling: Mapping[str, Any]
+    pod_template: Mapping[str, Any]
+
+
+def _section(spec: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value = spec.get(key) or {}
+    if not isinstance(value, Mapping):
+        raise InvalidSpecError(f"spec.{key}", f"must be an object, got {type(value).__name__}")
+    return value
+
+
+def _int(section: Mapping[str, Any], key: str, default: int, field: str, low: int = 0) -> int:
+    value = section.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidSpecError(field, f"must be an integer, got {value!r}")
+    if value < low:
+        raise InvalidSpecError(field, f"must be at least {low}, got {value}")
+    return value
+
+
+def _ratio(section: Mapping[str, Any], key: str, default: float | None, field: str) -> float | None:
+    value = section.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise InvalidSpecError(field, f"must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def _bytes(section: Mapping[str, Any], key: str, default: str | None, field: str) -> int | None:
+    value = section.get(key, default)
+    if value is None:
+        return None
+    try:
+        return quantity.parse_bytes(value, field)
+    except quantity.QuantityError as exc:
+        raise InvalidSpecError(field, str(exc).split(": ", 1)[1]) from exc
+
+
+def _cpu(section: Mapping[str, Any], key: str, default: str, field: str) -> str:
+    value = section.get(key, default)
+    try:
+        amount = quantity.parse(value, field)
+    except quantity.QuantityError as exc:
+        raise InvalidSpecError(field, str(exc).split(": ", 1)[1]) from exc
+    if amount <= 0:
+        raise InvalidSpecError(field, f"must be positive, got {value!r}")
+    return str(value)
+
+
+def _model(spec: Mapping[str, Any]) -> ModelSpec:
+    if "model" not in spec:
+        raise InvalidSpecError("spec.model", "is required: set model.id or model.path")
+    model = _section(spec, "model")
+    ident, path = model.get("id"), model.get("path")
+    if bool(ident) == bool(path):
+        raise InvalidSpecError(
+            "spec.model",
+            "set exactly one of id (a Hugging Face model id) or path (a directory inside the pod)",
+        )
+    if path and not str(path).startswith("/"):
+        raise InvalidSpecError("spec.model.path", f"must be an absolute path, got {path!r}")
+    name = str(ident or path)
+    kwargs = model.get("processorKwargs") or {}
+    if not isinstance(kwargs, Mapping):
+        raise InvalidSpecError("spec.model.processorKwargs", "must be an object")
+    return ModelSpec(
+        name=name,
+        is_path=bool(path),
+        revision=model.get("revision") or None,
+        served_name=str(model.get("servedName") or name),
+        processor_kwargs=dict(kwargs),
+    )
+
+
+def _cache(spec: Mapping[str, Any]) -> CacheSpec:
+    cache = _section(spec, "cache")
+    kind = cache.get("type", "lru")
+    if kind not in ("lru", "shm"):
+        raise InvalidSpecError("spec.cache.type", f"must be lru or shm, got {kind!r}")
+    size = _bytes(cache, "size", "4Gi", "spec.cache.size") or 0
+    shm = _bytes(cache, "shmSize", None, "spec.cache.shmSize")
+    if kind == "shm" and shm is not None and shm < size:
+        raise InvalidSpecError(
+            "spec.cache",
+            f"with type shm, shmSize ({quantity.format_bytes(shm)}) must be at least size "
+            f"({quantity.format_bytes(size)}): the shared-memory store holds every cached item",
+        )
+    store = (size if shm is None else shm) if kind == "shm" else (shm or 0)
+    threshold = _ratio(cache, "driftThreshold", 0.01, "spec.cache.driftThreshold")
+    return CacheSpec(
+        type=kind,
+        size_bytes=size,
+        engine_size_bytes=_bytes(cache, "engineSize", None, "spec.cache.engineSize"),
+        shm_store_bytes=store,
+        shm_volume_bytes=store + shm_headroom(store),
+        drift_threshold=0.01 if threshold is None else threshold,
+        drift_window_seconds=_int(
+            cache, "driftWindowSeconds", 300, "spec.cache.driftWindowSeconds", low=10
+        ),
+    )
+
+
+def shm_headroom(store: int) -> int:
+    """Space on /dev/shm beyond the store: 10% of it, at least 512Mi, whole MiB."""
+    tenth_mib = -(-store // (10 * MiB))
+    return max(SHM_HEADROOM_MIN, tenth_mib * MiB)
+
+
+def _fits(spec: ServiceSpec) -> None:
+    """Checks CEL cannot make: the engine's caches must fit in the engine's memory."""
+    engine_cache = spec.cache.engine_size_bytes
+    receiver = spec.cache.size_bytes if engine_cache is None else engine_cache
+    kv = spec.kv_cache_bytes if spec.gpus == 0 and spec.kv_cache_bytes else 0
+    if receiver + kv >= spec.engine_memory_bytes:
+        need = quantity.format_bytes(receiver + kv)
+        raise InvalidSpecError(
+            "spec.resources.memory",
+            f"{quantity.format_bytes(spec.engine_memory_bytes)} cannot hold the engine's "
+            f"multimodal cache{' and CPU KV cache' if kv else ''} ({need}) plus the model: "
+            "raise resources.memory or lower cache.engineSize / cache.size",
+        )
+
+
+def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
+    """Parse a raw ``spec`` mapping (as stored by the API server) into a :class:`ServiceSpec`."""
+    if not isinstance(spec, Mapping):
+        raise InvalidSpecError("spec", "must be an object")
+    res, eng = _section(spec, "resources"), _section(spec, "engine")
+    tel, svc, probes = (
+        _section(spec, "telemetry"),
+        _section(spec, "service"),
+        _section(spec, "probes"),
+    )
+    auth = _section(spec, "auth").get("apiKeySecretRef")
+    parsed = ServiceSpec(
+        model=_model(spec),
+        replicas=_int(spec, "replicas", 1, "spec.replicas"),
+        image=str(spec.get("image") or DEFAULT_IMAGE),
+        image_pull_policy=str(spec.get("imagePullPolicy") or "IfNotPresent"),
+        gpus=_int(res, "gpus", 1, "spec.resources.gpus"),
+        engine_memory_bytes=_bytes(res, "memory", "16Gi", "spec.resources.memory") or 0,
+        engine_cpu=_cpu(res, "cpu", "4", "spec.resources.cpu"),
+        frontend_memory_bytes=_bytes(res, "frontendMemory", "4Gi", "spec.resources.frontendMemory")
+        or 0,
+        frontend_cpu=_cpu(res, "frontendCpu", "2", "spec.resources.frontendCpu"),
+        max_num_seqs=_int(eng, "maxNumSeqs", 64, "spec.engine.maxNumSeqs", low=1),
+        max_num_batched_tokens=_int(
+            eng, "maxNumBatchedTokens", 8192, "spec.engine.maxNumBatchedTokens", low=1
+        ),
+        kv_cache_bytes=_bytes(eng, "kvCacheMemory", None, "spec.engine.kvCacheMemory"),
+        fault_evict_rate=_ratio(eng, "faultEvictRate", None, "spec.engine.faultEvictRate"),
+        cache=_cache(spec),
+        otlp_endpoint=tel.get("otlpEndpoint") or None,
+        sampling_ratio=_ratio(tel, "samplingRatio", 1.0, "spec.telemetry.samplingRatio") or 0.0,
+        api_key_secret=(str(auth["name"]), str(auth.get("key") or "api-key")) if auth else None,
+        allowed_local_media_path=spec.get("allowedLocalMediaPath") or None,
+        service_type=str(svc.get("type") or "ClusterIP"),
+        service_port=_int(svc, "port", 8000, "spec.service.port", low=1),
+        service_annotations=dict(svc.get("annotations") or {}),
+        ingress=dict(_section(spec, "ingress")),
+        startup_timeout_seconds=_int(
+            probes, "startupTimeoutSeconds", 1800, "spec.probes.startupTimeoutSeconds", low=10
+        ),
+        drain_seconds=_int(probes, "drainSeconds", 15, "spec.probes.drainSeconds"),
+        scheduling=dict(_section(spec, "scheduling")),
+        pod_template=dict(_section(spec, "podTemplate")),
+    )
+    if parsed.engine_memory_bytes <= 0 or parsed.frontend_memory_bytes <= 0:
+        raise InvalidSpecError("spec.resources", "memory and frontendMemory must be positive")
+    if parsed.ingress.get("enabled") and not parsed.ingress.get("host"):
+        raise InvalidSpecError("spec.ingress", "enabled requires host")
+    _fits(parsed)
+    return parsed

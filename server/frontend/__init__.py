@@ -1,1 +1,0 @@
-"""P0, the front end. Never imports mmis.server.engine (import-linter contract)."""

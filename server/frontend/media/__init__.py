@@ -1,8 +1,0 @@
-"""Media loading for P0: data/http(s)/file URLs -> size-checked bytes -> decoded RGB images.
-
-See :mod:`.loader` for the entry point and each module for its invariants.
-"""
-
-from mmis.server.frontend.media.loader import LoadedImage, MediaLoader, check_image_count
-
-__all__ = ["LoadedImage", "MediaLoader", "check_image_count"]

@@ -1,0 +1,1 @@
+"""P1, the engine core. Never imports mmis.frontend (import-linter contract)."""

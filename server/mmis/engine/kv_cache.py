@@ -1,0 +1,200 @@
+"""The KV cache manager: per-request block tables over a :class:`BlockPool`, with prefix caching.
+
+Prefix-cache hashes are chained: the hash of full block ``i`` covers the parent hash (block
+``i - 1``), the block's token ids, and *extra keys*: for every multimodal item whose placeholder
+range overlaps the block, the item's identifier and the block's start relative to the item's
+offset. So the same placeholder tokens with a different image, or the same image at another
+offset, never share a block.
+
+Invariants:
+- A block is registered in the prefix cache only after the step that computes all its tokens
+  has completed (:meth:`KVCacheManager.cache_computed_blocks`), so a lookup never returns a
+  block whose KV is still being written.
+- A lookup never covers the whole prompt: at least one token is left to compute, to get logits.
+- :meth:`allocate_slots` is all-or-nothing: on failure it returns ``None`` and changes nothing.
+- Blocks are freed tail first, so a request's later blocks are evicted before its prefix.
+- Block 0 is the reserved null block (see ``block_pool``); it is never in a block table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+
+import msgspec
+
+from mmis.engine.block_pool import BlockHash, BlockPool, KVBlock
+from mmis.engine.request import Request
+from mmis.protocol.messages import MultiModalFeature
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def hash_block(
+    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: Sequence[tuple[str, int]]
+) -> BlockHash:
+    """The chained content hash of one full block."""
+    payload = _ENCODER.encode((parent, list(token_ids), [list(k) for k in extra_keys]))
+    return hashlib.blake2b(payload, digest_size=32).digest()
+
+
+def block_extra_keys(
+    features: Sequence[MultiModalFeature], start: int, end: int
+) -> list[tuple[str, int]]:
+    """(identifier, start - item offset) for each item overlapping tokens ``[start, end)``."""
+    keys = []
+    for feature in features:
+        offset, length = feature.placeholder.offset, feature.placeholder.length
+        if offset < end and offset + length > start:
+            keys.append((feature.identifier, start - offset))
+    keys.sort(key=lambda k: -k[1])  # by item offset, so the order is canonical
+    return keys
+
+
+def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
+    """Extend ``request.block_hashes`` to cover every full block of its known tokens."""
+    hashes = request.block_hashes
+    tokens = request.all_token_ids
+    num_full = len(tokens) // block_size
+    while len(hashes) < num_full:
+        i = len(hashes)
+        start, end = i * block_size, (i + 1) * block_size
+        parent = hashes[-1] if hashes else None
+        extra = block_extra_keys(request.mm_features, start, end) if request.mm_features else []
+        hashes.append(hash_block(parent, tokens[start:end], extra))
+    return hashes
+
+
+@dataclasses.dataclass
+class PrefixCacheStats:
+    """Counted per admitted request: ``queries`` prompt tokens looked up, ``hits`` found."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+        self.prefix_stats = PrefixCacheStats()
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.pool.num_usable_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        """Whether ``num_tokens`` fit in the pool even with every other request evicted."""
+        return self.blocks_needed(num_tokens) <= self.num_usable_blocks
+
+    def block_table(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of ``request`` (blocks, tokens), never the whole of it."""
+        pooling = request.pooling_params
+        if not self.enable_prefix_caching or (
+            request.is_pooling and pooling is not None and pooling.pooling_type == "mean"
+        ):  # mean pooling needs the hidden state of every prompt token: never a hit
+            return [], 0
+        hashes = update_block_hashes(request, self.block_size)
+        # at least one token must be computed: the last block may not be a hit if it ends
+        # exactly at the request's last token
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_stats.requests += 1
+        self.prefix_stats.queries += num_tokens
+        self.prefix_stats.hits += num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVBlock] = (),
+    ) -> list[int] | None:
+        """Give ``request`` room for ``num_new_tokens`` more tokens after its computed ones.
+
+        ``new_computed_blocks`` (a prefix hit, only at admission) are shared, not copied; the
+        caller then sets ``num_computed_tokens`` to their length. Returns the full block table
+        or ``None`` (nothing changed) when the pool is short.
+        """
+        blocks = self.req_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        total = num_computed + num_new_tokens
+        num_required = self.blocks_needed(total) - len(blocks) - len(new_computed_blocks)
+        num_required = max(num_required, 0)
+        reviving = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_required > self.pool.num_free_blocks - reviving:
+            return None
+        if new_computed_blocks and request.request_id in self.req_blocks:
+            raise ValueError(f"{request.request_id!r}: a prefix hit is only taken at admission")
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+        new_blocks = self.pool.get_new_blocks(num_required)
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        if new_computed_blocks:
+            # a prefix hit: those blocks are cached already, registration resumes after them
+            self._num_cached_blocks[request.request_id] = len(blocks) + len(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        blocks.extend(new_blocks)
+        return [b.block_id for b in blocks]
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register the full blocks whose tokens are all computed (after the step ran)."""
+        if not self.enable_prefix_caching:
+            return
+        blocks = self.req_blocks.get(request.request_id)
+        if not blocks:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        done = self._num_cached_blocks.get(request.request_id, 0)
+        if num_full <= done:
+            return
+        hashes = update_block_hashes(request, self.block_size)
+        for i in range(done, num_full):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self._num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release every block of ``request``; tail blocks become evictable first."""
+        blocks = self.req_blocks.pop(request.request_id, None)
+        self._num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> int:
+        self._num_cached_blocks = {rid: len(b) for rid, b in self.req_blocks.items()}
+        return self.pool.reset_prefix_cache()

@@ -1,0 +1,162 @@
+"""The one interface the runner uses to drive a Hugging Face image-text model.
+
+An adapter wraps an UNMODIFIED ``AutoModelForImageTextToText`` model and exposes the pieces
+the runner composes itself: token embedding, the vision encoder (tower + projector), position
+ids, the language model forward over a packed batch with paged attention, and the LM head.
+
+Invariants:
+- The language model's attention is switched to :data:`ATTENTION_NAME` (our paged kernel);
+  the vision tower keeps its own implementation.
+- ``encode_images`` runs the encoder once for all given items and returns one
+  ``[num_placeholder_tokens(item), hidden]`` tensor per item, in order.
+- ``positions`` returns ``[n]`` (1-D RoPE) or ``[3, n]`` (M-RoPE) for prompt/decode positions
+  ``start .. start + n - 1``; it depends only on the item layout, never on runner state.
+- Bad item tensors raise :class:`ModelInputError` with a message that names the problem.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from mmis.engine.paged_attention import ATTENTION_NAME, STEP_KWARG, KVCacheSpec, PagedStep
+from mmis.engine.step_batch import MultiModalInput
+from mmis.protocol.errors import MMISError
+from mmis.protocol.messages import ErrorCode
+
+
+class ModelInputError(MMISError, ValueError):
+    """Multimodal item tensors that the model cannot use."""
+
+    code = ErrorCode.INVALID_REQUEST.value
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def as_tensor(value: Any, name: str) -> torch.Tensor:
+    """A processor output (numpy array or tensor) as a torch tensor, or a typed error."""
+    if value is None:
+        raise ModelInputError(f"multimodal item is missing tensor {name!r}")
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ModelInputError(f"tensor {name!r} is not numeric: {exc}") from exc
+
+
+class ModelAdapter(abc.ABC):
+    """Family-specific glue around one loaded model."""
+
+    family: ClassVar[str]
+    model_types: ClassVar[tuple[str, ...]]
+
+    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype) -> None:
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        text = model.config.get_text_config()
+        self.text_config = text
+        self.hidden_size = int(text.hidden_size)
+        self.vocab_size = int(text.vocab_size)
+        self.num_layers = int(text.num_hidden_layers)
+        self.num_heads = int(text.num_attention_heads)
+        self.num_kv_heads = int(getattr(text, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(getattr(text, "head_dim", None) or self.hidden_size // self.num_heads)
+        eos = model.generation_config.eos_token_id
+        if eos is None:
+            eos = text.eos_token_id
+        self.eos_token_ids: tuple[int, ...] = tuple(
+            int(e) for e in (eos if isinstance(eos, list | tuple) else [eos]) if e is not None
+        )
+
+    # -- construction -------------------------------------------------------------------
+    @classmethod
+    def load(
+        cls,
+        path_or_id: str | Path,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        revision: str | None = None,
+    ) -> ModelAdapter:
+        """``from_pretrained`` at ``revision`` (CUDA when available, else CPU) with paged text
+        attention."""
+        from transformers import AutoModelForImageTextToText
+
+        dev = torch.device(device) if device is not None else default_device()
+        dt = dtype if dtype is not None else default_dtype(dev)
+        model: Any = AutoModelForImageTextToText.from_pretrained(
+            str(path_or_id), dtype=dt, revision=revision
+        )
+        model = model.to(dev).eval()
+        model.set_attn_implementation({"text_config": ATTENTION_NAME})
+        return cls(model, dev, dt)
+
+    def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
+        return KVCacheSpec(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            block_size=block_size,
+        )
+
+    # -- the pieces ------------------------------------------------------------------------
+    @property
+    def language_model(self) -> Any:
+        return self.model.model.language_model
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """``[n]`` token ids -> ``[n, hidden]`` embeddings."""
+        embeddings: torch.Tensor = self.model.get_input_embeddings()(token_ids.to(self.device))
+        return embeddings
+
+    @abc.abstractmethod
+    def encode_images(self, items: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:
+        """Processor tensors of k items -> k tensors ``[placeholder_tokens, hidden]``."""
+
+    @abc.abstractmethod
+    def num_placeholder_tokens(self, item: Mapping[str, Any]) -> int:
+        """How many placeholder tokens the item's processor tensors expand to."""
+
+    @abc.abstractmethod
+    def positions(
+        self, start: int, num_tokens: int, items: Sequence[MultiModalInput]
+    ) -> torch.Tensor:
+        """Position ids of ``start .. start + num_tokens - 1``: ``[n]`` or ``[3, n]``."""
+
+    @abc.abstractmethod
+    def split_processor_output(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """Split a processor output holding k images into k per-item tensor dicts."""
+
+    def pack_positions(self, per_sequence: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Concatenate per-sequence positions into the language model's ``position_ids``."""
+        packed = torch.cat(list(per_sequence), dim=-1).to(self.device)
+        return packed.unsqueeze(-2)  # [1, N] or [3, 1, N]
+
+    def forward(
+        self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, step: PagedStep
+    ) -> torch.Tensor:
+        """Packed ``[N, hidden]`` embeddings -> final hidden states ``[N, hidden]``."""
+        out = self.language_model(
+            inputs_embeds=inputs_embeds.unsqueeze(0),
+            position_ids=position_ids,
+            use_cache=False,
+            **{STEP_KWARG: step},
+        )
+        hidden: torch.Tensor = out.last_hidden_state[0]
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.model.lm_head(hidden)
+        return logits.float()

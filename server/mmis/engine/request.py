@@ -1,0 +1,193 @@
+"""Engine-side state of one request (P1): tokens, progress, multimodal items, lifecycle.
+
+Invariants:
+- ``all_token_ids`` is always ``prompt_token_ids + output_token_ids``; output tokens are only
+  ever appended through :meth:`Request.append_output_token_ids`.
+- ``0 <= num_computed_tokens <= num_tokens``: the KV of tokens ``[0, num_computed_tokens)``
+  is (or will be, once the scheduled step ran) held in the request's KV blocks.
+- Multimodal placeholder ranges lie inside the prompt and never overlap; a malformed request
+  raises :class:`InvalidRequestError` at construction, before it can reach the scheduler.
+- ``block_hashes[i]`` is the prefix-cache hash of full block ``i`` (see ``kv_cache``); hashes
+  depend only on tokens and multimodal identifiers, so they survive preemption.
+- Status moves WAITING -> RUNNING -> (PREEMPTED -> RUNNING)* -> FINISHED; FINISHED is final.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Sequence
+
+from mmis.protocol.errors import MMISError
+from mmis.protocol.messages import (
+    EngineCoreRequest,
+    ErrorCode,
+    FinishReason,
+    MultiModalFeature,
+    PoolingParams,
+    RequestError,
+    SamplingParams,
+)
+
+
+class InvalidRequestError(MMISError):
+    """The request cannot be scheduled as sent (empty prompt, bad placeholder ranges, ...)."""
+
+    code = ErrorCode.INVALID_REQUEST.value
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+def _validate_features(features: Sequence[MultiModalFeature], num_prompt_tokens: int) -> None:
+    spans = []
+    for feature in features:
+        offset, length = feature.placeholder.offset, feature.placeholder.length
+        if offset < 0 or length <= 0 or offset + length > num_prompt_tokens:
+            raise InvalidRequestError(
+                f"multimodal item {feature.identifier!r}: placeholder range "
+                f"[{offset}, {offset + length}) is outside the prompt of {num_prompt_tokens} tokens"
+            )
+        spans.append((offset, offset + length, feature.identifier))
+    spans.sort()
+    for (_, end, ident), (start, _, nxt) in itertools.pairwise(spans):
+        if start < end:
+            raise InvalidRequestError(
+                f"multimodal items {ident!r} and {nxt!r} have overlapping placeholder ranges"
+            )
+
+
+class Request:
+    """Mutable per-request state owned by the scheduler."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        mm_features: Sequence[MultiModalFeature] = (),
+        sampling_params: SamplingParams | None = None,
+        pooling_params: PoolingParams | None = None,
+        arrival_time: float = 0.0,
+        client_index: int = 0,
+        eos_token_id: int | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequestError(f"request {request_id!r} has an empty prompt")
+        if sampling_params is None and pooling_params is None:
+            sampling_params = SamplingParams()
+        if sampling_params is not None and sampling_params.max_tokens < 1:
+            raise InvalidRequestError(
+                f"request {request_id!r}: max_tokens must be at least 1, "
+                f"got {sampling_params.max_tokens}"
+            )
+        _validate_features(mm_features, len(prompt_token_ids))
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.mm_features = list(mm_features)
+        self.sampling_params = sampling_params
+        self.pooling_params = pooling_params
+        self.arrival_time = arrival_time
+        self.client_index = client_index
+        self.eos_token_id = eos_token_id
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit of the first admission; -1 = not yet
+        self.num_preemptions = 0
+        self.block_hashes: list[bytes] = []
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
+        self.error: RequestError | None = None
+        self.seq = 0  # admission order tie-breaker, set by the scheduler
+
+    @classmethod
+    def from_core_request(
+        cls, message: EngineCoreRequest, *, eos_token_id: int | None = None
+    ) -> Request:
+        return cls(
+            message.request_id,
+            message.prompt_token_ids,
+            mm_features=message.mm_features,
+            sampling_params=message.sampling_params,
+            pooling_params=message.pooling_params,
+            arrival_time=message.arrival_time,
+            client_index=message.client_index,
+            eos_token_id=eos_token_id,
+        )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None and self.sampling_params is None
+
+    @property
+    def max_tokens(self) -> int:
+        return 0 if self.sampling_params is None else self.sampling_params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def priority_key(self) -> tuple[float, int]:
+        """Earlier arrival = higher priority; the latest-arrived is preempted first."""
+        return (self.arrival_time, self.seq)
+
+    def append_output_token_ids(self, token_ids: Sequence[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def finish(
+        self,
+        reason: FinishReason,
+        *,
+        stop_reason: int | str | None = None,
+        error: RequestError | None = None,
+    ) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.error = error
+
+    def check_stop(self, last_token: int) -> bool:
+        """Apply the stop conditions that need no tokenizer after ``last_token`` was appended.
+
+        Stop *strings* are the caller's job (it has the tokenizer): it calls
+        ``Scheduler.finish_request`` when one matches.
+        """
+        params = self.sampling_params
+        if params is None:
+            return False
+        if not params.ignore_eos and last_token == self.eos_token_id:
+            self.finish(FinishReason.STOP)
+            return True
+        if last_token in params.stop_token_ids:
+            self.finish(FinishReason.STOP, stop_reason=last_token)
+            return True
+        if self.num_output_tokens >= params.max_tokens:
+            self.finish(FinishReason.LENGTH)
+            return True
+        return False
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

@@ -1,0 +1,217 @@
+"""The batched model runner: one forward pass per scheduling step.
+
+Per step it: drops freed encoder outputs; runs the vision encoder ONCE for every item that
+brought tensors and is not yet stored; embeds all scheduled tokens packed as one sequence;
+overwrites each image's placeholder rows with its embeddings (a chunk may start or end inside
+a placeholder range); runs the language model once with paged attention over the KV pool;
+samples after the last token of every chunk that asks for it, and pools for pooling requests.
+
+Invariants:
+- Exactly one language-model forward per step, whatever the number of sequences.
+- The encoder runs at most once per mm_hash while it stays in the store (the scheduler frees
+  it through ``freed_encoder_hashes``).
+- Per-request state is only the partial sum of mean-pooling requests whose prompt spans
+  several chunks; ``finished_request_ids`` drops it.
+- Inconsistent input raises a typed :class:`StepInputError` (or the adapter's
+  ``ModelInputError``) before the KV pool is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from mmis.engine.model.adapter import ModelAdapter
+from mmis.engine.paged_attention import (
+    DEFAULT_BLOCK_SIZE,
+    PagedAttentionMetadata,
+    PagedKVPool,
+    PagedStep,
+)
+from mmis.engine.sampler import Sampler
+from mmis.engine.step_batch import ScheduledSequence, StepBatch, StepOutput
+from mmis.protocol.errors import MMISError
+from mmis.protocol.messages import ErrorCode
+
+
+class StepInputError(MMISError, ValueError):
+    """A step the runner cannot execute (a scheduler/glue bug or bad request data)."""
+
+    code = ErrorCode.INVALID_REQUEST.value
+
+
+class EncoderOutputMissingError(StepInputError):
+    """A chunk overlaps an item whose embeddings are neither stored nor given tensors."""
+
+    code = ErrorCode.INTERNAL.value
+
+
+class ModelRunner:
+    def __init__(self, adapter: ModelAdapter, pool: PagedKVPool, sampler: Sampler | None = None):
+        self.adapter = adapter
+        self.pool = pool
+        self.sampler = sampler or Sampler()
+        self.encoder_outputs: dict[str, torch.Tensor] = {}
+        self._pool_sums: dict[str, tuple[torch.Tensor, int]] = {}
+        self.num_forwards = 0
+        self.num_encoder_calls = 0
+
+    @classmethod
+    def create(
+        cls,
+        adapter: ModelAdapter,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        num_blocks: int | None = None,
+        kv_budget_bytes: int | None = None,
+    ) -> ModelRunner:
+        spec = adapter.kv_cache_spec(block_size)
+        pool = PagedKVPool.from_budget(spec, num_blocks=num_blocks, budget_bytes=kv_budget_bytes)
+        return cls(adapter, pool)
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> StepOutput:
+        out = StepOutput()
+        for mm_hash in batch.freed_encoder_hashes:
+            self.encoder_outputs.pop(mm_hash, None)
+        for request_id in batch.finished_request_ids:
+            self._pool_sums.pop(request_id, None)
+        seqs = list(batch.sequences)
+        if not seqs:
+            return out
+        self._validate(seqs)
+        meta = PagedAttentionMetadata.build(
+            [s.num_tokens for s in seqs],
+            [s.start_position for s in seqs],
+            [s.block_table for s in seqs],
+            self.block_size,
+            self.pool.num_slots,
+            self.adapter.device,
+        )
+        out.encoded_mm_hashes = self._encode(seqs)
+        token_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long)
+        embeds = self.adapter.embed_tokens(token_ids)
+        self._scatter(embeds, seqs)
+        positions = self.adapter.pack_positions(
+            [self.adapter.positions(s.start_position, s.num_tokens, s.mm_items) for s in seqs]
+        )
+        hidden = self.adapter.forward(embeds, positions, PagedStep(self.pool, meta))
+        self.num_forwards += 1
+        self._sample(hidden, seqs, out)
+        self._pool(hidden, seqs, out)
+        return out
+
+    # -- steps -----------------------------------------------------------------------------
+    def _validate(self, seqs: Sequence[ScheduledSequence]) -> None:
+        ids = [s.request_id for s in seqs]
+        if len(set(ids)) != len(ids):
+            raise StepInputError(f"a request is scheduled twice in one step: {ids}")
+        vocab = self.adapter.vocab_size
+        for s in seqs:
+            if not s.token_ids:
+                raise StepInputError(f"request {s.request_id}: no tokens scheduled")
+            if min(s.token_ids) < 0 or max(s.token_ids) >= vocab:
+                raise StepInputError(f"request {s.request_id}: token id outside [0, {vocab})")
+            for item in s.mm_items:
+                if item.length < 1 or item.offset < 0:
+                    raise StepInputError(
+                        f"request {s.request_id}: bad placeholder {item.offset}+{item.length}"
+                    )
+
+    def _encode(self, seqs: Sequence[ScheduledSequence]) -> list[str]:
+        todo: dict[str, tuple[int, object]] = {}
+        for s in seqs:
+            for item in s.mm_items:
+                if item.data is None or item.mm_hash in self.encoder_outputs:
+                    continue
+                todo.setdefault(item.mm_hash, (item.length, item.data))
+        if not todo:
+            return []
+        hashes = list(todo)
+        embeddings = self.adapter.encode_images([todo[h][1] for h in hashes])  # type: ignore[misc]
+        self.num_encoder_calls += 1
+        for mm_hash, emb in zip(hashes, embeddings, strict=True):
+            if emb.shape[0] != todo[mm_hash][0]:
+                raise StepInputError(
+                    f"item {mm_hash}: encoder gave {emb.shape[0]} embeddings for a placeholder "
+                    f"of {todo[mm_hash][0]} tokens"
+                )
+            self.encoder_outputs[mm_hash] = emb
+        return hashes
+
+    def _scatter(self, embeds: torch.Tensor, seqs: Sequence[ScheduledSequence]) -> None:
+        offset = 0
+        for s in seqs:
+            start, end = s.start_position, s.end_position
+            for item in s.mm_items:
+                lo, hi = max(item.offset, start), min(item.end, end)
+                if lo >= hi:
+                    continue
+                stored = self.encoder_outputs.get(item.mm_hash)
+                if stored is None:
+                    raise EncoderOutputMissingError(
+                        f"request {s.request_id}: no encoder output for item {item.mm_hash}"
+                    )
+                rows = stored[lo - item.offset : hi - item.offset]
+                embeds[offset + lo - start : offset + hi - start] = rows.to(embeds.dtype)
+            offset += s.num_tokens
+
+    def _sample(
+        self, hidden: torch.Tensor, seqs: Sequence[ScheduledSequence], out: StepOutput
+    ) -> None:
+        rows, chosen, offset = [], [], 0
+        for s in seqs:
+            offset += s.num_tokens
+            if s.sample and s.pooling_params is None:
+                rows.append(offset - 1)
+                chosen.append(s)
+        if not chosen:
+            return
+        logits = self.adapter.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        tokens = self.sampler(
+            logits, [s.sampling_params for s in chosen], [s.end_position for s in chosen]
+        ).tolist()
+        for s, token in zip(chosen, tokens, strict=True):
+            out.sampled_token_ids[s.request_id] = int(token)
+
+    def _pool(
+        self, hidden: torch.Tensor, seqs: Sequence[ScheduledSequence], out: StepOutput
+    ) -> None:
+        offset = 0
+        for s in seqs:
+            rows = hidden[offset : offset + s.num_tokens].float()
+            offset += s.num_tokens
+            params = s.pooling_params
+            if params is None:
+                continue
+            if params.pooling_type == "last":
+                vector = rows[-1] if s.sample else None
+            elif params.pooling_type == "mean":
+                vector = self._mean(s, rows)
+            else:
+                raise StepInputError(f"unknown pooling_type {params.pooling_type!r}")
+            if vector is None:
+                continue
+            if params.normalize:
+                vector = torch.nn.functional.normalize(vector, dim=-1)
+            out.pooled[s.request_id] = vector.cpu().numpy().astype(np.float32)
+
+    def _mean(self, s: ScheduledSequence, rows: torch.Tensor) -> torch.Tensor | None:
+        total, count = self._pool_sums.pop(s.request_id, (None, 0))
+        if total is None and s.start_position != 0:
+            raise StepInputError(
+                f"request {s.request_id}: mean pooling needs every prompt token computed "
+                "(start at 0; no prefix-cache hit)"
+            )
+        total = rows.sum(dim=0) if total is None else total + rows.sum(dim=0)
+        count += rows.shape[0]
+        if not s.sample:
+            self._pool_sums[s.request_id] = (total, count)
+            return None
+        return total / count

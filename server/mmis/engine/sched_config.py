@@ -1,0 +1,77 @@
+"""Scheduler settings: one frozen dataclass, validated on construction.
+
+Invariants:
+- Every limit is a positive integer (``max_model_len`` may be ``None``: no limit beyond the KV
+  pool); ``strip_keep_fields`` is a tuple of tensor names; a bad value raises
+  :class:`~mmis.config.ConfigError` naming the field.
+- :func:`never_schedulable` states which requests no pass could ever schedule under a config.
+- ``num_blocks`` counts block 0, the reserved null block, so ``num_blocks - 1`` are usable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mmis.config import ConfigError
+from mmis.engine.request import Request
+from mmis.protocol.messages import ErrorCode
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # running requests at most
+    max_num_batched_tokens: int = 2048  # tokens computed per step at most (chunked prefill)
+    num_blocks: int = 1024  # KV blocks per layer, block 0 included
+    block_size: int = 16  # tokens per KV block
+    enable_prefix_caching: bool = True
+    encoder_cache_size: int = 8192  # encoder output slots (one per placeholder token)
+    encoder_compute_budget: int = 8192  # placeholder tokens encoded per step at most
+    max_model_len: int | None = None  # prompt + output tokens at most
+    # tensor names kept when a prefix hit strips an item's payload (M-RoPE needs the grid)
+    strip_keep_fields: tuple[str, ...] = ("image_grid_thw",)
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name == "enable_prefix_caching":
+                if not isinstance(value, bool):
+                    raise ConfigError(f"SchedulerConfig.{field.name} must be a bool, got {value!r}")
+                continue
+            if field.name == "strip_keep_fields":
+                if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
+                    raise ConfigError(f"SchedulerConfig.{field.name} must be a tuple of names")
+                continue
+            if value is None and field.name == "max_model_len":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(
+                    f"SchedulerConfig.{field.name} must be a positive integer, got {value!r}"
+                )
+        if self.num_blocks < 2:
+            raise ConfigError(
+                f"SchedulerConfig.num_blocks must be at least 2 (block 0 is reserved), "
+                f"got {self.num_blocks}"
+            )
+
+
+def never_schedulable(cfg: SchedulerConfig, request: Request) -> tuple[ErrorCode, str] | None:
+    """Why ``request`` can never be scheduled under ``cfg`` (code, message), or ``None``.
+
+    The KV-pool bound is checked by the scheduler when it allocates (``KVCacheManager``).
+    """
+    if cfg.max_model_len is not None and request.num_tokens >= cfg.max_model_len:
+        return (
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            f"the prompt has {request.num_tokens} tokens; the model's context is "
+            f"{cfg.max_model_len} tokens, including at least one generated token",
+        )
+    # an uncached item is encoded in one step and computed in one chunk, and must fit the cache
+    limit = min(cfg.encoder_cache_size, cfg.encoder_compute_budget, cfg.max_num_batched_tokens)
+    for feature in request.mm_features:
+        if feature.placeholder.length > limit:
+            return (
+                ErrorCode.INVALID_REQUEST,
+                f"multimodal item {feature.identifier!r} needs {feature.placeholder.length} "
+                f"placeholder tokens; this engine handles at most {limit} per item",
+            )
+    return None

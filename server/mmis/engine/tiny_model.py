@@ -1,0 +1,252 @@
+"""Tiny, randomly initialised multimodal models built offline, for tests, benchmarks and demos.
+
+Invariants:
+- Deterministic: the same family and seed always give the same tokenizer, config and weights.
+- Self-contained: the directory loads with plain ``AutoProcessor`` and
+  ``AutoModelForImageTextToText.from_pretrained(dir)`` (and ``transformers serve dir``); nothing
+  is downloaded. The tokenizer is a byte-level BPE trained here on a few sentences.
+- Small: a few MB of weights at most.
+- Atomic: a model directory is written under a temporary name and renamed into place, so a
+  concurrent first use never sees (or leaves) a half-written model.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from mmis.engine.model.tiny_tokenizer import (
+    LLAVA_SPECIALS,
+    LLAVA_TEMPLATE,
+    QWEN_SPECIALS,
+    QWEN_TEMPLATE,
+    token_ids,
+    train_tokenizer,
+)
+
+FAMILIES = ("llava", "qwen2-vl")
+DEFAULT_FAMILY = "llava"
+
+
+class TinyModelError(ValueError):
+    """An unknown family or an unusable target directory."""
+
+
+def _seeded(seed: int) -> None:
+    import torch
+
+    torch.manual_seed(seed)
+
+
+def _build_llava(out: Path, seed: int) -> None:
+    from transformers import (
+        AutoModelForImageTextToText,
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaProcessor,
+        PreTrainedTokenizerFast,
+    )
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(LLAVA_SPECIALS, 448),
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        extra_special_tokens={"image_token": "<image>"},
+    )
+    tokenizer.chat_template = LLAVA_TEMPLATE
+    ids = token_ids(tokenizer, LLAVA_SPECIALS)
+    image_size, patch_size = 32, 8
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=image_size,
+        patch_size=patch_size,
+        projection_dim=32,
+    )
+    text = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=ids["<s>"],
+        eos_token_id=ids["</s>"],
+        pad_token_id=ids["<pad>"],
+        initializer_range=0.2,
+    )
+    extra: dict[str, Any] = {"initializer_range": 0.2}
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=ids["<image>"],
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+        **extra,
+    )
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = (
+        text.bos_token_id,
+        text.eos_token_id,
+        text.pad_token_id,
+    )
+    image_processor = CLIPImageProcessor(
+        size={"shortest_edge": image_size},
+        crop_size={"height": image_size, "width": image_size},
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=patch_size,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=LLAVA_TEMPLATE,
+    )
+    _seeded(seed)
+    model = AutoModelForImageTextToText.from_config(config)
+    _save(model, processor, out, ids["</s>"], ids["<pad>"], ids["<s>"])
+
+
+def _build_qwen2_vl(out: Path, seed: int) -> None:
+    from transformers import (
+        AutoModelForImageTextToText,
+        PreTrainedTokenizerFast,
+        Qwen2VLConfig,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(QWEN_SPECIALS, 448),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
+    )
+    tokenizer.chat_template = QWEN_TEMPLATE
+    ids = token_ids(tokenizer, QWEN_SPECIALS)
+    patch, merge, temporal = 8, 2, 2
+    extra: dict[str, Any] = {"initializer_range": 0.2}
+    config = Qwen2VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [2, 3, 3],
+            },
+            "bos_token_id": ids["<|im_start|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+            "initializer_range": 0.2,
+        },
+        vision_config={
+            "depth": 2,
+            "embed_dim": 32,
+            "hidden_size": 64,
+            "num_heads": 4,
+            "mlp_ratio": 2,
+            "patch_size": patch,
+            "spatial_merge_size": merge,
+            "temporal_patch_size": temporal,
+            "initializer_range": 0.2,
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        **extra,
+    )
+    config.bos_token_id = ids["<|im_start|>"]
+    config.eos_token_id = ids["<|im_end|>"]
+    config.pad_token_id = ids["<|endoftext|>"]
+    size = {"shortest_edge": 16 * 16, "longest_edge": 64 * 64}
+    common: dict[str, Any] = {
+        "patch_size": patch,
+        "merge_size": merge,
+        "temporal_patch_size": temporal,
+    }
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(size=size, **common),
+        video_processor=Qwen2VLVideoProcessor(size=size, **common),
+        tokenizer=tokenizer,
+        chat_template=QWEN_TEMPLATE,
+    )
+    _seeded(seed)
+    model = AutoModelForImageTextToText.from_config(config)
+    _save(model, processor, out, ids["<|im_end|>"], ids["<|endoftext|>"], ids["<|im_start|>"])
+
+
+def _save(model: Any, processor: Any, out: Path, eos: int, pad: int, bos: int) -> None:
+    gen = model.generation_config
+    gen.eos_token_id, gen.pad_token_id, gen.bos_token_id = eos, pad, bos
+    gen.do_sample = False
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+
+
+def build_tiny_model(
+    directory: str | os.PathLike[str], family: str = DEFAULT_FAMILY, seed: int = 0
+) -> Path:
+    """Write a tiny model of ``family`` into ``directory`` (created; must not hold a model).
+
+    The files are written into a sibling temporary directory and renamed into place, so the
+    target either holds a complete model or does not exist. Returns the target path.
+    """
+    if family not in FAMILIES:
+        raise TinyModelError(f"unknown model family {family!r}; expected one of {FAMILIES}")
+    target = Path(directory).expanduser().resolve()
+    if target.exists() and any(target.iterdir()):
+        raise TinyModelError(f"{target} exists and is not empty; refusing to overwrite it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    tmp.chmod(0o755)
+    try:
+        (_build_llava if family == "llava" else _build_qwen2_vl)(tmp, seed)
+        os.rename(tmp, target)  # atomic; replaces an empty directory, fails on a full one
+    except OSError:
+        if not (target / "config.json").exists():
+            raise  # not a concurrent builder winning the race: a real failure
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def model_cache_dir() -> Path:
+    """Where built-in tiny models live: ``$MMIS_MODEL_CACHE`` or ``~/.cache/mmis/models``."""
+    env = os.environ.get("MMIS_MODEL_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "mmis" / "models"
+
+
+def tiny_model_dir(family: str = DEFAULT_FAMILY) -> Path:
+    """The cached tiny model of ``family``, built on first use (concurrency-safe)."""
+    if family not in FAMILIES:
+        raise TinyModelError(f"unknown model family {family!r}; expected one of {FAMILIES}")
+    target = model_cache_dir() / f"mmis-tiny-{family}"
+    if not (target / "config.json").exists():
+        try:
+            build_tiny_model(target, family)
+        except TinyModelError:
+            if not (target / "config.json").exists():
+                raise
+    return target
+
+
+def default_model_dir() -> Path:
+    """The built-in default model (tiny LLaVA), built into the cache on first use."""
+    return tiny_model_dir(DEFAULT_FAMILY)

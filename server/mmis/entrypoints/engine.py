@@ -1,0 +1,261 @@
+"""``mmis engine``: run P1, the engine core, as a process of its own.
+
+Invariants:
+- Settings come from one frozen :class:`EngineConfig` (CLI > ``MMIS_ENGINE_*`` env > default).
+- The KV pool is preallocated from ``kv_cache_gb`` (or ``num_kv_blocks``) before the engine
+  reports ready; the scheduler's block count is the pool's.
+- ``--revision`` reaches every ``from_pretrained`` of P1 (config, model, tokenizer) through
+  :func:`load_model`. P1 takes no processor kwargs: it never runs the processor, it receives
+  the tensors P0 made (their shapes carry everything it derives, e.g. placeholder counts).
+- SIGTERM/SIGINT stop the busy loop; the sockets close; the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import logging
+import signal
+import sys
+from typing import Any
+
+from mmis.config import ConfigError, GiB, from_env
+from mmis.entrypoints.common import (
+    DEFAULT_MODEL,
+    REVISION_HELP,
+    add_engine_addresses,
+    resolve_model,
+    setup_logging,
+)
+
+log = logging.getLogger("mmis.engine")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    revision: str | None = None  # hub branch, tag or commit; ignored for a local directory
+    input_address: str = "tcp://127.0.0.1:5570"
+    output_address: str = "tcp://127.0.0.1:5571"
+    mm_cache_gb: float = 4.0  # the receiver cache budget (P1); P0 mirrors it by default
+    mm_cache_type: str = "lru"  # "lru" | "shm"
+    shm_dir: str = "/dev/shm"
+    fault_evict_rate: float = 0.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_gb: float | None = None
+    num_kv_blocks: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    device: str | None = None
+    seed: int | None = None
+    otlp_traces_endpoint: str | None = None  # also OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=None, help="model directory or hub id (default: mmis-tiny)"
+    )
+    parser.add_argument("--revision", default=None, metavar="REV", help=REVISION_HELP)
+    add_engine_addresses(parser)
+    parser.add_argument("--engine-mm-cache-gb", "--mm-cache-gb", dest="mm_cache_gb", type=float)
+    parser.add_argument("--mm-cache-type", choices=["lru", "shm"], default=None)
+    parser.add_argument("--shm-dir", default=None)
+    parser.add_argument(
+        "--fault-evict-rate",
+        type=float,
+        default=None,
+        help="OPERATOR-ONLY fault injection: evict this fraction of cached items on purpose",
+    )
+    parser.add_argument("--max-num-seqs", type=int)
+    parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument("--kv-cache-gb", type=float)
+    parser.add_argument("--num-kv-blocks", type=int)
+    parser.add_argument("--block-size", type=int)
+    parser.add_argument(
+        "--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None
+    )
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="export request spans over OTLP (default: OTEL_* environment; off when unset)",
+    )
+    parser.add_argument("--log-level", default=None)
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if k in names}
+    try:
+        cfg = from_env(EngineConfig, "engine", **overrides)
+    except ConfigError as exc:
+        raise SystemExit(f"mmis engine: {exc}") from None
+    problem = check_config(cfg)
+    if problem:
+        raise SystemExit(f"mmis engine: {problem}")
+    return cfg
+
+
+def check_config(cfg: EngineConfig) -> str | None:
+    """The first setting that cannot work, as a message naming the flag, or ``None``."""
+    if not 0.0 <= cfg.fault_evict_rate <= 1.0:
+        return "--fault-evict-rate must be within [0, 1]"
+    if cfg.mm_cache_gb < 0:
+        return "--engine-mm-cache-gb must be >= 0"
+    if cfg.kv_cache_gb is not None and cfg.kv_cache_gb <= 0:
+        return "--kv-cache-gb must be positive"
+    if cfg.num_kv_blocks is not None and cfg.num_kv_blocks < 2:
+        return "--num-kv-blocks must be at least 2 (block 0 is reserved)"
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        if getattr(cfg, name) < 1:
+            return f"--{name.replace('_', '-')} must be positive"
+    if cfg.max_model_len is not None and cfg.max_model_len < 2:
+        return "--max-model-len must be at least 2"
+    return None
+
+
+def load_model(cfg: EngineConfig) -> tuple[Any, Any]:
+    """The model adapter and the tokenizer of ``cfg.model`` at ``cfg.revision``."""
+    from transformers import AutoTokenizer
+
+    from mmis.engine.model import load_adapter
+
+    path = resolve_model(cfg.model)
+    log.info("loading model %s (revision %s)", path, cfg.revision or "default")
+    adapter = load_adapter(path, device=cfg.device, revision=cfg.revision)
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=cfg.revision)
+    return adapter, tokenizer
+
+
+def make_core(cfg: EngineConfig, runner: Any, tokenizer: Any, spans: Any = None) -> Any:
+    """A scheduler sized from ``cfg`` and the runner's KV pool, and the core around both
+    (what ``mmis engine`` runs; benchmarks build theirs here too)."""
+    from mmis.engine.core import EngineCore
+    from mmis.engine.sched_config import SchedulerConfig
+    from mmis.engine.scheduler import Scheduler
+
+    adapter = runner.adapter
+    max_len = cfg.max_model_len or getattr(adapter.text_config, "max_position_embeddings", None)
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            num_blocks=runner.pool.num_blocks,
+            block_size=cfg.block_size,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            max_model_len=max_len,
+        )
+    )
+    return EngineCore(
+        scheduler,
+        runner,
+        tokenizer=tokenizer,
+        eos_token_id=adapter.eos_token_ids[0] if adapter.eos_token_ids else None,
+        max_model_len=max_len,
+        spans=spans,
+    )
+
+
+def build(cfg: EngineConfig) -> Any:
+    """Load the model and wire scheduler, runner, receiver cache and process shell."""
+    from mmis.engine.core_process import EngineCoreProc
+    from mmis.engine.paged_attention import PagedAttentionError
+    from mmis.engine.receiver_cache import ReceiverCache
+    from mmis.engine.runner import ModelRunner
+    from mmis.shm.reader_set import ShmReaderSet
+    from mmis.telemetry.request_spans import RequestSpans
+
+    adapter, tokenizer = load_model(cfg)
+    kv_bytes = None if cfg.kv_cache_gb is None else int(cfg.kv_cache_gb * GiB)
+    num_blocks = cfg.num_kv_blocks
+    if kv_bytes is None and num_blocks is None:
+        num_blocks = 2048
+    try:
+        runner = ModelRunner.create(
+            adapter, block_size=cfg.block_size, num_blocks=num_blocks, kv_budget_bytes=kv_bytes
+        )
+    except PagedAttentionError as exc:
+        raise SystemExit(f"mmis engine: {exc}; raise --kv-cache-gb") from None
+    if runner.pool.num_blocks < 2:
+        raise SystemExit(
+            f"mmis engine: --kv-cache-gb {cfg.kv_cache_gb} holds {runner.pool.num_blocks} KV "
+            f"block(s) of {runner.pool.spec.bytes_per_block} bytes; at least 2 are needed"
+        )
+    tracing = engine_tracing(cfg)
+    spans = RequestSpans(tracing, background=True) if tracing.enabled else None
+    core = make_core(cfg, runner, tokenizer, spans)
+    readers = ShmReaderSet(cfg.shm_dir)
+
+    def shm_reader(address: Any) -> Any:
+        arrays = readers.read(address, copy=True)
+        readers.ack(address)
+        return arrays
+
+    receiver = ReceiverCache(int(cfg.mm_cache_gb * GiB), shm_reader=shm_reader)
+    log.info(
+        "engine ready: %d KV blocks of %d tokens, receiver cache %.2f GiB, epoch %s",
+        runner.pool.num_blocks,
+        cfg.block_size,
+        cfg.mm_cache_gb,
+        receiver.epoch,
+    )
+    return EngineCoreProc(
+        core,
+        receiver,
+        cfg.input_address,
+        cfg.output_address,
+        cache_epoch=receiver.epoch,
+        fault_evict_rate=cfg.fault_evict_rate,
+        seed=cfg.seed,
+    )
+
+
+def engine_tracing(cfg: EngineConfig) -> Any:
+    """P1's tracing: ``--otlp-traces-endpoint`` over ``OTEL_*``; off (no-op) when unset."""
+    import os
+
+    from mmis.telemetry.errors import TracingConfigError
+    from mmis.telemetry.tracing import setup_tracing
+    from mmis.telemetry.tracing_config import TracingConfig
+
+    try:
+        config = TracingConfig.from_env(
+            otlp_traces_endpoint=cfg.otlp_traces_endpoint,
+            service_name=os.environ.get("OTEL_SERVICE_NAME") or "mmis-engine",
+        )
+    except TracingConfigError as exc:
+        raise SystemExit(f"mmis engine: {exc}") from None
+    return setup_tracing(config)
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    cfg = config_from_args(args)
+    proc = build(cfg)
+
+    def _stop(signum: int, _frame: Any) -> None:
+        log.info("signal %d: stopping the engine", signum)
+        proc.shutdown()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    # the model and libraries are loaded: keep the cyclic GC from re-scanning them at every
+    # full collection (pauses of tens of ms in the busy loop otherwise)
+    gc.collect()
+    gc.freeze()
+    try:
+        proc.run()
+    finally:
+        spans = getattr(proc.core, "spans", None)
+        if spans is not None:
+            spans.close()  # the spans of requests that finished last, before the exporter's exit
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(run(argparse.Namespace()))

@@ -1,0 +1,29 @@
+"""``mmis tiny-model DIR [--family llava|qwen2-vl] [--seed N]``: write a tiny random model.
+
+Invariant: the directory loads with plain ``AutoProcessor`` and
+``AutoModelForImageTextToText.from_pretrained(DIR)``; an existing non-empty DIR is refused
+(exit status 2) rather than overwritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mmis.engine.tiny_model import DEFAULT_FAMILY, FAMILIES, TinyModelError, build_tiny_model
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("directory", metavar="DIR", help="where to write the model (new or empty)")
+    parser.add_argument("--family", choices=FAMILIES, default=DEFAULT_FAMILY, help="model family")
+    parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        path = build_tiny_model(args.directory, args.family, seed=args.seed)
+    except TinyModelError as exc:
+        print(f"mmis tiny-model: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0

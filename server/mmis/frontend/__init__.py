@@ -1,0 +1,1 @@
+"""P0, the front end. Never imports mmis.engine (import-linter contract)."""

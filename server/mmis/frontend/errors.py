@@ -1,0 +1,213 @@
+"""Typed front-end errors and their mapping to HTTP responses in the OpenAI error shape.
+
+Every error a client can see leaves P0 as ``{"error": {"message", "type", "param", "code"}}``
+(plus documented extra keys inside ``error``). The mapping:
+
+============================================  ======  =========================================
+error                                         status  ``code``
+============================================  ======  =========================================
+:class:`InvalidRequestError` (schema)         400     ``invalid_request`` (``param`` named)
+:class:`InvalidMediaError` (bad image)        400     ``invalid_image``
+:class:`MediaTooLargeError` (bytes, pixels)   400     ``media_too_large``
+:class:`TooManyImagesError`                   400     ``too_many_images``
+:class:`MediaFetchError` (remote fetch)       400     ``media_fetch_failed``
+:class:`MediaForbiddenError` (SSRF, file://)  403     ``media_forbidden``
+:class:`ContextLengthExceededError`           400     ``context_length_exceeded``
+:class:`HashOnlyCacheMissError`               422     ``multimodal_cache_miss``
+:class:`~mmis.protocol.errors.MultiModalCacheMissError` (after the one retry)
+                                              503     ``multimodal_cache_miss``
+other :class:`MMISError` coded invalid_request / context_length_exceeded (e.g. ProtocolError)
+                                              400     its own ``code``
+any other :class:`MMISError` / exception      500     ``internal_error`` (text not leaked)
+============================================  ======  =========================================
+
+Why 422 for hash-only misses: the request is well formed, but it names items (by ``uuid``)
+that the engine no longer holds, so it cannot be processed as sent. The client heals it by
+resending the same request *with the image data*; resending it unchanged cannot help, which is
+why it is not 409/429/5xx (the OpenAI SDKs retry those automatically, pointlessly).
+The body carries ``"retryable": true`` and ``"missing_uuids": [...]``.
+
+The 503 for a miss after the retry carries ``"retryable": true`` and ``"missing_mm_hashes"``.
+
+Streams that already sent bytes cannot change their status: they end with
+:func:`sse_error_event` (``data: {"error": {...}}``, the event the OpenAI SDK raises on),
+followed by :data:`SSE_DONE`. FastAPI wiring (validation errors included) is
+:func:`mmis.frontend.schemas.install_exception_handlers`.
+
+Invariant: the message of every error is written for the client; internal errors never leak
+their exception text (only a generic message), the rest always name what was wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from mmis.protocol.errors import MMISError, MultiModalCacheMissError
+from mmis.protocol.messages import ErrorCode, RequestError
+
+INVALID_REQUEST_TYPE = "invalid_request_error"
+PERMISSION_TYPE = "permission_error"
+SERVER_TYPE = "server_error"
+UNAVAILABLE_TYPE = "service_unavailable_error"
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class FrontendError(MMISError):
+    """An error with everything needed to answer the client: status, type, code, param."""
+
+    status: int = 400
+    type: str = INVALID_REQUEST_TYPE
+    code: str = ErrorCode.INVALID_REQUEST.value
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        status: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        if status is not None:
+            self.status = status
+
+    def extra(self) -> dict[str, Any]:
+        """Extra keys placed inside the ``error`` object (documented per subclass)."""
+        return {}
+
+
+class InvalidRequestError(FrontendError):
+    """A request that fails schema or range validation; ``param`` names the field."""
+
+
+class ContextLengthExceededError(FrontendError):
+    code = ErrorCode.CONTEXT_LENGTH_EXCEEDED.value
+
+
+class MediaError(FrontendError):
+    """Base of every error raised while loading or decoding an image."""
+
+    code = "invalid_image"
+
+
+class InvalidMediaError(MediaError):
+    """Broken base64, a non-image, a truncated or corrupt image, a bad URL."""
+
+
+class MediaTooLargeError(MediaError):
+    code = "media_too_large"
+
+
+class TooManyImagesError(MediaError):
+    code = "too_many_images"
+
+
+class MediaFetchError(MediaError):
+    """A remote fetch that failed: unreachable, timed out, non-200, too many redirects."""
+
+    code = "media_fetch_failed"
+
+
+class MediaForbiddenError(MediaError):
+    """A URL refused by policy: a private address (SSRF guard) or a path outside the root."""
+
+    status = 403
+    type = PERMISSION_TYPE
+    code = "media_forbidden"
+
+
+class HashOnlyCacheMissError(FrontendError):
+    """Items named only by ``uuid`` that the engine no longer holds; resend them with data."""
+
+    status = 422
+    code = ErrorCode.MULTIMODAL_CACHE_MISS.value
+    retryable = True
+
+    def __init__(self, missing_uuids: Iterable[str], *, param: str | None = "messages") -> None:
+        self.missing_uuids = list(dict.fromkeys(missing_uuids))
+        super().__init__(
+            f"{len(self.missing_uuids)} image(s) sent by uuid only are no longer cached by the "
+            f"server: {', '.join(self.missing_uuids)}; resend them with their image data",
+            param=param,
+        )
+
+    def extra(self) -> dict[str, Any]:
+        return {"retryable": True, "missing_uuids": self.missing_uuids}
+
+
+def error_status(exc: BaseException) -> int:
+    if isinstance(exc, FrontendError):
+        return exc.status
+    if isinstance(exc, MultiModalCacheMissError):
+        return 503
+    if isinstance(exc, MMISError) and exc.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED.value:
+        return 400
+    if isinstance(exc, MMISError) and exc.code == ErrorCode.INVALID_REQUEST.value:
+        return 400
+    return 500
+
+
+def error_body(exc: BaseException) -> dict[str, Any]:
+    """The OpenAI-shaped JSON body for ``exc``."""
+    status = error_status(exc)
+    error: dict[str, Any]
+    if isinstance(exc, FrontendError):
+        error = {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}
+        error.update(exc.extra())
+    elif isinstance(exc, MultiModalCacheMissError):
+        error = {
+            "message": f"{exc} (the retry missed too; try again)",
+            "type": UNAVAILABLE_TYPE,
+            "param": None,
+            "code": exc.code,
+            "retryable": True,
+            "missing_mm_hashes": exc.mm_hashes,
+        }
+    elif isinstance(exc, MMISError) and status == 400:
+        error = {"message": str(exc), "type": INVALID_REQUEST_TYPE, "param": None, "code": exc.code}
+    else:
+        error = {
+            "message": "internal server error",
+            "type": SERVER_TYPE,
+            "param": None,
+            "code": ErrorCode.INTERNAL.value,
+        }
+    return {"error": error}
+
+
+def from_request_error(
+    error: RequestError, missing_mm_hashes: Iterable[str] = ()
+) -> MMISError | FrontendError:
+    """Turn a wire :class:`RequestError` from P1 into the typed exception P0 raises.
+
+    A ``multimodal_cache_miss`` becomes :class:`MultiModalCacheMissError` (the endpoint retries
+    it once; if it reaches :func:`error_body` it is the 503). Unknown codes are internal errors.
+    """
+    if error.code == ErrorCode.MULTIMODAL_CACHE_MISS.value:
+        return MultiModalCacheMissError(missing_mm_hashes)
+    if error.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED.value:
+        return ContextLengthExceededError(error.message, param="messages")
+    if error.code == ErrorCode.INVALID_REQUEST.value:
+        return InvalidRequestError(error.message)
+    internal = MMISError(error.message)
+    internal.code = ErrorCode.INTERNAL.value
+    return internal
+
+
+def sse_error_event(exc: BaseException) -> bytes:
+    """The SSE event that ends a stream which already sent bytes (send :data:`SSE_DONE` next)."""
+    body = error_body(exc)
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
+def json_response(exc: BaseException) -> JSONResponse:
+    return JSONResponse(error_body(exc), status_code=error_status(exc))

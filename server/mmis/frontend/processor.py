@@ -1,0 +1,122 @@
+"""P0's wrapper of the model's Hugging Face processor: prompts, per-image tensors, placeholders.
+
+Invariants:
+- Family-agnostic: an image's placeholder length is *measured* by running the model's own
+  processor on that image alone and counting its image tokens, never computed from a
+  per-family formula; the same count is stored in the sender cache so a shadow hit can expand
+  the prompt without touching the pixels again.
+- The prompt is tokenized with exactly one image token per image (special tokens are atomic,
+  so this equals tokenizing the fully expanded text) and then expanded in token space.
+- Per-image tensors exclude the text outputs (input_ids, attention_mask, token-type ids):
+  what remains is exactly what the engine's vision encoder needs for that item.
+- ``processor_kwargs`` (``--processor-kwargs``) go to every processor call on an image; the
+  renderer hashes the same mapping into each content mm_hash, so changing them changes
+  both the tensors and the hashes.
+- Not thread-safe: used from the single multimodal worker thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mmis.protocol.messages import PlaceholderRange
+
+_TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
+
+
+class PromptError(ValueError):
+    """The prompt and its images do not line up (e.g. an image part the template dropped)."""
+
+
+@dataclass(frozen=True)
+class ProcessedImage:
+    tensors: dict[str, np.ndarray]
+    num_tokens: int
+
+
+class ModelProcessor:
+    def __init__(self, processor: Any, processor_kwargs: Mapping[str, Any] | None = None) -> None:
+        self.processor = processor
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        token = getattr(processor, "image_token", None)
+        if token is None:
+            raise PromptError("the model's processor declares no image token")
+        self.image_token: str = token
+        self.image_token_id: int = int(self.tokenizer.convert_tokens_to_ids(token))
+        self.processor_kwargs: dict[str, Any] = dict(processor_kwargs or {})
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str,
+        processor_kwargs: Mapping[str, Any] | None = None,
+        *,
+        revision: str | None = None,
+        **kwargs: Any,
+    ) -> ModelProcessor:
+        """Load the processor (and its tokenizer) of ``model`` at ``revision``."""
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(model, revision=revision, **kwargs)
+        return cls(processor, processor_kwargs)
+
+    # ------------------------------------------------------------------ text
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        """Render OpenAI-style messages (images as ``{"type": "image"}`` parts) to text."""
+        text = self.processor.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=False
+        )
+        return str(text)
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(t) for t in self.tokenizer(text)["input_ids"]]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return None if eos is None else int(eos)
+
+    # ------------------------------------------------------------------ images
+    def process_image(self, image: Any) -> ProcessedImage:
+        out = self.processor(
+            text=[self.image_token],
+            images=[image],
+            return_tensors="np",
+            **self.processor_kwargs,
+        )
+        num = int(np.count_nonzero(np.asarray(out["input_ids"]) == self.image_token_id))
+        tensors = {
+            k: np.ascontiguousarray(v)
+            for k, v in out.items()
+            if k not in _TEXT_KEYS and isinstance(v, np.ndarray)
+        }
+        if num <= 0 or not tensors:
+            raise PromptError("the processor produced no image tokens for an image")
+        return ProcessedImage(tensors=tensors, num_tokens=num)
+
+    def expand(
+        self, token_ids: Sequence[int], counts: Sequence[int]
+    ) -> tuple[list[int], list[PlaceholderRange]]:
+        """Replace the k-th image token by ``counts[k]`` copies; return ids and ranges."""
+        slots = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
+        if len(slots) != len(counts):
+            raise PromptError(
+                f"the prompt has {len(slots)} image placeholder(s) for {len(counts)} image(s)"
+            )
+        ids: list[int] = []
+        ranges: list[PlaceholderRange] = []
+        prev = 0
+        for slot, count in zip(slots, counts, strict=True):
+            ids.extend(token_ids[prev:slot])
+            ranges.append(PlaceholderRange(offset=len(ids), length=int(count)))
+            ids.extend([self.image_token_id] * int(count))
+            prev = slot + 1
+        ids.extend(token_ids[prev:])
+        return ids, ranges

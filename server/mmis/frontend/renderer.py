@@ -1,0 +1,267 @@
+"""The renderer: a prompt with images -> the token ids and multimodal features sent to P1.
+
+Two stages:
+
+1. :meth:`Renderer.prepare` (asyncio): loads the images with the media loader (limits, SSRF
+   guard), hashes each one (the client's ``uuid`` wins) and tokenizes the prompt with one
+   image token per image. The result, a :class:`SourcePrompt`, is *retained* by the request's
+   handler so a retry can render it again with the cache bypassed.
+2. :meth:`Renderer.render` (the single multimodal worker thread): drains the pending
+   invalidations FIRST, then per item: a shadow hit (and no bypass) sends ``data=None`` (SHM
+   mode: the same descriptor issued again) with the placeholder length the shadow remembers;
+   otherwise the processor runs on that image and its tensors are sent (inline, or ``put``
+   into the SHM store). Then the prompt is expanded and checked against the context window.
+
+Invariants:
+- Every shadow mutation happens on the worker, inside one render, after its drain.
+- A request rejected during rendering (hash-only item not in the shadow -> 422 naming the
+  uuid, context window exceeded -> 400) leaves nothing behind: the shadow is updated and SHM
+  space is taken only after every check passed, as the last steps of the render.
+- With ``bypass`` every item that has data is sent with it; hash-only items (a uuid, no URL)
+  can only ever be sent as ``data=None``.
+- ``copies`` renders the features for that many sibling requests (``n`` choices); each SHM
+  descriptor is issued once per copy, so the reader's acknowledgements balance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from typing import Any
+
+from PIL import Image
+
+from mmis.frontend.counters import FrontendCounters
+from mmis.frontend.errors import (
+    ContextLengthExceededError,
+    HashOnlyCacheMissError,
+    InvalidRequestError,
+)
+from mmis.frontend.media import MediaLoader, check_image_count
+from mmis.frontend.pending_invalidations import PendingInvalidations
+from mmis.frontend.processor import ModelProcessor, PromptError
+from mmis.frontend.sender_cache import SenderCache, ShadowEntry, ShadowItem
+from mmis.multimodal.hashing import item_mm_hash
+from mmis.multimodal.sizing import item_nbytes
+from mmis.protocol.messages import MultiModalFeature, ShmAddress
+from mmis.shm import ShmError, ShmStoreFullError, ShmWriter
+
+MODALITY = "image"
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageRef:
+    """An image part of a request: its URL (None = hash-only), its uuid, its JSON path."""
+
+    url: str | None
+    uuid: str | None
+    param: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceItem:
+    mm_hash: str
+    uuid: str | None
+    image: Image.Image | None  # None: hash-only, the engine must still hold it
+    param: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class SourcePrompt:
+    """A prepared request, kept so a retry can render it again with the cache bypassed."""
+
+    token_ids: list[int]  # one image token per item
+    items: list[SourceItem]
+    param: str = "messages"  # the request field errors about the prompt name
+
+    def hash_only_uuids(self, mm_hashes: Sequence[str]) -> list[str]:
+        """The uuids of hash-only items among ``mm_hashes`` (those a retry cannot heal)."""
+        wanted = set(mm_hashes)
+        return [
+            item.uuid
+            for item in self.items
+            if item.image is None and item.uuid is not None and item.mm_hash in wanted
+        ]
+
+
+@dataclasses.dataclass(frozen=True)
+class RenderedPrompt:
+    token_ids: list[int]
+    features: list[list[MultiModalFeature]]  # one list per copy
+    shadow_hits: int
+    processed: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclasses.dataclass
+class _Planned:
+    item: SourceItem
+    entry: ShadowEntry
+    tensors: dict[str, Any] | None  # None: a shadow hit
+
+
+class Renderer:
+    def __init__(
+        self,
+        processor: ModelProcessor,
+        loader: MediaLoader,
+        shadow: SenderCache,
+        pending: PendingInvalidations,
+        executor: Executor,
+        *,
+        model_id: str,
+        max_model_len: int,
+        max_images: int,
+        hash_algorithm: str = "blake3",
+        shm_writer: ShmWriter | None = None,
+        counters: FrontendCounters | None = None,
+    ) -> None:
+        self.processor = processor
+        self.loader = loader
+        self.shadow = shadow
+        self.pending = pending
+        self.executor = executor
+        self.model_id = model_id
+        self.max_model_len = max_model_len
+        self.max_images = max_images
+        self.hash_algorithm = hash_algorithm
+        self.shm_writer = shm_writer
+        self.counters = counters or FrontendCounters()
+
+    # ------------------------------------------------------------------ stage 1 (asyncio)
+    async def prepare(
+        self, prompt: str | Sequence[int], images: Sequence[ImageRef], *, param: str = "messages"
+    ) -> SourcePrompt:
+        check_image_count(len(images), self.max_images)
+        with_data = [ref for ref in images if ref.url is not None]
+        loaded = await self.loader.load_images(
+            [ref.url for ref in with_data if ref.url is not None],
+            params=[ref.param for ref in with_data],
+        )
+        pictures = iter(loaded)
+        loop = asyncio.get_running_loop()
+        items: list[SourceItem] = []
+        for ref in images:
+            image = next(pictures).image if ref.url is not None else None
+            mm_hash = await loop.run_in_executor(None, self.hash_image, image, ref.uuid)
+            items.append(SourceItem(mm_hash, ref.uuid, image, ref.param))
+        if isinstance(prompt, str):
+            token_ids = self.processor.tokenize(prompt)
+        else:
+            token_ids = [int(t) for t in prompt]
+        slots = sum(t == self.processor.image_token_id for t in token_ids)
+        if slots != len(items):
+            raise InvalidRequestError(
+                f"the prompt has {slots} image placeholder token(s) for {len(items)} image(s); "
+                f"do not write the image token {self.processor.image_token!r} in text",
+                param=param,
+            )
+        return SourcePrompt(token_ids=token_ids, items=items, param=param)
+
+    def hash_image(self, image: Image.Image | None, uuid: str | None) -> str:
+        return item_mm_hash(
+            model_id=self.model_id,
+            modality=MODALITY,
+            item=image,
+            processor_kwargs=self.processor.processor_kwargs,
+            uuid=uuid,
+            algorithm=self.hash_algorithm,
+        )
+
+    # ------------------------------------------------------------------ stage 2 (worker)
+    async def render(
+        self, source: SourcePrompt, *, bypass: bool, reserve_tokens: int, copies: int = 1
+    ) -> RenderedPrompt:
+        """Render on the multimodal worker (see the module docstring)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self.executor, self.render_sync, source, bypass, reserve_tokens, copies
+        )
+
+    def render_sync(
+        self, source: SourcePrompt, bypass: bool, reserve_tokens: int, copies: int = 1
+    ) -> RenderedPrompt:
+        self.pending.drain()  # before the first lookup: invalidations reported so far apply
+        entries = self.shadow.lookup([item.mm_hash for item in source.items])
+        missing = [
+            item.uuid or item.mm_hash
+            for item, entry in zip(source.items, entries, strict=True)
+            if entry is None and item.image is None
+        ]
+        if missing:
+            raise HashOnlyCacheMissError(missing)
+        plan: list[_Planned] = []
+        for item, entry in zip(source.items, entries, strict=True):
+            if entry is not None and (item.image is None or not bypass):
+                plan.append(_Planned(item, entry, None))
+                continue
+            if item.image is None:  # unreachable: hash-only misses were rejected above
+                raise HashOnlyCacheMissError([item.uuid or item.mm_hash])
+            processed = self.processor.process_image(item.image)
+            nbytes = item_nbytes(processed.tensors)
+            plan.append(
+                _Planned(item, ShadowEntry(nbytes, processed.num_tokens), processed.tensors)
+            )
+        try:
+            token_ids, ranges = self.processor.expand(
+                source.token_ids, [p.entry.placeholder_length for p in plan]
+            )
+        except PromptError as exc:
+            raise InvalidRequestError(str(exc), param=source.param) from exc
+        self._check_context(len(token_ids), reserve_tokens, len(plan), source.param)
+        # every check passed: from here on the request is accepted
+        features: list[list[MultiModalFeature]] = [[] for _ in range(copies)]
+        recorded: list[ShadowItem] = []
+        for p, placeholder in zip(plan, ranges, strict=True):
+            datas, entry = self._payloads(p, copies)
+            recorded.append(ShadowItem(p.item.mm_hash, entry))
+            for copy, data in enumerate(datas):
+                features[copy].append(
+                    MultiModalFeature(MODALITY, p.item.mm_hash, p.item.mm_hash, placeholder, data)
+                )
+        self.shadow.record_request(recorded)
+        hits = sum(p.tensors is None for p in plan)
+        self.counters.inc("shadow_hits", hits)
+        self.counters.inc("shadow_misses", len(plan) - hits)
+        return RenderedPrompt(token_ids, features, hits, len(plan) - hits)
+
+    def _payloads(
+        self, p: _Planned, copies: int
+    ) -> tuple[list[dict[str, Any] | ShmAddress | None], ShadowEntry]:
+        """The ``data`` of each copy of one item, and the shadow entry to record."""
+        address = p.entry.metadata.get("shm")
+        writer = self.shm_writer
+        if p.tensors is None:
+            if writer is None or not isinstance(address, ShmAddress):
+                return [None] * copies, p.entry
+            try:  # SHM mode: a hit re-issues the live descriptor, once per copy
+                return [writer.share(address) for _ in range(copies)], p.entry
+            except ShmError:
+                pass  # reclaimed or expired since: P1 still holds the tensors by hash
+            return [None] * copies, dataclasses.replace(p.entry, metadata={})
+        if writer is not None:
+            try:
+                first = writer.put(p.tensors)
+                rest = [writer.share(first) for _ in range(copies - 1)]
+                return [first, *rest], dataclasses.replace(p.entry, metadata={"shm": first})
+            except ShmStoreFullError:
+                pass  # the store is full: send inline
+        return [p.tensors] * copies, p.entry
+
+    def _check_context(self, num_tokens: int, reserve: int, num_images: int, param: str) -> None:
+        if num_tokens + reserve <= self.max_model_len:
+            return
+        what = f"the prompt has {num_tokens} tokens"
+        if num_images:
+            what += f" (with {num_images} image(s))"
+        if reserve > 0:
+            what += f" and {reserve} more are requested (max_tokens)"
+        raise ContextLengthExceededError(
+            f"{what}, which exceeds the model's context window of {self.max_model_len} tokens",
+            param=param,
+        )

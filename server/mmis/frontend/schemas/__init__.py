@@ -1,0 +1,62 @@
+"""OpenAI-compatible request and response models of P0 (pydantic).
+
+One module per endpoint (:mod:`.chat`, :mod:`.completions`, :mod:`.embeddings`), shared parts
+in :mod:`.common` and :mod:`.sampling`, responses in :mod:`.responses`; :func:`parse_request`
+turns a raw body into a model or a typed 400 naming the offending ``param``;
+:func:`install_exception_handlers` makes a FastAPI app answer in the OpenAI error shape.
+"""
+
+from mmis.frontend.schemas.chat import ChatCompletionRequest, ChatMessage
+from mmis.frontend.schemas.common import ImagePart, ImageURL, TextPart
+from mmis.frontend.schemas.completions import CompletionRequest
+from mmis.frontend.schemas.embeddings import EmbeddingRequest
+from mmis.frontend.schemas.responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    CompletionChoice,
+    CompletionResponse,
+    EmbeddingData,
+    EmbeddingResponse,
+    EmbeddingUsage,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    Usage,
+    sse_chunk,
+)
+from mmis.frontend.schemas.sampling import DEFAULT_MAX_N, StreamOptions
+from mmis.frontend.schemas.validation import install_exception_handlers, parse_request
+
+__all__ = [
+    "DEFAULT_MAX_N",
+    "AssistantMessage",
+    "ChatChoice",
+    "ChatChunkChoice",
+    "ChatCompletionChunk",
+    "ChatCompletionRequest",
+    "ChatCompletionResponse",
+    "ChatDelta",
+    "ChatMessage",
+    "CompletionChoice",
+    "CompletionRequest",
+    "CompletionResponse",
+    "EmbeddingData",
+    "EmbeddingRequest",
+    "EmbeddingResponse",
+    "EmbeddingUsage",
+    "ImagePart",
+    "ImageURL",
+    "ModelCard",
+    "ModelList",
+    "PromptTokensDetails",
+    "StreamOptions",
+    "TextPart",
+    "Usage",
+    "install_exception_handlers",
+    "parse_request",
+    "sse_chunk",
+]

@@ -1,0 +1,146 @@
+"""Shared pieces of the OpenAI request models: base config, sampling fields, content parts.
+
+What we accept (documented contract):
+- Unknown top-level fields are ignored (clients send many), *except* known OpenAI features we
+  do not implement (``tools``, ``logprobs``, ``response_format`` other than text, penalties,
+  ...): sending one with a non-default value is a 400 naming it, never silently ignored.
+- Content parts: ``{"type": "text", "text": ...}`` and ``{"type": "image_url", ...}``, where an
+  image part is one of
+  ``{"image_url": {"url": URL}}``, ``{"image_url": {"url": URL, "uuid": ID}}`` (data plus a
+  client-chosen id that later requests may use alone), ``{"image_url": {"uuid": ID}}`` or
+  ``{"uuid": ID}`` (id only: the server must still hold the item, else the documented 422 of
+  :mod:`mmis.frontend.errors`), and ``{"image_url": URL}`` (a bare string).
+  ``uuid`` may appear in both places only if equal.
+- Union-typed fields use callable discriminators whose tags contain brackets (``list[part]``):
+  only the matching branch validates, and :mod:`~mmis.frontend.errors` drops such tags
+  from the error location, so ``param`` reads like ``messages[0].content[1].image_url.url``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+UUID_MAX_LENGTH = 256
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+def _is_default(value: Any, allowed: tuple[Any, ...]) -> bool:
+    return value is None or value is False or value == 0 or value in ((), [], {}, *allowed)
+
+
+def reject_unsupported(model: str, data: Any, unsupported: dict[str, tuple[Any, ...]]) -> Any:
+    """Raise if ``data`` sets an unsupported OpenAI parameter to a non-default value.
+
+    The error's location is the parameter itself, so the 400 names it in ``param``.
+    """
+    if not isinstance(data, dict):
+        return data
+    errors = [
+        InitErrorDetails(
+            type=PydanticCustomError("unsupported_parameter", "is not supported by this server"),
+            loc=(name,),
+            input=data[name],
+        )
+        for name, allowed in unsupported.items()
+        if name in data and not _is_default(data[name], allowed)
+    ]
+    if errors:
+        raise ValidationError.from_exception_data(model, errors)
+    return data
+
+
+class ImageURL(OpenAIModel):
+    url: str | None = Field(default=None, min_length=1)
+    uuid: str | None = Field(default=None, min_length=1, max_length=UUID_MAX_LENGTH)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class TextPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(OpenAIModel):
+    type: Literal["image_url"]
+    image_url: ImageURL | None = None
+    uuid: str | None = Field(default=None, min_length=1, max_length=UUID_MAX_LENGTH)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_url(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("image_url"), str):
+            return {**data, "image_url": {"url": data["image_url"]}}
+        return data
+
+    @model_validator(mode="after")
+    def _names_an_image(self) -> ImagePart:
+        inner = self.image_url
+        if inner is None and self.uuid is None:
+            raise ValueError("an image_url part needs image_url.url, image_url.uuid or uuid")
+        if inner is not None and inner.url is None and inner.uuid is None:
+            raise ValueError("image_url needs a url or a uuid")
+        if inner is not None and inner.uuid and self.uuid and inner.uuid != self.uuid:
+            raise ValueError("uuid and image_url.uuid differ; give one")
+        return self
+
+    @property
+    def url(self) -> str | None:
+        return self.image_url.url if self.image_url is not None else None
+
+    @property
+    def item_uuid(self) -> str | None:
+        if self.image_url is not None and self.image_url.uuid is not None:
+            return self.image_url.uuid
+        return self.uuid
+
+    @property
+    def hash_only(self) -> bool:
+        """True when the part names an earlier item by uuid and carries no data."""
+        return self.url is None
+
+
+def _part_tag(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return {"text": "part[text]", "image_url": "part[image_url]"}.get(kind)  # type: ignore[arg-type]
+
+
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("part[text]")] | Annotated[ImagePart, Tag("part[image_url]")],
+    Discriminator(
+        _part_tag,
+        custom_error_type="invalid_content_part",
+        custom_error_message="part type must be 'text' or 'image_url'",
+    ),
+]
+
+
+def _content_tag(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "[str]"
+    if isinstance(value, list):
+        return "list[part]"
+    return None
+
+
+Content = Annotated[
+    Annotated[str, Tag("[str]")] | Annotated[list[ContentPart], Tag("list[part]")],
+    Discriminator(
+        _content_tag,
+        custom_error_type="invalid_content",
+        custom_error_message="must be a string or a list of content parts",
+    ),
+]

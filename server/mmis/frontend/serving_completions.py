@@ -1,0 +1,63 @@
+"""``POST /v1/completions``: a text (or token-id) prompt -> generation, whole or streamed.
+
+Invariant: the prompt is used as given (no chat template, no special tokens added); a prompt
+that contains the model's image token is a 400 (this endpoint carries no images).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from mmis.frontend.schemas import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+)
+from mmis.frontend.serving_common import new_request_id
+from mmis.frontend.serving_generate import TextGenerator
+
+if TYPE_CHECKING:
+    from mmis.frontend.state import FrontendState
+
+
+class CompletionFormat:
+    def __init__(self, model: str) -> None:
+        self.model = model
+
+    def whole(
+        self, request_id: str, choices: Sequence[tuple[str, str | None]], usage: Usage
+    ) -> CompletionResponse:
+        return CompletionResponse(
+            id=request_id,
+            model=self.model,
+            choices=[
+                CompletionChoice(index=i, text=text, finish_reason=finish)  # type: ignore[arg-type]
+                for i, (text, finish) in enumerate(choices)
+            ],
+            usage=usage,
+        )
+
+    def chunk(
+        self, request_id: str, index: int, text: str | None, finish: str | None, first: bool
+    ) -> CompletionResponse:
+        choice = CompletionChoice(index=index, text=text or "", finish_reason=finish)  # type: ignore[arg-type]
+        return CompletionResponse(id=request_id, model=self.model, choices=[choice])
+
+    def usage_chunk(self, request_id: str, usage: Usage) -> CompletionResponse:
+        return CompletionResponse(id=request_id, model=self.model, choices=[], usage=usage)
+
+
+class CompletionServing:
+    def __init__(self, state: FrontendState) -> None:
+        self.state = state
+        self.generator = TextGenerator(state, "completions")
+        self.format = CompletionFormat(state.model_name)
+
+    async def create(self, http: Request, req: CompletionRequest) -> Response:
+        source = await self.state.renderer.prepare(req.prompt, [], param="prompt")
+        return await self.generator.respond(http, req, source, self.format, new_request_id("cmpl"))

@@ -1,0 +1,190 @@
+"""Text generation shared by ``/v1/chat/completions`` and ``/v1/completions``.
+
+The endpoint modules prepare a :class:`SourcePrompt` and supply a :class:`ResponseFormat`
+(their response and chunk shapes); this module runs the recovery policy, detokenizes each
+choice and answers whole or as Server-Sent Events.
+
+Invariants:
+- ``n`` choices are ``n`` sibling engine requests with ``n=1`` each (choice ``i`` gets seed
+  ``seed + i`` when a seed is given), so one choice can be stopped, aborted or retried
+  without touching the engine's notion of ``n``.
+- A stream's HTTP status is decided only after every sibling produced its first output
+  (:meth:`RecoveryPolicy.start`); after that, failures end the stream with the SSE error
+  event. Every exit path aborts the siblings still running in P1.
+- Stop strings are applied here (the engine may apply them too): text stops right before the
+  match, ``finish_reason`` is ``stop`` and the sibling is aborted in P1.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from mmis.frontend.detokenizer import IncrementalDetokenizer
+from mmis.frontend.errors import SSE_DONE
+from mmis.frontend.recovery import Generation, RequestBuilder, RetryableFailure
+from mmis.frontend.renderer import RenderedPrompt, SourcePrompt
+from mmis.frontend.request_telemetry import current_record
+from mmis.frontend.schemas import PromptTokensDetails, Usage, sse_chunk
+from mmis.frontend.schemas.sampling import SamplingRequest
+from mmis.frontend.serving_common import (
+    SSEResponse,
+    guard_stream,
+    unless_disconnected,
+)
+from mmis.protocol.messages import EngineCoreOutput, EngineCoreRequest
+
+if TYPE_CHECKING:
+    from mmis.frontend.state import FrontendState
+
+SEED_MODULUS = 2**63
+
+
+class ResponseFormat(Protocol):
+    """An endpoint's response shapes."""
+
+    def whole(
+        self, request_id: str, choices: Sequence[tuple[str, str | None]], usage: Usage
+    ) -> BaseModel: ...
+
+    def chunk(
+        self, request_id: str, index: int, text: str | None, finish: str | None, first: bool
+    ) -> BaseModel: ...
+
+    def usage_chunk(self, request_id: str, usage: Usage) -> BaseModel: ...
+
+
+def note_usage(prompt: int, completion: int, cached: int) -> None:
+    """Hand the request's token counts to its telemetry record (spans, token counters)."""
+    record = current_record()
+    if record is not None:
+        record.usage(prompt, completion, cached)
+
+
+def make_usage(prompt: int, completion: int, cached: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+class TextGenerator:
+    def __init__(self, state: FrontendState, endpoint: str) -> None:
+        self.state = state
+        self.endpoint = endpoint
+
+    def _builder(self, req: SamplingRequest) -> tuple[int, RequestBuilder]:
+        requested = req.requested_max_tokens()
+        max_len = self.state.max_model_len
+
+        def build(rid: str, rendered: RenderedPrompt, choice: int) -> EngineCoreRequest:
+            room = max(max_len - rendered.num_tokens, 1)
+            params = req.to_sampling_params(room if requested is None else requested)
+            params.n = 1
+            if params.seed is not None:
+                params.seed = (params.seed + choice) % SEED_MODULUS
+            return EngineCoreRequest(
+                rid,
+                rendered.token_ids,
+                rendered.features[choice],
+                sampling_params=params,
+                arrival_time=time.time(),
+            )
+
+        return (1 if requested is None else requested), build
+
+    async def respond(
+        self,
+        http: Request,
+        req: SamplingRequest,
+        source: SourcePrompt,
+        fmt: ResponseFormat,
+        request_id: str,
+    ) -> Response:
+        reserve, build = self._builder(req)
+        policy, n, endpoint = self.state.policy, req.n, self.endpoint
+        if not req.stream:
+            rendered, outputs = await unless_disconnected(
+                http,
+                policy.complete(
+                    source,
+                    endpoint=endpoint,
+                    request_id=request_id,
+                    n=n,
+                    reserve=reserve,
+                    build=build,
+                ),
+            )
+            return self._whole(req, fmt, request_id, rendered, outputs)
+        generation = await unless_disconnected(
+            http,
+            policy.start(
+                source, endpoint=endpoint, request_id=request_id, n=n, reserve=reserve, build=build
+            ),
+        )
+        return SSEResponse(guard_stream(self._events(req, fmt, request_id, generation)))
+
+    def _whole(
+        self,
+        req: SamplingRequest,
+        fmt: ResponseFormat,
+        request_id: str,
+        rendered: RenderedPrompt,
+        outputs: list[list[EngineCoreOutput]],
+    ) -> Response:
+        choices: list[tuple[str, str | None]] = []
+        completion = cached = 0
+        for outs in outputs:
+            detok = IncrementalDetokenizer(self.state.processor.decode, req.stop_list())
+            detok.add([t for out in outs for t in out.new_token_ids], final=True)
+            completion += len(detok.token_ids)
+            cached = max([cached, *(out.num_cached_tokens for out in outs)])
+            finish = "stop" if detok.stopped else (outs[-1].finish_reason if outs else None)
+            choices.append((detok.text, finish))
+        usage = make_usage(rendered.num_tokens, completion, cached)
+        note_usage(rendered.num_tokens, completion, cached)
+        body = fmt.whole(request_id, choices, usage)
+        return JSONResponse(body.model_dump(mode="json"))
+
+    async def _events(
+        self, req: SamplingRequest, fmt: ResponseFormat, request_id: str, gen: Generation
+    ) -> AsyncGenerator[bytes, None]:
+        detoks = [
+            IncrementalDetokenizer(self.state.processor.decode, req.stop_list())
+            for _ in range(gen.n)
+        ]
+        started = [False] * gen.n
+        cached = 0
+        try:
+            async for choice, out in gen.outputs():
+                detok = detoks[choice]
+                final = out.finish_reason is not None
+                delta = detok.add(out.new_token_ids, final=final)
+                cached = max(cached, out.num_cached_tokens)
+                finish = out.finish_reason if final else None
+                if detok.stopped:
+                    finish = "stop"
+                    await gen.finish_choice(choice)
+                if delta or finish or not started[choice]:
+                    yield sse_chunk(
+                        fmt.chunk(request_id, choice, delta, finish, not started[choice])
+                    )
+                    started[choice] = True
+        except RetryableFailure as failure:
+            raise failure.error() from None
+        finally:
+            await gen.aclose()
+        rendered = gen.rendered
+        prompt = rendered.num_tokens if rendered is not None else 0
+        completion = sum(len(d.token_ids) for d in detoks)
+        note_usage(prompt, completion, cached)
+        if req.include_usage:
+            yield sse_chunk(fmt.usage_chunk(request_id, make_usage(prompt, completion, cached)))
+        yield SSE_DONE

@@ -1,0 +1,288 @@
+"""P0's process-wide state: settings, the model processor, the shadow, the engine client.
+
+Build it with :meth:`FrontendState.create` (inside the server's event loop) and close it with
+:meth:`FrontendState.close`. Settings come from ``mmis.config.from_env`` with the
+section ``frontend`` (``MMIS_FRONTEND_<FIELD>``), CLI flags winning.
+
+Invariants:
+- One single-worker executor runs every render (the only place the shadow is mutated); the
+  engine client's output handler only *enqueues* invalidations (misses, evictions, a changed
+  cache epoch) into :class:`PendingInvalidations`, before the outputs that carry them.
+- The processor and the model config are loaded at ``revision`` (:func:`load_processor`);
+  ``processor_kwargs`` go to every processor call and into every content mm_hash, whose
+  model id also names the revision (:func:`hash_model_id`): an image processed one way is
+  never served for a request that would have processed it another way.
+- ``ready`` becomes true only after a synthetic image request went P0 -> cache -> P1 ->
+  output since this process started (``/ready``); ``/health`` needs the process and a live
+  engine (a ping answered recently).
+- :meth:`close` stops the stats poller, the engine client (failing whatever is still in
+  flight), the media loader, the executor and the SHM writer (unlinking its segment), in
+  that order, then flushes the traces of a tracing setup it built itself.
+- Telemetry: one :class:`FrontendTelemetry` (private registry) per state; the counters feed
+  it through a :class:`MetricsSink`; P1's figures arrive through the :class:`StatsPoller`.
+  Tracing is built from ``otlp_traces_endpoint`` / ``OTEL_*`` (off and free when unset)
+  unless the caller hands one in (tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from PIL import Image
+
+from mmis.config import GiB
+from mmis.frontend.config import FrontendConfig
+from mmis.frontend.counters import FrontendCounters
+from mmis.frontend.engine_client import EngineClient
+from mmis.frontend.media import MediaLoader
+from mmis.frontend.metrics_sink import FrontendLevels, MetricsSink
+from mmis.frontend.pending_invalidations import PendingInvalidations
+from mmis.frontend.processor import ModelProcessor
+from mmis.frontend.recovery import RecoveryPolicy
+from mmis.frontend.renderer import Renderer, SourceItem, SourcePrompt
+from mmis.frontend.sender_cache import SenderCache
+from mmis.frontend.stats_poller import StatsPoller
+from mmis.protocol.messages import EngineCoreRequest, SamplingParams
+from mmis.shm import ShmWriter
+from mmis.telemetry.bundle import FrontendTelemetry
+from mmis.telemetry.tracing import Tracing, setup_tracing
+from mmis.telemetry.tracing_config import TracingConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    """``mmis frontend`` settings (``MMIS_FRONTEND_<FIELD>``); media limits: FrontendConfig."""
+
+    model: str = ""
+    revision: str | None = None  # hub branch, tag or commit; ignored for a local directory
+    processor_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # JSON object
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    engine_input_address: str = "tcp://127.0.0.1:5570"
+    engine_output_address: str = "tcp://127.0.0.1:5571"
+    client_index: int = 0
+    mm_cache_type: str = "lru"  # "lru" | "shm"
+    mm_cache_gb: float = 4.0
+    shm_dir: str = "/dev/shm"
+    shm_gb: float = 1.0
+    hash_algorithm: str = "blake3"
+    api_key: str | None = None
+    max_model_len: int | None = None
+    engine_timeout_s: float = 120.0
+    ping_interval_s: float = 2.0
+    liveness_timeout_s: float = 10.0
+    graceful_shutdown_s: float = 30.0
+    # telemetry: OTLP traces (off when unset, OTEL_* env honoured), drift window, P1 polling
+    otlp_traces_endpoint: str | None = None
+    drift_window_s: float = 300.0
+    stats_interval_s: float = 1.0
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+def frontend_tracing(settings: ServerSettings) -> Tracing:
+    """P0's tracing from ``otlp_traces_endpoint`` over ``OTEL_*``; a no-op when unset."""
+    import os
+
+    config = TracingConfig.from_env(
+        otlp_traces_endpoint=settings.otlp_traces_endpoint,
+        service_name=os.environ.get("OTEL_SERVICE_NAME") or "mmis-frontend",
+    )
+    return setup_tracing(config)
+
+
+def _max_model_len(model: str, revision: str | None = None) -> int:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model, revision=revision)
+    text = getattr(config, "text_config", None) or config
+    return int(getattr(text, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
+
+
+def load_processor(settings: ServerSettings) -> tuple[ModelProcessor, int]:
+    """The processor (with the configured call kwargs) and the context window of
+    ``settings.model`` at ``settings.revision``."""
+    processor = ModelProcessor.from_pretrained(
+        settings.model, settings.processor_kwargs, revision=settings.revision
+    )
+    max_len = settings.max_model_len
+    if max_len is None:
+        max_len = _max_model_len(settings.model, settings.revision)
+    return processor, max_len
+
+
+def hash_model_id(settings: ServerSettings) -> str:
+    """The model id hashed into every content mm_hash: the model, and its revision if set."""
+    return settings.model if settings.revision is None else f"{settings.model}@{settings.revision}"
+
+
+class FrontendState:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        config: FrontendConfig,
+        processor: ModelProcessor,
+        *,
+        max_model_len: int,
+        tracing: Tracing | None = None,
+    ) -> None:
+        self.settings = settings
+        self.config = config
+        self.processor = processor
+        self.max_model_len = max_model_len
+        self.model_name = settings.model_name
+        self.counters = FrontendCounters()
+        self.telemetry = FrontendTelemetry.create(self.model_name, settings.drift_window_s)
+        sink = MetricsSink(self.telemetry.metrics)
+        self.counters.add_sink(sink)
+        self.telemetry.metrics.attach(FrontendLevels(self, sink))
+        self._owns_tracing = tracing is None
+        self.tracing = tracing if tracing is not None else frontend_tracing(settings)
+        self.shadow = SenderCache(int(settings.mm_cache_gb * GiB))
+        self.pending = PendingInvalidations(self.shadow)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmis-mm-render")
+        self.shm_writer: ShmWriter | None = None
+        if settings.mm_cache_type == "shm":
+            self.shm_writer = ShmWriter(int(settings.shm_gb * GiB), directory=settings.shm_dir)
+        self.loader = MediaLoader(config)
+        self.client = EngineClient(
+            settings.engine_input_address,
+            settings.engine_output_address,
+            client_index=settings.client_index,
+            on_missing=self._on_missing,
+            on_evicted=self._on_evicted,
+            on_epoch_change=self._on_epoch_change,
+            ping_interval_s=settings.ping_interval_s,
+            liveness_timeout_s=settings.liveness_timeout_s,
+        )
+        self.renderer = Renderer(
+            processor,
+            self.loader,
+            self.shadow,
+            self.pending,
+            self.executor,
+            model_id=hash_model_id(settings),
+            max_model_len=max_model_len,
+            max_images=config.max_images_per_prompt,
+            hash_algorithm=settings.hash_algorithm,
+            shm_writer=self.shm_writer,
+            counters=self.counters,
+        )
+        self.policy = RecoveryPolicy(self.renderer, self.client, self.counters, self.tracing)
+        self.stats = StatsPoller(
+            self.client, self.telemetry.engine_stats, settings.stats_interval_s
+        )
+        self.ready = False
+        self.ready_event = threading.Event()  # for supervisors in other threads (tests)
+        self.started_at = time.time()
+        self._probe: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def create(
+        cls, settings: ServerSettings, config: FrontendConfig, tracing: Tracing | None = None
+    ) -> FrontendState:
+        if settings.mm_cache_type not in ("lru", "shm"):
+            raise ValueError(
+                f"mm_cache_type must be 'lru' or 'shm', got {settings.mm_cache_type!r}"
+            )
+        loop = asyncio.get_running_loop()
+        processor, max_len = await loop.run_in_executor(None, load_processor, settings)
+        state = cls(settings, config, processor, max_model_len=max_len, tracing=tracing)
+        try:
+            await state.client.start(timeout=settings.engine_timeout_s)
+        except BaseException:
+            await state.close()
+            raise
+        state.pending.observe_epoch(state.client.cache_epoch)
+        state.stats.start()
+        state._probe = loop.create_task(state._readiness_probe(), name="mmis-ready-probe")
+        return state
+
+    # ------------------------------------------------------------------ engine callbacks
+    def _on_missing(self, mm_hashes: list[str]) -> None:
+        self.counters.inc("drift_misses", len(set(mm_hashes)))
+        self.counters.inc("invalidations", self.pending.enqueue(mm_hashes))
+
+    def _on_evicted(self, mm_hashes: list[str]) -> None:
+        self.counters.inc("invalidations", self.pending.enqueue(mm_hashes))
+
+    def _on_epoch_change(self, epoch: str) -> None:
+        if self.pending.observe_epoch(epoch):
+            self.counters.inc("epoch_changes")
+
+    # ------------------------------------------------------------------ readiness
+    async def _readiness_probe(self) -> None:
+        """Send one synthetic image request through the whole path; retry until it works."""
+        while not self.ready:
+            try:
+                await self.probe_once()
+                self.ready = True
+                self.ready_event.set()
+                log.info("ready: a synthetic image request went through P0 -> P1")
+            except Exception as exc:
+                log.warning("readiness probe failed (%s); retrying", exc)
+                await asyncio.sleep(1.0)  # back-off between probes, not a synchronisation
+
+    async def probe_once(self) -> None:
+        image = Image.new("RGB", (32, 32))
+        image.putdata([((x * 8) % 256, (y * 8) % 256, 128) for y in range(32) for x in range(32)])
+        text = self.processor.chat_prompt(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "ready"}]}]
+        )
+        mm_hash = await asyncio.get_running_loop().run_in_executor(
+            None, self.renderer.hash_image, image, None
+        )
+        source = SourcePrompt(
+            self.processor.tokenize(text), [SourceItem(mm_hash, None, image, "ready")]
+        )
+
+        def build(rid: str, rendered: Any, choice: int) -> EngineCoreRequest:
+            return EngineCoreRequest(
+                rid,
+                rendered.token_ids,
+                rendered.features[choice],
+                sampling_params=SamplingParams(temperature=0.0, max_tokens=1),
+                arrival_time=time.time(),
+            )
+
+        await self.policy.complete(
+            source,
+            endpoint="ready",
+            request_id=f"ready-{time.time_ns()}",
+            n=1,
+            reserve=1,
+            build=build,
+        )
+
+    @property
+    def healthy(self) -> bool:
+        return self.client.alive
+
+    async def close(self) -> None:
+        await self.stats.close()
+        if self._probe is not None:
+            self._probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._probe
+        await self.client.close()
+        await self.loader.aclose()
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        if self.shm_writer is not None:
+            self.shm_writer.close()
+        if self._owns_tracing:
+            self.tracing.shutdown()  # flushes the batch exporter

@@ -1,0 +1,235 @@
+"""The multimodal item hash (``mm_hash``): one collision-resistant digest per item.
+
+Invariants:
+- The digest covers, in this order: a format version, the model id, the modality, the item
+  (a decoded PIL image, the original encoded bytes, or a numpy array) and the processor
+  kwargs that change the processor's output.
+- The byte stream fed to the hash function is *uniquely decodable*: every value is written as
+  ``tag (1 byte) | length (8 bytes, big endian) | payload``, containers as their tag, item
+  count and framed items. Two different values therefore never produce the same stream:
+  list vs tuple vs nesting, ``None`` vs empty, ``bytes`` vs ``str``, ``1`` vs ``1.0`` vs
+  ``True`` are all distinct.
+- Dicts are hashed with their keys sorted by the keys' framed bytes, so key order never
+  matters; numpy arrays include dtype and shape; images include mode, size, palette and
+  transparency, so the same raw bytes under a different layout hash differently.
+- A user-supplied uuid is honoured as the item's ``mm_hash`` after validation (non-empty,
+  printable, at most :data:`MAX_UUID_LENGTH` characters); invalid ones raise
+  :class:`InvalidItemUUIDError`, unsupported values :class:`UnhashableValueError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Mapping
+from typing import Any, Final, Protocol
+
+import blake3
+import numpy as np
+from PIL import Image
+
+from mmis.protocol.errors import MMISError
+from mmis.protocol.messages import ErrorCode
+
+HASH_ALGORITHMS: Final = ("blake3", "sha256")
+DEFAULT_ALGORITHM: Final = "blake3"
+MAX_UUID_LENGTH: Final = 256
+FORMAT_VERSION: Final = "mmis-mm-hash/1"
+
+_LENGTH = struct.Struct(">Q")
+_FLOAT = struct.Struct(">d")
+
+
+class HashingError(MMISError):
+    """Bad input to the item hash; the client can fix it, so it maps to a 4xx."""
+
+    code = ErrorCode.INVALID_REQUEST.value
+
+
+class InvalidItemUUIDError(HashingError, ValueError):
+    """A user-supplied item uuid that cannot serve as an ``mm_hash``."""
+
+
+class UnhashableValueError(HashingError, TypeError):
+    """A value (item or processor kwarg) of a type the framing does not define."""
+
+
+class UnknownHashAlgorithmError(HashingError, ValueError):
+    """An algorithm name other than those in :data:`HASH_ALGORITHMS`."""
+
+
+class _Hasher(Protocol):
+    def update(self, data: bytes | memoryview, /) -> object: ...
+
+    def hexdigest(self) -> str: ...
+
+
+def new_hasher(algorithm: str = DEFAULT_ALGORITHM) -> _Hasher:
+    """A fresh incremental hasher for ``algorithm`` (``"blake3"`` or ``"sha256"``)."""
+    if algorithm == "blake3":
+        return blake3.blake3()
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    raise UnknownHashAlgorithmError(
+        f"unknown hash algorithm {algorithm!r}; choose one of {', '.join(HASH_ALGORITHMS)}"
+    )
+
+
+def validate_uuid(uuid: object) -> str:
+    """Return ``uuid`` if it can be used as an ``mm_hash``, else raise a clear error."""
+    if not isinstance(uuid, str):
+        raise InvalidItemUUIDError(f"item uuid must be a string, got {type(uuid).__name__}")
+    if not uuid.strip():
+        raise InvalidItemUUIDError("item uuid must not be empty or only whitespace")
+    if len(uuid) > MAX_UUID_LENGTH:
+        raise InvalidItemUUIDError(
+            f"item uuid is {len(uuid)} characters long; the limit is {MAX_UUID_LENGTH}"
+        )
+    if not uuid.isprintable():
+        raise InvalidItemUUIDError("item uuid must contain only printable characters")
+    return uuid
+
+
+def _frame(h: _Hasher, tag: bytes, payload: bytes | memoryview) -> None:
+    h.update(tag)
+    h.update(_LENGTH.pack(len(payload)))
+    h.update(payload)
+
+
+def _count(h: _Hasher, tag: bytes, n: int) -> None:
+    h.update(tag)
+    h.update(_LENGTH.pack(n))
+
+
+def _array(h: _Hasher, arr: np.ndarray) -> None:
+    if arr.dtype.hasobject:
+        raise UnhashableValueError("numpy arrays of dtype object cannot be hashed")
+    _count(h, b"A", 3)
+    _frame(h, b"s", arr.dtype.str.encode())
+    _feed(h, tuple(int(d) for d in arr.shape))
+    flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+    _frame(h, b"b", flat.data)
+
+
+def _image(h: _Hasher, img: Image.Image) -> None:
+    palette: tuple[str, bytes] | None = None
+    if img.palette is not None:
+        raw_mode = img.palette.mode
+        palette = (raw_mode, bytes(img.getpalette(rawmode=raw_mode) or ()))
+    _count(h, b"I", 5)
+    _feed(h, img.mode)
+    _feed(h, tuple(img.size))
+    _feed(h, palette)
+    _feed(h, img.info.get("transparency"))
+    _frame(h, b"b", img.tobytes())
+
+
+def _feed(h: _Hasher, value: Any) -> None:
+    """Write ``value`` into ``h`` as a framed, uniquely decodable record."""
+    if value is None:
+        _frame(h, b"N", b"")
+    elif isinstance(value, bool):  # before int: bool is an int subclass
+        _frame(h, b"?", b"\x01" if value else b"\x00")
+    elif isinstance(value, int):
+        _frame(h, b"i", str(value).encode())
+    elif isinstance(value, float):
+        _frame(h, b"f", _FLOAT.pack(value))
+    elif isinstance(value, str):
+        _frame(h, b"s", value.encode("utf-8", "surrogatepass"))
+    elif isinstance(value, bytes | bytearray | memoryview):
+        _frame(h, b"b", memoryview(value).cast("B"))
+    elif isinstance(value, np.ndarray):
+        _array(h, value)
+    elif isinstance(value, np.generic):
+        _array(h, np.asarray(value))
+    elif isinstance(value, Image.Image):
+        _image(h, value)
+    elif isinstance(value, list | tuple):
+        _count(h, b"l" if isinstance(value, list) else b"t", len(value))
+        for item in value:
+            _feed(h, item)
+    elif isinstance(value, Mapping):
+        _mapping(h, value)
+    else:
+        raise UnhashableValueError(
+            f"cannot hash a value of type {type(value).__name__}; use None, bool, int, "
+            "float, str, bytes, list, tuple, dict, numpy arrays or PIL images"
+        )
+
+
+def _mapping(h: _Hasher, value: Mapping[Any, Any]) -> None:
+    entries: list[tuple[bytes, Any]] = []
+    for key, item in value.items():
+        key_hasher = _Recorder()
+        _feed(key_hasher, key)
+        entries.append((key_hasher.data(), item))
+    entries.sort(key=lambda entry: entry[0])
+    _count(h, b"d", len(entries))
+    for key_bytes, item in entries:
+        h.update(key_bytes)
+        _feed(h, item)
+
+
+class _Recorder:
+    """Collects a framed key so dict entries can be sorted by their encoding."""
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+
+    def update(self, data: bytes | memoryview, /) -> None:
+        self._parts.append(bytes(data))
+
+    def hexdigest(self) -> str:  # pragma: no cover - protocol completeness only
+        return self.data().hex()
+
+    def data(self) -> bytes:
+        return b"".join(self._parts)
+
+
+def hash_value(value: Any, algorithm: str = DEFAULT_ALGORITHM) -> str:
+    """Hex digest of one framed value (exposed for tests and other fingerprints)."""
+    h = new_hasher(algorithm)
+    _feed(h, value)
+    return h.hexdigest()
+
+
+def hash_item(
+    *,
+    model_id: str,
+    modality: str,
+    item: Image.Image | bytes | np.ndarray,
+    processor_kwargs: Mapping[str, Any] | None = None,
+    algorithm: str = DEFAULT_ALGORITHM,
+) -> str:
+    """The ``mm_hash`` of one item computed from its content."""
+    if not isinstance(item, Image.Image | bytes | bytearray | memoryview | np.ndarray):
+        raise UnhashableValueError(
+            f"a {modality} item must be a PIL image, encoded bytes or a numpy array, "
+            f"got {type(item).__name__}"
+        )
+    h = new_hasher(algorithm)
+    _feed(h, (FORMAT_VERSION, model_id, modality, item, dict(processor_kwargs or {})))
+    return h.hexdigest()
+
+
+def item_mm_hash(
+    *,
+    model_id: str,
+    modality: str,
+    item: Image.Image | bytes | np.ndarray | None,
+    processor_kwargs: Mapping[str, Any] | None = None,
+    uuid: str | None = None,
+    algorithm: str = DEFAULT_ALGORITHM,
+) -> str:
+    """The item's ``mm_hash``: the validated user ``uuid`` if given, else its content hash."""
+    if uuid is not None:
+        return validate_uuid(uuid)
+    if item is None:
+        raise HashingError(f"a {modality} item needs either its data or a uuid")
+    return hash_item(
+        model_id=model_id,
+        modality=modality,
+        item=item,
+        processor_kwargs=processor_kwargs,
+        algorithm=algorithm,
+    )

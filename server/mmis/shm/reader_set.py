@@ -1,0 +1,64 @@
+"""Readers for every segment a P1 receives descriptors from (one per P0 writer).
+
+Invariants:
+- A segment is attached lazily, the first time a descriptor names it, from the configured
+  directory; its key comes from the explicit ``keys`` mapping, else from its 0600 key file.
+- A descriptor naming a segment that does not exist raises :class:`UnknownSegmentError`
+  (the name is validated first, so a descriptor can never reach outside the directory).
+- ``read``/``ack`` have the same contract as :class:`ShmReader`'s.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy.typing as npt
+
+from mmis.protocol.messages import ShmAddress
+from mmis.shm.reader import DEFAULT_DIRECTORY, ShmReader
+
+
+class ShmReaderSet:
+    def __init__(
+        self,
+        directory: str | Path = DEFAULT_DIRECTORY,
+        keys: Mapping[str, bytes] | None = None,
+    ) -> None:
+        self.directory = Path(directory)
+        self._keys = dict(keys or {})
+        self._readers: dict[str, ShmReader] = {}
+        self._lock = threading.Lock()
+
+    def reader(self, address: ShmAddress) -> ShmReader:
+        with self._lock:
+            found = self._readers.get(address.segment)
+            if found is None:
+                found = ShmReader(
+                    address.segment,
+                    directory=self.directory,
+                    key=self._keys.get(address.segment),
+                )
+                self._readers[address.segment] = found
+            return found
+
+    def read(self, address: ShmAddress, *, copy: bool = False) -> dict[str, npt.NDArray[Any]]:
+        return self.reader(address).read(address, copy=copy)
+
+    def ack(self, address: ShmAddress) -> bool:
+        return self.reader(address).ack(address)
+
+    def forget(self, segment: str) -> None:
+        """Detach a segment whose writer went away (e.g. a P0 restart made a new one)."""
+        with self._lock:
+            reader = self._readers.pop(segment, None)
+        if reader is not None:
+            reader.close()
+
+    def close(self) -> None:
+        with self._lock:
+            readers, self._readers = list(self._readers.values()), {}
+        for reader in readers:
+            reader.close()
