@@ -12,7 +12,7 @@ Invariants:
   endpoint standing in for the i-th ready pod by name) is honoured only when the operator was
   started with ``allow_endpoint_override``; otherwise it is ignored, so a resource's author
   cannot point the operator at arbitrary URLs in production.
-- The status write is read-modify-write on the freshest object (409 -> retry) and touches only
+- The status write (:func:`status_writer.write`: fresh read, 409 -> retry) touches only
   ``status.cache`` and the ``CacheCoherent`` condition: Ready/Progressing/Degraded survive, and
   ``CacheCoherent`` never feeds ``Ready``.
 """
@@ -27,14 +27,13 @@ from typing import Any
 
 import httpx
 
-from mmis_operator import coherence, conditions
+from mmis_operator import coherence, conditions, status, status_writer
 from mmis_operator import resource as r
-from mmis_operator.kube import Kube, KubeError, service_path
+from mmis_operator.kube import Kube
 
 logger = logging.getLogger(__name__)
 OVERRIDE_ANNOTATION = f"{r.GROUP}/stats-endpoints"
 STATS_PATH = "/stats/cache"
-STATUS_RETRIES = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,10 +91,6 @@ async def fetch_all(found: Sequence[Target], timeout: float) -> list[coherence.P
         return list(await asyncio.gather(*(_fetch(c, t) for t in found)))
 
 
-def _event_type(condition: conditions.Condition) -> str:
-    return "Normal" if condition.status == "True" else "Warning"
-
-
 class CoherenceProbe:
     """One operator's probe: its Kube client, HTTP timeout and override permission."""
 
@@ -121,34 +116,6 @@ class CoherenceProbe:
         return judged
 
     def store(self, namespace: str, name: str, judged: coherence.Coherence) -> None:
-        """Write ``status.cache`` and ``CacheCoherent``; an Event when the status flips."""
-        for _ in range(STATUS_RETRIES):
-            obj = self.kube.get(service_path(namespace, name))
-            if obj is None or obj["metadata"].get("deletionTimestamp"):
-                return
-            old = obj.get("status") or {}
-            before = old.get("conditions")
-            new = dict(old)
-            new["cache"] = judged.cache
-            generation = obj["metadata"].get("generation")
-            new["conditions"] = conditions.upsert(before, judged.condition, generation)
-            flips = conditions.transitions(before, [judged.condition])
-            if new == old:
-                return
-            obj["status"] = new
-            try:
-                stored = self.kube.replace_status(obj)
-            except KubeError as exc:
-                if exc.status in (409, 0):
-                    continue
-                raise
-            for flip in flips:
-                self._post_event(stored, flip.new)
-            return
-        raise KubeError(409, f"status of {namespace}/{name} kept changing; will retry")
-
-    def _post_event(self, obj: Mapping[str, Any], condition: conditions.Condition) -> None:
-        try:
-            self.kube.post_event(obj, _event_type(condition), condition.reason, condition.message)
-        except KubeError as exc:  # best effort: the condition already says it
-            logger.warning("could not post event %s: %s", condition.reason, exc)
+        """Write ``status.cache`` and ``CacheCoherent`` (an Event when its status flips)."""
+        update = status.DesiredStatus({"cache": judged.cache}, (judged.condition,))
+        status_writer.write(self.kube, namespace, name, lambda _: update)

@@ -4,12 +4,11 @@ Invariants:
 - ``reconcile`` is idempotent: it server-side-applies the same manifests for the same spec, so
   create, update, resume and the periodic resync can all call it.
 - ``observedGeneration`` is raised only after every child of that generation was applied.
-- Status is written read-modify-write on the freshest object with its ``resourceVersion``
-  (409 -> re-read and retry), so conditions written by others (``CacheCoherent``) survive.
+- Status goes through :func:`status_writer.write` (fresh read, 409 -> retry), so conditions
+  written by others (``CacheCoherent``) survive.
 - An invalid spec never raises past the handler as anything but :class:`InvalidSpecError`,
   after the status says why (Degraded=True, reason InvalidSpec) and a Warning event is posted.
-- Each condition transition posts one Event (Warning for Degraded=True or Ready lost),
-  except the initial Degraded=False, which is not news.
+- Each condition transition posts one Event, typed by :func:`status_writer.event_type`.
 """
 
 from __future__ import annotations
@@ -18,13 +17,12 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from mmis_operator import children, conditions, status
+from mmis_operator import children, status, status_writer
 from mmis_operator import resource as r
 from mmis_operator.kube import Kube, KubeError, object_path, service_path
 from mmis_operator.spec import InvalidSpecError, parse_spec
 
 logger = logging.getLogger(__name__)
-STATUS_RETRIES = 8
 
 
 class ApplyError(Exception):
@@ -39,20 +37,10 @@ def _deployment_path(namespace: str, name: str) -> str:
     return object_path("apps/v1", "Deployment", namespace, name)
 
 
-def _event_type(transition: conditions.Transition) -> str:
-    new = transition.new
-    if new.type == r.DEGRADED and new.status == "True":
-        return "Warning"
-    if new.type == r.READY and new.status == "False" and transition.old_status == "True":
-        return "Warning"
-    return "Normal"
-
-
 class Reconciler:
     def __init__(self, kube: Kube) -> None:
         self.kube = kube
 
-    # -- status ------------------------------------------------------------------------------
     def write_status(
         self,
         namespace: str,
@@ -60,45 +48,15 @@ class Reconciler:
         deployment: Mapping[str, Any] | None = None,
         observed_generation: int | None = None,
         problem: status.Problem | None = None,
-        fetch_deployment: bool = False,
     ) -> dict[str, Any] | None:
-        """Recompute and store the status; returns the stored object (None if it is gone)."""
-        for _ in range(STATUS_RETRIES):
-            obj = self.kube.get(service_path(namespace, name))
-            if obj is None:
-                return None
-            dep = deployment
-            if fetch_deployment:
-                dep = self.kube.get(_deployment_path(namespace, name))
-            desired = status.desired_status(obj, dep, problem)
-            generation = obj["metadata"].get("generation")
-            old = obj.get("status") or {}
-            new = status.merged_status(old, desired, generation, observed_generation)
-            changes = conditions.transitions(old.get("conditions"), desired.conditions)
-            if new == old:
-                return obj
-            obj["status"] = new
-            try:
-                stored = self.kube.replace_status(obj)
-            except KubeError as exc:
-                if exc.status in (409, 0):
-                    continue
-                raise
-            self._post_events(stored, changes)
-            return stored
-        raise KubeError(409, f"status of {namespace}/{name} kept changing; will retry")
-
-    def _post_events(self, obj: Mapping[str, Any], changes: list[conditions.Transition]) -> None:
-        for change in changes:
-            new = change.new
-            if change.old_status is None and new.type == r.DEGRADED and new.status == "False":
-                continue  # "not degraded" on creation is not news
-            try:
-                self.kube.post_event(
-                    obj, _event_type(change), change.new.reason, change.new.message
-                )
-            except KubeError as exc:  # an event is best effort; status already says it
-                logger.warning("could not post event %s: %s", change.new.reason, exc)
+        """Store the status computed from the fresh resource and ``deployment``."""
+        return status_writer.write(
+            self.kube,
+            namespace,
+            name,
+            lambda obj: status.desired_status(obj, deployment, problem),
+            observed_generation,
+        )
 
     # -- children ----------------------------------------------------------------------------
     def reconcile(self, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -108,7 +66,7 @@ class Reconciler:
         try:
             spec = parse_spec(body.get("spec") or {})
         except InvalidSpecError:
-            self.write_status(namespace, name, fetch_deployment=True)
+            self.write_status(namespace, name, self.kube.get(_deployment_path(namespace, name)))
             raise
         manifests = [children.deployment(body, spec), children.service(body, spec)]
         wanted_ingress = children.ingress(body, spec)
@@ -132,7 +90,8 @@ class Reconciler:
             )
             problem = status.Problem(reason, f"applying children failed: {exc.message}; {hint}")
             if exc.status != 0:
-                self.write_status(namespace, name, problem=problem, fetch_deployment=True)
+                dep = self.kube.get(_deployment_path(namespace, name))
+                self.write_status(namespace, name, dep, problem=problem)
             raise ApplyError(str(problem.message), permanent) from exc
         deployment = applied["Deployment"]
         self.write_status(namespace, name, deployment, observed_generation=meta.get("generation"))

@@ -1,4 +1,4 @@
-"""Shared sample resources for the operator's unit tests (no cluster)."""
+"""Shared sample resource and resource store for the operator's unit tests (no cluster)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import copy
 from typing import Any
 
 import pytest
+
+from mmis_operator.kube import KubeError
 
 SAMPLE: dict[str, Any] = {
     "apiVersion": "mmis.dev/v1alpha1",
@@ -23,3 +25,49 @@ SAMPLE: dict[str, Any] = {
 @pytest.fixture
 def sample() -> dict[str, Any]:
     return copy.deepcopy(SAMPLE)
+
+
+class FakeStore:
+    """The API server's copy of one resource: a resourceVersion, 409 for a stale status write.
+
+    ``rival`` is another writer's change to the stored status; it wins the race before each of
+    our next ``conflicts`` writes, so those fail with 409 as on the real API server. Events are
+    recorded as ``(type, reason)``. The real paths are covered in tests/kube/.
+    """
+
+    def __init__(self, obj: dict[str, Any], rival: Any = None, conflicts: int = 0) -> None:
+        self.obj = obj
+        self.obj["metadata"]["resourceVersion"] = "1"
+        self.rival, self.conflicts = rival, conflicts
+        self.tries = self.writes = 0  # status PUTs attempted / stored
+        self.events: list[tuple[str, str]] = []
+
+    def get(self, path: str) -> dict[str, Any] | None:
+        own = path.endswith(f"/mminferenceservices/{self.obj['metadata']['name']}")
+        return copy.deepcopy(self.obj) if own else None
+
+    def replace_status(self, obj: dict[str, Any]) -> dict[str, Any]:
+        self.tries += 1
+        if self.conflicts:
+            self.conflicts -= 1
+            self.rival(self.obj.setdefault("status", {}))
+            self._bump()
+        if obj["metadata"]["resourceVersion"] != self.obj["metadata"]["resourceVersion"]:
+            raise KubeError(409, "the object has been modified", "Conflict")
+        self.writes += 1
+        self.obj["status"] = copy.deepcopy(obj["status"])
+        self._bump()
+        return copy.deepcopy(self.obj)
+
+    def _bump(self) -> None:
+        meta = self.obj["metadata"]
+        meta["resourceVersion"] = str(int(meta["resourceVersion"]) + 1)
+
+    def post_event(self, involved: Any, kind: str, reason: str, message: str) -> None:
+        self.events.append((kind, reason))
+
+
+@pytest.fixture
+def store(sample: dict[str, Any]) -> FakeStore:
+    """The sample resource in a :class:`FakeStore` (set ``rival``/``conflicts`` for races)."""
+    return FakeStore(sample)

@@ -4,12 +4,11 @@ A probe whose pods answer with no shadow hit in the window (no traffic reusing i
 ``NoTraffic``: it keeps the stored True/False verdict (message: since when, and the last
 verdict), or is ``Unknown`` where no verdict was ever given, and posts no Event. Driven
 through the real judge (:func:`coherence.evaluate`) and the real status write
-(:meth:`CoherenceProbe.store`) against an in-memory resource store.
+(:meth:`CoherenceProbe.store`) against the in-memory resource store (conftest.FakeStore).
 """
 
 from __future__ import annotations
 
-import copy
 import re
 from typing import Any
 
@@ -18,26 +17,6 @@ from mmis_operator.probe import CoherenceProbe
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ"
-
-
-class Store:
-    """The resource in memory: status writes and Events recorded, no conflicts."""
-
-    def __init__(self, obj: dict[str, Any]) -> None:
-        self.obj = obj
-        self.writes = 0
-        self.events: list[tuple[str, str]] = []
-
-    def get(self, path: str) -> dict[str, Any]:
-        return copy.deepcopy(self.obj)
-
-    def replace_status(self, obj: dict[str, Any]) -> dict[str, Any]:
-        self.writes += 1
-        self.obj = copy.deepcopy(obj)
-        return copy.deepcopy(obj)
-
-    def post_event(self, involved: Any, kind: str, reason: str, message: str) -> None:
-        self.events.append((kind, reason))
 
 
 def judged(shadow_hits: float, misses: float = 0.0, failed: bool = False) -> coherence.Coherence:
@@ -60,17 +39,16 @@ def judged(shadow_hits: float, misses: float = 0.0, failed: bool = False) -> coh
 BUSY, IDLE, DRIFTING = judged(10), judged(0), judged(10, misses=5)
 
 
-def coherent(store: Store) -> dict[str, Any]:
+def coherent(store: Any) -> dict[str, Any]:
     found = conditions.find(store.obj["status"]["conditions"], "CacheCoherent")
     assert found is not None
     return dict(found)
 
 
 def test_true_then_idle_then_true_keeps_the_verdict_without_an_event(
-    sample: dict[str, Any],
+    store: Any,
 ) -> None:
-    store = Store(sample)
-    probe = CoherenceProbe(store)  # type: ignore[arg-type]
+    probe = CoherenceProbe(store)
     probe.store("ml", "llava", BUSY)
     verdict = coherent(store)
     assert (verdict["status"], verdict["reason"]) == ("True", "DriftRateNormal")
@@ -91,9 +69,8 @@ def test_true_then_idle_then_true_keeps_the_verdict_without_an_event(
     assert store.events == [("Normal", "DriftRateNormal")]  # no Event for idle and back
 
 
-def test_fresh_then_idle_is_unknown_no_traffic_without_an_event(sample: dict[str, Any]) -> None:
-    store = Store(sample)
-    probe = CoherenceProbe(store)  # type: ignore[arg-type]
+def test_fresh_then_idle_is_unknown_no_traffic_without_an_event(store: Any) -> None:
+    probe = CoherenceProbe(store)
     probe.store("ml", "llava", IDLE)
     idle = coherent(store)
     assert (idle["status"], idle["reason"]) == ("Unknown", "NoTraffic")
@@ -104,9 +81,8 @@ def test_fresh_then_idle_is_unknown_no_traffic_without_an_event(sample: dict[str
     assert store.events == [("Normal", "DriftRateNormal")]
 
 
-def test_a_drifting_service_that_goes_idle_stays_false(sample: dict[str, Any]) -> None:
-    store = Store(sample)
-    probe = CoherenceProbe(store)  # type: ignore[arg-type]
+def test_a_drifting_service_that_goes_idle_stays_false(store: Any) -> None:
+    probe = CoherenceProbe(store)
     probe.store("ml", "llava", DRIFTING)
     probe.store("ml", "llava", IDLE)
     idle = coherent(store)
@@ -118,10 +94,9 @@ def test_a_drifting_service_that_goes_idle_stays_false(sample: dict[str, Any]) -
 
 
 def test_idle_after_a_failed_probe_stays_unknown_without_an_event(
-    sample: dict[str, Any],
+    store: Any,
 ) -> None:
-    store = Store(sample)
-    probe = CoherenceProbe(store)  # type: ignore[arg-type]
+    probe = CoherenceProbe(store)
     probe.store("ml", "llava", judged(0, failed=True))
     probe.store("ml", "llava", IDLE)
     assert (coherent(store)["status"], coherent(store)["reason"]) == ("Unknown", "NoTraffic")

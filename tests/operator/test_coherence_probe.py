@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import http.server
 import json
 import threading
@@ -88,30 +87,9 @@ async def test_fetch_all_reports_answers_and_failures(server: str) -> None:
     assert results["closed"].stats is None and results["closed"].error
 
 
-class FakeKube:
-    """The resource store: conflicts on demand, records status writes and events."""
-
-    def __init__(self, obj: dict[str, Any], conflicts: int = 0) -> None:
-        self.obj = obj
-        self.conflicts = conflicts
-        self.writes = 0
-        self.events: list[tuple[str, str]] = []
-
-    def get(self, path: str) -> dict[str, Any]:
-        return copy.deepcopy(self.obj)
-
-    def replace_status(self, obj: dict[str, Any]) -> dict[str, Any]:
-        if self.conflicts:
-            self.conflicts -= 1
-            foreign = {"type": "Ready", "status": "True", "reason": "AllReplicasReady"}
-            self.obj["status"] = {"conditions": [foreign], "readyReplicas": 2}
-            raise KubeError(409, "conflict")
-        self.writes += 1
-        self.obj = copy.deepcopy(obj)
-        return copy.deepcopy(obj)
-
-    def post_event(self, involved: Any, kind: str, reason: str, message: str) -> None:
-        self.events.append((kind, reason))
+def _ready_elsewhere(status: dict[str, Any]) -> None:
+    foreign = {"type": "Ready", "status": "True", "reason": "AllReplicasReady"}
+    status.update({"conditions": [foreign], "readyReplicas": 2})
 
 
 def _judged(rate: float) -> coherence.Coherence:
@@ -119,30 +97,30 @@ def _judged(rate: float) -> coherence.Coherence:
     return coherence.evaluate([coherence.ProbeResult("p", coherence.parse_stats(stats))], 0.1)
 
 
-def test_store_keeps_other_conditions_and_posts_events_only_on_flips(
-    sample: dict[str, Any],
-) -> None:
-    kube = FakeKube(sample, conflicts=1)
-    probe = CoherenceProbe(kube)  # type: ignore[arg-type]
+def test_store_keeps_other_conditions_and_posts_events_only_on_flips(store: Any) -> None:
+    store.rival, store.conflicts = _ready_elsewhere, 1
+    probe = CoherenceProbe(store)
     probe.store("ml", "llava", _judged(0.5))
-    status = kube.obj["status"]
+    assert (store.tries, store.writes) == (2, 1)
+    status = store.obj["status"]
     kinds = {c["type"]: c for c in status["conditions"]}
     assert kinds["Ready"]["reason"] == "AllReplicasReady"  # written by the conflicting writer
     assert status["readyReplicas"] == 2
     assert kinds["CacheCoherent"]["reason"] == "DriftRateHigh"
     assert status["cache"]["driftRate"] == 0.5
-    assert kube.events == [("Warning", "DriftRateHigh")]
+    assert store.events == [("Warning", "DriftRateHigh")]
     probe.store("ml", "llava", _judged(0.5))  # nothing changed: no write, no event
-    assert (kube.writes, len(kube.events)) == (1, 1)
+    assert (store.writes, len(store.events)) == (1, 1)
     probe.store("ml", "llava", _judged(0.75))  # new rate, same status: write, no event
-    assert (kube.writes, len(kube.events)) == (2, 1)
+    assert (store.writes, len(store.events)) == (2, 1)
     probe.store("ml", "llava", _judged(0.0))
-    assert kube.events[-1] == ("Normal", "DriftRateNormal")
-    assert kube.obj["status"]["cache"]["driftRate"] == 0.0
+    assert store.events[-1] == ("Normal", "DriftRateNormal")
+    assert store.obj["status"]["cache"]["driftRate"] == 0.0
 
 
-def test_store_gives_up_after_persistent_conflicts(sample: dict[str, Any]) -> None:
-    probe = CoherenceProbe(FakeKube(sample, conflicts=100))  # type: ignore[arg-type]
+def test_store_gives_up_after_persistent_conflicts(store: Any) -> None:
+    store.rival, store.conflicts = _ready_elsewhere, 100
+    probe = CoherenceProbe(store)
     with pytest.raises(KubeError, match="kept changing"):
         probe.store("ml", "llava", _judged(0.5))
 
