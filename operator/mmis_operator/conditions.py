@@ -2,7 +2,7 @@
 
 Invariants:
 - ``upsert`` returns a new list; the input is never mutated. Conditions of other types (for
-  example ``CacheCoherent``, owned by the observability code) keep their position and content.
+  example ``CacheCoherent``, owned by the coherence probe) keep their position and content.
 - ``lastTransitionTime`` changes only when ``status`` changes; a new reason or message with the
   same status keeps the old time (Kubernetes API conventions).
 - ``status`` is always one of "True", "False", "Unknown"; anything else is a ValueError.
@@ -79,18 +79,6 @@ def upsert(
     if not replaced:
         fresh = held({}, condition, stamp) if condition.hold_status else condition
         result.append(_entry(fresh, generation, stamp))
-    return result
-
-
-def upsert_all(
-    conditions: Sequence[Mapping[str, Any]] | None,
-    new: Iterable[Condition],
-    generation: int | None,
-    now: str | None = None,
-) -> list[dict[str, Any]]:
-    result = [dict(c) for c in conditions or ()]
-    for condition in new:
-        result = upsert(result, condition, generation, now)
     return result
 
 

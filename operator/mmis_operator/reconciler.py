@@ -33,8 +33,11 @@ class ApplyError(Exception):
         self.permanent = permanent
 
 
-def _deployment_path(namespace: str, name: str) -> str:
-    return object_path("apps/v1", "Deployment", namespace, name)
+_API_VERSIONS = {"Ingress": "networking.k8s.io/v1", "Service": "v1", "Deployment": "apps/v1"}
+
+
+def _child_path(kind: str, namespace: str, name: str) -> str:
+    return object_path(_API_VERSIONS[kind], kind, namespace, name)
 
 
 class Reconciler:
@@ -58,7 +61,10 @@ class Reconciler:
             observed_generation,
         )
 
-    # -- children ----------------------------------------------------------------------------
+    def _write_failure(self, namespace: str, name: str, problem: status.Problem | None) -> None:
+        deployment = self.kube.get(_child_path("Deployment", namespace, name))
+        self.write_status(namespace, name, deployment, problem=problem)
+
     def reconcile(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Apply the children of ``body``'s spec and record the result; returns the Deployment."""
         meta = body["metadata"]
@@ -66,7 +72,7 @@ class Reconciler:
         try:
             spec = parse_spec(body.get("spec") or {})
         except InvalidSpecError:
-            self.write_status(namespace, name, self.kube.get(_deployment_path(namespace, name)))
+            self._write_failure(namespace, name, None)  # the status says InvalidSpec
             raise
         manifests = [children.deployment(body, spec), children.service(body, spec)]
         wanted_ingress = children.ingress(body, spec)
@@ -77,9 +83,7 @@ class Reconciler:
             for manifest in manifests:
                 applied[manifest["kind"]] = self.kube.apply(manifest)
             if wanted_ingress is None:
-                self._delete_owned(
-                    object_path("networking.k8s.io/v1", "Ingress", namespace, name), meta
-                )
+                self._delete_owned(_child_path("Ingress", namespace, name), meta)
         except KubeError as exc:
             permanent = exc.status in (400, 422)
             reason = "InvalidPodTemplate" if permanent else "ApplyFailed"
@@ -89,9 +93,8 @@ class Reconciler:
                 else "check the operator's RBAC and the API server; retrying"
             )
             problem = status.Problem(reason, f"applying children failed: {exc.message}; {hint}")
-            if exc.status != 0:
-                dep = self.kube.get(_deployment_path(namespace, name))
-                self.write_status(namespace, name, dep, problem=problem)
+            if exc.status != 0:  # with no answer there is nowhere to write it either
+                self._write_failure(namespace, name, problem)
             raise ApplyError(str(problem.message), permanent) from exc
         deployment = applied["Deployment"]
         self.write_status(namespace, name, deployment, observed_generation=meta.get("generation"))
@@ -109,11 +112,9 @@ class Reconciler:
         """Remove the children now (garbage collection would too, but later and not always)."""
         meta = body["metadata"]
         namespace, name = meta["namespace"], meta["name"]
-        self._delete_owned(object_path("networking.k8s.io/v1", "Ingress", namespace, name), meta)
-        self._delete_owned(object_path("v1", "Service", namespace, name), meta)
-        self._delete_owned(_deployment_path(namespace, name), meta)
+        for kind in _API_VERSIONS:
+            self._delete_owned(_child_path(kind, namespace, name), meta)
 
-    # -- following the Deployment -------------------------------------------------------------
     def deployment_changed(self, deployment: Mapping[str, Any], deleted: bool) -> None:
         """A managed Deployment changed: refresh the owner's status, re-create it if deleted."""
         meta = deployment["metadata"]

@@ -43,7 +43,7 @@ SHM_MOUNT = "/dev/shm"
 GPU_RESOURCE = "nvidia.com/gpu"
 RUN_AS_USER = 1000
 
-# condition types the operator owns (the observability issue adds CacheCoherent)
+# condition types the operator owns (CacheCoherent: the coherence probe, the others: reconciler)
 READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"

@@ -153,11 +153,9 @@ def merged_status(
     now: str | None = None,
 ) -> dict[str, Any]:
     """The new status object: ``current`` with fields replaced and conditions upserted."""
-    status = dict(current or {})
-    status.update(desired.fields)
-    status["conditions"] = conditions.upsert_all(
-        status.get("conditions"), desired.conditions, generation, now
-    )
+    status = {**(current or {}), **desired.fields}
+    for cond in desired.conditions:
+        status["conditions"] = conditions.upsert(status.get("conditions"), cond, generation, now)
     if observed_generation is not None:
         status["observedGeneration"] = max(
             observed_generation, int(status.get("observedGeneration") or 0)

@@ -28,8 +28,6 @@ logger = logging.getLogger(__name__)
 RETRIES = 8
 HEALTHY = {r.READY: "True", r.DEGRADED: "False", r.CACHE_COHERENT: "True"}
 
-Compute = Callable[[Mapping[str, Any]], status.DesiredStatus]
-
 
 def event_type(change: conditions.Transition) -> str | None:
     """``Warning`` when a condition misses its healthy status (Ready and CacheCoherent True,
@@ -52,7 +50,7 @@ def write(
     kube: Kube,
     namespace: str,
     name: str,
-    compute: Compute,
+    compute: Callable[[Mapping[str, Any]], status.DesiredStatus],
     observed_generation: int | None = None,
 ) -> dict[str, Any] | None:
     """Store ``compute(fresh object)``; returns the stored (or unchanged) object, None if gone."""
