@@ -21,7 +21,7 @@ from engine_harness import EngineHarness, Result
 from engine_inputs import ModelKit, hash_only, image, kit_for, renamed, with_data
 
 from mmis.config import GiB
-from mmis.multimodal.sizing import item_nbytes
+from mmis.multimodal.cache import item_nbytes
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 

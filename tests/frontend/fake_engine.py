@@ -28,10 +28,10 @@ import uvicorn
 from PIL import Image
 
 from mmis.engine.core_process import EngineCoreProc
-from mmis.engine.receiver_cache import ReceiverCache
 from mmis.frontend.api_server import create_app
 from mmis.frontend.config import FrontendConfig
 from mmis.frontend.state import FrontendState, ServerSettings
+from mmis.multimodal.cache import ReceiverCache
 from mmis.protocol.errors import MultiModalCacheMissError
 from mmis.protocol.messages import (
     EngineCoreOutput,
@@ -202,7 +202,7 @@ class FakeEngine:
         self.input_address = f"ipc://{directory}/p1-in"
         self.output_address = f"ipc://{directory}/p1-out"
         self.shm_readers = ShmReaderSet(shm_dir) if shm_dir else None
-        reader = self._read_shm if self.shm_readers is not None else None
+        reader = self.shm_readers.receive if self.shm_readers is not None else None
         self.core = ScriptedCore(max_model_len)
         self.receiver = ReceiverCache(cache_bytes, shm_reader=reader)
         self.proc = _ScriptedProc(
@@ -213,12 +213,6 @@ class FakeEngine:
             cache_epoch=epoch,
         )
         self._thread = threading.Thread(target=self.proc.run, name="fake-p1", daemon=True)
-
-    def _read_shm(self, address: Any) -> dict[str, np.ndarray]:
-        assert self.shm_readers is not None
-        tensors = self.shm_readers.read(address, copy=True)
-        self.shm_readers.ack(address)
-        return tensors
 
     def start(self) -> FakeEngine:
         self._thread.start()

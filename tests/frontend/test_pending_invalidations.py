@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from mmis.frontend.pending_invalidations import PendingInvalidations
-from mmis.frontend.sender_cache import SenderCache, ShadowEntry, ShadowItem
+from mmis.multimodal.cache import SenderCache, ShadowEntry, ShadowItem
 from mmis.protocol.messages import MultiModalFeature, PlaceholderRange
 
 WAIT = 10.0  # upper bound for a forced step; never reached when the code is right

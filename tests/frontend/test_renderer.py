@@ -30,7 +30,7 @@ from mmis.frontend.media import MediaLoader
 from mmis.frontend.pending_invalidations import PendingInvalidations
 from mmis.frontend.processor import ModelProcessor, ProcessedImage
 from mmis.frontend.renderer import ImageRef, Renderer, SourceItem, SourcePrompt
-from mmis.frontend.sender_cache import SenderCache
+from mmis.multimodal.cache import SenderCache
 from mmis.shm import ShmWriter
 
 WAIT = 10.0

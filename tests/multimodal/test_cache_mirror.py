@@ -11,9 +11,14 @@ import random
 import numpy as np
 import pytest
 
-from mmis.engine.receiver_cache import ReceiverCache
-from mmis.frontend.sender_cache import SenderCache, ShadowEntry, ShadowItem
-from mmis.multimodal.sizing import TENSOR_OVERHEAD_BYTES, item_nbytes
+from mmis.multimodal.cache import (
+    TENSOR_OVERHEAD_BYTES,
+    ReceiverCache,
+    SenderCache,
+    ShadowEntry,
+    ShadowItem,
+    item_nbytes,
+)
 from mmis.protocol.errors import MultiModalCacheMissError
 from mmis.protocol.messages import MultiModalFeature, PlaceholderRange
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from mmis.multimodal.lru import ByteBudgetLRU
+from mmis.multimodal.cache import ByteBudgetLRU
 
 
 def _lru(capacity: int = 10) -> ByteBudgetLRU[str, int]:

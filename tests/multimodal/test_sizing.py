@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from mmis.multimodal.sizing import TENSOR_OVERHEAD_BYTES, ItemSizeError, item_nbytes
+from mmis.multimodal.cache import TENSOR_OVERHEAD_BYTES, ItemSizeError, item_nbytes
 
 
 def test_sum_of_nbytes_plus_overhead() -> None:

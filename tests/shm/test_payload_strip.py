@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from mmis.multimodal.cache import ReceiverCache
 from mmis.multimodal.payload_strip import (
     PayloadStripError,
     is_covered,
     strip_covered_payloads,
 )
-from mmis.protocol.messages import MultiModalFeature, PlaceholderRange
-from mmis.shm import ShmReader, ShmWriter, receive_features
+from mmis.protocol.messages import MultiModalFeature, PlaceholderRange, ShmAddress
+from mmis.shm import ShmReaderSet, ShmWriter
 
 PROMPT = list(range(40))  # image placeholder at tokens 5..20
 
@@ -75,34 +77,43 @@ def _naive_strip(features: Sequence[MultiModalFeature], n: int) -> list[MultiMod
     return out
 
 
-def _send_twice(writer: ShmWriter, reader: ShmReader, payload, strip) -> MultiModalFeature:
-    """The same image and prompt sent twice, with prefix caching and the SHM cache on."""
-    # request 1: sender-cache miss -> the tensors go into the store; no prefix hit
-    first = feature(writer.put(payload))
-    received = receive_features(reader, strip([first], 0))
-    np.testing.assert_array_equal(received[0].data["pixel_values"], payload["pixel_values"])
-    # request 2: sender-cache hit -> the same descriptor is issued again; the prefix cache
-    # now covers the whole prompt, including the image's placeholder span
-    second = feature(writer.share(first.data))
-    stripped = strip([second], len(PROMPT))
-    return receive_features(reader, stripped, held=lambda h: h == "img")[0]
+def _send_twice(writer: ShmWriter, shm_dir: Path, payload, strip) -> list[MultiModalFeature]:
+    """The same image and prompt sent twice, with prefix caching and the SHM cache on.
+
+    Returns the second request's features as P1's receiver cache gets them after ``strip``.
+    """
+    readers = ShmReaderSet(shm_dir)
+    receiver = ReceiverCache(1 << 30, shm_reader=readers.receive)
+    try:
+        # request 1: sender-cache miss -> the tensors go into the store; no prefix hit
+        first = feature(writer.put(payload))
+        received = receiver.resolve(strip([first], 0))
+        np.testing.assert_array_equal(received[0]["pixel_values"], payload["pixel_values"])
+        # request 2: sender-cache hit -> the same descriptor is issued again; the prefix
+        # cache now covers the whole prompt, including the image's placeholder span
+        second = feature(writer.share(first.data))
+        stripped = strip([second], len(PROMPT))
+        again = receiver.resolve(stripped)  # the held item resolves either way
+        np.testing.assert_array_equal(again[0]["pixel_values"], payload["pixel_values"])
+        return stripped
+    finally:
+        readers.close()
 
 
-def test_s7_descriptor_reaches_receiver_and_space_is_reclaimed(make_writer, image_payload):
+def test_s7_descriptor_reaches_receiver_and_space_is_reclaimed(make_writer, shm_dir, image_payload):
     writer = make_writer()
-    with ShmReader(writer.segment, directory=writer.directory) as reader:
-        second = _send_twice(writer, reader, image_payload(7), strip_covered_payloads)
-    assert second.data is None  # nothing for the runner to encode: the prefix covers it
+    second = _send_twice(writer, shm_dir, image_payload(7), strip_covered_payloads)
+    assert isinstance(second[0].data, ShmAddress)  # the descriptor reached the receiver
     assert writer.stats().outstanding_descriptors == 0  # both descriptors acknowledged
     writer.reclaim()
     stats = writer.stats()
     assert (stats.used, stats.live_handles, stats.reclaimed_handles) == (0, 0, 1)
 
 
-def test_s7_dropping_the_descriptor_leaks_the_space(make_writer, image_payload):
+def test_s7_dropping_the_descriptor_leaks_the_space(make_writer, shm_dir, image_payload):
     writer = make_writer()
-    with ShmReader(writer.segment, directory=writer.directory) as reader:
-        _send_twice(writer, reader, image_payload(7), _naive_strip)
+    second = _send_twice(writer, shm_dir, image_payload(7), _naive_strip)
+    assert second[0].data is None
     assert writer.stats().outstanding_descriptors == 1  # the second was never acknowledged
     assert writer.reclaim() == 0
     stats = writer.stats()

@@ -36,7 +36,7 @@ import numpy as np
 import zmq
 
 from mmis.engine.output_channel import OutputChannel, topic
-from mmis.engine.receiver_cache import ReceiverCache
+from mmis.multimodal.cache import ReceiverCache
 from mmis.protocol.codec import WireCodec as Codec
 from mmis.protocol.errors import MMISError, MultiModalCacheMissError, ProtocolError
 from mmis.protocol.messages import (

@@ -165,8 +165,8 @@ def build(cfg: EngineConfig) -> Any:
     """Load the model and wire scheduler, runner, receiver cache and process shell."""
     from mmis.engine.core_process import EngineCoreProc
     from mmis.engine.paged_attention import PagedAttentionError
-    from mmis.engine.receiver_cache import ReceiverCache
     from mmis.engine.runner import ModelRunner
+    from mmis.multimodal.cache import ReceiverCache
     from mmis.shm.reader_set import ShmReaderSet
     from mmis.telemetry.request_spans import RequestSpans
 

@@ -47,7 +47,7 @@ from mmis.frontend.generation import (
     output_error,
 )
 from mmis.frontend.renderer import RenderedPrompt, Renderer, SourcePrompt
-from mmis.multimodal.sizing import item_nbytes
+from mmis.multimodal.cache import item_nbytes
 from mmis.protocol.errors import MultiModalCacheMissError
 from mmis.protocol.messages import EngineCoreOutput, EngineCoreRequest, ShmAddress
 from mmis.telemetry import tracing as tr

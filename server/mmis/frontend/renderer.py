@@ -42,9 +42,8 @@ from mmis.frontend.errors import (
 from mmis.frontend.media import MediaLoader, check_image_count
 from mmis.frontend.pending_invalidations import PendingInvalidations
 from mmis.frontend.processor import ModelProcessor, PromptError
-from mmis.frontend.sender_cache import SenderCache, ShadowEntry, ShadowItem
+from mmis.multimodal.cache import SenderCache, ShadowEntry, ShadowItem, item_nbytes
 from mmis.multimodal.hashing import item_mm_hash
-from mmis.multimodal.sizing import item_nbytes
 from mmis.protocol.messages import MultiModalFeature, ShmAddress
 from mmis.shm import ShmError, ShmStoreFullError, ShmWriter
 

@@ -48,8 +48,8 @@ from mmis.frontend.pending_invalidations import PendingInvalidations
 from mmis.frontend.processor import ModelProcessor
 from mmis.frontend.recovery import RecoveryPolicy
 from mmis.frontend.renderer import Renderer, SourceItem, SourcePrompt
-from mmis.frontend.sender_cache import SenderCache
 from mmis.frontend.stats_poller import StatsPoller
+from mmis.multimodal.cache import SenderCache
 from mmis.protocol.messages import EngineCoreRequest, SamplingParams
 from mmis.shm import ShmWriter
 from mmis.telemetry.bundle import FrontendTelemetry

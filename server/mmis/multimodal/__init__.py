@@ -1,1 +1,1 @@
-"""Multimodal helpers shared by P0 and P1: hashing, item sizing, the byte-budget LRU."""
+"""Multimodal helpers shared by P0 and P1: hashing, payload stripping, the cache mirror."""

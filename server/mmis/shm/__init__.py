@@ -17,7 +17,6 @@ from mmis.shm.errors import (
 )
 from mmis.shm.reader import ShmReader
 from mmis.shm.reader_set import ShmReaderSet
-from mmis.shm.receive import receive_features
 from mmis.shm.ring import ShmStats
 from mmis.shm.writer import ShmWriter
 
@@ -35,5 +34,4 @@ __all__ = [
     "ShmWriter",
     "StaleHandleError",
     "UnknownSegmentError",
-    "receive_features",
 ]

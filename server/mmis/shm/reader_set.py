@@ -6,6 +6,11 @@ Invariants:
 - A descriptor naming a segment that does not exist raises :class:`UnknownSegmentError`
   (the name is validated first, so a descriptor can never reach outside the directory).
 - ``read``/``ack`` have the same contract as :class:`ShmReader`'s.
+- :meth:`ShmReaderSet.receive` is the one resolver of a descriptor on P1: it copies the
+  payload out of shared memory *before* acknowledging it, so the arrays never alias space the
+  writer may reuse, and the writer's reference count balances. A descriptor whose space was
+  reclaimed raises :class:`~mmis.shm.errors.StaleHandleError` (retryable: P1's receiver cache
+  reports the item missing and P0 resends it inline, see :mod:`mmis.multimodal.cache`).
 """
 
 from __future__ import annotations
@@ -49,6 +54,12 @@ class ShmReaderSet:
 
     def ack(self, address: ShmAddress) -> bool:
         return self.reader(address).ack(address)
+
+    def receive(self, address: ShmAddress) -> dict[str, npt.NDArray[Any]]:
+        """The descriptor's arrays, owned (copied out), then the descriptor acknowledged."""
+        arrays = self.read(address, copy=True)
+        self.ack(address)
+        return arrays
 
     def forget(self, segment: str) -> None:
         """Detach a segment whose writer went away (e.g. a P0 restart made a new one)."""

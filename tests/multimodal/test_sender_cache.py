@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mmis.frontend.sender_cache import SenderCache, ShadowEntry, ShadowItem
+from mmis.multimodal.cache import SenderCache, ShadowEntry, ShadowItem
 
 
 def _item(h: str, nbytes: int, tokens: int = 4) -> ShadowItem:

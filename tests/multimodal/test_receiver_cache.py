@@ -7,8 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from mmis.engine.receiver_cache import ReceiverCache
-from mmis.multimodal.sizing import TENSOR_OVERHEAD_BYTES, item_nbytes
+from mmis.multimodal.cache import TENSOR_OVERHEAD_BYTES, ReceiverCache, item_nbytes
 from mmis.protocol.errors import MultiModalCacheMissError, ProtocolError
 from mmis.protocol.messages import MultiModalFeature, PlaceholderRange, ShmAddress
 

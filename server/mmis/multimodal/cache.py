@@ -1,0 +1,516 @@
+"""The multimodal cache mirror: P1's receiver cache and P0's shadow of it, one policy.
+
+P1 keeps the processed tensors of recent images in a :class:`ReceiverCache`; P0 keeps a
+metadata-only :class:`SenderCache` (the *shadow*) and sends an item without data (a *shadow
+hit*, ``data=None``) when it believes P1 still holds it. Both sides are the same
+:class:`ByteBudgetLRU` with the same byte budget, and both charge an item
+:func:`item_nbytes` of the same processor output.
+
+The mirror invariant:
+- **What the shadow believes.** While nothing drifts, the shadow holds exactly the keys the
+  receiver holds, in the same LRU order: per request both apply the same two steps, first
+  touch every item that is cached, then store the items that came with data in request
+  order (an item larger than the whole budget is stored by neither, and is sent with its
+  data every time). Lookups (``is_cached``, ``lookup``, ``peek``) never change the order.
+- **When they may drift.** Only P1 loses items without P0 knowing right away: evictions
+  made by storing reach P0 later (on P1's outputs, through :meth:`ReceiverCache.drain_evicted`),
+  the fault hooks :meth:`ReceiverCache.evict`/:meth:`~ReceiverCache.evict_random` drop entries
+  silently (drift on purpose), a stale shared-memory descriptor loses its payload, and a P1
+  restart empties everything (a new :attr:`ReceiverCache.epoch`). In that window P0 may
+  send a shadow hit for an item P1 no longer holds; P0 never holds *fewer* than P1 thinks.
+- **How drift is healed.** P1 never guesses: :meth:`ReceiverCache.resolve` ingests every item
+  it can, then raises ONE typed, retryable
+  :class:`~mmis.protocol.errors.MultiModalCacheMissError` naming every missing hash. P0
+  queues those hashes (and reported evictions, and a full clear on a new epoch) as a batch
+  (:mod:`mmis.frontend.pending_invalidations`), applies them on its render worker, and
+  retries the request ONCE with every item carrying its data
+  (:mod:`mmis.frontend.recovery`); a miss on the retry is a 503, never a crash.
+
+Threads: the shadow is mutated only on P0's multimodal render worker (``is_cached`` is a
+single dict membership test, safe to call from the asyncio output handler); the receiver is
+touched only by P1's input thread. Neither has a lock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Final, Generic, TypeVar
+
+import numpy as np
+
+from mmis.protocol.errors import MMISError, MultiModalCacheMissError, ProtocolError
+from mmis.protocol.messages import ErrorCode, MultiModalFeature, ShmAddress
+from mmis.shm.errors import ShmHandleError, StaleHandleError
+
+# -- sizing: both sides charge an item the same bytes --------------------------------
+# The size depends only on the tensors' dtypes and shapes, never on their values, the dict's
+# key order or where the tensors live (numpy or torch, anything exposing ``nbytes``); a value
+# that is not a tensor raises ItemSizeError instead of being guessed at.
+
+TENSOR_OVERHEAD_BYTES: Final = 64
+"""Fixed charge per tensor (header, bookkeeping): makes empty tensors cost something."""
+
+
+class ItemSizeError(MMISError, TypeError):
+    """An item whose tensors cannot be sized (a value without an integer ``nbytes``)."""
+
+    code = ErrorCode.INVALID_REQUEST.value
+
+
+def tensor_nbytes(name: str, tensor: Any) -> int:
+    """Bytes charged for one tensor: its ``nbytes`` plus the fixed overhead."""
+    nbytes = getattr(tensor, "nbytes", None)
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ItemSizeError(
+            f"multimodal tensor {name!r} has type {type(tensor).__name__}, which does not "
+            "expose a non-negative integer nbytes; items must map names to arrays"
+        )
+    return nbytes + TENSOR_OVERHEAD_BYTES
+
+
+def item_nbytes(tensors: Mapping[str, Any]) -> int:
+    """Bytes charged for one item: the sum of :func:`tensor_nbytes` over its tensors."""
+    if not isinstance(tensors, Mapping):
+        raise ItemSizeError(
+            f"a multimodal item must be a mapping of tensor name to array, "
+            f"got {type(tensors).__name__}"
+        )
+    return sum(tensor_nbytes(str(name), tensor) for name, tensor in tensors.items())
+
+
+# -- the byte-budget LRU: the one eviction policy of both sides ----------------------
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class ByteBudgetLRU(Generic[K, V]):
+    """Least-recently-used map whose entries each carry a byte size.
+
+    - O(1) amortised (an ``OrderedDict``, oldest first), except that :meth:`put` evicts as
+      many entries as it must; ``total_bytes`` is the sum of the stored sizes and never
+      exceeds ``capacity_bytes``.
+    - :meth:`peek`, :meth:`contains` and ``in`` never change the order; :meth:`touch` and
+      :meth:`get` make an entry the newest; :meth:`put` stores it as the newest, replacing
+      an entry under the same key, and never stores an entry larger than the budget.
+    - Evicted keys are returned oldest first, so two LRUs fed the same operations evict the
+      same keys in the same order. Not thread-safe: each owner serialises its calls.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
+            raise TypeError(f"capacity_bytes must be an int, got {type(capacity_bytes).__name__}")
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self._capacity = capacity_bytes
+        self._entries: OrderedDict[K, tuple[V, int]] = OrderedDict()
+        self._total = 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def total_bytes(self) -> int:
+        return self._total
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __iter__(self) -> Iterator[K]:
+        """Keys from least to most recently used."""
+        return iter(list(self._entries))
+
+    def contains(self, key: K) -> bool:
+        """Whether ``key`` is stored; does not change the order."""
+        return key in self._entries
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether an entry of ``nbytes`` may be stored at all."""
+        return 0 <= nbytes <= self._capacity
+
+    def peek(self, key: K) -> V | None:
+        """The value under ``key`` (or ``None``); does not change the order."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry[0]
+
+    def size_of(self, key: K) -> int | None:
+        """The byte size recorded for ``key`` (or ``None``); does not change the order."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry[1]
+
+    def touch(self, key: K) -> bool:
+        """Make ``key`` the most recently used; ``False`` if it is not stored."""
+        if key not in self._entries:
+            return False
+        self._entries.move_to_end(key)
+        return True
+
+    def get(self, key: K) -> V | None:
+        """The value under ``key`` (or ``None``), made the most recently used."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        self._entries.move_to_end(key)
+        return entry[0]
+
+    def put(self, key: K, value: V, nbytes: int) -> list[K]:
+        """Store ``value`` as the newest entry; return the keys evicted to make room.
+
+        An existing entry under ``key`` is replaced. An entry that can never fit is not
+        stored, and a stale entry under its key is dropped (and reported as evicted).
+        """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self._total -= old[1]
+        if nbytes > self._capacity:
+            return [key] if old is not None else []
+        evicted: list[K] = []
+        while self._total + nbytes > self._capacity:
+            victim, (_, victim_bytes) = self._entries.popitem(last=False)
+            self._total -= victim_bytes
+            evicted.append(victim)
+        self._entries[key] = (value, nbytes)
+        self._total += nbytes
+        return evicted
+
+    def pop(self, key: K) -> V | None:
+        """Remove ``key``; return its value, or ``None`` if it was not stored."""
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return None
+        self._total -= entry[1]
+        return entry[0]
+
+    def clear(self) -> list[K]:
+        """Remove every entry; return the removed keys, oldest first."""
+        keys = list(self._entries)
+        self._entries.clear()
+        self._total = 0
+        return keys
+
+
+# -- P0: the shadow ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ShadowEntry:
+    """What P0 remembers about an item P1 holds: enough to skip the processor's pixel work."""
+
+    nbytes: int
+    placeholder_length: int
+    metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShadowItem:
+    """One item of a request as recorded after rendering it."""
+
+    mm_hash: str
+    entry: ShadowEntry
+
+
+@dataclasses.dataclass(frozen=True)
+class SenderCacheStats:
+    hits: int
+    misses: int
+    recorded: int
+    oversize: int
+    evictions: int
+    invalidations: int
+    clears: int
+    entries: int
+    total_bytes: int
+    capacity_bytes: int
+
+
+class SenderCache:
+    """The metadata-only shadow of the receiver cache, on P0's render worker.
+
+    Stores no tensors: ``mm_hash -> ShadowEntry`` (the item's :func:`item_nbytes` and its
+    placeholder information). :meth:`lookup` counts hits and misses without changing the
+    order; :meth:`record_request` then applies the request the way :meth:`ReceiverCache.resolve`
+    will. A clear on a change of P1's cache epoch is requested through
+    :class:`~mmis.frontend.pending_invalidations.PendingInvalidations`, which applies it on
+    the render worker like any other invalidation.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self._lru: ByteBudgetLRU[str, ShadowEntry] = ByteBudgetLRU(capacity_bytes)
+        self.hits = 0
+        self.misses = 0
+        self.recorded = 0
+        self.oversize = 0
+        self.evictions = 0
+        self.invalidations = 0
+        self.clears = 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._lru.capacity_bytes
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def keys(self) -> list[str]:
+        """Cached hashes, least recently used first."""
+        return list(self._lru)
+
+    def is_cached(self, mm_hash: str) -> bool:
+        """Whether the shadow believes P1 holds ``mm_hash``. No order change, no counters."""
+        return mm_hash in self._lru
+
+    def get(self, mm_hash: str) -> ShadowEntry | None:
+        """The entry for ``mm_hash``, without changing the order or counting."""
+        return self._lru.peek(mm_hash)
+
+    def lookup(self, mm_hashes: Sequence[str]) -> list[ShadowEntry | None]:
+        """Entries for a request's items (``None`` = send the data), counting hits/misses.
+
+        Does not change the LRU order: :meth:`record_request` does that for the whole
+        request, the way P1 will.
+        """
+        entries = [self._lru.peek(h) for h in mm_hashes]
+        hits = sum(entry is not None for entry in entries)
+        self.hits += hits
+        self.misses += len(entries) - hits
+        return entries
+
+    def record_request(self, items: Sequence[ShadowItem]) -> list[str]:
+        """Apply one request: touch every cached item, then record the others in order.
+
+        Returns the hashes evicted to make room. Items larger than the budget are skipped.
+        """
+        fresh: list[ShadowItem] = []
+        for item in items:
+            if not self._lru.touch(item.mm_hash):
+                fresh.append(item)
+        evicted: list[str] = []
+        for item in fresh:
+            if not self._lru.fits(item.entry.nbytes):
+                self.oversize += 1
+                continue
+            evicted.extend(self._lru.put(item.mm_hash, item.entry, item.entry.nbytes))
+            self.recorded += 1
+        self.evictions += len(evicted)
+        return evicted
+
+    def invalidate(self, mm_hash: str) -> bool:
+        """Forget ``mm_hash`` (P1 reported it missing or evicted); ``True`` if it was cached."""
+        if self._lru.pop(mm_hash) is None:
+            return False
+        self.invalidations += 1
+        return True
+
+    def invalidate_many(self, mm_hashes: Iterable[str]) -> int:
+        """Forget every hash in ``mm_hashes``; return how many were cached."""
+        return sum(self.invalidate(h) for h in mm_hashes)
+
+    def clear(self) -> None:
+        """Forget everything (P1 restarted, or the cache was reset)."""
+        self._lru.clear()
+        self.clears += 1
+
+    def stats(self) -> SenderCacheStats:
+        return SenderCacheStats(
+            hits=self.hits,
+            misses=self.misses,
+            recorded=self.recorded,
+            oversize=self.oversize,
+            evictions=self.evictions,
+            invalidations=self.invalidations,
+            clears=self.clears,
+            entries=len(self._lru),
+            total_bytes=self._lru.total_bytes,
+            capacity_bytes=self._lru.capacity_bytes,
+        )
+
+
+# -- P1: the receiver ----------------------------------------------------------------
+
+
+Tensors = dict[str, Any]
+ShmReader = Callable[[ShmAddress], dict[str, np.ndarray]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReceiverCacheStats:
+    hits: int
+    misses: int
+    stored: int
+    oversize: int
+    evictions: int
+    fault_evictions: int
+    entries: int
+    total_bytes: int
+    capacity_bytes: int
+
+
+def _key(feature: MultiModalFeature) -> str:
+    return feature.mm_hash or feature.identifier
+
+
+class ReceiverCache:
+    """The tensors P0's shadow believes P1 holds. Only P1's input thread touches it.
+
+    :meth:`resolve` handles a request in three steps: (1) touch every feature's key that is
+    stored and capture its tensors right then, (2) store every feature that carries data (a
+    dict of tensors, or an ``ShmAddress`` resolved by the injected ``shm_reader``, which
+    copies the payload out and acknowledges the descriptor), in request order, a resent
+    payload replacing the entry, (3) raise ONE :class:`MultiModalCacheMissError` naming every
+    ``data=None`` feature, and every feature whose descriptor turned out stale, that was
+    neither stored at (1) nor carried by a sibling. The good items are ingested before the
+    error is raised, so the retry only needs to carry the missing ones. A forged or unknown
+    descriptor fails the request with its :class:`~mmis.shm.errors.ShmHandleError`, raised
+    only after every other descriptor was read and acknowledged (the writer's space is
+    reclaimed). Evictions made by storing are kept until :meth:`drain_evicted`.
+    """
+
+    def __init__(self, capacity_bytes: int, shm_reader: ShmReader | None = None) -> None:
+        self._lru: ByteBudgetLRU[str, Tensors] = ByteBudgetLRU(capacity_bytes)
+        self._shm_reader = shm_reader
+        self._evicted: list[str] = []
+        self.epoch = uuid.uuid4().hex  # changes on every P1 start
+        self.hits = 0
+        self.misses = 0
+        self.stored = 0
+        self.oversize = 0
+        self.evictions = 0
+        self.fault_evictions = 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._lru.capacity_bytes
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, mm_hash: object) -> bool:
+        return mm_hash in self._lru
+
+    def keys(self) -> list[str]:
+        """Stored hashes, least recently used first."""
+        return list(self._lru)
+
+    def peek(self, mm_hash: str) -> Tensors | None:
+        """The stored tensors for ``mm_hash``, without changing the order."""
+        return self._lru.peek(mm_hash)
+
+    def resolve(self, features: Sequence[MultiModalFeature]) -> list[Tensors]:
+        """The tensors of every feature, in order; raises one error for all missing ones."""
+        resolved: list[Tensors | None] = [None] * len(features)
+        for i, feature in enumerate(features):
+            if self._lru.touch(_key(feature)):
+                resolved[i] = self._lru.peek(_key(feature))
+        provided: dict[str, Tensors] = {}
+        unread: set[int] = set()  # data=None, or a descriptor whose space was reclaimed
+        failure: ShmHandleError | None = None
+        for i, feature in enumerate(features):
+            if feature.data is None:
+                unread.add(i)
+                continue
+            try:
+                tensors = self._read(feature)
+            except StaleHandleError:
+                unread.add(i)
+                continue
+            except ShmHandleError as exc:  # forged or unknown: fail, after reading the rest
+                failure = failure or exc
+                continue
+            self._store(_key(feature), tensors)
+            provided[_key(feature)] = tensors
+            resolved[i] = tensors
+        if failure is not None:
+            raise failure
+        missing: list[str] = []
+        for i in sorted(unread):
+            key = _key(features[i])
+            if resolved[i] is None:
+                resolved[i] = provided.get(key)
+            if resolved[i] is None:
+                missing.append(key)
+                self.misses += 1
+            else:
+                self.hits += 1
+        if missing:
+            raise MultiModalCacheMissError(missing)
+        return [tensors for tensors in resolved if tensors is not None]
+
+    def _read(self, feature: MultiModalFeature) -> Tensors:
+        data = feature.data
+        if isinstance(data, ShmAddress):
+            if self._shm_reader is None:
+                raise ProtocolError(
+                    f"item {_key(feature)!r} arrived as a shared-memory address, but this "
+                    "engine has no shared-memory reader (cache type is not 'shm')"
+                )
+            return self._shm_reader(data)
+        if not isinstance(data, Mapping):
+            raise ProtocolError(
+                f"item {_key(feature)!r} carries data of type {type(data).__name__}; "
+                "expected a mapping of tensor name to array, an address or None"
+            )
+        return dict(data)
+
+    def _store(self, mm_hash: str, tensors: Tensors) -> None:
+        nbytes = item_nbytes(tensors)
+        if self._lru.fits(nbytes):
+            self.stored += 1
+        else:
+            self.oversize += 1  # used for this request only; put() drops any stale entry
+        self._note_evicted(self._lru.put(mm_hash, tensors, nbytes))
+
+    def _note_evicted(self, hashes: list[str]) -> None:
+        self.evictions += len(hashes)
+        self._evicted.extend(hashes)
+
+    def drain_evicted(self) -> list[str]:
+        """Hashes evicted since the last drain that are still absent, oldest first."""
+        evicted, self._evicted = self._evicted, []
+        return [h for h in dict.fromkeys(evicted) if h not in self._lru]
+
+    def evict(self, mm_hashes: Iterable[str], *, silent: bool = True) -> list[str]:
+        """Drop ``mm_hashes`` on purpose; return those that were stored.
+
+        Silent by default (the point of the fault knob is drift P0 does not know about);
+        ``silent=False`` also queues them for :meth:`drain_evicted`.
+        """
+        dropped = [h for h in dict.fromkeys(mm_hashes) if self._lru.pop(h) is not None]
+        self.fault_evictions += len(dropped)
+        if not silent:
+            self._evicted.extend(dropped)
+        return dropped
+
+    def evict_random(self, rate: float, rng: random.Random, *, silent: bool = True) -> list[str]:
+        """Drop each stored entry with probability ``rate`` (0..1); return the dropped."""
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"eviction rate must be within [0, 1], got {rate}")
+        victims = [h for h in self._lru if rng.random() < rate]
+        return self.evict(victims, silent=silent)
+
+    def clear(self) -> None:
+        """Drop everything without reporting (a restart gets a new epoch instead)."""
+        self._lru.clear()
+        self.epoch = uuid.uuid4().hex
+
+    def stats(self) -> ReceiverCacheStats:
+        return ReceiverCacheStats(
+            hits=self.hits,
+            misses=self.misses,
+            stored=self.stored,
+            oversize=self.oversize,
+            evictions=self.evictions,
+            fault_evictions=self.fault_evictions,
+            entries=len(self._lru),
+            total_bytes=self._lru.total_bytes,
+            capacity_bytes=self._lru.capacity_bytes,
+        )
