@@ -104,7 +104,7 @@ def build_registry(
     def deployment_event(body: kopf.Body, type: str | None, logger: kopf.Logger, **_: Any) -> None:
         # type None: a (re-)listing. kopf lists again after every broken watch (API server
         # restart, 410 Gone), and changes made while the watch was down arrive only that way,
-        # so they refresh the status too (write_status skips unchanged ones).
+        # so they refresh the status too (an unchanged status is not rewritten).
         try:
             reconciler.deployment_changed(_plain(body), deleted=type == "DELETED")
         except KubeError as exc:  # the next event or the resync timer will catch up
@@ -120,19 +120,17 @@ def _plain(body: kopf.Body) -> dict[str, Any]:
 def connection_info(kube: Kube) -> kopf.ConnectionInfo:
     """kopf's connection from the same configuration the reconciler uses."""
     cfg = kube.configuration
-    header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix(
-        "authorization"
-    )
-    parts = header.split(" ", 1) if header else []
-    scheme, token = (None, None) if not parts else (None, parts[0]) if len(parts) == 1 else parts
+    key = cfg.get_api_key_with_prefix
+    auth = key("BearerToken") or key("authorization") or ""
+    scheme, _, token = auth.rpartition(" ")  # "Bearer abc" -> "Bearer", "abc"; "abc" -> "", "abc"
     return kopf.ConnectionInfo(
         server=cfg.host,
         ca_path=cfg.ssl_ca_cert,
         insecure=not cfg.verify_ssl,
         username=cfg.username or None,
         password=cfg.password or None,
-        scheme=scheme,
-        token=token,
+        scheme=scheme or None,
+        token=token or None,
         certificate_path=cfg.cert_file,
         private_key_path=cfg.key_file,
     )

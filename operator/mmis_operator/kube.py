@@ -45,19 +45,6 @@ class KubeError(Exception):
         self.message = message
 
 
-def load_configuration(kubeconfig: Path | str | None = None) -> kubernetes.client.Configuration:
-    """A client configuration from ``kubeconfig``, else in-cluster, else ``$KUBECONFIG``."""
-    cfg = kubernetes.client.Configuration()
-    if kubeconfig is not None:
-        kubernetes.config.load_kube_config(config_file=str(kubeconfig), client_configuration=cfg)
-        return cfg
-    try:
-        kubernetes.config.load_incluster_config(client_configuration=cfg)
-    except kubernetes.config.ConfigException:
-        kubernetes.config.load_kube_config(client_configuration=cfg)
-    return cfg
-
-
 def object_path(api_version: str, kind: str, namespace: str | None, name: str | None = None) -> str:
     base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
     if kind not in _PLURALS:
@@ -84,8 +71,17 @@ class Kube:
         self.instance = socket.gethostname()
 
     @classmethod
-    def from_kubeconfig(cls, kubeconfig: Path | str | None = None, timeout: float = 30.0) -> Kube:
-        return cls(load_configuration(kubeconfig), timeout)
+    def from_kubeconfig(cls, kubeconfig: Path | str | None = None) -> Kube:
+        """Configured from ``kubeconfig``, else in-cluster, else ``$KUBECONFIG``."""
+        cfg = kubernetes.client.Configuration()
+        if kubeconfig is not None:
+            kubernetes.config.load_kube_config(str(kubeconfig), client_configuration=cfg)
+            return cls(cfg)
+        try:
+            kubernetes.config.load_incluster_config(client_configuration=cfg)
+        except kubernetes.config.ConfigException:
+            kubernetes.config.load_kube_config(client_configuration=cfg)
+        return cls(cfg)
 
     def close(self) -> None:
         self.api.close()
@@ -140,16 +136,14 @@ class Kube:
         query = {"fieldManager": r.FIELD_MANAGER, "force": "true"}
         return self.request("PATCH", path, dict(manifest), query, APPLY)
 
-    def delete(self, path: str, propagation: str = "Background") -> bool:
-        """Delete; True if something was deleted, False if it was already gone."""
-        body = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": propagation}
+    def delete(self, path: str) -> None:
+        """Delete in the background (dependents follow); an object already gone is no error."""
+        body = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
         try:
             self.request("DELETE", path, body)
         except KubeError as exc:
-            if exc.status == 404:
-                return False
-            raise
-        return True
+            if exc.status != 404:
+                raise
 
     def replace_status(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         """PUT the status subresource; ``metadata.resourceVersion`` makes it conditional."""

@@ -43,9 +43,16 @@ def test_handler_ids_are_valid_annotation_names() -> None:
         assert re.fullmatch(r"[A-Za-z0-9][-A-Za-z0-9_./]*", handler_id)
 
 
-def test_connection_info_uses_the_token() -> None:
+@pytest.mark.parametrize(
+    ("api_key", "scheme", "token"),
+    [({"BearerToken": "Bearer abc"}, "Bearer", "abc"), ({"authorization": "abc"}, None, "abc"),
+     ({}, None, None)],
+)  # fmt: skip
+def test_connection_info_uses_the_token(
+    api_key: dict[str, str], scheme: str | None, token: str | None
+) -> None:
     cfg = kubernetes.client.Configuration()
     cfg.host = "https://10.0.0.1:6443"
-    cfg.api_key = {"BearerToken": "Bearer abc"}
+    cfg.api_key = api_key
     info = handlers.connection_info(Kube(cfg))
-    assert (info.server, info.scheme, info.token) == ("https://10.0.0.1:6443", "Bearer", "abc")
+    assert (info.server, info.scheme, info.token) == ("https://10.0.0.1:6443", scheme, token)
