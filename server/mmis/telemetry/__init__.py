@@ -14,9 +14,10 @@ Modules (import the one you need; this package imports nothing eagerly):
   P0 -> P1 and the cache span events;
 - ``genai``: GenAI semantic-convention attribute names;
 - ``bundle``: :class:`FrontendTelemetry`, P0's registry + engine-stats collector + drift
-  window wired together;
-- ``dashboard`` / ``alerts`` / ``generate``: the Grafana dashboard and the Prometheus rules,
-  as code, and the writer behind ``scripts/gen-dashboard``.
+  window wired together.
+
+The Grafana dashboard and the Prometheus rules are generated from the catalog's names by
+build tools outside this package (``scripts/dashboards/``, run by ``scripts/gen-dashboard``).
 
 Invariant: nothing here imports ``mmis.frontend``, ``mmis.engine`` or the
 operator (import-linter contract), so both processes can use it.

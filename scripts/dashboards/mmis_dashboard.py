@@ -1,9 +1,9 @@
 """The mmis Grafana dashboard, as code (``scripts/gen-dashboard`` writes it to the chart).
 
 Invariants:
-- Every expression selects only metrics from :mod:`catalog` (a test parses each one with a
-  real PromQL parser and checks the names), through the ``$datasource`` and ``$model``
-  template variables; ``$__rate_interval`` is Grafana's own.
+- Every expression selects only metrics from ``server/mmis/telemetry/catalog.py`` (a test
+  parses each one with a real PromQL parser and checks the names), through the
+  ``$datasource`` and ``$model`` template variables; ``$__rate_interval`` is Grafana's own.
 - The output is deterministic (stable panel ids, sorted keys), so the checked-in JSON can be
   compared byte for byte with a fresh build.
 """

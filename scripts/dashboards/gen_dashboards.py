@@ -1,8 +1,11 @@
 """Writes (or checks) the generated Grafana dashboard and alert rules in the Helm chart.
 
-``python -m mmis.telemetry.generate [--check] [--chart DIR]`` — what
-``scripts/gen-dashboard`` runs. With ``--check`` nothing is written and the exit status is 1
-when a checked-in file differs from a fresh build (the message names the file and the fix).
+``python scripts/dashboards/gen_dashboards.py [--check] --chart DIR`` — what
+``scripts/gen-dashboard`` runs. These generators are build tools, not part of the server
+package; the metric names they use are those of ``server/mmis/telemetry/catalog.py``
+(``tests/telemetry/test_dashboard.py`` checks every expression against it). With
+``--check`` nothing is written and the exit status is 1 when a checked-in file differs from a
+fresh build (the message names the file and the fix).
 
 Invariant: the checked-in files are exactly :func:`outputs`; hand edits are overwritten.
 """
@@ -14,7 +17,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mmis.telemetry import alerts, dashboard
+import mmis_alerts
+import mmis_dashboard
 
 DASHBOARD_FILE = "dashboards/mmis.json"
 ALERTS_FILE = "dashboards/alerts.yaml"
@@ -22,7 +26,7 @@ ALERTS_FILE = "dashboards/alerts.yaml"
 
 def outputs() -> dict[str, str]:
     """Chart-relative path -> generated text."""
-    return {DASHBOARD_FILE: dashboard.render(), ALERTS_FILE: alerts.render()}
+    return {DASHBOARD_FILE: mmis_dashboard.render(), ALERTS_FILE: mmis_alerts.render()}
 
 
 def stale(chart: Path) -> list[str]:
