@@ -20,8 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine, RunningFrontend, image_part
 
 from mmis.engine.tiny_model import tiny_model_dir
-from mmis.frontend.counters import FrontendCounters
-from mmis.frontend.metrics_sink import MetricsSink
+from mmis.frontend.recovery import RecoveryPolicy
 from mmis.frontend.state import ServerSettings
 from mmis.telemetry import catalog
 from mmis.telemetry.metrics import MMISMetrics
@@ -91,11 +90,10 @@ def test_a_hash_only_refusal_is_counted_on_metrics_by_endpoint_and_outcome(
 
 def test_every_recovery_outcome_reaches_the_retries_family() -> None:
     metrics = MMISMetrics("tiny")
-    counters = FrontendCounters()
-    counters.add_sink(MetricsSink(metrics))
+    policy = RecoveryPolicy(None, None, metrics)  # type: ignore[arg-type]  # counting only
     for outcome in ("success", "miss_again", "error", "hash_only"):  # what recovery.py counts
-        counters.inc("retries", endpoint="chat", outcome=outcome)
-    counters.inc("retries", endpoint="ready", outcome="success")  # a probe, not a client
+        policy._count("chat", outcome, hashes=1)
+    policy._count("ready", "success", hashes=1)  # a probe, not a client
     got = retries_by_outcome(metrics.exposition()[0].decode())
     assert got == {"success": 1.0, "failed": 1.0, "error": 1.0, "hash_only": 1.0}
     assert metrics.total(catalog.RETRIES) == 4

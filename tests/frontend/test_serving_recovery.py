@@ -23,7 +23,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine, RunningFrontend, image_part
 
 from mmis.engine.tiny_model import tiny_model_dir
-from mmis.frontend.state import ServerSettings
+from mmis.frontend.recovery import ENDPOINT_ROUTES
+from mmis.frontend.state import FrontendState, ServerSettings
+from mmis.telemetry import catalog
 
 
 class Stack:
@@ -44,9 +46,14 @@ class Stack:
         )
 
     @property
-    def counters(self):  # type: ignore[no-untyped-def]
+    def state(self) -> FrontendState:
         assert self.frontend.state is not None
-        return self.frontend.state.counters
+        return self.frontend.state
+
+    def retries(self, endpoint: str, **outcome: str) -> float:
+        return self.state.metrics.total(
+            catalog.RETRIES, endpoint=ENDPOINT_ROUTES[endpoint], **outcome
+        )
 
     def restart_engine(self, epoch: str) -> None:
         self.engine.stop()
@@ -95,19 +102,19 @@ def test_s3_hash_only_client_after_eviction(stack: Stack) -> None:
         _chat(stack, by_uuid)
     healed = _chat(stack, with_data)
     assert healed.choices[0].message.content == first.choices[0].message.content
-    assert stack.counters.get("retries", endpoint="chat", outcome="hash_only") == 1
+    assert stack.retries("chat", outcome="hash_only") == 1
 
 
 def test_s1_drift_is_healed_by_one_retry_with_identical_output(stack: Stack) -> None:
     part = image_part((120, 20, 220))
     baseline = _chat(stack, part).choices[0].message.content
-    hits = stack.counters.get("shadow_hits")
+    hits = stack.state.metrics.total(catalog.SHADOW_HITS)
     stack.engine.evict_all_before_next()
     healed = _chat(stack, part)
     assert healed.choices[0].message.content == baseline
-    assert stack.counters.get("shadow_hits") == hits + 1  # it was sent as a hit ...
-    assert stack.counters.get("drift_misses") == 1  # ... P1 missed it ...
-    assert stack.counters.get("retries", endpoint="chat", outcome="success") == 1  # healed
+    assert stack.state.metrics.total(catalog.SHADOW_HITS) == hits + 1  # it was sent as a hit ...
+    assert stack.state.metrics.total(catalog.DRIFT_MISSES) == 1  # ... P1 missed it ...
+    assert stack.retries("chat", outcome="success") == 1  # healed
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions", "embeddings"])
@@ -128,7 +135,7 @@ def test_s4_second_miss_is_a_503(stack: Stack, endpoint: str) -> None:
     assert isinstance(body, dict)
     assert body["code"] == "multimodal_cache_miss" and body["retryable"] is True
     assert len(stack.engine.proc.misses_sent) == 2  # the first try and exactly one retry
-    assert stack.counters.get("retries", endpoint=endpoint, outcome="miss_again") == 1
+    assert stack.retries(endpoint, outcome="failed") == 1
 
 
 def test_s4_stream_miss_before_first_byte_is_a_503_status(stack: Stack) -> None:
@@ -163,7 +170,7 @@ def test_s4_stream_that_sent_bytes_ends_with_an_sse_error_event(stack: Stack) ->
     assert lines[-1] == "data: [DONE]"
     # the restarted engine serves the next request, with the shadow cleared by the epoch change
     assert _chat(stack, image_part((70, 7, 7))).choices[0].finish_reason == "length"
-    assert stack.counters.get("epoch_changes") == 1
+    assert stack.state.epoch_changes == 1
 
 
 def test_s5_n3_drifted_request_errors_once_and_returns_three_choices(stack: Stack) -> None:
@@ -174,7 +181,7 @@ def test_s5_n3_drifted_request_errors_once_and_returns_three_choices(stack: Stac
     assert [c.message.content for c in healed.choices] == [
         c.message.content for c in baseline.choices
     ]
-    assert stack.counters.get("retries", endpoint="chat") == 1  # one error handled, not three
+    assert stack.retries("chat") == 1  # one error handled, not three
     # the first sibling's miss aborted the two others (its own miss was terminal already)
     attempt0 = sorted({rid for rid in stack.engine.proc.missed if "-a0-" in rid})
     assert len(attempt0) >= 1

@@ -33,7 +33,6 @@ from typing import Any
 
 from PIL import Image
 
-from mmis.frontend.counters import FrontendCounters
 from mmis.frontend.errors import (
     ContextLengthExceededError,
     HashOnlyCacheMissError,
@@ -46,6 +45,7 @@ from mmis.multimodal.cache import SenderCache, ShadowEntry, ShadowItem, item_nby
 from mmis.multimodal.hashing import item_mm_hash
 from mmis.protocol.messages import MultiModalFeature, ShmAddress
 from mmis.shm import ShmError, ShmStoreFullError, ShmWriter
+from mmis.telemetry.metrics import MMISMetrics
 
 MODALITY = "image"
 
@@ -118,7 +118,7 @@ class Renderer:
         max_images: int,
         hash_algorithm: str = "blake3",
         shm_writer: ShmWriter | None = None,
-        counters: FrontendCounters | None = None,
+        metrics: MMISMetrics | None = None,
     ) -> None:
         self.processor = processor
         self.loader = loader
@@ -130,7 +130,7 @@ class Renderer:
         self.max_images = max_images
         self.hash_algorithm = hash_algorithm
         self.shm_writer = shm_writer
-        self.counters = counters or FrontendCounters()
+        self.metrics = metrics or MMISMetrics(model_id)
 
     # ------------------------------------------------------------------ stage 1 (asyncio)
     async def prepare(
@@ -225,8 +225,8 @@ class Renderer:
                 )
         self.shadow.record_request(recorded)
         hits = sum(p.tensors is None for p in plan)
-        self.counters.inc("shadow_hits", hits)
-        self.counters.inc("shadow_misses", len(plan) - hits)
+        self.metrics.processor_cache(len(plan), hits)
+        self.metrics.shadow_hits(hits)
         return RenderedPrompt(token_ids, features, hits, len(plan) - hits)
 
     def _payloads(

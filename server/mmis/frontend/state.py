@@ -18,8 +18,8 @@ Invariants:
 - :meth:`close` stops the stats poller, the engine client (failing whatever is still in
   flight), the media loader, the executor and the SHM writer (unlinking its segment), in
   that order, then flushes the traces of a tracing setup it built itself.
-- Telemetry: one :class:`FrontendTelemetry` (private registry) per state; the counters feed
-  it through a :class:`MetricsSink`; P1's figures arrive through the :class:`StatsPoller`.
+- Telemetry: one :class:`FrontendTelemetry` (private registry) per state; P0's code counts
+  straight into its ``metrics``; P1's figures arrive through the :class:`StatsPoller`.
   Tracing is built from ``otlp_traces_endpoint`` / ``OTEL_*`` (off and free when unset)
   unless the caller hands one in (tests).
 """
@@ -40,10 +40,9 @@ from PIL import Image
 
 from mmis.config import GiB
 from mmis.frontend.config import FrontendConfig
-from mmis.frontend.counters import FrontendCounters
 from mmis.frontend.engine_client import EngineClient
+from mmis.frontend.levels import FrontendLevels
 from mmis.frontend.media import MediaLoader
-from mmis.frontend.metrics_sink import FrontendLevels, MetricsSink
 from mmis.frontend.pending_invalidations import PendingInvalidations
 from mmis.frontend.processor import ModelProcessor
 from mmis.frontend.recovery import RecoveryPolicy
@@ -146,11 +145,10 @@ class FrontendState:
         self.processor = processor
         self.max_model_len = max_model_len
         self.model_name = settings.model_name
-        self.counters = FrontendCounters()
         self.telemetry = FrontendTelemetry.create(self.model_name, settings.drift_window_s)
-        sink = MetricsSink(self.telemetry.metrics)
-        self.counters.add_sink(sink)
-        self.telemetry.metrics.attach(FrontendLevels(self, sink))
+        self.metrics = self.telemetry.metrics
+        self.epoch_changes = 0
+        self.metrics.attach(FrontendLevels(self))
         self._owns_tracing = tracing is None
         self.tracing = tracing if tracing is not None else frontend_tracing(settings)
         self.shadow = SenderCache(int(settings.mm_cache_gb * GiB))
@@ -181,9 +179,9 @@ class FrontendState:
             max_images=config.max_images_per_prompt,
             hash_algorithm=settings.hash_algorithm,
             shm_writer=self.shm_writer,
-            counters=self.counters,
+            metrics=self.metrics,
         )
-        self.policy = RecoveryPolicy(self.renderer, self.client, self.counters, self.tracing)
+        self.policy = RecoveryPolicy(self.renderer, self.client, self.metrics, self.tracing)
         self.stats = StatsPoller(
             self.client, self.telemetry.engine_stats, settings.stats_interval_s
         )
@@ -215,15 +213,15 @@ class FrontendState:
 
     # ------------------------------------------------------------------ engine callbacks
     def _on_missing(self, mm_hashes: list[str]) -> None:
-        self.counters.inc("drift_misses", len(set(mm_hashes)))
-        self.counters.inc("invalidations", self.pending.enqueue(mm_hashes))
+        self.metrics.drift_misses(len(set(mm_hashes)))
+        self.metrics.invalidations(self.pending.enqueue(mm_hashes))
 
     def _on_evicted(self, mm_hashes: list[str]) -> None:
-        self.counters.inc("invalidations", self.pending.enqueue(mm_hashes))
+        self.metrics.invalidations(self.pending.enqueue(mm_hashes))
 
     def _on_epoch_change(self, epoch: str) -> None:
         if self.pending.observe_epoch(epoch):
-            self.counters.inc("epoch_changes")
+            self.epoch_changes += 1
 
     # ------------------------------------------------------------------ readiness
     async def _readiness_probe(self) -> None:

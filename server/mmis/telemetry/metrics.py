@@ -28,13 +28,14 @@ from mmis.telemetry.catalog import Kind, MetricSpec, Owner, check_label
 from mmis.telemetry.errors import TelemetryError
 
 
-def counter_value(counter: Counter) -> float:
-    """Sum of a counter over all its label sets (0.0 before the first increment)."""
+def counter_value(counter: Counter, **labels: str) -> float:
+    """Sum of a counter over its label sets that include ``labels`` (0.0 before any)."""
+    wanted = labels.items()
     return sum(
         sample.value
         for family in counter.collect()
         for sample in family.samples
-        if sample.name.endswith("_total")
+        if sample.name.endswith("_total") and wanted <= sample.labels.items()
     )
 
 
@@ -150,9 +151,9 @@ class MMISMetrics:
 
     # -- reading back ----------------------------------------------------------------------
 
-    def total(self, spec: MetricSpec) -> float:
-        """Current value of a P0 counter, summed over its labels."""
-        return counter_value(self._counter(spec))
+    def total(self, spec: MetricSpec, **labels: str) -> float:
+        """Current value of a P0 counter, summed over the label sets that include ``labels``."""
+        return counter_value(self._counter(spec), **labels)
 
     def exposition(self, accept: str | None = None) -> tuple[bytes, str]:
         """The ``/metrics`` body and its content type, negotiated from ``Accept``."""
