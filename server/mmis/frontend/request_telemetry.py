@@ -25,15 +25,14 @@ import contextvars
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from opentelemetry import trace
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mmis.telemetry import genai
-
-if TYPE_CHECKING:
-    from mmis.frontend.state import FrontendState
+from mmis.telemetry.bundle import FrontendTelemetry
+from mmis.telemetry.tracing import Tracing
 
 ROUTES = {
     "/v1/chat/completions": genai.OP_CHAT,
@@ -41,6 +40,17 @@ ROUTES = {
     "/v1/embeddings": genai.OP_EMBEDDINGS,
 }
 HTTP_STATUS = "http.response.status_code"
+
+
+class TelemetryHost(Protocol):
+    """What the middleware reads from the front end's state: no import of the state."""
+
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def tracing(self) -> Tracing: ...
+    @property
+    def telemetry(self) -> FrontendTelemetry: ...
 
 
 @dataclasses.dataclass
@@ -81,7 +91,7 @@ def current_record() -> RequestRecord | None:
 
 
 class RequestTelemetryMiddleware:
-    def __init__(self, app: ASGIApp, state_of: Callable[[], FrontendState]) -> None:
+    def __init__(self, app: ASGIApp, state_of: Callable[[], TelemetryHost]) -> None:
         self.app = app
         self.state_of = state_of
 
@@ -114,7 +124,7 @@ class RequestTelemetryMiddleware:
                 self._finish(state, path, status, record)
 
     @staticmethod
-    def _finish(state: FrontendState, path: str, status: int, record: RequestRecord) -> None:
+    def _finish(state: TelemetryHost, path: str, status: int, record: RequestRecord) -> None:
         metrics = state.telemetry.metrics
         metrics.request_finished(
             path,
