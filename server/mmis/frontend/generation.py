@@ -19,19 +19,16 @@ from collections.abc import AsyncIterator, Sequence
 
 from opentelemetry import trace
 
-from mmis.frontend.engine_client import (
-    ENGINE_RESTARTED,
-    ENGINE_UNAVAILABLE,
-    EngineClient,
-    OutputQueue,
-)
+from mmis.frontend.engine_client import EngineClient, OutputQueue
 from mmis.frontend.errors import UNAVAILABLE_TYPE, FrontendError, from_request_error
 from mmis.frontend.renderer import RenderedPrompt
 from mmis.frontend.request_telemetry import current_record
 from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import EngineCoreOutput, ErrorCode
 
-RETRYABLE_CODES = frozenset({ErrorCode.MULTIMODAL_CACHE_MISS.value, ENGINE_RESTARTED})
+RETRYABLE_CODES = frozenset(
+    {ErrorCode.MULTIMODAL_CACHE_MISS.value, ErrorCode.ENGINE_RESTARTED.value}
+)
 
 
 class EngineRestartedError(FrontendError):
@@ -39,7 +36,7 @@ class EngineRestartedError(FrontendError):
 
     status = 503
     type = UNAVAILABLE_TYPE
-    code = ENGINE_RESTARTED
+    code = ErrorCode.ENGINE_RESTARTED.value
     retryable = True
 
     def extra(self) -> dict[str, object]:
@@ -64,7 +61,7 @@ def output_error(output: EngineCoreOutput) -> BaseException:
         internal = MMISError("the engine failed the request without saying why")
         internal.code = ErrorCode.INTERNAL.value
         return internal
-    if err.code in (ENGINE_RESTARTED, ENGINE_UNAVAILABLE):
+    if err.code in (ErrorCode.ENGINE_RESTARTED, ErrorCode.ENGINE_UNAVAILABLE):
         return EngineRestartedError(
             f"the engine is restarting or unavailable ({err.message}); retry the request"
         )

@@ -42,6 +42,10 @@ class ErrorCode(enum.StrEnum):
     INVALID_REQUEST = "invalid_request"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     INTERNAL = "internal_error"
+    ENGINE_RESTARTED = "engine_restarted"
+    """P1 restarted (new cache epoch) under a request in flight; retryable."""
+    ENGINE_UNAVAILABLE = "engine_unavailable"
+    """P1 stopped answering (or P0 is closing); retryable by the client."""
 
 
 class PlaceholderRange(msgspec.Struct, array_like=True, frozen=True):
