@@ -86,6 +86,34 @@ def test_n_choices_and_completions(client: openai.OpenAI) -> None:
     assert completion.usage is not None and completion.usage.completion_tokens == 4
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_ends_the_choice_in_p0_and_aborts_it_in_p1(
+    stack: tuple[FakeEngine, RunningFrontend], client: openai.OpenAI, stream: bool
+) -> None:
+    """P1 matches no stop strings: P0's detokenizer does, cuts the text before the match,
+    answers ``finish_reason="stop"`` and aborts the request in P1 long before max_tokens."""
+    prompt = f"Tell me a story ({stream})"
+    free = client.completions.create(model="tiny", prompt=prompt, max_tokens=16)
+    text = free.choices[0].text
+    stop = text[6:8]
+    expected = text[: text.index(stop)]
+    aborted = len(stack[0].core.aborted)
+    if stream:
+        chunks = list(
+            client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=3000, stop=[stop], stream=True
+            )
+        )
+        got = "".join(c.choices[0].text for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    else:
+        whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=3000, stop=[stop])
+        got, finish = whole.choices[0].text, whole.choices[0].finish_reason
+        assert whole.usage is not None and whole.usage.completion_tokens < 100
+    assert (got, finish) == (expected, "stop")
+    assert len(stack[0].core.aborted) == aborted + 1  # the choice was stopped in P1 too
+
+
 def test_embeddings_text_and_image(client: openai.OpenAI) -> None:
     out = client.embeddings.create(model="tiny", input=["a red square", "a blue circle"])
     assert len(out.data) == 2 and len(out.data[0].embedding) == 8

@@ -39,3 +39,25 @@ def test_held_back_prefix_is_released_at_the_end() -> None:
     deltas = _feed(detok, b"go ST")
     assert deltas == ["g", "o", " ", "", "ST"]  # "S" held while it may start "STOP"
     assert not detok.stopped
+
+
+def test_each_step_decodes_a_window_not_the_whole_output() -> None:
+    lengths: list[int] = []
+
+    def counting(ids: Sequence[int]) -> str:
+        lengths.append(len(ids))
+        return _decode(ids)
+
+    detok = IncrementalDetokenizer(counting, stop=["STOP"])
+    data = ("x" * 500 + "é" * 100 + "ST" * 50 + "STOP").encode()
+    deltas = _feed(detok, data)
+    assert "".join(deltas) == "x" * 500 + "é" * 100 + "ST" * 50
+    assert detok.stopped_by == "STOP"
+    assert max(lengths) <= 4  # the previous character's bytes as context + the new ones
+
+
+def test_a_stop_string_split_over_many_tokens_and_deltas_is_found() -> None:
+    detok = IncrementalDetokenizer(_decode, stop=["<|end|>", "xyz"])
+    deltas = [detok.add(list(chunk.encode())) for chunk in ("ab<", "|en", "d", "|>zz")]
+    assert deltas == ["ab", "", "", ""]
+    assert detok.stopped_by == "<|end|>" and detok.text == "ab"

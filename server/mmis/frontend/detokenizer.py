@@ -1,13 +1,20 @@
-"""Incremental detokenization of one choice, with stop strings applied in P0.
+"""Incremental detokenization of one choice; P0 is the only place stop strings are matched.
+
+Each :meth:`IncrementalDetokenizer.add` costs time in the new tokens and the held-back tail
+only, never in the whole output: text is decoded over a small window (the tokens of the
+previous delta as context, then the new ones, as vLLM does), and stop strings are searched in
+the held-back tail plus the new text.
 
 Invariants:
-- The text emitted so far is always a prefix of ``decode(all tokens)`` cut at the first stop
-  string: deltas concatenate to exactly the final text.
+- The text emitted so far is a prefix of the choice's text cut at the first stop string:
+  deltas concatenate to the final text.
 - A decoded tail that ends in U+FFFD (an incomplete UTF-8 sequence of a byte-level BPE) is
   held back until the next token completes it, or until the choice finishes.
-- Text that could still turn out to be the start of a stop string is held back as well, so a
-  stop string is never partly streamed; once one matches, the text stops there and the choice
-  is finished with ``finish_reason="stop"``.
+- The held-back tail is the longest suffix that is a proper prefix of a stop string (so
+  shorter than the longest stop), so a stop string is never partly streamed and any later
+  match starts inside the tail or the new text; once one matches, the text stops right before
+  it and :attr:`stopped_by` names it (the caller finishes the choice with
+  ``finish_reason="stop"`` and aborts its request in P1).
 """
 
 from __future__ import annotations
@@ -22,7 +29,10 @@ class IncrementalDetokenizer:
         self._decode = decode
         self._stop = [s for s in stop if s]
         self.token_ids: list[int] = []
-        self._emitted = 0  # characters of the final text already returned
+        self._prefix = 0  # first token of the decode window (context for the next delta)
+        self._read = 0  # tokens whose text has been decoded
+        self._pending = ""  # decoded, not yet emitted (could start a stop string)
+        self._emitted: list[str] = []
         self.stopped_by: str | None = None
 
     @property
@@ -34,38 +44,44 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self.token_ids.extend(int(t) for t in new_token_ids)
-        text = self._decode(self.token_ids)
-        end = len(text)
+        text = self._pending + self._decode_new(final)
+        cut = -1
         for stop in self._stop:
             at = text.find(stop)
-            if at != -1 and at < end:
-                end = at
-                self.stopped_by = stop
-        if self.stopped:
-            return self._take(text, end)
-        if not final:
-            end = self._hold_back(text)
-        return self._take(text, end)
+            if at != -1 and (cut == -1 or at < cut):
+                cut, self.stopped_by = at, stop
+        if cut != -1:
+            return self._emit(text[:cut], "")
+        keep = 0 if final else self._held_back(text)
+        return self._emit(text[: len(text) - keep], text[len(text) - keep :])
 
-    def _hold_back(self, text: str) -> int:
-        end = len(text)
-        while end > self._emitted and text[end - 1] == _REPLACEMENT:
-            end -= 1
-        safe = end
+    def _decode_new(self, final: bool) -> str:
+        """The text of the tokens not decoded yet ("" while it ends in a broken character)."""
+        if self._read == len(self.token_ids):
+            return ""
+        before = self._decode(self.token_ids[self._prefix : self._read])
+        after = self._decode(self.token_ids[self._prefix :])
+        if len(after) <= len(before) or (after.endswith(_REPLACEMENT) and not final):
+            return ""
+        self._prefix, self._read = self._read, len(self.token_ids)
+        return after[len(before) :]
+
+    def _held_back(self, text: str) -> int:
+        keep = 0
         for stop in self._stop:  # a suffix that is a proper prefix of a stop string
-            for k in range(min(len(stop) - 1, end), 0, -1):
-                if text[end - k : end] == stop[:k]:
-                    safe = min(safe, end - k)
+            for k in range(min(len(stop) - 1, len(text)), keep, -1):
+                if text.endswith(stop[:k]):
+                    keep = k
                     break
-        return max(safe, self._emitted)
+        return keep
 
-    def _take(self, text: str, end: int) -> str:
-        end = max(end, self._emitted)
-        delta = text[self._emitted : end]
-        self._emitted = end
+    def _emit(self, delta: str, pending: str) -> str:
+        self._pending = pending
+        if delta:
+            self._emitted.append(delta)
         return delta
 
     @property
     def text(self) -> str:
         """Everything returned so far."""
-        return self._decode(self.token_ids)[: self._emitted]
+        return "".join(self._emitted)

@@ -29,7 +29,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import zmq
@@ -42,7 +42,6 @@ from mmis.protocol.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-    ErrorCode,
     FinishReason,
     RequestError,
     UtilityCall,
@@ -50,11 +49,14 @@ from mmis.protocol.messages import (
 
 log = logging.getLogger(__name__)
 
+ENGINE_RESTARTED = "engine_restarted"
+ENGINE_UNAVAILABLE = "engine_unavailable"
+
 OutputQueue = asyncio.Queue[EngineCoreOutput]
 
 
 class EngineUnavailableError(MMISError):
-    code = ErrorCode.ENGINE_UNAVAILABLE.value
+    code = ENGINE_UNAVAILABLE
     retryable = True
 
 
@@ -161,9 +163,7 @@ class EngineClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         for rid, entry in list(self._inflight.items()):
-            entry.queue.put_nowait(
-                error_output(rid, ErrorCode.ENGINE_UNAVAILABLE.value, "the server is closing")
-            )
+            entry.queue.put_nowait(error_output(rid, ENGINE_UNAVAILABLE, "the server is closing"))
         self._inflight.clear()
         self._push.close()
         self._sub.close()
@@ -196,21 +196,6 @@ class EngineClient:
         if abort and ids and not self._closed:
             with contextlib.suppress(Exception):
                 await self._send(AbortRequests(request_ids=ids, client_index=self.client_index))
-
-    @contextlib.asynccontextmanager
-    async def open(self, request: EngineCoreRequest) -> AsyncIterator[OutputQueue]:
-        """Send ``request``; yield its output queue; unregister on exit.
-
-        Leaving the block before the request finished (client gone, error) aborts it in P1.
-        """
-        queue: OutputQueue = asyncio.Queue()
-        await self.add_requests([request], queue)
-        finished = False
-        try:
-            yield queue
-            finished = True
-        finally:
-            await self.release([request.request_id], abort=not finished)
 
     async def call_utility(self, method: str, *args: Any, timeout: float = 30.0) -> Any:
         call_id = next(self._call_ids)
@@ -276,7 +261,5 @@ class EngineClient:
             if entry.epoch != current:
                 entry.epoch = current  # one synthetic error per request, never two
                 entry.queue.put_nowait(
-                    error_output(
-                        rid, ErrorCode.ENGINE_RESTARTED.value, "the engine restarted; retrying"
-                    )
+                    error_output(rid, ENGINE_RESTARTED, "the engine restarted; retrying")
                 )

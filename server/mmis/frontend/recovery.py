@@ -19,10 +19,8 @@ Rules (ARCHITECTURE.md section 2, scenarios S1, S3, S4, S5):
 - Missing items the client sent by uuid only cannot be healed by P0:
   :class:`HashOnlyCacheMissError` (422) names their uuids, without a retry.
 - Non-retryable engine errors map through :func:`from_request_error` (400 / 500).
-- Counters: ``mmis_mm_retries_total{endpoint, outcome}``, one per failed first attempt of a
-  client request (the readiness probe's are not counted), endpoint as its route, ``outcome``
-  ``success`` (the retry produced output), ``failed`` (missed again), ``hash_only`` (refused
-  with a 422, never retried), ``error``.
+- Counters: ``retries{endpoint, outcome}``, one per failed first attempt, ``outcome`` in
+  ``success`` (the retry produced output), ``miss_again``, ``hash_only``, ``error``.
 - Traces (no-ops when tracing is off): per attempt a ``render`` span (items, shadow hits,
   bytes sent) and an ``engine`` span (the P0 -> P1 round trip, its context injected into
   every sibling's ``trace_context``), both children of the request's current span. A miss
@@ -38,6 +36,7 @@ from typing import TypeVar
 
 from opentelemetry import trace
 
+from mmis.frontend.counters import FrontendCounters
 from mmis.frontend.engine_client import EngineClient
 from mmis.frontend.errors import HashOnlyCacheMissError
 from mmis.frontend.generation import (
@@ -52,7 +51,6 @@ from mmis.multimodal.cache import item_nbytes
 from mmis.protocol.errors import MultiModalCacheMissError
 from mmis.protocol.messages import EngineCoreOutput, EngineCoreRequest, ShmAddress
 from mmis.telemetry import tracing as tr
-from mmis.telemetry.metrics import MMISMetrics
 from mmis.telemetry.tracing import Tracing
 
 T = TypeVar("T")
@@ -89,20 +87,10 @@ def bytes_sent(rendered: RenderedPrompt) -> int:
     return total
 
 
-ENDPOINT_ROUTES = {
-    "chat": "/v1/chat/completions",
-    "completions": "/v1/completions",
-    "embeddings": "/v1/embeddings",
-}
-RETRY_OUTCOMES = {
-    "success": "success",
-    "miss_again": "failed",
-    "error": "error",
-    "hash_only": "hash_only",
-}
-
 # (request id, rendered prompt, choice index) -> the engine request of that sibling
 RequestBuilder = Callable[[str, RenderedPrompt, int], EngineCoreRequest]
+# (choice index, its latest output) -> whether P0 ends that choice here
+ChoiceWatch = Callable[[int, EngineCoreOutput], bool]
 
 
 class RecoveryPolicy:
@@ -110,12 +98,12 @@ class RecoveryPolicy:
         self,
         renderer: Renderer,
         client: EngineClient,
-        metrics: MMISMetrics,
+        counters: FrontendCounters,
         tracing: Tracing | None = None,
     ) -> None:
         self.renderer = renderer
         self.client = client
-        self.metrics = metrics
+        self.counters = counters
         self.tracing = tracing or _OFF
 
     async def _attempt(
@@ -181,15 +169,22 @@ class RecoveryPolicy:
         n: int,
         reserve: int,
         build: RequestBuilder,
+        watch: Callable[[], ChoiceWatch] | None = None,
     ) -> tuple[RenderedPrompt, list[list[EngineCoreOutput]]]:
-        """The prompt sent and every output of every choice; retries a failure at any point."""
+        """The prompt sent and every output of every choice; retries a failure at any point.
+
+        ``watch`` makes a fresh :data:`ChoiceWatch` per attempt: when it returns True for an
+        output (a stop string matched in P0), that choice ends there and is aborted in P1."""
 
         async def collect(
             generation: Generation,
         ) -> tuple[RenderedPrompt, list[list[EngineCoreOutput]]]:
             per_choice: list[list[EngineCoreOutput]] = [[] for _ in range(n)]
+            ends = watch() if watch is not None else None
             async for choice, out in generation.outputs():
                 per_choice[choice].append(out)
+                if ends is not None and out.finish_reason is None and ends(choice, out):
+                    await generation.finish_choice(choice)
             generation.end_span()
             if generation.rendered is None:
                 raise RuntimeError("an attempt always records its rendered prompt")
@@ -249,9 +244,7 @@ class RecoveryPolicy:
         raise exc
 
     def _count(self, endpoint: str, outcome: str, hashes: int, attempt: int = 2) -> None:
-        route = ENDPOINT_ROUTES.get(endpoint)  # the readiness probe is no client request
-        if route is not None:
-            self.metrics.retry(route, RETRY_OUTCOMES[outcome])
+        self.counters.inc("retries", endpoint=endpoint, outcome=outcome)
         tr.record_cache_event(trace.get_current_span(), tr.RETRY, hashes, attempt, outcome)
 
     def _trace_failure(self, span: trace.Span, out: EngineCoreOutput, attempt: int) -> None:

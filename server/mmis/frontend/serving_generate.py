@@ -5,14 +5,16 @@ The endpoint modules prepare a :class:`SourcePrompt` and supply a :class:`Respon
 choice and answers whole or as Server-Sent Events.
 
 Invariants:
-- ``n`` choices are ``n`` sibling engine requests with ``n=1`` each (choice ``i`` gets seed
-  ``seed + i`` when a seed is given), so one choice can be stopped, aborted or retried
-  without touching the engine's notion of ``n``.
+- P0 is the only owner of ``n``: ``n`` choices are ``n`` sibling engine requests with
+  ``n=1`` each (choice ``i`` gets seed ``(seed + i) mod 2**63`` when a seed is given; P1
+  refuses ``n != 1``), so one choice can be stopped, aborted or retried on its own.
 - A stream's HTTP status is decided only after every sibling produced its first output
   (:meth:`RecoveryPolicy.start`); after that, failures end the stream with the SSE error
   event. Every exit path aborts the siblings still running in P1.
-- Stop strings are applied here (the engine may apply them too): text stops right before the
-  match, ``finish_reason`` is ``stop`` and the sibling is aborted in P1.
+- P0 is the only owner of stop strings (P1 applies stop token ids only): each choice's
+  :class:`IncrementalDetokenizer` matches them as tokens arrive, in streams and in whole
+  responses alike; the text stops right before the match, ``finish_reason`` is ``stop`` and
+  the sibling is aborted in P1 at once.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pydantic import BaseModel
 
 from mmis.frontend.detokenizer import IncrementalDetokenizer
 from mmis.frontend.errors import SSE_DONE
-from mmis.frontend.recovery import Generation, RequestBuilder, RetryableFailure
+from mmis.frontend.recovery import ChoiceWatch, Generation, RequestBuilder, RetryableFailure
 from mmis.frontend.renderer import RenderedPrompt, SourcePrompt
 from mmis.frontend.request_telemetry import current_record
 from mmis.frontend.schemas import PromptTokensDetails, Usage, sse_chunk
@@ -111,6 +113,16 @@ class TextGenerator:
         reserve, build = self._builder(req)
         policy, n, endpoint = self.state.policy, req.n, self.endpoint
         if not req.stream:
+
+            def watch() -> ChoiceWatch:  # per attempt: a stop string ends the choice in P1
+                detoks = [self._detokenizer(req) for _ in range(n)]
+
+                def ends(choice: int, out: EngineCoreOutput) -> bool:
+                    detoks[choice].add(out.new_token_ids)
+                    return detoks[choice].stopped
+
+                return ends
+
             rendered, outputs = await unless_disconnected(
                 http,
                 policy.complete(
@@ -120,6 +132,7 @@ class TextGenerator:
                     n=n,
                     reserve=reserve,
                     build=build,
+                    watch=watch,
                 ),
             )
             return self._whole(req, fmt, request_id, rendered, outputs)
@@ -130,6 +143,9 @@ class TextGenerator:
             ),
         )
         return SSEResponse(guard_stream(self._events(req, fmt, request_id, generation)))
+
+    def _detokenizer(self, req: SamplingRequest) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.state.processor.decode, req.stop_list())
 
     def _whole(
         self,
@@ -142,7 +158,7 @@ class TextGenerator:
         choices: list[tuple[str, str | None]] = []
         completion = cached = 0
         for outs in outputs:
-            detok = IncrementalDetokenizer(self.state.processor.decode, req.stop_list())
+            detok = self._detokenizer(req)
             detok.add([t for out in outs for t in out.new_token_ids], final=True)
             completion += len(detok.token_ids)
             cached = max([cached, *(out.num_cached_tokens for out in outs)])
@@ -156,10 +172,7 @@ class TextGenerator:
     async def _events(
         self, req: SamplingRequest, fmt: ResponseFormat, request_id: str, gen: Generation
     ) -> AsyncGenerator[bytes, None]:
-        detoks = [
-            IncrementalDetokenizer(self.state.processor.decode, req.stop_list())
-            for _ in range(gen.n)
-        ]
+        detoks = [self._detokenizer(req) for _ in range(gen.n)]
         started = [False] * gen.n
         cached = 0
         try:
