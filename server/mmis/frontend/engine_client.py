@@ -42,6 +42,7 @@ from mmis.protocol.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    ErrorCode,
     FinishReason,
     RequestError,
     UtilityCall,
@@ -49,14 +50,11 @@ from mmis.protocol.messages import (
 
 log = logging.getLogger(__name__)
 
-ENGINE_RESTARTED = "engine_restarted"
-ENGINE_UNAVAILABLE = "engine_unavailable"
-
 OutputQueue = asyncio.Queue[EngineCoreOutput]
 
 
 class EngineUnavailableError(MMISError):
-    code = ENGINE_UNAVAILABLE
+    code = ErrorCode.ENGINE_UNAVAILABLE.value
     retryable = True
 
 
@@ -163,7 +161,9 @@ class EngineClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         for rid, entry in list(self._inflight.items()):
-            entry.queue.put_nowait(error_output(rid, ENGINE_UNAVAILABLE, "the server is closing"))
+            entry.queue.put_nowait(
+                error_output(rid, ErrorCode.ENGINE_UNAVAILABLE.value, "the server is closing")
+            )
         self._inflight.clear()
         self._push.close()
         self._sub.close()
@@ -261,5 +261,7 @@ class EngineClient:
             if entry.epoch != current:
                 entry.epoch = current  # one synthetic error per request, never two
                 entry.queue.put_nowait(
-                    error_output(rid, ENGINE_RESTARTED, "the engine restarted; retrying")
+                    error_output(
+                        rid, ErrorCode.ENGINE_RESTARTED.value, "the engine restarted; retrying"
+                    )
                 )

@@ -19,8 +19,10 @@ Rules (ARCHITECTURE.md section 2, scenarios S1, S3, S4, S5):
 - Missing items the client sent by uuid only cannot be healed by P0:
   :class:`HashOnlyCacheMissError` (422) names their uuids, without a retry.
 - Non-retryable engine errors map through :func:`from_request_error` (400 / 500).
-- Counters: ``retries{endpoint, outcome}``, one per failed first attempt, ``outcome`` in
-  ``success`` (the retry produced output), ``miss_again``, ``hash_only``, ``error``.
+- Counters: ``mmis_mm_retries_total{endpoint, outcome}``, one per failed first attempt of a
+  client request (the readiness probe's are not counted), endpoint as its route, ``outcome``
+  ``success`` (the retry produced output), ``failed`` (missed again), ``hash_only`` (refused
+  with a 422, never retried), ``error``.
 - Traces (no-ops when tracing is off): per attempt a ``render`` span (items, shadow hits,
   bytes sent) and an ``engine`` span (the P0 -> P1 round trip, its context injected into
   every sibling's ``trace_context``), both children of the request's current span. A miss
@@ -36,7 +38,6 @@ from typing import TypeVar
 
 from opentelemetry import trace
 
-from mmis.frontend.counters import FrontendCounters
 from mmis.frontend.engine_client import EngineClient
 from mmis.frontend.errors import HashOnlyCacheMissError
 from mmis.frontend.generation import (
@@ -51,6 +52,7 @@ from mmis.multimodal.cache import item_nbytes
 from mmis.protocol.errors import MultiModalCacheMissError
 from mmis.protocol.messages import EngineCoreOutput, EngineCoreRequest, ShmAddress
 from mmis.telemetry import tracing as tr
+from mmis.telemetry.metrics import MMISMetrics
 from mmis.telemetry.tracing import Tracing
 
 T = TypeVar("T")
@@ -87,6 +89,18 @@ def bytes_sent(rendered: RenderedPrompt) -> int:
     return total
 
 
+ENDPOINT_ROUTES = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "embeddings": "/v1/embeddings",
+}
+RETRY_OUTCOMES = {
+    "success": "success",
+    "miss_again": "failed",
+    "error": "error",
+    "hash_only": "hash_only",
+}
+
 # (request id, rendered prompt, choice index) -> the engine request of that sibling
 RequestBuilder = Callable[[str, RenderedPrompt, int], EngineCoreRequest]
 # (choice index, its latest output) -> whether P0 ends that choice here
@@ -98,12 +112,12 @@ class RecoveryPolicy:
         self,
         renderer: Renderer,
         client: EngineClient,
-        counters: FrontendCounters,
+        metrics: MMISMetrics,
         tracing: Tracing | None = None,
     ) -> None:
         self.renderer = renderer
         self.client = client
-        self.counters = counters
+        self.metrics = metrics
         self.tracing = tracing or _OFF
 
     async def _attempt(
@@ -244,7 +258,9 @@ class RecoveryPolicy:
         raise exc
 
     def _count(self, endpoint: str, outcome: str, hashes: int, attempt: int = 2) -> None:
-        self.counters.inc("retries", endpoint=endpoint, outcome=outcome)
+        route = ENDPOINT_ROUTES.get(endpoint)  # the readiness probe is no client request
+        if route is not None:
+            self.metrics.retry(route, RETRY_OUTCOMES[outcome])
         tr.record_cache_event(trace.get_current_span(), tr.RETRY, hashes, attempt, outcome)
 
     def _trace_failure(self, span: trace.Span, out: EngineCoreOutput, attempt: int) -> None:
