@@ -12,7 +12,7 @@ the same number of tokens).
 - baseline: plain transformers, one ``model.generate(do_sample=False)`` per request, in turn
   (what a server without continuous batching does);
 - engine (ours): :class:`EngineCore` in-process, wired as ``mmis engine`` wires it (scheduler
-  + runner + tokenizer, default settings, no sockets): all ``c`` requests submitted as
+  + runner, default settings, no sockets): all ``c`` requests submitted as
   ``EngineCoreRequest`` s carrying the image tensors, then ``core.step()`` until all finish.
   Admission, scheduling (chunked prefill, prefix/encoder caches), the runner and output
   assembly are all inside the timing; building a fresh scheduler + core per run is not;
@@ -78,7 +78,7 @@ def _measure(sides: dict[str, Side], repeat: int, dev: Any) -> dict[str, Any]:
 
 
 def _sides(
-    baseline: Any, runner: Any, tokenizer: Any, items: list[Any], tokens: int, with_runner: bool
+    baseline: Any, runner: Any, items: list[Any], tokens: int, with_runner: bool
 ) -> dict[str, Side]:
     def nothing() -> None:
         return None
@@ -87,7 +87,7 @@ def _sides(
         return run_baseline(baseline, items, tokens)
 
     def fresh_engine() -> tuple[Any, Any]:
-        return engine_core(runner, tokenizer), engine_requests(items, tokens)
+        return engine_core(runner), engine_requests(items, tokens)
 
     def engine(state: tuple[Any, Any]) -> list[list[int]]:
         return run_engine(*state)
@@ -128,12 +128,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--concurrency, --tokens and --repeat must be positive")
     torch.set_num_threads(args.threads)
 
-    from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_model(Path(tmp) / "model", args.family)
         processor = AutoProcessor.from_pretrained(path)
-        tokenizer = AutoTokenizer.from_pretrained(path)
         dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
         adapter = load_adapter(path, args.device, dtype)
         baseline: Any = AutoModelForImageTextToText.from_pretrained(path, dtype=adapter.dtype)
@@ -150,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     ratio, mismatches = 0.0, 0
     for c in sorted(args.concurrency):
         items = build_workload(processor, adapter, c)
-        sides = _sides(baseline, runner, tokenizer, items, args.tokens, args.runner)
+        sides = _sides(baseline, runner, items, args.tokens, args.runner)
         timed = _measure(sides, args.repeat, dev)
         t_base, ref = timed["baseline"]
         t_engine, got = timed["engine"]

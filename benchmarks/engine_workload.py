@@ -6,7 +6,7 @@ Invariants:
 - Every side produces exactly ``tokens`` greedy tokens per request (EOS ignored), and returns
   them per request in workload order, so the sides can be compared token for token.
 - The engine side is :class:`EngineCore` wired as ``mmis engine`` wires it (scheduler with
-  :class:`EngineConfig`'s defaults, the model's tokenizer and EOS, the model's context
+  :class:`EngineConfig`'s defaults, the model's EOS, the model's context
   length; no sockets, no receiver cache, tracing off). A fresh scheduler and core are built
   for every timed run (untimed), so no run benefits from a previous run's prefix or encoder
   cache; one :class:`ModelRunner` (the KV pool) is shared, its encoder-output store cleared.
@@ -29,7 +29,7 @@ from mmis.config import GiB
 from mmis.engine.core import EngineCore
 from mmis.engine.model import ModelAdapter
 from mmis.engine.runner import ModelRunner
-from mmis.engine.step_batch import MultiModalInput, ScheduledSequence, StepBatch
+from mmis.engine.sched_output import MultiModalInput, ScheduledRequest, SchedulerOutput
 from mmis.entrypoints.engine import EngineConfig, make_core
 from mmis.protocol.messages import (
     EngineCoreRequest,
@@ -110,19 +110,19 @@ def run_runner(runner: ModelRunner, items: list[Item], tokens: int) -> list[list
         table = list(range(next_block, next_block + need))
         next_block += need
         mm = [MultiModalInput(item.mm_hash, item.offset, item.length, data=item.data)]
-        seqs.append(ScheduledSequence(f"r{k}", item.ids, 0, table, mm))
+        seqs.append(ScheduledRequest(f"r{k}", item.ids, 0, table, mm))
     if next_block > runner.pool.num_blocks:
         raise BenchmarkError(f"{next_block} KV blocks needed, pool has {runner.pool.num_blocks}")
     outputs: list[list[int]] = [[] for _ in items]
     for _ in range(tokens):
-        out = runner.execute(StepBatch(seqs))
+        out = runner.execute(SchedulerOutput(seqs))
         nxt = []
         for k, seq in enumerate(seqs):
             token = out.sampled_token_ids[seq.request_id]
             outputs[k].append(token)
             mm = [dataclasses.replace(it, data=None) for it in seq.mm_items]
             nxt.append(
-                ScheduledSequence(seq.request_id, [token], seq.end_position, seq.block_table, mm)
+                ScheduledRequest(seq.request_id, [token], seq.end_position, seq.block_table, mm)
             )
         seqs = nxt
     return outputs
@@ -141,11 +141,10 @@ def engine_runner(adapter: ModelAdapter) -> ModelRunner:
     )
 
 
-def engine_core(runner: ModelRunner, tokenizer: Any) -> EngineCore:
+def engine_core(runner: ModelRunner) -> EngineCore:
     """A fresh scheduler + core around ``runner``, built as ``mmis engine`` builds its own."""
     runner.encoder_outputs.clear()  # no embeddings left over from a previous run
-    core: EngineCore = make_core(ENGINE_DEFAULTS, runner, tokenizer)
-    return core
+    return make_core(ENGINE_DEFAULTS, runner)
 
 
 def engine_requests(items: list[Item], tokens: int) -> list[EngineCoreRequest]:

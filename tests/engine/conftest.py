@@ -4,7 +4,7 @@
   depends on a stale cache.
 - ``Driver`` is a test-only stand-in for the scheduler: it allocates KV blocks sequentially,
   splits prompts into chunks, lets requests join at given steps, and feeds the runner one
-  :class:`StepBatch` per step.
+  :class:`SchedulerOutput` per step.
 - ``reference`` runs plain ``transformers`` ``generate(do_sample=False)`` on the same prompt.
 """
 
@@ -23,10 +23,10 @@ from PIL import Image
 
 from mmis.engine.model import ModelAdapter, load_adapter
 from mmis.engine.runner import ModelRunner
-from mmis.engine.step_batch import (
+from mmis.engine.sched_output import (
     MultiModalInput,
-    ScheduledSequence,
-    StepBatch,
+    ScheduledRequest,
+    SchedulerOutput,
     StepOutput,
 )
 from mmis.engine.tiny_model import build_tiny_model
@@ -204,7 +204,7 @@ class Driver:
                 for it in req.items
             ]
             seqs.append(
-                ScheduledSequence(
+                ScheduledRequest(
                     request_id=req.request_id,
                     token_ids=req.tokens[req.computed : end],
                     start_position=req.computed,
@@ -216,7 +216,7 @@ class Driver:
                 )
             )
         self.max_seqs_in_step = max(self.max_seqs_in_step, len(seqs))
-        out = self.runner.execute(StepBatch(seqs)) if seqs else StepOutput()
+        out = self.runner.execute(SchedulerOutput(seqs)) if seqs else StepOutput()
         self.outputs.append(out)
         for seq in seqs:
             req = next(r for r in self.requests if r.request_id == seq.request_id)

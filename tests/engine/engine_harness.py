@@ -51,7 +51,6 @@ class Result:
     """Everything the engine sent back for one request id (all choices)."""
 
     request_id: str
-    expected_choices: int = 1
     tokens: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     finish_reason: dict[int, str] = dataclasses.field(default_factory=dict)
     stop_reason: dict[int, Any] = dataclasses.field(default_factory=dict)
@@ -66,7 +65,7 @@ class Result:
     def done(self) -> bool:
         if self.error is not None:  # one terminal error ends the whole request
             return True
-        return len(self.finish_reason) >= self.expected_choices
+        return bool(self.finish_reason)  # the engine runs one choice per request
 
     @property
     def token_ids(self) -> list[int]:
@@ -200,8 +199,7 @@ class EngineHarness:
     def send(self, *requests: EngineCoreRequest) -> None:
         for request in requests:
             request.client_index = self.client_index
-            n = request.sampling_params.n if request.sampling_params is not None else 1
-            self.results[request.request_id] = Result(request.request_id, expected_choices=n)
+            self.results[request.request_id] = Result(request.request_id)
             self.push.send_multipart(self.codec.encode_request(request), copy=False)
 
     def abort(self, request_ids: Sequence[str]) -> None:

@@ -18,7 +18,12 @@ import hashlib
 
 from mmis.engine.request import Request
 from mmis.engine.sched_config import SchedulerConfig
-from mmis.engine.sched_output import RequestEvent, SchedulerOutput
+from mmis.engine.sched_output import (
+    MultiModalInput,
+    RequestEvent,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from mmis.engine.scheduler import Scheduler
 from mmis.protocol.messages import (
     MultiModalFeature,
@@ -52,11 +57,13 @@ def make(
     )
 
 
-def slot_value(token: int, pos: int, features: list[MultiModalFeature], store: dict | None):
-    for f in features:
-        if f.placeholder.offset <= pos < f.placeholder.offset + f.placeholder.length:
-            emb = f.identifier if store is None else store[f.mm_hash]
-            return (token, emb, pos - f.placeholder.offset)
+def slot_value(token: int, pos: int, items: list[MultiModalInput], store: dict | None):
+    """What slot ``pos`` holds; the reference (``store=None``) reads the item's own hash, the
+    runner its encoder store (harness items have identifier == mm_hash)."""
+    for item in items:
+        if item.offset <= pos < item.end:
+            emb = item.mm_hash if store is None else store[item.mm_hash]
+            return (token, emb, pos - item.offset)
     return (token, None, 0)
 
 
@@ -66,9 +73,12 @@ def next_token(context: list[tuple]) -> int:
 
 
 def reference(prompt: list[int], features: list[MultiModalFeature], n: int) -> list[int]:
+    items = [
+        MultiModalInput(f.identifier, f.placeholder.offset, f.placeholder.length) for f in features
+    ]
     tokens, out = list(prompt), []
     for _ in range(n):
-        tok = next_token([slot_value(t, p, features, None) for p, t in enumerate(tokens)])
+        tok = next_token([slot_value(t, p, items, None) for p, t in enumerate(tokens)])
         out.append(tok)
         tokens.append(tok)
     return out
@@ -94,9 +104,9 @@ class SlotRunner:
             del self.encoder_store[mm_hash]
         for item in out.scheduled:
             for idx in item.encoder_inputs:
-                feature = item.mm_features[idx]
-                self.encoder_store[feature.mm_hash] = feature.identifier
-                self.encoded.append((out.step, feature.mm_hash))
+                mm_hash = item.mm_items[idx].mm_hash
+                self.encoder_store[mm_hash] = mm_hash
+                self.encoded.append((out.step, mm_hash))
         sampled = {}
         for item in out.scheduled:
             assert 0 not in item.block_table  # the null block is never handed out
@@ -107,7 +117,7 @@ class SlotRunner:
             for j, token in enumerate(item.token_ids):
                 pos = item.start_position + j
                 try:
-                    value = slot_value(token, pos, item.mm_features, self.encoder_store)
+                    value = slot_value(token, pos, list(item.mm_items), self.encoder_store)
                 except KeyError as exc:
                     raise EncoderMiss(f"{item.request_id}: no encoder output {exc}") from exc
                 self.slots[self._slot(item.block_table, pos)] = value
@@ -164,3 +174,8 @@ class Engine:
 
 def text(seed: int, n: int) -> list[int]:
     return [10 + (seed * 31 + i * 7) % 80 for i in range(n)]
+
+
+def scheduled(out: SchedulerOutput, request_id: str) -> ScheduledRequest | None:
+    """The work of ``request_id`` in ``out``, if it was scheduled."""
+    return next((s for s in out.scheduled if s.request_id == request_id), None)

@@ -82,6 +82,7 @@ def bad_requests(kit: ModelKit) -> dict[str, tuple[EngineCoreRequest, str]]:
         "empty prompt": (tokens([]), invalid),
         "n = 0": (params(n=0), invalid),
         "n = 17": (params(n=17), invalid),
+        "n = 2 (P0 sends one request per choice)": (params(n=2), invalid),
         "negative temperature": (params(temperature=-1.0), invalid),
         "top_p = 0": (params(top_p=0.0), invalid),
         "max_tokens = 0": (params(max_tokens=0), invalid),

@@ -122,13 +122,14 @@ def test_abort_of_running_requests_frees_their_blocks(
 ) -> None:
     prompt_len = len(kit.request(TEXTS[3]).prompt_token_ids)
     per_choice = (NUM_BLOCKS - 1) // n * BLOCK_SIZE  # all n choices fit: no preemption
-    req = kit.request(TEXTS[3], max_tokens=per_choice - prompt_len, n=n)
-    engine.send(req)
-    res = engine.results[req.request_id]
-    engine.wait_until(lambda: len(res.tokens) == n and all(res.tokens.values()))
-    assert not res.done, "the request finished before it could be aborted"
+    # n choices are n requests, as P0 sends them
+    reqs = [kit.request(TEXTS[3], max_tokens=per_choice - prompt_len) for _ in range(n)]
+    engine.send(*reqs)
+    results = [engine.results[req.request_id] for req in reqs]
+    engine.wait_until(lambda: all(res.tokens.get(0) for res in results))
+    assert not any(res.done for res in results), "a request finished before the abort"
     running = engine.call("stats")
     assert running["num_running"] == n
     assert running["num_free_kv_blocks"] < running["num_kv_blocks"]
-    engine.abort([req.request_id])
+    engine.abort([req.request_id for req in reqs])
     assert_all_blocks_free(engine)

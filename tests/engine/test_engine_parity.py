@@ -126,16 +126,24 @@ def test_repeated_prompt_and_image_hits_the_prefix_cache(
     assert after["prefix_cache_hits"] - before["prefix_cache_hits"] >= 2 * placeholder_end(base)
 
 
-def test_n_three_gives_three_indexed_choices(kit: ModelKit, engine: EngineHarness) -> None:
+def test_n_is_p0s_the_engine_refuses_n_three_and_runs_three_single_choices(
+    kit: ModelKit, engine: EngineHarness
+) -> None:
+    """P0 owns the choices (``serving_generate.py``: one request per choice, seed + i); the
+    engine refuses ``n != 1`` with a typed error and runs the siblings P0 sends."""
     images = [image(400)]
-    req = kit.request(TEXTS[1], images, max_tokens=6, n=3)
-    [res] = engine.run(req)
+    [refused] = engine.run(kit.request(TEXTS[1], images, max_tokens=6, n=3))
+    assert refused.error is not None and refused.error.code == "invalid_request"
+    assert "one request per choice" in refused.error.message
+    assert refused.finish_reason == {0: "error"} and refused.token_ids == []
+    siblings = [kit.request(TEXTS[1], images, max_tokens=6) for _ in range(3)]
+    results = engine.run(*siblings)
     expected = kit.reference(TEXTS[1], images, 6)
-    assert res.error is None, res.error
-    assert sorted(res.tokens) == [0, 1, 2]
-    assert res.finish_reason == {0: "length", 1: "length", 2: "length"}
-    assert all(res.tokens[i] == expected for i in range(3))
-    assert not [rid for rid in engine.results if rid.startswith(f"{req.request_id}#")]
+    for res in results:
+        assert res.error is None, res.error
+        assert res.finish_reason == {0: "length"}
+        assert res.tokens == {0: expected}
+    assert not [rid for rid in engine.results if "#" in rid]  # no engine-made child ids
 
 
 def test_prefix_hit_over_shm_item_acknowledges_every_descriptor(

@@ -11,14 +11,14 @@ import torch
 from mmis.engine.model import ModelInputError
 from mmis.engine.paged_attention import PagedAttentionError
 from mmis.engine.runner import EncoderOutputMissingError, StepInputError
-from mmis.engine.step_batch import MultiModalInput, ScheduledSequence, StepBatch
+from mmis.engine.sched_output import MultiModalInput, ScheduledRequest, SchedulerOutput
 from mmis.protocol.messages import PoolingParams
 
 pytestmark = pytest.mark.model
 
 
 def _seq(rid, ids, items, table, start=0, **kw):
-    return ScheduledSequence(rid, ids[start:], start, table, items, **kw)
+    return ScheduledRequest(rid, ids[start:], start, table, items, **kw)
 
 
 def test_encoder_runs_once_for_all_new_items_and_skips_stored(family):
@@ -27,7 +27,7 @@ def test_encoder_runs_once_for_all_new_items_and_skips_stored(family):
     ids_b, items_b, _ = family.request("Compare them.", [family.image(1), family.image(2)])
     assert items_a[0].mm_hash == items_b[0].mm_hash  # same image, same hash
     out = runner.execute(
-        StepBatch(
+        SchedulerOutput(
             [
                 _seq("a", ids_a, items_a, list(range(8))),
                 _seq("b", ids_b, items_b, list(range(8, 16))),
@@ -37,7 +37,7 @@ def test_encoder_runs_once_for_all_new_items_and_skips_stored(family):
     assert runner.num_encoder_calls == 1  # one encoder call for the whole step
     assert sorted(out.encoded_mm_hashes) == sorted({items_b[0].mm_hash, items_b[1].mm_hash})
     # a later request with a stored image and its tensors attached: no encoder run
-    runner.execute(StepBatch([_seq("c", ids_a, items_a, list(range(16, 24)))]))
+    runner.execute(SchedulerOutput([_seq("c", ids_a, items_a, list(range(16, 24)))]))
     assert runner.num_encoder_calls == 1
 
 
@@ -46,13 +46,13 @@ def test_freed_encoder_output_is_dropped_and_then_missing(family):
     ids, items, _ = family.request("Describe this image.", [family.image(1)])
     cut = items[0].offset + 2  # the first chunk ends inside the placeholder
     runner.execute(
-        StepBatch([ScheduledSequence("a", ids[:cut], 0, list(range(8)), items, sample=False)])
+        SchedulerOutput([ScheduledRequest("a", ids[:cut], 0, list(range(8)), items, sample=False)])
     )
     bare = [dataclasses.replace(it, data=None) for it in items]
     with pytest.raises(EncoderOutputMissingError, match=items[0].mm_hash):
         runner.execute(
-            StepBatch(
-                [ScheduledSequence("a", ids[cut:], cut, list(range(8)), bare)],
+            SchedulerOutput(
+                [ScheduledRequest("a", ids[cut:], cut, list(range(8)), bare)],
                 freed_encoder_hashes=[items[0].mm_hash],
             )
         )
@@ -79,24 +79,28 @@ def test_pooling_matches_the_hidden_states_of_transformers(family, driver_cls, p
 def test_mean_pooling_refuses_a_prefix_hit(family):
     runner = family.runner()
     ids, _, _ = family.request("Hello, how are you today?", [])
-    seq = ScheduledSequence("p", ids[16:], 16, [0, 1, 2], pooling_params=PoolingParams("mean"))
+    seq = ScheduledRequest("p", ids[16:], 16, [0, 1, 2], pooling_params=PoolingParams("mean"))
     with pytest.raises(StepInputError, match="mean pooling needs every prompt token"):
-        runner.execute(StepBatch([seq]))
+        runner.execute(SchedulerOutput([seq]))
 
 
 def test_bad_steps_raise_typed_errors(family):
     runner = family.runner(num_blocks=4, block_size=4)
     with pytest.raises(StepInputError, match="outside"):
-        runner.execute(StepBatch([ScheduledSequence("x", [family.adapter.vocab_size], 0, [0])]))
+        runner.execute(
+            SchedulerOutput([ScheduledRequest("x", [family.adapter.vocab_size], 0, [0])])
+        )
     with pytest.raises(StepInputError, match="twice"):
-        seq = ScheduledSequence("x", [1, 2], 0, [0])
-        runner.execute(StepBatch([seq, seq]))
+        seq = ScheduledRequest("x", [1, 2], 0, [0])
+        runner.execute(SchedulerOutput([seq, seq]))
     with pytest.raises(PagedAttentionError, match="cannot hold"):
-        runner.execute(StepBatch([ScheduledSequence("x", [1] * 5, 0, [0])]))
+        runner.execute(SchedulerOutput([ScheduledRequest("x", [1] * 5, 0, [0])]))
     ids, items, _ = family.request("Describe this image.", [family.image(1)])
     broken = dataclasses.replace(items[0], data={"pixel_values": np.zeros((1, 3, 5), np.float32)})
     with pytest.raises(ModelInputError) as info:
-        runner.execute(StepBatch([ScheduledSequence("x", ids[:4], 0, [0], [broken], sample=False)]))
+        runner.execute(
+            SchedulerOutput([ScheduledRequest("x", ids[:4], 0, [0], [broken], sample=False)])
+        )
     assert info.value.to_wire().code == "invalid_request"
 
 

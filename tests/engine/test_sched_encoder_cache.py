@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sched_harness import IMG, Engine, image, make, reference, text
+from sched_harness import IMG, Engine, image, make, reference, scheduled, text
 
 from mmis.protocol.messages import ErrorCode, FinishReason
 
@@ -78,9 +78,9 @@ def test_an_encoder_output_is_released_once_the_request_has_passed_it():
     assert eng.sched.encoder_cache.refs("a") == frozenset()
     eng.add(make("B", [3, *[IMG] * 8, 4], image("b", 1, 8), max_tokens=1))
     out, _ = eng.step()
-    item = out.get("B")
+    item = scheduled(out, "B")
     assert item is not None and item.encoder_inputs == [0]  # a was evicted for b
-    assert out.freed_encoder_hashes == ["a"] and out.get("A") is not None
+    assert out.freed_encoder_hashes == ["a"] and scheduled(out, "A") is not None
     eng.run()
     assert eng.outputs["A"] == reference([1, *[IMG] * 8, 2], [image("a", 1, 8)], 10)
 

@@ -23,7 +23,7 @@ def test_an_image_is_encoded_only_when_its_range_is_reached_and_never_split():
     while eng.sched.has_unfinished_requests():
         out, _ = eng.step()
         for item in out.scheduled:
-            encoded = [item.mm_features[i].mm_hash for i in item.encoder_inputs]
+            encoded = [item.mm_items[i].mm_hash for i in item.encoder_inputs]
             chunks.append((item.start_position, len(item.token_ids), encoded))
     # [0, 20) would split the image: stop before it; then the whole image in one chunk
     assert chunks[:3] == [(0, 10, []), (10, 20, ["pic"]), (30, 10, [])]

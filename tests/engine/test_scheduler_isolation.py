@@ -32,7 +32,7 @@ CHILD = textwrap.dedent(
     outputs, encoded = [], []
     while sched.has_unfinished_requests():
         out = sched.schedule()
-        encoded += [s.mm_features[i].mm_hash for s in out.scheduled for i in s.encoder_inputs]
+        encoded += [s.mm_items[i].mm_hash for s in out.scheduled for i in s.encoder_inputs]
         sampled = {s.request_id: [50] for s in out.scheduled if s.sample}
         for ev in sched.update_from_output(out, sampled):
             outputs += ev.new_token_ids

@@ -1,4 +1,5 @@
-"""SchedulerOutput -> the runner's StepBatch, and payload stripping on prefix hits (S7)."""
+"""The one scheduler output the runner reads: tensors only for this step's encoder runs, the
+item grid kept without them, no tensors at all for items a prefix hit covers (S7)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 
 from mmis.engine.request import Request
 from mmis.engine.sched_config import SchedulerConfig
-from mmis.engine.sched_output import EncoderInputError, to_step_batch
+from mmis.engine.sched_output import EncoderInputError
 from mmis.engine.scheduler import Scheduler
 from mmis.protocol.messages import (
     MultiModalFeature,
@@ -40,28 +41,30 @@ def drain(sched: Scheduler) -> None:
         sched.update_from_output(out, {s.request_id: [50] for s in out.scheduled if s.sample})
 
 
-def test_step_batch_carries_tensors_only_for_this_steps_encoder_runs():
+def test_the_output_carries_tensors_only_for_this_steps_encoder_runs():
     sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=32, max_num_batched_tokens=9))
     prompt = [1, *[IMG] * 4, 2, 3, *[IMG] * 4, 4]  # items at [1, 5) and [7, 11)
     sched.add_request(
         request("r", prompt, feature("x", 1, 4, pixels(1)), feature("y", 7, 4, pixels(2)))
     )
     out = sched.schedule()
-    (seq,) = to_step_batch(out).sequences
+    (seq,) = out.scheduled
     assert (seq.start_position, list(seq.token_ids)) == (0, prompt[:7])  # stops before y
     assert [(m.mm_hash, m.data is not None) for m in seq.mm_items] == [("x", True)]
+    assert seq.encoder_inputs == [0]
     sched.update_from_output(out, {})
     out = sched.schedule()
-    (seq,) = to_step_batch(out).sequences
+    (seq,) = out.scheduled
     # x is already encoded: no tensors, but its grid still reaches the runner (M-RoPE)
     assert [(m.mm_hash, m.data is not None, m.grid_thw) for m in seq.mm_items] == [
         ("x", False, (1, 2, 2)),
         ("y", True, (1, 2, 2)),
     ]
-    assert seq.sample and seq.block_table == out.scheduled[0].block_table
+    assert seq.encoder_inputs == [1]
+    assert seq.sample and seq.block_table == sched.kv.block_table("r")
 
 
-def test_prefix_hit_strips_covered_payloads_but_keeps_shm_descriptors():
+def test_prefix_hit_sends_no_covered_tensors_and_the_request_keeps_its_payloads():
     cfg = SchedulerConfig(block_size=4, num_blocks=32)
     sched = Scheduler(cfg)
     prompt = [1, *[IMG] * 4, 2, *[IMG] * 4, 3, 4, 5, 6, 7]
@@ -75,17 +78,20 @@ def test_prefix_hit_strips_covered_payloads_but_keeps_shm_descriptors():
     out = sched.schedule()
     (item,) = out.scheduled
     assert item.start_position == 12 and item.encoder_inputs == []
-    x, s = item.mm_features
-    assert x.data is not None and set(x.data) == {"image_grid_thw"}  # pixels dropped
-    assert s.data == shm  # the receiver must still see (and acknowledge) the descriptor
+    x, s = item.mm_items
+    assert x.data is None and x.grid_thw == (1, 2, 2)  # pixels dropped, the grid kept
+    assert s.data is None  # nothing to encode: the runner gets no payload
+    assert second.mm_features[1].data == shm  # the request keeps the descriptor it was sent
     assert second.mm_features[0].data is x_again.data  # the scheduler keeps the full payload
 
 
 def test_an_encoder_run_without_tensors_is_a_typed_error():
     sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=32))
     sched.add_request(request("r", [1, IMG, IMG, 2], feature("x", 1, 2, None)))
+    (item,) = sched.schedule().scheduled  # the pass itself never raises; the runner checks
+    assert item.encoder_inputs == [0]
     with pytest.raises(EncoderInputError, match="carries no tensors"):
-        to_step_batch(sched.schedule())
+        item.check_encoder_inputs()
 
 
 def test_preempted_requests_reach_the_runner_as_ended():
@@ -105,4 +111,4 @@ def test_preempted_requests_reach_the_runner_as_ended():
             break
         sched.update_from_output(out, {s.request_id: [50] for s in out.scheduled if s.sample})
     assert out.preempted_request_ids == ["b"]
-    assert "b" in to_step_batch(out).finished_request_ids
+    assert "b" in out.ended_request_ids

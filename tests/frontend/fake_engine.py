@@ -19,7 +19,7 @@ import io
 import socket
 import threading
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -142,10 +142,8 @@ class ScriptedCore:
             self.gate.clear()
         return outs
 
-    def call_utility(self, method: str, args: list[Any]) -> Any:
-        if method == "running":
-            return sorted(self.running)
-        raise ValueError(f"unknown utility {method!r}")
+    def utilities(self) -> dict[str, Callable[..., Any]]:
+        return {"running": lambda: sorted(self.running)}
 
 
 class _ScriptedProc(EngineCoreProc):

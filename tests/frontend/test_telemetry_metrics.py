@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +31,14 @@ pytestmark = pytest.mark.timeout(180)
 class StatsCore(ScriptedCore):
     """The scripted core, answering ``stats`` like the real one (from its live state)."""
 
-    def call_utility(self, method: str, args: list[Any]) -> Any:
-        if method == "stats":
-            running = len(self.running)
-            return EngineStats(
-                num_requests_running=running, kv_cache_usage=min(running / 4, 1.0)
-            ).to_dict() | {"engine_detail": 7}
-        return super().call_utility(method, args)
+    def utilities(self) -> dict[str, Callable[..., Any]]:
+        return super().utilities() | {"stats": self.stats}
+
+    def stats(self) -> dict[str, Any]:
+        running = len(self.running)
+        return EngineStats(
+            num_requests_running=running, kv_cache_usage=min(running / 4, 1.0)
+        ).to_dict() | {"engine_detail": 7}
 
 
 @pytest.fixture

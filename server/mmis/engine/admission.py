@@ -1,8 +1,9 @@
 """Admission checks of P1: can this (already resolved) request run at all?
 
 Invariants:
-- Every problem a client can put in a request -- token ids outside the vocabulary, ``n`` or
-  sampling/pooling parameters out of range, a prompt plus ``max_tokens`` beyond the context,
+- Every problem a client can put in a request -- token ids outside the vocabulary, ``n != 1``
+  (P0 owns the choices: one engine request per choice), sampling/pooling parameters out of
+  range, a prompt plus ``max_tokens`` beyond the context,
   placeholder ranges outside the prompt, item tensors that do not match their placeholder --
   is found here, before the request reaches the scheduler, and named in a typed
   :class:`Problem` (an :class:`ErrorCode` and a message a client can act on).
@@ -20,7 +21,6 @@ from mmis.engine.sampler import validate as validate_sampling
 from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import EngineCoreRequest, ErrorCode
 
-MAX_N = 16
 POOLING_TYPES = ("mean", "last")
 
 
@@ -38,7 +38,6 @@ class Problem:
 class ModelLimits:
     vocab_size: int
     max_model_len: int | None = None
-    max_n: int = MAX_N
 
 
 def check_request(
@@ -50,7 +49,7 @@ def check_request(
     """The first problem that keeps ``request`` from ever running, or ``None``."""
     return (
         _check_tokens(request, limits)
-        or _check_params(request, limits)
+        or _check_params(request)
         or _check_items(request, mm_inputs, adapter)
     )
 
@@ -74,11 +73,15 @@ def _check_tokens(request: EngineCoreRequest, limits: ModelLimits) -> Problem | 
     return None
 
 
-def _check_params(request: EngineCoreRequest, limits: ModelLimits) -> Problem | None:
+def _check_params(request: EngineCoreRequest) -> Problem | None:
     sampling, pooling = request.sampling_params, request.pooling_params
     if sampling is not None:
-        if not 1 <= sampling.n <= limits.max_n:
-            return Problem(ErrorCode.INVALID_REQUEST, f"n must be between 1 and {limits.max_n}")
+        if sampling.n != 1:
+            return Problem(
+                ErrorCode.INVALID_REQUEST,
+                f"n must be 1 in the engine, got {sampling.n}: the front end sends one request "
+                "per choice",
+            )
         if sampling.max_tokens < 1:
             return Problem(ErrorCode.INVALID_REQUEST, "max_tokens must be at least 1")
         try:

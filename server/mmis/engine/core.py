@@ -1,33 +1,34 @@
-"""The engine core: scheduler + model runner + stop strings, one step at a time.
+"""The engine core: scheduler + model runner, one step at a time.
 
 Invariants:
-- Only the busy-loop thread calls into this object (see :mod:`core_process`).
-- A request that cannot run (bad token ids, too long for the context, bad parameters, item
-  tensors that do not match their placeholder; see :mod:`admission`) is answered with a
-  ``finish_reason="error"`` output at admission and never reaches the scheduler.
-- Safety net: if the runner still fails a step, that step's requests (one error per parent)
-  end with an error output, encoder entries it never stored are dropped, and the engine
-  keeps serving; :meth:`step` never raises for anything a client sent.
-- ``n > 1`` fans out into ``n`` child requests (``<id>#<i>``) whose outputs carry the
-  parent's id and ``index = i``; aborting the parent aborts every child.
-- Stop strings are matched here on the detokenized output (the tokenizer is the model's);
-  the request finishes with ``stop_reason`` = the matched string and P0 trims the text.
+- Only the busy-loop thread calls into this object (see ``core_process.py``).
+- A request that cannot run (bad token ids, too long for the context, bad parameters,
+  ``n != 1``, item tensors that do not match their placeholder; see ``admission.py``) is
+  answered with a ``finish_reason="error"`` output at admission and never reaches the
+  scheduler. P0 owns the ``n`` choices: it sends one request per choice.
+- Safety net: if the runner still fails a step, that step's requests end with an error output,
+  encoder entries it never stored are dropped, and the engine keeps serving; :meth:`step`
+  never raises for anything a client sent.
+- Stop *token ids* (EOS, ``stop_token_ids``) end a request here (``Request.check_stop``); stop
+  *strings* are P0's (its detokenizer matches them and aborts the request), so the core needs
+  no tokenizer.
+- :meth:`utilities` is the core's part of the one utility table (``core_process.py``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
 
-from mmis.engine.admission import MAX_N, ModelLimits, Problem, check_request
+from mmis.engine.admission import ModelLimits, Problem, check_request
 from mmis.engine.request import Request
 from mmis.engine.runner import ModelRunner
-from mmis.engine.sched_output import RequestEvent, SchedulerOutput, to_step_batch
+from mmis.engine.sched_output import SchedulerOutput
 from mmis.engine.scheduler import Scheduler
 from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import (
@@ -44,9 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_N", "EngineCore"]
-
-_CHILD = "#"
+__all__ = ["EngineCore"]
 
 
 def _error(request_id: str, code: ErrorCode, message: str) -> EngineCoreOutput:
@@ -63,7 +62,6 @@ class EngineCore:
         scheduler: Scheduler,
         runner: ModelRunner,
         *,
-        tokenizer: Any = None,
         eos_token_id: int | None = None,
         max_model_len: int | None = None,
         spans: RequestSpans | None = None,
@@ -71,12 +69,10 @@ class EngineCore:
         self.spans = spans  # P1 tracing (None when off): see telemetry.request_spans
         self.scheduler = scheduler
         self.runner = runner
-        self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
         self.max_model_len = max_model_len
         self.vocab_size = int(runner.adapter.vocab_size)
         self.limits = ModelLimits(self.vocab_size, max_model_len)
-        self._children: dict[str, list[str]] = {}  # parent id -> live child ids
         self._immediate: list[EngineCoreOutput] = []
         self.num_steps = 0
 
@@ -86,9 +82,7 @@ class EngineCore:
     ) -> None:
         """Admit ``request`` (or answer it with an error output); never raises for bad input."""
         problem = check_request(request, mm_inputs, self.limits, self.runner.adapter)
-        if problem is None and (
-            request.request_id in self.scheduler.requests or request.request_id in self._children
-        ):
+        if problem is None and request.request_id in self.scheduler.requests:
             problem = Problem(
                 ErrorCode.INVALID_REQUEST, f"request id {request.request_id!r} is in use"
             )
@@ -99,34 +93,22 @@ class EngineCore:
             feature if data is None else msgspec.structs.replace(feature, data=data)
             for feature, data in zip(request.mm_features, mm_inputs, strict=True)
         ]
-        sampling = request.sampling_params
-        n = 1 if sampling is None else sampling.n
-        children: list[Request] = []
         try:
-            for index in range(n):
-                child = msgspec.structs.replace(request, mm_features=features)
-                if n > 1 and sampling is not None:
-                    seed = None if sampling.seed is None else sampling.seed + index
-                    child.request_id = f"{request.request_id}{_CHILD}{index}"
-                    child.sampling_params = msgspec.structs.replace(sampling, n=1, seed=seed)
-                children.append(Request.from_core_request(child, eos_token_id=self.eos_token_id))
+            admitted = Request.from_core_request(
+                msgspec.structs.replace(request, mm_features=features),
+                eos_token_id=self.eos_token_id,
+            )
         except MMISError as exc:  # e.g. overlapping placeholder ranges
             self._immediate.append(_error(request.request_id, ErrorCode(exc.code), str(exc)))
             return
-        for child_request in children:
-            self.scheduler.add_request(child_request)
-            if self.spans is not None:
-                self.spans.admit(child_request.request_id, request.trace_context)
-        if n > 1:
-            self._children[request.request_id] = [c.request_id for c in children]
+        self.scheduler.add_request(admitted)
+        if self.spans is not None:
+            self.spans.admit(request.request_id, request.trace_context)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        ids: list[str] = []
-        for rid in request_ids:
-            ids.extend(self._children.pop(rid, [rid]))
-        self.scheduler.abort_requests(ids)
+        self.scheduler.abort_requests(request_ids)
         if self.spans is not None:
-            self.spans.forget(ids)
+            self.spans.forget(request_ids)
 
     def has_work(self) -> bool:
         return bool(self._immediate) or self.scheduler.has_unfinished_requests()
@@ -142,7 +124,7 @@ class EngineCore:
         pooled: dict[str, Any] = {}
         if not sched_out.is_empty:
             try:
-                result = self.runner.execute(to_step_batch(sched_out))
+                result = self.runner.execute(sched_out)
             except Exception as exc:  # one bad step fails its requests, never the engine
                 outputs.extend(self._fail_step(sched_out, exc))
             else:
@@ -151,31 +133,26 @@ class EngineCore:
             self.num_steps += 1
         events = self.scheduler.update_from_output(sched_out, sampled)
         for event in events:
-            self._apply_stop_strings(event)
             out = event.to_wire()
             if event.request_id in pooled and event.finished:
                 out.pooled = np.asarray(pooled[event.request_id], dtype=np.float32)
-            outputs.append(self._to_parent(out))
+            outputs.append(out)
         if self.spans is not None:
             self.spans.on_step(sched_out.scheduled, events, started_ns, time.time_ns())
         return outputs
 
     def _fail_step(self, sched_out: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
-        """Finish every request of a step the runner could not execute with an error output
-        (one per parent for ``n > 1``, whose siblings are aborted), and forget encoder
-        entries the runner never stored, so a later request recomputes them."""
+        """Finish every request of a step the runner could not execute with an error output,
+        and forget encoder entries the runner never stored, so a later request recomputes
+        them."""
         log.exception("step failed; failing its %d request(s)", len(sched_out.scheduled))
         code = ErrorCode(exc.code) if isinstance(exc, MMISError) else ErrorCode.INTERNAL
         message = f"the engine could not run this request: {exc}"
         outputs: list[EngineCoreOutput] = []
         hashes: set[str] = set()
         for item in sched_out.scheduled:
-            hashes.update(item.mm_features[i].mm_hash for i in item.encoder_inputs)
-            parent, _, _ = item.request_id.rpartition(_CHILD)
-            if parent and parent in self._children:
-                self.scheduler.abort_requests(self._children.pop(parent))
-                outputs.append(_error(parent, code, message))
-            elif self.scheduler.finish_request(item.request_id, FinishReason.ERROR):
+            hashes.update(item.mm_items[i].mm_hash for i in item.encoder_inputs)
+            if self.scheduler.finish_request(item.request_id, FinishReason.ERROR):
                 outputs.append(_error(item.request_id, code, message))
         encoder_cache = self.scheduler.encoder_cache
         for mm_hash in hashes:
@@ -183,44 +160,10 @@ class EngineCore:
                 encoder_cache.cancel("", mm_hash)  # unreferenced now: just drop the entry
         return outputs
 
-    def _apply_stop_strings(self, event: RequestEvent) -> None:
-        request = self.scheduler.requests.get(event.request_id)
-        if event.finished or request is None or self.tokenizer is None:
-            return
-        params = request.sampling_params
-        if params is None or not params.stop or not event.new_token_ids:
-            return
-        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-        for stop in params.stop:
-            if stop and stop in text:
-                self.scheduler.finish_request(event.request_id, FinishReason.STOP, stop_reason=stop)
-                event.finish_reason = FinishReason.STOP
-                event.stop_reason = stop
-                return
-
-    def _to_parent(self, out: EngineCoreOutput) -> EngineCoreOutput:
-        if _CHILD not in out.request_id:
-            return out
-        parent, _, index = out.request_id.rpartition(_CHILD)
-        if parent not in self._children:
-            return out
-        out.request_id, out.index = parent, int(index)
-        if out.finish_reason is not None:
-            live = self._children.get(parent, [])
-            child = f"{parent}{_CHILD}{index}"
-            if child in live:
-                live.remove(child)
-            if not live:
-                self._children.pop(parent, None)
-        return out
-
     # ------------------------------------------------------------------ utilities
-    def call_utility(self, method: str, args: list[Any]) -> Any:
-        if method == "stats":
-            return self.stats()
-        if method == "reset_prefix_cache":
-            return self.scheduler.kv.reset_prefix_cache()
-        raise ValueError(f"unknown utility method {method!r}")
+    def utilities(self) -> Mapping[str, Callable[..., Any]]:
+        """The utility calls the busy loop runs on this core, by name."""
+        return {"stats": self.stats, "reset_prefix_cache": self.scheduler.kv.reset_prefix_cache}
 
     def stats(self) -> dict[str, Any]:
         """``EngineStats(...).to_dict()`` (what P0's /metrics renders) plus engine details."""

@@ -6,14 +6,18 @@ Threads and what each one owns (the invariants that keep P1 crash-free under dri
   answers a cache miss *itself* with a ``finish_reason="error"`` output listing every missing
   hash — a request with a miss never reaches the scheduler;
 - the **busy loop** (the thread that calls :meth:`EngineCoreProc.run`) owns the core: it
-  admits resolved requests, aborts, runs steps and core utility calls;
+  admits resolved requests, aborts, runs steps and core utility calls. The input thread hands
+  it typed messages (:class:`AddRequest`, :class:`Abort`, :class:`CoreUtility`) on one queue;
 - the **output thread** (:class:`OutputChannel`) owns the PUB socket: it encodes and sends
   outputs, one topic frame per client (``client_index``), each batch stamped with the cache
   epoch and the evictions that client has not yet been told about.
 - No message can stop a thread: a malformed one is dropped (logged), an unexpected failure
   while admitting a request is answered with an ``internal_error`` output.
-- Every output of a request reaches the client that sent it, for all ``n`` choices; the
-  owner is forgotten once every choice finished, one error ended them, or on abort.
+- Every output of a request reaches the client that sent it; the owner is forgotten once the
+  request finished or was aborted.
+- Utility calls are dispatched in one place, :meth:`EngineCoreProc._utility`, by one table
+  (:meth:`EngineCoreProc.utilities`): the shell's own calls run on the input thread (they
+  touch the receiver cache), the core's (:meth:`EngineCore.utilities`) on the busy loop.
 - ``reset_mm_cache`` empties the receiver cache and switches to its new epoch, so P0 drops
   its whole shadow instead of drifting.
 
@@ -24,12 +28,13 @@ answer arrives, which proves its subscription is live.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import random
 import threading
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -67,10 +72,41 @@ class EngineCore(Protocol):
 
     def step(self) -> list[EngineCoreOutput]: ...
 
-    def call_utility(self, method: str, args: list[Any]) -> Any: ...
+    def utilities(self) -> Mapping[str, Callable[..., Any]]: ...
 
 
 __all__ = ["EngineCore", "EngineCoreProc", "MMInputs", "topic"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AddRequest:
+    """A resolved request for the core (input thread -> busy loop)."""
+
+    request: EngineCoreRequest
+    mm_inputs: MMInputs
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Abort:
+    request_ids: list[str]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CoreUtility:
+    """A utility call the busy loop runs on the core."""
+
+    call: UtilityCall
+    fn: Callable[..., Any]
+
+
+CoreMessage = AddRequest | Abort | CoreUtility
+
+
+def _unknown(method: str) -> Callable[..., Any]:
+    def fail(*_args: Any) -> Any:
+        raise ValueError(f"unknown utility method {method!r}")
+
+    return fail
 
 
 class EngineCoreProc:
@@ -94,10 +130,17 @@ class EngineCoreProc:
         self.fault_evict_rate = fault_evict_rate
         self._rng = random.Random(seed)
         self._ctx = zmq.Context()
-        self._core_queue: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._core_queue: queue.Queue[CoreMessage] = queue.Queue()
         self._out = OutputChannel(cache_epoch=cache_epoch, engine_index=engine_index)
-        # request id -> [client index, choices not finished yet] (busy loop only)
-        self._owner: dict[str, list[int]] = {}
+        self._owner: dict[str, int] = {}  # request id -> client index (busy loop only)
+        # the one utility table: name -> (runs on the busy loop?, function)
+        # the shell's utility calls (they touch the receiver cache); the core adds its own
+        self._shell_utilities: dict[str, Callable[..., Any]] = {
+            "hello": self._hello,
+            "receiver_stats": self.receiver.stats,
+            "reset_mm_cache": self._reset_mm_cache,
+            "set_fault_evict_rate": self._set_fault,
+        }
         self._stop = threading.Event()
         self._in_codec = Codec()  # input thread only
         self._threads: list[threading.Thread] = []
@@ -145,7 +188,7 @@ class EngineCoreProc:
         if kind == RequestType.ADD and isinstance(msg, EngineCoreRequest):
             self._admit(msg)
         elif kind == RequestType.ABORT and isinstance(msg, AbortRequests):
-            self._core_queue.put(("abort", msg.request_ids))
+            self._core_queue.put(Abort(list(msg.request_ids)))
         elif kind == RequestType.UTILITY and isinstance(msg, UtilityCall):
             self._utility(msg)
 
@@ -174,7 +217,7 @@ class EngineCoreProc:
             self._send_error(request, RequestError(ErrorCode.INTERNAL.value, str(exc)))
             return
         self._publish_evictions()
-        self._core_queue.put(("add", (request, mm_inputs)))
+        self._core_queue.put(AddRequest(request, mm_inputs))
 
     def _send_error(self, request: EngineCoreRequest, error: RequestError) -> None:
         out = EngineCoreOutput(
@@ -185,19 +228,21 @@ class EngineCoreProc:
     def _publish_evictions(self) -> None:
         self._out.publish_evictions(self.receiver.drain_evicted())
 
-    # Utility calls that touch the receiver cache run here, on its owning thread.
+    def utilities(self) -> dict[str, tuple[bool, Callable[..., Any]]]:
+        """The one utility table: name -> (runs on the busy loop?, function)."""
+        shell = {name: (False, fn) for name, fn in self._shell_utilities.items()}
+        return shell | {name: (True, fn) for name, fn in self.core.utilities().items()}
+
     def _utility(self, call: UtilityCall) -> None:
-        local: dict[str, Callable[[], Any]] = {
-            "hello": lambda: {"cache_epoch": self.cache_epoch, "engine_index": self.engine_index},
-            "receiver_stats": self.receiver.stats,
-            "reset_mm_cache": self._reset_mm_cache,
-            "set_fault_evict_rate": lambda: self._set_fault(*call.args),
-        }
         self._out.register(call.client_index)
-        if call.method in local:
-            self._answer(call, local[call.method])
-        else:
-            self._core_queue.put(("utility", call))
+        on_core, fn = self.utilities().get(call.method, (False, _unknown(call.method)))
+        if on_core:
+            self._core_queue.put(CoreUtility(call, fn))
+        else:  # the shell's calls touch the receiver cache: they run here, on its thread
+            self._answer(call, fn)
+
+    def _hello(self) -> dict[str, Any]:
+        return {"cache_epoch": self.cache_epoch, "engine_index": self.engine_index}
 
     def _reset_mm_cache(self) -> bool:
         self.receiver.clear()
@@ -211,9 +256,9 @@ class EngineCoreProc:
         log.warning("fault evict rate set to %.3f", self.fault_evict_rate)
         return self.fault_evict_rate
 
-    def _answer(self, call: UtilityCall, fn: Callable[[], Any]) -> None:
+    def _answer(self, call: UtilityCall, fn: Callable[..., Any]) -> None:
         try:
-            result = UtilityResult(call_id=call.call_id, ok=True, result=fn())
+            result = UtilityResult(call_id=call.call_id, ok=True, result=fn(*call.args))
         except Exception as exc:  # a failed utility call is answered, never fatal
             err = RequestError(code="utility_failed", message=f"{call.method}: {exc}")
             result = UtilityResult(call_id=call.call_id, ok=False, error=err)
@@ -250,42 +295,36 @@ class EngineCoreProc:
         except queue.Empty:
             return
         while True:
-            self._apply(*item)
+            self._apply(item)
             try:
                 item = self._core_queue.get_nowait()
             except queue.Empty:
                 return
 
-    def _apply(self, kind: str, payload: Any) -> None:
-        if kind == "add":
-            request, mm_inputs = payload
-            n = request.sampling_params.n if request.sampling_params is not None else 1
-            self._owner[request.request_id] = [request.client_index, max(n, 1)]
-            try:
-                self.core.add_request(request, mm_inputs)
-            except Exception as exc:  # admission answers bad input; this is an engine bug
-                log.exception("admitting %s failed", request.request_id)
-                self._owner.pop(request.request_id, None)
-                self._send_error(request, RequestError(ErrorCode.INTERNAL.value, str(exc)))
-        elif kind == "abort":
-            self.core.abort_requests(list(payload))
-            for rid in payload:  # aborted requests get no output: forget their owner now
-                self._owner.pop(rid, None)
-        elif kind == "utility":
-            call: UtilityCall = payload
-            self._answer(call, lambda: self.core.call_utility(call.method, call.args))
+    def _apply(self, message: CoreMessage) -> None:
+        match message:
+            case AddRequest(request, mm_inputs):
+                self._owner[request.request_id] = request.client_index
+                try:
+                    self.core.add_request(request, mm_inputs)
+                except Exception as exc:  # admission answers bad input; this is an engine bug
+                    log.exception("admitting %s failed", request.request_id)
+                    self._owner.pop(request.request_id, None)
+                    self._send_error(request, RequestError(ErrorCode.INTERNAL.value, str(exc)))
+            case Abort(request_ids):
+                self.core.abort_requests(request_ids)
+                for rid in request_ids:  # aborted requests get no output: forget their owner
+                    self._owner.pop(rid, None)
+            case CoreUtility(call, fn):
+                self._answer(call, fn)
 
     def _route(self, outputs: list[EngineCoreOutput]) -> None:
         by_client: defaultdict[int, list[EngineCoreOutput]] = defaultdict(list)
         for out in outputs:
-            by_client[self._owner.get(out.request_id, [0])[0]].append(out)
-        for out in outputs:  # after routing all: the choices of one step share an owner
-            owner = self._owner.get(out.request_id)
-            if owner is None or out.finish_reason is None:
-                continue
-            owner[1] -= 1
-            if owner[1] <= 0 or out.error is not None:  # an error ends every choice
-                del self._owner[out.request_id]
+            owner = self._owner.get(out.request_id, 0)
+            if out.finish_reason is not None:
+                self._owner.pop(out.request_id, None)
+            by_client[owner].append(out)
         for client, outs in by_client.items():
             self._send(client, outs)
 

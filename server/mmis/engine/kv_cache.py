@@ -13,6 +13,8 @@ Invariants:
 - A lookup never covers the whole prompt: at least one token is left to compute, to get logits.
 - :meth:`allocate_slots` is all-or-nothing: on failure it returns ``None`` and changes nothing.
 - Blocks are freed tail first, so a request's later blocks are evicted before its prefix.
+- A ``skip_cache`` request neither reads nor writes the prefix cache (no hit, none of its
+  blocks registered); its blocks are private and freed like any other.
 - Block 0 is the reserved null block (see ``block_pool``); it is never in a block table.
 """
 
@@ -118,8 +120,10 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of ``request`` (blocks, tokens), never the whole of it."""
         pooling = request.pooling_params
-        if not self.enable_prefix_caching or (
-            request.is_pooling and pooling is not None and pooling.pooling_type == "mean"
+        if (
+            not self.enable_prefix_caching
+            or request.skip_cache
+            or (request.is_pooling and pooling is not None and pooling.pooling_type == "mean")
         ):  # mean pooling needs the hidden state of every prompt token: never a hit
             return [], 0
         hashes = update_block_hashes(request, self.block_size)
@@ -174,7 +178,7 @@ class KVCacheManager:
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register the full blocks whose tokens are all computed (after the step ran)."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.skip_cache:
             return
         blocks = self.req_blocks.get(request.request_id)
         if not blocks:

@@ -14,7 +14,7 @@ its block table: causal inside the new tokens, full over the cached ones. GQA is
 SDPA's ``enable_gqa``.
 
 Invariants:
-- All scheduled sequences are packed as batch size 1, in :class:`StepBatch` order.
+- All scheduled sequences are packed as batch size 1, in :class:`SchedulerOutput` order.
 - Index tensors are built once per step (:meth:`PagedAttentionMetadata.build`), not per layer.
 - Decode rows of a step share one SDPA call; each longer chunk gets its own (no padding of a
   long prefill to the batch size).

@@ -9,6 +9,9 @@ Invariants:
   raises :class:`InvalidRequestError` at construction, before it can reach the scheduler.
 - ``block_hashes[i]`` is the prefix-cache hash of full block ``i`` (see ``kv_cache``); hashes
   depend only on tokens and multimodal identifiers, so they survive preemption.
+- ``mm_items`` (what the runner is told about each item: hash, range, grid) is built once, at
+  construction, from the features as sent; the features keep their tensors for encoder runs.
+- ``skip_cache``: the request neither reads nor writes the prefix cache (see ``kv_cache``).
 - Status moves WAITING -> RUNNING -> (PREEMPTED -> RUNNING)* -> FINISHED; FINISHED is final.
 """
 
@@ -18,6 +21,7 @@ import enum
 import itertools
 from collections.abc import Sequence
 
+from mmis.engine.sched_output import MultiModalInput, grid_thw_of
 from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import (
     EngineCoreRequest,
@@ -75,6 +79,7 @@ class Request:
         arrival_time: float = 0.0,
         client_index: int = 0,
         eos_token_id: int | None = None,
+        skip_cache: bool = False,
     ) -> None:
         if not prompt_token_ids:
             raise InvalidRequestError(f"request {request_id!r} has an empty prompt")
@@ -91,6 +96,16 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.mm_features = list(mm_features)
+        self.mm_items = [
+            MultiModalInput(
+                f.mm_hash,
+                f.placeholder.offset,
+                f.placeholder.length,
+                grid_thw=grid_thw_of(f.data),
+            )
+            for f in self.mm_features
+        ]
+        self.skip_cache = skip_cache
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params
         self.arrival_time = arrival_time
@@ -119,6 +134,7 @@ class Request:
             arrival_time=message.arrival_time,
             client_index=message.client_index,
             eos_token_id=eos_token_id,
+            skip_cache=message.skip_cache,
         )
 
     @property
@@ -169,8 +185,7 @@ class Request:
     def check_stop(self, last_token: int) -> bool:
         """Apply the stop conditions that need no tokenizer after ``last_token`` was appended.
 
-        Stop *strings* are the caller's job (it has the tokenizer): it calls
-        ``Scheduler.finish_request`` when one matches.
+        Stop *strings* are P0's job (its detokenizer matches them and aborts the request).
         """
         params = self.sampling_params
         if params is None:

@@ -10,8 +10,9 @@ Invariants:
 - Exactly one language-model forward per step, whatever the number of sequences.
 - The encoder runs at most once per mm_hash while it stays in the store (the scheduler frees
   it through ``freed_encoder_hashes``).
+- It reads the scheduler's :class:`SchedulerOutput` as is (``sched_output.py``).
 - Per-request state is only the partial sum of mean-pooling requests whose prompt spans
-  several chunks; ``finished_request_ids`` drops it.
+  several chunks; ``ended_request_ids`` drops it.
 - Inconsistent input raises a typed :class:`StepInputError` (or the adapter's
   ``ModelInputError``) before the KV pool is written.
 """
@@ -31,7 +32,7 @@ from mmis.engine.paged_attention import (
     PagedStep,
 )
 from mmis.engine.sampler import Sampler
-from mmis.engine.step_batch import ScheduledSequence, StepBatch, StepOutput
+from mmis.engine.sched_output import ScheduledRequest, SchedulerOutput, StepOutput
 from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import ErrorCode
 
@@ -76,13 +77,13 @@ class ModelRunner:
         return self.pool.block_size
 
     @torch.inference_mode()
-    def execute(self, batch: StepBatch) -> StepOutput:
+    def execute(self, batch: SchedulerOutput) -> StepOutput:
         out = StepOutput()
         for mm_hash in batch.freed_encoder_hashes:
             self.encoder_outputs.pop(mm_hash, None)
-        for request_id in batch.finished_request_ids:
+        for request_id in batch.ended_request_ids:
             self._pool_sums.pop(request_id, None)
-        seqs = list(batch.sequences)
+        seqs = list(batch.scheduled)
         if not seqs:
             return out
         self._validate(seqs)
@@ -108,12 +109,13 @@ class ModelRunner:
         return out
 
     # -- steps -----------------------------------------------------------------------------
-    def _validate(self, seqs: Sequence[ScheduledSequence]) -> None:
+    def _validate(self, seqs: Sequence[ScheduledRequest]) -> None:
         ids = [s.request_id for s in seqs]
         if len(set(ids)) != len(ids):
             raise StepInputError(f"a request is scheduled twice in one step: {ids}")
         vocab = self.adapter.vocab_size
         for s in seqs:
+            s.check_encoder_inputs()
             if not s.token_ids:
                 raise StepInputError(f"request {s.request_id}: no tokens scheduled")
             if min(s.token_ids) < 0 or max(s.token_ids) >= vocab:
@@ -124,7 +126,7 @@ class ModelRunner:
                         f"request {s.request_id}: bad placeholder {item.offset}+{item.length}"
                     )
 
-    def _encode(self, seqs: Sequence[ScheduledSequence]) -> list[str]:
+    def _encode(self, seqs: Sequence[ScheduledRequest]) -> list[str]:
         todo: dict[str, tuple[int, object]] = {}
         for s in seqs:
             for item in s.mm_items:
@@ -145,7 +147,7 @@ class ModelRunner:
             self.encoder_outputs[mm_hash] = emb
         return hashes
 
-    def _scatter(self, embeds: torch.Tensor, seqs: Sequence[ScheduledSequence]) -> None:
+    def _scatter(self, embeds: torch.Tensor, seqs: Sequence[ScheduledRequest]) -> None:
         offset = 0
         for s in seqs:
             start, end = s.start_position, s.end_position
@@ -163,7 +165,7 @@ class ModelRunner:
             offset += s.num_tokens
 
     def _sample(
-        self, hidden: torch.Tensor, seqs: Sequence[ScheduledSequence], out: StepOutput
+        self, hidden: torch.Tensor, seqs: Sequence[ScheduledRequest], out: StepOutput
     ) -> None:
         rows, chosen, offset = [], [], 0
         for s in seqs:
@@ -181,7 +183,7 @@ class ModelRunner:
             out.sampled_token_ids[s.request_id] = int(token)
 
     def _pool(
-        self, hidden: torch.Tensor, seqs: Sequence[ScheduledSequence], out: StepOutput
+        self, hidden: torch.Tensor, seqs: Sequence[ScheduledRequest], out: StepOutput
     ) -> None:
         offset = 0
         for s in seqs:
@@ -202,7 +204,7 @@ class ModelRunner:
                 vector = torch.nn.functional.normalize(vector, dim=-1)
             out.pooled[s.request_id] = vector.cpu().numpy().astype(np.float32)
 
-    def _mean(self, s: ScheduledSequence, rows: torch.Tensor) -> torch.Tensor | None:
+    def _mean(self, s: ScheduledRequest, rows: torch.Tensor) -> torch.Tensor | None:
         total, count = self._pool_sums.pop(s.request_id, (None, 0))
         if total is None and s.start_position != 0:
             raise StepInputError(

@@ -4,7 +4,6 @@ Invariants:
 - Every limit is a positive integer (``max_model_len`` may be ``None``: no limit beyond the KV
   pool); ``strip_keep_fields`` is a tuple of tensor names; a bad value raises
   :class:`~mmis.config.ConfigError` naming the field.
-- :func:`never_schedulable` states which requests no pass could ever schedule under a config.
 - ``num_blocks`` counts block 0, the reserved null block, so ``num_blocks - 1`` are usable.
 """
 
@@ -13,8 +12,6 @@ from __future__ import annotations
 import dataclasses
 
 from mmis.config import ConfigError
-from mmis.engine.request import Request
-from mmis.protocol.messages import ErrorCode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,26 +49,3 @@ class SchedulerConfig:
                 f"SchedulerConfig.num_blocks must be at least 2 (block 0 is reserved), "
                 f"got {self.num_blocks}"
             )
-
-
-def never_schedulable(cfg: SchedulerConfig, request: Request) -> tuple[ErrorCode, str] | None:
-    """Why ``request`` can never be scheduled under ``cfg`` (code, message), or ``None``.
-
-    The KV-pool bound is checked by the scheduler when it allocates (``KVCacheManager``).
-    """
-    if cfg.max_model_len is not None and request.num_tokens >= cfg.max_model_len:
-        return (
-            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-            f"the prompt has {request.num_tokens} tokens; the model's context is "
-            f"{cfg.max_model_len} tokens, including at least one generated token",
-        )
-    # an uncached item is encoded in one step and computed in one chunk, and must fit the cache
-    limit = min(cfg.encoder_cache_size, cfg.encoder_compute_budget, cfg.max_num_batched_tokens)
-    for feature in request.mm_features:
-        if feature.placeholder.length > limit:
-            return (
-                ErrorCode.INVALID_REQUEST,
-                f"multimodal item {feature.identifier!r} needs {feature.placeholder.length} "
-                f"placeholder tokens; this engine handles at most {limit} per item",
-            )
-    return None

@@ -1,34 +1,39 @@
-"""What one scheduling pass hands to the model runner, and what a step's outcome reports.
+"""One scheduling step as data: what the scheduler hands the model runner, and what comes back.
+
+The scheduler (``scheduler.py``) builds a :class:`SchedulerOutput`; the runner (``runner.py``)
+reads it as is and answers with a :class:`StepOutput`; the scheduler turns that into
+:class:`RequestEvent` s. Pure data: nothing here runs a model or imports torch.
 
 Invariants:
-- For every :class:`ScheduledRequest`, ``token_ids`` are the tokens at positions
-  ``[start_position, start_position + len(token_ids))`` of the request, and ``block_table``
-  has a block for each of those positions (slot of position ``p`` =
-  ``block_table[p // block_size] * block_size + p % block_size``); block 0 never appears.
-- ``encoder_inputs`` index ``mm_features``: each names an item whose encoder output is not
-  cached and whose placeholder range this chunk reaches; the runner encodes it before the
-  forward and stores it under its ``mm_hash``.
+- Each request appears at most once in ``scheduled``; the runner computes all of them in ONE
+  forward pass, packed in this order.
+- For every :class:`ScheduledRequest`, ``start_position`` tokens are already in the KV cache;
+  ``token_ids`` are computed now at positions ``[start_position, start_position +
+  len(token_ids))``, and ``block_table`` has a block for each of them (slot of position ``p``
+  = ``block_table[p // block_size] * block_size + p % block_size``); block 0 never appears.
+- ``mm_items`` lists the request's items placed before the end of the chunk. ``data`` carries
+  tensors only for the items the runner encodes this step (``encoder_inputs``, indexes into
+  ``mm_items``: not cached, reached by this chunk); every other item's embeddings are in the
+  runner's store. An item's ``grid_thw`` is parsed once, when :class:`MultiModalInput` is
+  built from tensors, and survives dropping them (M-RoPE needs it either way).
 - ``freed_encoder_hashes`` lists encoder outputs the runner may drop *before* it runs this
   step's encoders; a hash used by this step never appears there.
-- ``finished_request_ids``: requests finished, aborted or rejected since the previous pass; the
-  runner drops its per-request state (ids it never saw may appear: rejected requests).
-- ``preempted_request_ids``: requests that lost their KV this pass; they come back later with
-  ``is_new=True`` and a fresh block table.
-- :func:`to_step_batch` is the one mapping to the runner's ``StepBatch``.
+- ``finished_request_ids`` (finished, aborted or rejected since the previous pass; ids the
+  runner never saw may appear) and ``preempted_request_ids`` (lost their KV this pass; they
+  come back later with ``is_new=True``) together are ``ended_request_ids``: the runner drops
+  their per-request state.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mmis.engine.request import Request
-from mmis.engine.step_batch import MultiModalInput, ScheduledSequence, StepBatch
 from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import (
     EngineCoreOutput,
     FinishReason,
-    MultiModalFeature,
     PoolingParams,
     RequestError,
     SamplingParams,
@@ -39,32 +44,80 @@ class EncoderInputError(MMISError):
     """An encoder run was scheduled for an item whose tensors are not in memory."""
 
 
+def grid_thw_of(data: object) -> tuple[int, int, int] | None:
+    """The (t, h, w) patch grid in an item's tensors (``image_grid_thw``), if any."""
+    grid = data.get("image_grid_thw") if isinstance(data, Mapping) else None
+    if grid is None:
+        return None
+    values = [int(v) for v in grid.reshape(-1).tolist()]
+    return (values[0], values[1], values[2]) if len(values) == 3 else None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MultiModalInput:
+    """One multimodal item of a scheduled request."""
+
+    mm_hash: str
+    offset: int  # first placeholder token's index in the prompt
+    length: int  # number of placeholder tokens
+    data: Mapping[str, Any] | None = None  # processor tensors, when encoding this step
+    # (t, h, w) patch grid (Qwen2-VL M-RoPE); taken from ``data`` when not given, so
+    # ``dataclasses.replace(item, data=None)`` keeps it
+    grid_thw: tuple[int, int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.grid_thw is None and self.data is not None:
+            object.__setattr__(self, "grid_thw", grid_thw_of(self.data))
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ScheduledRequest:
+    """One request's work in a step."""
+
     request_id: str
-    token_ids: list[int]  # the chunk to compute this step
+    token_ids: Sequence[int]  # the chunk to compute this step
     start_position: int  # == the request's num_computed_tokens before this step
-    block_table: list[int]
-    encoder_inputs: list[int]  # indexes into mm_features
-    mm_features: list[MultiModalFeature]
-    sampling_params: SamplingParams | None
-    pooling_params: PoolingParams | None
-    is_new: bool  # first step since admission (or re-admission after preemption)
-    sample: bool  # this chunk reaches the last known token: sample (or pool) after it
-    num_prompt_tokens: int
+    block_table: Sequence[int]
+    mm_items: Sequence[MultiModalInput] = ()
+    sample: bool = True  # this chunk reaches the last known token: sample (or pool) after it
+    sampling_params: SamplingParams | None = None  # None: greedy
+    pooling_params: PoolingParams | None = None  # set for pooling (embedding) requests
+    is_new: bool = False  # first step since admission (or re-admission after preemption)
+    # indexes into mm_items: encode these this step
+    encoder_inputs: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def end_position(self) -> int:
+        return self.start_position + len(self.token_ids)
+
+    def check_encoder_inputs(self) -> None:
+        """Raise :class:`EncoderInputError` if an item to encode carries no tensors."""
+        for idx in self.encoder_inputs:
+            item = self.mm_items[idx]
+            if item.data is None:
+                raise EncoderInputError(
+                    f"request {self.request_id!r}: item {item.mm_hash!r} must be encoded "
+                    "but carries no tensors"
+                )
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SchedulerOutput:
-    step: int
-    scheduled: list[ScheduledRequest]
-    freed_encoder_hashes: list[str]
-    finished_request_ids: list[str]
-    preempted_request_ids: list[str]
+    """Everything the runner needs for one step."""
+
+    scheduled: Sequence[ScheduledRequest]
+    freed_encoder_hashes: Sequence[str] = ()
+    finished_request_ids: Sequence[str] = ()
+    preempted_request_ids: Sequence[str] = ()
+    step: int = 0
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -74,11 +127,19 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
-    def get(self, request_id: str) -> ScheduledRequest | None:
-        for item in self.scheduled:
-            if item.request_id == request_id:
-                return item
-        return None
+    @property
+    def ended_request_ids(self) -> list[str]:
+        """Requests whose per-request runner state is dropped (a preempted one restarts)."""
+        return [*self.finished_request_ids, *self.preempted_request_ids]
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """What one step produced, keyed by request id."""
+
+    sampled_token_ids: dict[str, int] = dataclasses.field(default_factory=dict)
+    pooled: dict[str, Any] = dataclasses.field(default_factory=dict)  # numpy float32 vectors
+    encoded_mm_hashes: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(slots=True)
@@ -94,19 +155,6 @@ class RequestEvent:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
 
-    @classmethod
-    def from_request(cls, request: Request, new_token_ids: list[int]) -> RequestEvent:
-        return cls(
-            request_id=request.request_id,
-            client_index=request.client_index,
-            new_token_ids=new_token_ids,
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
-            error=request.error,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-        )
-
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -121,67 +169,3 @@ class RequestEvent:
             num_cached_tokens=self.num_cached_tokens,
             stop_reason=self.stop_reason,
         )
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    encoder_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_rejected: int
-
-
-def _grid_thw(data: Any) -> tuple[int, int, int] | None:
-    """The (t, h, w) patch grid of one item, from its ``image_grid_thw`` tensor if present."""
-    grid = data.get("image_grid_thw") if isinstance(data, dict) else None
-    if grid is None:
-        return None
-    values = grid.tolist() if hasattr(grid, "tolist") else list(grid)
-    if len(values) == 1 and isinstance(values[0], list):  # shape (1, 3)
-        values = values[0]
-    if len(values) != 3:
-        return None
-    return (int(values[0]), int(values[1]), int(values[2]))
-
-
-def to_step_batch(out: SchedulerOutput) -> StepBatch:
-    """The runner's input for ``out``: items up to the chunk's end, tensors only for the
-    items whose encoder runs this step (others are in the runner's encoder store)."""
-    sequences = []
-    for item in out.scheduled:
-        end = item.start_position + len(item.token_ids)
-        encode = set(item.encoder_inputs)
-        mm_items = []
-        for idx, feature in enumerate(item.mm_features):
-            ph = feature.placeholder
-            if ph.offset >= end:
-                continue
-            data: dict[str, Any] | None = None
-            if idx in encode:
-                if not isinstance(feature.data, dict):
-                    raise EncoderInputError(
-                        f"request {item.request_id!r}: item {feature.mm_hash!r} must be encoded "
-                        f"but carries no tensors ({type(feature.data).__name__})"
-                    )
-                data = feature.data
-            grid = _grid_thw(feature.data)  # M-RoPE needs it whether or not we encode
-            mm_items.append(MultiModalInput(feature.mm_hash, ph.offset, ph.length, data, grid))
-        sequences.append(
-            ScheduledSequence(
-                request_id=item.request_id,
-                token_ids=item.token_ids,
-                start_position=item.start_position,
-                block_table=item.block_table,
-                mm_items=mm_items,
-                sample=item.sample,
-                sampling_params=item.sampling_params,
-                pooling_params=item.pooling_params,
-            )
-        )
-    # a preempted request restarts from scratch: the runner drops its state like a finished one
-    ended = [*out.finished_request_ids, *out.preempted_request_ids]
-    return StepBatch(sequences, out.freed_encoder_hashes, ended)

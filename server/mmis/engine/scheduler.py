@@ -4,49 +4,109 @@ One pass (:meth:`Scheduler.schedule`) first continues the running requests in pr
 (earliest arrival first), then admits waiting requests first-come first-served, within a
 per-step token budget (chunked prefill), ``max_num_seqs`` and an encoder compute budget. The
 caller runs the step, then hands the sampled tokens to :meth:`Scheduler.update_from_output`.
-Queues, lifecycle transitions and what they release live in ``request_queue``; encoder
-planning in ``encoder_plan``.
+The scheduler owns the queues and the policy; it *uses* a :class:`KVCacheManager` (blocks and
+the prefix cache) and an :class:`EncoderCacheManager` (encoder-output slots), and hands the
+runner one :class:`SchedulerOutput` (``sched_output.py``).
 
 Invariants:
-- ``running`` is sorted by arrival (``Request.priority_key``); when KV blocks run out, the
-  latest-arrived request not yet scheduled in this pass is preempted (recompute: its blocks and
-  encoder references are released, it goes to the front of ``waiting``). No request is
-  admitted in a pass that preempted one.
+- Every live request is in ``requests`` and in exactly one of ``waiting`` (FCFS; preempted
+  requests re-enter at the front) or ``running`` (sorted by ``Request.priority_key``, i.e.
+  arrival order, so ``running[-1]`` is always the latest arrival).
+- When KV blocks run out, the latest-arrived request not yet scheduled in this pass is
+  preempted (recompute: its blocks and encoder references are released, ``num_computed_tokens
+  = 0``, output tokens kept, it goes to the front of ``waiting``). No request is admitted in a
+  pass that preempted one.
 - An image's encoder run is scheduled only in the chunk that reaches its placeholder range and
   only if its output is not cached; a chunk never splits the range of an uncached item: it
-  covers the whole range or stops before it.
+  covers the whole range or stops before it. Every encoder-cache change of a chunk that is not
+  scheduled after all is rolled back exactly (:class:`_EncoderPlan`).
 - A prefix-cache hit sets ``num_computed_tokens`` to the hit length at admission: those tokens
   (and the encoder runs of items they cover) are skipped.
 - A request that can never be scheduled (prompt beyond ``max_model_len`` or the KV pool, an
-  item larger than the encoder cache or a step's budgets) finishes with a typed error; the
-  others keep being scheduled.
-- Encoder references are released when the request's computed tokens pass an item, or when it
-  finishes, is aborted or is preempted; KV blocks when it finishes, is aborted or preempted.
+  item larger than the encoder cache or a step's budgets: :func:`never_schedulable`) finishes
+  with a typed error, delivered as an event by the next ``update_from_output``; the others
+  keep being scheduled.
+- Leaving ``running`` other than by preemption (finish, abort, rejection) releases the
+  request's KV blocks and encoder references, removes it from ``requests`` and reports its id
+  once in the next pass's ``finished_request_ids``. Encoder references are also released once
+  the request's computed tokens pass an item.
 - ``num_computed_tokens`` advances when a chunk is scheduled; KV blocks are registered in the
   prefix cache in ``update_from_output``, after the step computed them.
+- Importable and runnable without torch.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-from collections.abc import Mapping, Sequence
+import itertools
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
 
-from mmis.engine.encoder_plan import EncoderPlan, plan_encoder, rollback_plan
-from mmis.engine.request import Request, RequestStatus
-from mmis.engine.request_queue import RequestQueue
-from mmis.engine.sched_config import SchedulerConfig, never_schedulable
+from mmis.engine.encoder_cache import EncoderCacheManager
+from mmis.engine.kv_cache import KVCacheManager
+from mmis.engine.request import InvalidRequestError, Request, RequestStatus
+from mmis.engine.sched_config import SchedulerConfig
 from mmis.engine.sched_output import (
+    MultiModalInput,
     RequestEvent,
     ScheduledRequest,
     SchedulerOutput,
 )
-from mmis.multimodal.payload_strip import strip_covered_payloads
 from mmis.protocol.errors import MMISError
-from mmis.protocol.messages import FinishReason
+from mmis.protocol.messages import ErrorCode, FinishReason, RequestError
 
 
 class SchedulerError(MMISError):
     """The runner's results do not match what was scheduled (an engine bug, not user input)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    encoder_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_rejected: int
+
+
+def never_schedulable(cfg: SchedulerConfig, request: Request) -> tuple[ErrorCode, str] | None:
+    """Why ``request`` can never be scheduled under ``cfg`` (code, message), or ``None``.
+
+    The KV-pool bound is checked by the scheduler when it allocates (``KVCacheManager``).
+    """
+    if cfg.max_model_len is not None and request.num_tokens >= cfg.max_model_len:
+        return (
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            f"the prompt has {request.num_tokens} tokens; the model's context is "
+            f"{cfg.max_model_len} tokens, including at least one generated token",
+        )
+    # an uncached item is encoded in one step and computed in one chunk, and must fit the cache
+    limit = min(cfg.encoder_cache_size, cfg.encoder_compute_budget, cfg.max_num_batched_tokens)
+    for feature in request.mm_features:
+        if feature.placeholder.length > limit:
+            return (
+                ErrorCode.INVALID_REQUEST,
+                f"multimodal item {feature.identifier!r} needs {feature.placeholder.length} "
+                f"placeholder tokens; this engine handles at most {limit} per item",
+            )
+    return None
+
+
+def _event(request: Request, new_token_ids: list[int]) -> RequestEvent:
+    return RequestEvent(
+        request_id=request.request_id,
+        client_index=request.client_index,
+        new_token_ids=new_token_ids,
+        finish_reason=request.finish_reason,
+        stop_reason=request.stop_reason,
+        error=request.error,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=max(request.num_cached_tokens, 0),
+    )
 
 
 @dataclasses.dataclass
@@ -55,12 +115,87 @@ class _Budget:
     encoder: int
 
 
-class Scheduler(RequestQueue):
-    """Queues and lifecycle come from :class:`RequestQueue`; this adds the pass itself."""
+@dataclasses.dataclass
+class _EncoderPlan:
+    """One chunk's encoder runs, and every encoder-cache change made for them this pass."""
 
-    def __init__(self, config: SchedulerConfig | None = None) -> None:
-        super().__init__(config)
+    num_new_tokens: int
+    encoder_inputs: list[int] = dataclasses.field(default_factory=list)  # mm_features indexes
+    allocated: list[str] = dataclasses.field(default_factory=list)  # new entries, this pass
+    acquired: list[str] = dataclasses.field(default_factory=list)  # new references, this pass
+    encoder_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig | None = None,
+        *,
+        kv: KVCacheManager | None = None,
+        encoder_cache: EncoderCacheManager | None = None,
+    ) -> None:
+        self.config = cfg = config or SchedulerConfig()
+        self.kv = kv or KVCacheManager(
+            cfg.num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching
+        )
+        self.encoder_cache = encoder_cache or EncoderCacheManager(cfg.encoder_cache_size)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []
+        self._pending_events: list[RequestEvent] = []
+        self._seq = itertools.count()
         self._step = 0
+        self.num_preemptions = 0
+        self.num_rejected = 0
+
+    # -- intake and queries ------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+            raise InvalidRequestError(f"{request!r} is not a fresh request")
+        request.seq = next(self._seq)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(
+        self, request_id: str, reason: FinishReason, *, stop_reason: int | str | None = None
+    ) -> bool:
+        """Finish a request from outside (abort, failed step). False if it is unknown/done."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.finish(reason, stop_reason=stop_reason)
+        self._release(request)
+        return True
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Abort waiting or running requests; returns those that were still live."""
+        return [rid for rid in request_ids if self.finish_request(rid, FinishReason.ABORT)]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def has_pending_events(self) -> bool:
+        return bool(self._pending_events)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_usage=self.kv.usage(),
+            encoder_cache_usage=self.encoder_cache.usage(),
+            prefix_cache_queries=self.kv.prefix_stats.queries,
+            prefix_cache_hits=self.kv.prefix_stats.hits,
+            num_preemptions=self.num_preemptions,
+            num_rejected=self.num_rejected,
+        )
 
     # -- one pass ----------------------------------------------------------------------------
 
@@ -73,11 +208,11 @@ class Scheduler(RequestQueue):
         if not preempted:
             self._schedule_waiting(budget, scheduled)
         out = SchedulerOutput(
-            step=self._step,
             scheduled=scheduled,
             freed_encoder_hashes=self.encoder_cache.take_freed(),
             finished_request_ids=self._finished_ids,
             preempted_request_ids=preempted,
+            step=self._step,
         )
         self._finished_ids = []
         return out
@@ -90,17 +225,15 @@ class Scheduler(RequestQueue):
             request = self.running[i]
             remaining = request.num_tokens - request.num_computed_tokens
             num_new = min(remaining, budget.tokens)
-            plan = plan_encoder(
-                self.encoder_cache, request, request.num_computed_tokens, num_new, budget.encoder
-            )
+            plan = self._plan_encoder(request, request.num_computed_tokens, num_new, budget)
             if plan.num_new_tokens == 0:
-                rollback_plan(self.encoder_cache, request, plan)
+                self._rollback(request, plan)
                 i += 1
                 continue
             while self.kv.allocate_slots(request, plan.num_new_tokens) is None:
                 victim = self.running[-1]
                 if victim is request:
-                    rollback_plan(self.encoder_cache, request, plan)
+                    self._rollback(request, plan)
                     break
                 self._preempt(victim, preempted)
             else:
@@ -121,50 +254,103 @@ class Scheduler(RequestQueue):
                 continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget.tokens)
-            plan = plan_encoder(self.encoder_cache, request, num_hit, num_new, budget.encoder)
+            plan = self._plan_encoder(request, num_hit, num_new, budget)
             if plan.num_new_tokens == 0:
-                rollback_plan(self.encoder_cache, request, plan)
+                self._rollback(request, plan)
                 break
             if not self.kv.can_ever_fit(request.num_tokens):
-                rollback_plan(self.encoder_cache, request, plan)
+                self._rollback(request, plan)
                 self._reject_head_kv_overflow()
                 continue
             if self.kv.allocate_slots(request, plan.num_new_tokens, hit_blocks) is None:
-                rollback_plan(self.encoder_cache, request, plan)
+                self._rollback(request, plan)
                 break
-            self._admit(request)
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=lambda r: r.priority_key)
             request.num_computed_tokens = num_hit
-            self.kv.record_prefix_lookup(request.num_tokens, num_hit)
+            if not request.skip_cache:
+                self.kv.record_prefix_lookup(request.num_tokens, num_hit)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             scheduled.append(self._commit(request, plan, budget, is_new=True))
 
+    def _plan_encoder(
+        self, request: Request, start: int, num_new: int, budget: _Budget
+    ) -> _EncoderPlan:
+        """Trim tokens ``[start, start + num_new)`` of ``request`` and reserve its encoder runs."""
+        plan = _EncoderPlan(num_new)
+        features = request.mm_features
+        if not features:
+            return plan
+        cache, rid, end = self.encoder_cache, request.request_id, start + num_new
+        for idx in sorted(range(len(features)), key=lambda i: features[i].placeholder.offset):
+            feature = features[idx]
+            offset, length = feature.placeholder.offset, feature.placeholder.length
+            if offset >= end:
+                break
+            if offset + length <= start:
+                continue
+            held = rid in cache.refs(feature.mm_hash)
+            if cache.acquire(rid, feature.mm_hash):
+                if not held:
+                    plan.acquired.append(feature.mm_hash)
+                continue
+            fits = (
+                offset + length <= end
+                and plan.encoder_tokens + length <= budget.encoder
+                and cache.can_allocate(length)
+            )
+            if not fits:
+                end = max(offset, start)  # stop before the item (or schedule nothing)
+                break
+            cache.allocate(rid, feature.mm_hash, length)
+            plan.allocated.append(feature.mm_hash)
+            plan.encoder_inputs.append(idx)
+            plan.encoder_tokens += length
+        plan.num_new_tokens = end - start
+        return plan
+
+    def _rollback(self, request: Request, plan: _EncoderPlan) -> None:
+        """Undo ``plan`` (its chunk will not be scheduled in this pass)."""
+        for mm_hash in plan.allocated:
+            self.encoder_cache.cancel(request.request_id, mm_hash)
+        for mm_hash in plan.acquired:
+            self.encoder_cache.release(request.request_id, mm_hash)
+
     def _commit(
-        self, request: Request, plan: EncoderPlan, budget: _Budget, *, is_new: bool
+        self, request: Request, plan: _EncoderPlan, budget: _Budget, *, is_new: bool
     ) -> ScheduledRequest:
         start = request.num_computed_tokens
         num_new = plan.num_new_tokens
-        request.num_computed_tokens = start + num_new
+        end = start + num_new
+        request.num_computed_tokens = end
         budget.tokens -= num_new
         budget.encoder -= plan.encoder_tokens
-        features = request.mm_features
-        if is_new and start > 0 and features:
-            # S7: a prefix hit covers these items, no encoder run can need their tensors; the
-            # Request keeps the full features (a preempted request may need them again), and
-            # SHM descriptors survive so the receiver still balances its reference counts
-            features = strip_covered_payloads(features, start, keep=self.config.strip_keep_fields)
+        # the items up to the chunk's end; tensors only for this step's encoder runs (the
+        # request keeps its full features: a preempted request may need them again)
+        encode = set(plan.encoder_inputs)
+        items: list[MultiModalInput] = []
+        encoder_inputs: list[int] = []
+        for idx, item in enumerate(request.mm_items):
+            if item.offset >= end:
+                continue
+            if idx in encode:
+                data = request.mm_features[idx].data
+                encoder_inputs.append(len(items))
+                item = dataclasses.replace(item, data=data if isinstance(data, dict) else None)
+            items.append(item)
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + num_new],
+            token_ids=request.all_token_ids[start:end],
             start_position=start,
             block_table=self.kv.block_table(request.request_id),
-            encoder_inputs=plan.encoder_inputs,
-            mm_features=features,
+            mm_items=items,
+            sample=end == request.num_tokens,
             sampling_params=request.sampling_params,
             pooling_params=request.pooling_params,
             is_new=is_new,
-            sample=request.num_computed_tokens == request.num_tokens,
-            num_prompt_tokens=request.num_prompt_tokens,
+            encoder_inputs=encoder_inputs,
         )
 
     # -- after the step ----------------------------------------------------------------------
@@ -185,7 +371,7 @@ class Scheduler(RequestQueue):
                 continue
             if request.is_pooling:
                 request.finish(FinishReason.STOP)
-                events.append(RequestEvent.from_request(request, []))
+                events.append(_event(request, []))
                 self._finish_running(request)
                 continue
             tokens = sampled.get(item.request_id)
@@ -201,7 +387,7 @@ class Scheduler(RequestQueue):
                 if limit is not None and request.num_tokens >= limit:
                     request.finish(FinishReason.LENGTH)
                     break
-            events.append(RequestEvent.from_request(request, new_tokens))
+            events.append(_event(request, new_tokens))
             if request.is_finished:
                 self._finish_running(request)
         return events
@@ -211,3 +397,50 @@ class Scheduler(RequestQueue):
             placeholder = feature.placeholder
             if placeholder.offset + placeholder.length <= request.num_computed_tokens:
                 self.encoder_cache.release(request.request_id, feature.mm_hash)
+
+    # -- transitions -------------------------------------------------------------------------
+
+    def _preempt(self, request: Request, preempted: list[str]) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        self.encoder_cache.release_all(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        preempted.append(request.request_id)
+
+    def _finish_running(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
+        self.kv.free(request)
+        self.encoder_cache.release_all(request.request_id)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    def _reject_head(self, code: ErrorCode, message: str) -> None:
+        """waiting[0] can never be scheduled: finish it with a typed, non-retryable error."""
+        request = self.waiting.popleft()
+        request.finish(FinishReason.ERROR, error=RequestError(code.value, message, False))
+        self._end_by_scheduler(request)
+
+    def _reject_head_kv_overflow(self) -> None:
+        request = self.waiting[0]
+        if request.num_output_tokens:  # it grew past the pool while running: stop it there
+            self.waiting.popleft()
+            request.finish(FinishReason.LENGTH)
+            self._end_by_scheduler(request)
+            return
+        capacity = self.kv.num_usable_blocks * self.kv.block_size
+        self._reject_head(
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            f"the prompt has {request.num_tokens} tokens; the KV cache holds {capacity}",
+        )
+
+    def _end_by_scheduler(self, request: Request) -> None:
+        self.num_rejected += 1
+        self._pending_events.append(_event(request, []))
+        self._release(request)

@@ -4,9 +4,10 @@ Invariants:
 - Settings come from one frozen :class:`EngineConfig` (CLI > ``MMIS_ENGINE_*`` env > default).
 - The KV pool is preallocated from ``kv_cache_gb`` (or ``num_kv_blocks``) before the engine
   reports ready; the scheduler's block count is the pool's.
-- ``--revision`` reaches every ``from_pretrained`` of P1 (config, model, tokenizer) through
-  :func:`load_model`. P1 takes no processor kwargs: it never runs the processor, it receives
-  the tensors P0 made (their shapes carry everything it derives, e.g. placeholder counts).
+- ``--revision`` reaches every ``from_pretrained`` of P1 (config and model) through
+  :func:`load_model`; P1 loads no tokenizer (stop strings are P0's). P1 takes no processor
+  kwargs: it never runs the processor, it receives the tensors P0 made (their shapes carry
+  everything it derives, e.g. placeholder counts).
 - SIGTERM/SIGINT stop the busy loop; the sockets close; the process exits 0.
 """
 
@@ -17,8 +18,7 @@ import dataclasses
 import gc
 import logging
 import signal
-import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mmis.config import ConfigError, GiB, from_env
 from mmis.entrypoints.common import (
@@ -28,6 +28,14 @@ from mmis.entrypoints.common import (
     resolve_model,
     setup_logging,
 )
+
+if TYPE_CHECKING:
+    from mmis.engine.core import EngineCore
+    from mmis.engine.core_process import EngineCoreProc
+    from mmis.engine.model import ModelAdapter
+    from mmis.engine.runner import ModelRunner
+    from mmis.telemetry.request_spans import RequestSpans
+    from mmis.telemetry.tracing import Tracing
 
 log = logging.getLogger("mmis.engine")
 
@@ -119,20 +127,18 @@ def check_config(cfg: EngineConfig) -> str | None:
     return None
 
 
-def load_model(cfg: EngineConfig) -> tuple[Any, Any]:
-    """The model adapter and the tokenizer of ``cfg.model`` at ``cfg.revision``."""
-    from transformers import AutoTokenizer
-
+def load_model(cfg: EngineConfig) -> ModelAdapter:
+    """The model adapter of ``cfg.model`` at ``cfg.revision``."""
     from mmis.engine.model import load_adapter
 
     path = resolve_model(cfg.model)
     log.info("loading model %s (revision %s)", path, cfg.revision or "default")
-    adapter = load_adapter(path, device=cfg.device, revision=cfg.revision)
-    tokenizer = AutoTokenizer.from_pretrained(path, revision=cfg.revision)
-    return adapter, tokenizer
+    return load_adapter(path, device=cfg.device, revision=cfg.revision)
 
 
-def make_core(cfg: EngineConfig, runner: Any, tokenizer: Any, spans: Any = None) -> Any:
+def make_core(
+    cfg: EngineConfig, runner: ModelRunner, spans: RequestSpans | None = None
+) -> EngineCore:
     """A scheduler sized from ``cfg`` and the runner's KV pool, and the core around both
     (what ``mmis engine`` runs; benchmarks build theirs here too)."""
     from mmis.engine.core import EngineCore
@@ -154,14 +160,13 @@ def make_core(cfg: EngineConfig, runner: Any, tokenizer: Any, spans: Any = None)
     return EngineCore(
         scheduler,
         runner,
-        tokenizer=tokenizer,
         eos_token_id=adapter.eos_token_ids[0] if adapter.eos_token_ids else None,
         max_model_len=max_len,
         spans=spans,
     )
 
 
-def build(cfg: EngineConfig) -> Any:
+def build(cfg: EngineConfig) -> EngineCoreProc:
     """Load the model and wire scheduler, runner, receiver cache and process shell."""
     from mmis.engine.core_process import EngineCoreProc
     from mmis.engine.paged_attention import PagedAttentionError
@@ -170,7 +175,7 @@ def build(cfg: EngineConfig) -> Any:
     from mmis.shm.reader_set import ShmReaderSet
     from mmis.telemetry.request_spans import RequestSpans
 
-    adapter, tokenizer = load_model(cfg)
+    adapter = load_model(cfg)
     kv_bytes = None if cfg.kv_cache_gb is None else int(cfg.kv_cache_gb * GiB)
     num_blocks = cfg.num_kv_blocks
     if kv_bytes is None and num_blocks is None:
@@ -188,7 +193,7 @@ def build(cfg: EngineConfig) -> Any:
         )
     tracing = engine_tracing(cfg)
     spans = RequestSpans(tracing, background=True) if tracing.enabled else None
-    core = make_core(cfg, runner, tokenizer, spans)
+    core = make_core(cfg, runner, spans)
     readers = ShmReaderSet(cfg.shm_dir)
 
     def shm_reader(address: Any) -> Any:
@@ -215,7 +220,7 @@ def build(cfg: EngineConfig) -> Any:
     )
 
 
-def engine_tracing(cfg: EngineConfig) -> Any:
+def engine_tracing(cfg: EngineConfig) -> Tracing:
     """P1's tracing: ``--otlp-traces-endpoint`` over ``OTEL_*``; off (no-op) when unset."""
     import os
 
@@ -255,7 +260,3 @@ def run(args: argparse.Namespace) -> int:
         if spans is not None:
             spans.close()  # the spans of requests that finished last, before the exporter's exit
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(run(argparse.Namespace()))

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 
 from mmis.engine.paged_attention import ATTENTION_NAME, STEP_KWARG, KVCacheSpec, PagedStep
-from mmis.engine.step_batch import MultiModalInput
+from mmis.engine.sched_output import MultiModalInput
 from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import ErrorCode
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from mmis.engine.model.adapter import ModelAdapter, ModelInputError, as_tensor
-from mmis.engine.step_batch import MultiModalInput
+from mmis.engine.sched_output import MultiModalInput
 
 
 class Qwen2VLAdapter(ModelAdapter):
