@@ -23,11 +23,11 @@ import pytest
 import yaml
 
 from mmis.cli import COMMANDS
-from mmis.config import GiB
+from mmis.config import GiB, default_of
+from mmis.engine.config import EngineConfig
 from mmis.entrypoints import engine as engine_cli
 from mmis.entrypoints import frontend as frontend_cli
 from mmis.frontend.config import FrontendConfig
-from mmis.frontend.state import ServerSettings
 from mmis_operator import children
 from mmis_operator import resource as r
 from mmis_operator.spec import ServiceSpec, parse_spec
@@ -49,13 +49,10 @@ MODEL_EXTRAS: dict[str, Any] = {
 
 # MMIS_* names each command's config layer reads (from_env sections, parser defaults)
 READ_ENV = {
-    "frontend": {
-        f"MMIS_FRONTEND_{f.name.upper()}"
-        for cls in (ServerSettings, FrontendConfig)
-        for f in dataclasses.fields(cls)
+    "frontend": {f"MMIS_FRONTEND_{f.name.upper()}" for f in dataclasses.fields(FrontendConfig)},
+    "engine": {
+        f"MMIS_ENGINE_{f.name.upper()}" for f in dataclasses.fields(engine_cli.EngineConfig)
     },
-    "engine": {f"MMIS_ENGINE_{f.name.upper()}" for f in dataclasses.fields(engine_cli.EngineConfig)}
-    | {"MMIS_LOG_LEVEL"},
 }
 
 
@@ -129,6 +126,11 @@ def _parse(container: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Any:
     return args
 
 
+def _or_default(value: Any, cls: type, name: str) -> Any:
+    """What the server runs with: the spec's value, or (unset, not passed) its own default."""
+    return default_of(cls, name) if value is None else value
+
+
 def _gib(value: float, expected_bytes: int) -> bool:
     return abs(value - expected_bytes / GiB) <= GB_ROUNDING
 
@@ -166,7 +168,7 @@ def test_server_settings_match_the_spec(variant: str, monkeypatch: pytest.Monkey
     by_name = {c["name"]: c for c in pod["containers"]}
     front_c, engine_c = by_name[r.FRONTEND], by_name[r.ENGINE]
     with monkeypatch.context() as patch:
-        settings, config = _parse(front_c, patch)
+        settings = _parse(front_c, patch)
     with monkeypatch.context() as patch:
         engine = _parse(engine_c, patch)
 
@@ -187,7 +189,9 @@ def test_server_settings_match_the_spec(variant: str, monkeypatch: pytest.Monkey
     assert _gib(engine.mm_cache_gb, receiver)
     if spec.cache.engine_size_bytes is None:
         assert settings.mm_cache_gb == engine.mm_cache_gb
-    assert settings.drift_window_s == spec.cache.drift_window_seconds
+    assert settings.drift_window_s == _or_default(
+        spec.cache.drift_window_seconds, FrontendConfig, "drift_window_s"
+    )
     # shared memory: both on the memory-backed volume, the writer sized to the store
     shm_mounts = {
         c["name"]: m["mountPath"]
@@ -202,8 +206,10 @@ def test_server_settings_match_the_spec(variant: str, monkeypatch: pytest.Monkey
         assert _gib(settings.shm_gb, spec.cache.shm_store_bytes)
     # engine knobs
     assert engine.fault_evict_rate == (spec.fault_evict_rate or 0.0)
-    assert engine.max_num_seqs == spec.max_num_seqs
-    assert engine.max_num_batched_tokens == spec.max_num_batched_tokens
+    assert engine.max_num_seqs == _or_default(spec.max_num_seqs, EngineConfig, "max_num_seqs")
+    assert engine.max_num_batched_tokens == _or_default(
+        spec.max_num_batched_tokens, EngineConfig, "max_num_batched_tokens"
+    )
     if spec.kv_cache_bytes is None:
         assert engine.kv_cache_gb is None
     else:
@@ -211,7 +217,7 @@ def test_server_settings_match_the_spec(variant: str, monkeypatch: pytest.Monkey
     # telemetry, auth, media
     assert settings.otlp_traces_endpoint == engine.otlp_traces_endpoint == spec.otlp_endpoint
     assert settings.api_key == (SECRET_VALUE if spec.api_key_secret else None)
-    assert config.allowed_local_media_path == spec.allowed_local_media_path
+    assert settings.allowed_local_media_path == spec.allowed_local_media_path
     # the port the probes and the Service use is the one the server binds
     (port,) = front_c["ports"]
     assert port["name"] == r.HTTP_PORT_NAME and port["containerPort"] == settings.port
@@ -223,7 +229,7 @@ def test_revision_and_processor_kwargs_reach_the_server(monkeypatch: pytest.Monk
     _, dep = _deployment(VARIANTS["revision-processor-kwargs"])
     by_name = {c["name"]: c for c in dep["spec"]["template"]["spec"]["containers"]}
     with monkeypatch.context() as patch:
-        settings, _ = _parse(by_name[r.FRONTEND], patch)
+        settings = _parse(by_name[r.FRONTEND], patch)
     with monkeypatch.context() as patch:
         engine = _parse(by_name[r.ENGINE], patch)
     assert settings.revision == engine.revision == MODEL_EXTRAS["revision"]
@@ -232,7 +238,7 @@ def test_revision_and_processor_kwargs_reach_the_server(monkeypatch: pytest.Monk
     _, plain = _deployment(VARIANTS["llava-lru"])
     front_c = plain["spec"]["template"]["spec"]["containers"][0]
     with monkeypatch.context() as patch:
-        settings, _ = _parse(front_c, patch)
+        settings = _parse(front_c, patch)
     assert settings.revision is None and settings.processor_kwargs == {}
 
 
@@ -242,8 +248,8 @@ def test_probe_and_scrape_paths_are_front_end_routes(monkeypatch: pytest.MonkeyP
     _, dep = _deployment(VARIANTS["llava-lru"])
     front_c = dep["spec"]["template"]["spec"]["containers"][0]
     with monkeypatch.context() as patch:
-        settings, config = _parse(front_c, patch)
-    app = create_app(settings, config)  # the lifespan (engine connection) does not run here
+        settings = _parse(front_c, patch)
+    app = create_app(settings)  # the lifespan (engine connection) does not run here
     routes = {getattr(route, "path", None) for route in app.routes}
     probes = {
         front_c[kind]["httpGet"]["path"]

@@ -85,7 +85,7 @@ def test_good_values_become_config_values(monkeypatch: pytest.MonkeyPatch) -> No
             monkeypatch.delenv(key)
     kwargs = {"size": {"shortest_edge": 3136}, "do_normalize": False}
     argv = ["--model", "m", "--revision", "v2", "--processor-kwargs", json.dumps(kwargs)]
-    settings, _ = frontend_cli.settings_from(parse(frontend_cli, argv))
+    settings = frontend_cli.settings_from(parse(frontend_cli, argv))
     assert settings.revision == "v2"
     assert settings.processor_kwargs == kwargs
     engine = engine_cli.config_from_args(parse(engine_cli, ["--revision", "v2"]))
@@ -95,10 +95,10 @@ def test_good_values_become_config_values(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("MMIS_FRONTEND_PROCESSOR_KWARGS", '{"do_normalize": true}')
     monkeypatch.setenv("MMIS_FRONTEND_REVISION", "from-env")
     monkeypatch.setenv("MMIS_ENGINE_REVISION", "from-env")
-    settings, _ = frontend_cli.settings_from(parse(frontend_cli, ["--model", "m"]))
+    settings = frontend_cli.settings_from(parse(frontend_cli, ["--model", "m"]))
     assert settings.processor_kwargs == {"do_normalize": True}
     assert settings.revision == "from-env"
-    settings, _ = frontend_cli.settings_from(parse(frontend_cli, argv))
+    settings = frontend_cli.settings_from(parse(frontend_cli, argv))
     assert settings.processor_kwargs == kwargs and settings.revision == "v2"
     assert engine_cli.config_from_args(parse(engine_cli, [])).revision == "from-env"
 
@@ -120,7 +120,7 @@ def test_serve_forwards_the_revision_to_its_engine(
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     args = parse(serve_cli, argv)
-    cmd = serve_cli.engine_command(args, "/models/m", "ipc:///tmp/i", "ipc:///tmp/o")
+    cmd = serve_cli.engine_command(args, serve_cli.frontend_settings(args))
     child = cmd[cmd.index("engine") + 1 :]
     config = engine_cli.config_from_args(parse(engine_cli, child))  # P1's own parser
     assert config.revision == revision

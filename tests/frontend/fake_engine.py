@@ -30,7 +30,7 @@ from PIL import Image
 from mmis.engine.core_process import EngineCoreProc
 from mmis.frontend.api_server import create_app
 from mmis.frontend.config import FrontendConfig
-from mmis.frontend.state import FrontendState, ServerSettings
+from mmis.frontend.state import FrontendState
 from mmis.multimodal.cache import ReceiverCache
 from mmis.protocol.errors import MultiModalCacheMissError
 from mmis.protocol.messages import (
@@ -251,15 +251,12 @@ class RunningFrontend:
 
     def __init__(
         self,
-        settings: ServerSettings,
-        config: FrontendConfig | None = None,
+        settings: FrontendConfig,
         tracing: Tracing | None = None,
     ) -> None:
         self._state_ready = threading.Event()
         self.state: FrontendState | None = None
-        app = create_app(
-            settings, config or FrontendConfig(), on_state=self._on_state, tracing=tracing
-        )
+        app = create_app(settings, on_state=self._on_state, tracing=tracing)
         self._sock = socket.socket()
         self._sock.bind(("127.0.0.1", 0))
         self._sock.listen(128)

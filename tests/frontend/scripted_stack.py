@@ -1,6 +1,6 @@
 """A real P0 on the tiny model in front of the scripted P1, started and stopped as one.
 
-- :func:`tiny_settings` is the ``ServerSettings`` every such P0 uses: the tiny model, served
+- :func:`tiny_settings` is the ``FrontendConfig`` every such P0 uses: the tiny model, served
   as ``tiny``, wired to ``engine``'s two ZMQ addresses (a ``FakeEngine`` or a real
   ``procs.Engine``); anything else is a keyword override.
 - :func:`scripted_stack` starts a ``FakeEngine`` (with ``core`` in place of its default
@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from fake_engine import FakeEngine, RunningFrontend, ScriptedCore
 
 from mmis.engine.tiny_model import tiny_model_dir
-from mmis.frontend.state import ServerSettings
+from mmis.frontend.config import FrontendConfig
 from mmis.telemetry.tracing import Tracing
 
 
@@ -28,8 +28,8 @@ class EngineAddresses(Protocol):
     output_address: str
 
 
-def tiny_settings(engine: EngineAddresses, **overrides: Any) -> ServerSettings:
-    return ServerSettings(
+def tiny_settings(engine: EngineAddresses, **overrides: Any) -> FrontendConfig:
+    return FrontendConfig(
         model=str(tiny_model_dir()),
         served_model_name="tiny",
         engine_input_address=engine.input_address,

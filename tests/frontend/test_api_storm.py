@@ -23,7 +23,6 @@ from fake_engine import FakeEngine, RunningFrontend, image_data_url, image_part
 
 from mmis.engine.tiny_model import tiny_model_dir
 from mmis.frontend.config import FrontendConfig
-from mmis.frontend.state import ServerSettings
 
 
 def _png(size: tuple[int, int] = (16, 16)) -> bytes:
@@ -53,7 +52,7 @@ def stack(tmp_path: Path) -> Iterator[tuple[FakeEngine, RunningFrontend, Path]]:
     media_root = tmp_path / "media"
     media_root.mkdir()
     engine = FakeEngine(str(tmp_path), shm_dir=str(shm_dir)).start()
-    settings = ServerSettings(
+    settings = FrontendConfig(
         model=str(tiny_model_dir()),
         served_model_name="tiny",
         engine_input_address=engine.input_address,
@@ -62,9 +61,10 @@ def stack(tmp_path: Path) -> Iterator[tuple[FakeEngine, RunningFrontend, Path]]:
         shm_dir=str(shm_dir),
         shm_gb=0.01,
         max_model_len=256,
+        allowed_local_media_path=str(media_root),
+        max_images_per_prompt=4,
     )
-    config = FrontendConfig(allowed_local_media_path=str(media_root), max_images_per_prompt=4)
-    frontend = RunningFrontend(settings, config).start()
+    frontend = RunningFrontend(settings).start()
     try:
         yield engine, frontend, media_root
     finally:

@@ -1,4 +1,4 @@
-"""FrontendConfig: secure defaults, env layer, typed errors for bad values."""
+"""FrontendConfig: secure defaults, env layer, typed errors naming the flag for bad values."""
 
 from __future__ import annotations
 
@@ -35,14 +35,14 @@ def test_environment_and_overrides() -> None:
 @pytest.mark.parametrize(
     ("settings", "match"),
     [
-        ({"media_max_bytes": 0}, "media_max_bytes"),
-        ({"media_max_pixels": -1}, "media_max_pixels"),
-        ({"media_fetch_timeout_s": 0.0}, "media_fetch_timeout_s"),
-        ({"media_max_redirects": -1}, "media_max_redirects"),
-        ({"max_images_per_prompt": 0}, "max_images_per_prompt"),
-        ({"image_formats": ()}, "image_formats"),
-        ({"allowed_local_media_path": ""}, "allowed_local_media_path"),
-        ({"allowed_media_networks": ("10.0.0.0/33",)}, "allowed_media_networks"),
+        ({"media_max_bytes": 0}, "--media-max-bytes"),
+        ({"media_max_pixels": -1}, "--media-max-pixels"),
+        ({"media_fetch_timeout_s": 0.0}, "--media-fetch-timeout-s"),
+        ({"media_max_redirects": -1}, "--media-max-redirects"),
+        ({"max_images_per_prompt": 0}, "--max-images-per-prompt"),
+        ({"image_formats": ()}, "--image-formats"),
+        ({"allowed_local_media_path": ""}, "--allowed-local-media-path"),
+        ({"allowed_media_networks": ("10.0.0.0/33",)}, "--allowed-media-networks"),
     ],
 )
 def test_bad_values_raise_config_error(settings: dict[str, object], match: str) -> None:

@@ -23,7 +23,7 @@ from mmis.engine.tiny_model import tiny_model_dir
 from mmis.entrypoints import frontend as frontend_cli
 from mmis.frontend.config import FrontendConfig
 from mmis.frontend.renderer import SourceItem, SourcePrompt
-from mmis.frontend.state import FrontendState, ServerSettings, load_processor
+from mmis.frontend.state import FrontendState, load_processor
 from mmis.telemetry.tracing import Tracing, setup_tracing
 from mmis.telemetry.tracing_config import TracingConfig
 
@@ -42,10 +42,10 @@ def picture() -> Image.Image:
     return image
 
 
-def settings_for(model: Path, *flags: str) -> ServerSettings:
+def settings_for(model: Path, *flags: str) -> FrontendConfig:
     parser = argparse.ArgumentParser(exit_on_error=False)
     frontend_cli.add_arguments(parser)
-    settings, _ = frontend_cli.settings_from(parser.parse_args(["--model", str(model), *flags]))
+    settings = frontend_cli.settings_from(parser.parse_args(["--model", str(model), *flags]))
     return settings
 
 
@@ -65,15 +65,13 @@ def tracing() -> Tracing:
 
 
 @pytest.fixture
-async def make_state(tracing: Tracing) -> AsyncIterator[Callable[[ServerSettings], FrontendState]]:
+async def make_state(tracing: Tracing) -> AsyncIterator[Callable[[FrontendConfig], FrontendState]]:
     """A FrontendState as ``create`` builds it, minus the engine connection (never started)."""
     states: list[FrontendState] = []
 
-    def make(settings: ServerSettings) -> FrontendState:
+    def make(settings: FrontendConfig) -> FrontendState:
         processor, max_len = load_processor(settings)
-        state = FrontendState(
-            settings, FrontendConfig(), processor, max_model_len=max_len, tracing=tracing
-        )
+        state = FrontendState(settings, processor, max_model_len=max_len, tracing=tracing)
         states.append(state)
         return state
 
@@ -112,7 +110,7 @@ def test_the_flag_changes_what_the_processor_produces(family: str) -> None:
 
 @pytest.mark.parametrize("family", sorted(KWARGS))
 async def test_the_same_image_under_two_kwargs_has_two_hashes(
-    family: str, make_state: Callable[[ServerSettings], FrontendState]
+    family: str, make_state: Callable[[FrontendConfig], FrontendState]
 ) -> None:
     model = tiny_model_dir(family)
     plain = make_state(settings_for(model))

@@ -47,8 +47,7 @@ def frontend(engine: FakeEngine, index: int, *flags: str) -> RunningFrontend:
     argv += ["--engine-input-address", engine.input_address]
     argv += ["--engine-output-address", engine.output_address]
     argv += ["--client-index", str(index), *flags]
-    settings, config = frontend_cli.settings_from(parser.parse_args(argv))
-    return RunningFrontend(settings, config)
+    return RunningFrontend(frontend_cli.settings_from(parser.parse_args(argv)))
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine, RunningFrontend, image_part
 
 from mmis.engine.tiny_model import tiny_model_dir
+from mmis.frontend.config import FrontendConfig
 from mmis.frontend.recovery import RecoveryPolicy
-from mmis.frontend.state import ServerSettings
 from mmis.telemetry import catalog
 from mmis.telemetry.metrics import MMISMetrics
 
@@ -35,7 +35,7 @@ UUID = "photo-hash-only-7"
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[tuple[FakeEngine, RunningFrontend]]:
     engine = FakeEngine(str(tmp_path)).start()
-    settings = ServerSettings(
+    settings = FrontendConfig(
         model=str(tiny_model_dir()),
         served_model_name="tiny",
         engine_input_address=engine.input_address,

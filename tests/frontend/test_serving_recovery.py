@@ -23,8 +23,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine, RunningFrontend, image_part
 
 from mmis.engine.tiny_model import tiny_model_dir
+from mmis.frontend.config import FrontendConfig
 from mmis.frontend.recovery import ENDPOINT_ROUTES
-from mmis.frontend.state import FrontendState, ServerSettings
+from mmis.frontend.state import FrontendState
 from mmis.telemetry import catalog
 
 
@@ -32,7 +33,7 @@ class Stack:
     def __init__(self, directory: Path, liveness_timeout_s: float = 10.0) -> None:
         self.directory = directory
         self.engine = FakeEngine(str(directory)).start()
-        settings = ServerSettings(
+        settings = FrontendConfig(
             model=str(tiny_model_dir()),
             served_model_name="tiny",
             engine_input_address=self.engine.input_address,

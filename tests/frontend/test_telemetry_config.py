@@ -10,7 +10,8 @@ from mmis.config import ConfigError
 from mmis.entrypoints import engine as engine_cli
 from mmis.entrypoints import frontend as frontend_cli
 from mmis.entrypoints import serve as serve_cli
-from mmis.frontend.state import ServerSettings, frontend_tracing
+from mmis.frontend.config import FrontendConfig
+from mmis.frontend.state import frontend_tracing
 
 OTEL = (
     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
@@ -37,14 +38,14 @@ def _frontend_args(*argv: str) -> argparse.Namespace:
 
 
 def test_tracing_is_off_without_an_endpoint() -> None:
-    tracing = frontend_tracing(ServerSettings(model="m"))
+    tracing = frontend_tracing(FrontendConfig(model="m"))
     assert not tracing.enabled and tracing.provider is None
 
 
 def test_flag_and_env_turn_tracing_on_with_role_service_names(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    settings, _ = frontend_cli.settings_from(
+    settings = frontend_cli.settings_from(
         _frontend_args("--otlp-traces-endpoint", "http://127.0.0.1:4318/v1/traces")
     )
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
@@ -84,5 +85,5 @@ def test_serve_forwards_the_endpoint_to_its_engine() -> None:
     parser = argparse.ArgumentParser()
     serve_cli.add_arguments(parser)
     args = parser.parse_args(["--otlp-traces-endpoint", "http://c:4318/v1/traces"])
-    cmd = serve_cli.engine_command(args, "/m", "ipc:///a", "ipc:///b")
+    cmd = serve_cli.engine_command(args, serve_cli.frontend_settings(args))
     assert cmd[cmd.index("--otlp-traces-endpoint") + 1] == "http://c:4318/v1/traces"

@@ -4,6 +4,9 @@ Invariants:
 - Every limit is a positive integer (``max_model_len`` may be ``None``: no limit beyond the KV
   pool); ``strip_keep_fields`` is a tuple of tensor names; a bad value raises
   :class:`~mmis.config.ConfigError` naming the field.
+- User settings (``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``,
+  ``enable_prefix_caching``, ``max_model_len``) default to :class:`EngineConfig`'s, their one
+  definition; the rest are internal to the scheduler.
 - ``num_blocks`` counts block 0, the reserved null block, so ``num_blocks - 1`` are usable.
 """
 
@@ -11,19 +14,21 @@ from __future__ import annotations
 
 import dataclasses
 
-from mmis.config import ConfigError
+from mmis.config import ConfigError, default_of
+from mmis.engine.config import EngineConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64  # running requests at most
-    max_num_batched_tokens: int = 2048  # tokens computed per step at most (chunked prefill)
-    num_blocks: int = 1024  # KV blocks per layer, block 0 included
-    block_size: int = 16  # tokens per KV block
-    enable_prefix_caching: bool = True
+    # the user settings: EngineConfig's defaults (their one definition), P1 passes its values
+    max_num_seqs: int = default_of(EngineConfig, "max_num_seqs")  # running requests at most
+    max_num_batched_tokens: int = default_of(EngineConfig, "max_num_batched_tokens")
+    num_blocks: int = 1024  # KV blocks per layer, block 0 included (P1: the pool's count)
+    block_size: int = default_of(EngineConfig, "block_size")  # tokens per KV block
+    enable_prefix_caching: bool = default_of(EngineConfig, "enable_prefix_caching")
     encoder_cache_size: int = 8192  # encoder output slots (one per placeholder token)
     encoder_compute_budget: int = 8192  # placeholder tokens encoded per step at most
-    max_model_len: int | None = None  # prompt + output tokens at most
+    max_model_len: int | None = default_of(EngineConfig, "max_model_len")  # prompt + output
     # tensor names kept when a prefix hit strips an item's payload (M-RoPE needs the grid)
     strip_keep_fields: tuple[str, ...] = ("image_grid_thw",)
 

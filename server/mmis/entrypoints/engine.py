@@ -1,7 +1,8 @@
 """``mmis engine``: run P1, the engine core, as a process of its own.
 
 Invariants:
-- Settings come from one frozen :class:`EngineConfig` (CLI > ``MMIS_ENGINE_*`` env > default).
+- Settings come from one frozen :class:`~mmis.engine.config.EngineConfig` (CLI >
+  ``MMIS_ENGINE_*`` env > default); the flags are derived from its fields.
 - The KV pool is preallocated from ``kv_cache_gb`` (or ``num_kv_blocks``) before the engine
   reports ready; the scheduler's block count is the pool's.
 - ``--revision`` reaches every ``from_pretrained`` of P1 (config and model) through
@@ -14,20 +15,14 @@ Invariants:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import logging
 import signal
 from typing import TYPE_CHECKING, Any
 
-from mmis.config import ConfigError, GiB, from_env
-from mmis.entrypoints.common import (
-    DEFAULT_MODEL,
-    REVISION_HELP,
-    add_engine_addresses,
-    resolve_model,
-    setup_logging,
-)
+from mmis.config import ConfigError, GiB, add_flags, settings_from_args
+from mmis.engine.config import EngineConfig
+from mmis.entrypoints.common import resolve_model, setup_logging
 
 if TYPE_CHECKING:
     from mmis.engine.core import EngineCore
@@ -40,91 +35,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("mmis.engine")
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    model: str = DEFAULT_MODEL
-    revision: str | None = None  # hub branch, tag or commit; ignored for a local directory
-    input_address: str = "tcp://127.0.0.1:5570"
-    output_address: str = "tcp://127.0.0.1:5571"
-    mm_cache_gb: float = 4.0  # the receiver cache budget (P1); P0 mirrors it by default
-    mm_cache_type: str = "lru"  # "lru" | "shm"
-    shm_dir: str = "/dev/shm"
-    fault_evict_rate: float = 0.0
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    kv_cache_gb: float | None = None
-    num_kv_blocks: int | None = None
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None
-    device: str | None = None
-    seed: int | None = None
-    otlp_traces_endpoint: str | None = None  # also OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", default=None, help="model directory or hub id (default: mmis-tiny)"
-    )
-    parser.add_argument("--revision", default=None, metavar="REV", help=REVISION_HELP)
-    add_engine_addresses(parser)
-    parser.add_argument("--engine-mm-cache-gb", "--mm-cache-gb", dest="mm_cache_gb", type=float)
-    parser.add_argument("--mm-cache-type", choices=["lru", "shm"], default=None)
-    parser.add_argument("--shm-dir", default=None)
-    parser.add_argument(
-        "--fault-evict-rate",
-        type=float,
-        default=None,
-        help="OPERATOR-ONLY fault injection: evict this fraction of cached items on purpose",
-    )
-    parser.add_argument("--max-num-seqs", type=int)
-    parser.add_argument("--max-num-batched-tokens", type=int)
-    parser.add_argument("--kv-cache-gb", type=float)
-    parser.add_argument("--num-kv-blocks", type=int)
-    parser.add_argument("--block-size", type=int)
-    parser.add_argument(
-        "--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None
-    )
-    parser.add_argument("--max-model-len", type=int)
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument(
-        "--otlp-traces-endpoint",
-        default=None,
-        help="export request spans over OTLP (default: OTEL_* environment; off when unset)",
-    )
-    parser.add_argument("--log-level", default=None)
+    """``mmis engine``'s flags: one per :class:`EngineConfig` field."""
+    add_flags(parser, EngineConfig)
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
-    overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if k in names}
     try:
-        cfg = from_env(EngineConfig, "engine", **overrides)
+        return settings_from_args(EngineConfig, "engine", args)
     except ConfigError as exc:
         raise SystemExit(f"mmis engine: {exc}") from None
-    problem = check_config(cfg)
-    if problem:
-        raise SystemExit(f"mmis engine: {problem}")
-    return cfg
-
-
-def check_config(cfg: EngineConfig) -> str | None:
-    """The first setting that cannot work, as a message naming the flag, or ``None``."""
-    if not 0.0 <= cfg.fault_evict_rate <= 1.0:
-        return "--fault-evict-rate must be within [0, 1]"
-    if cfg.mm_cache_gb < 0:
-        return "--engine-mm-cache-gb must be >= 0"
-    if cfg.kv_cache_gb is not None and cfg.kv_cache_gb <= 0:
-        return "--kv-cache-gb must be positive"
-    if cfg.num_kv_blocks is not None and cfg.num_kv_blocks < 2:
-        return "--num-kv-blocks must be at least 2 (block 0 is reserved)"
-    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-        if getattr(cfg, name) < 1:
-            return f"--{name.replace('_', '-')} must be positive"
-    if cfg.max_model_len is not None and cfg.max_model_len < 2:
-        return "--max-model-len must be at least 2"
-    return None
 
 
 def load_model(cfg: EngineConfig) -> ModelAdapter:
@@ -239,8 +159,8 @@ def engine_tracing(cfg: EngineConfig) -> Tracing:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)
     cfg = config_from_args(args)
+    setup_logging(cfg.log_level)
     proc = build(cfg)
 
     def _stop(signum: int, _frame: Any) -> None:

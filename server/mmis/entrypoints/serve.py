@@ -2,7 +2,9 @@
 
 With no arguments it serves the built-in tiny LLaVA (built on first use into the model cache,
 ``$MMIS_MODEL_CACHE``) as model ``mmis-tiny`` on http://127.0.0.1:8000. It takes every flag of
-``mmis frontend`` plus the engine-only flags below.
+``mmis frontend`` plus each ``mmis engine`` flag the front end lacks (derived from
+``EngineConfig``, e.g. ``--engine-mm-cache-gb``, ``--max-num-seqs``), and forwards to P1 the
+engine flags given and every shared setting as P0 has it.
 
 Invariants:
 - P1 runs as a child process (``mmis engine``) on fresh IPC addresses in a private temporary
@@ -17,7 +19,8 @@ Invariants:
   exit status is 0. Signals reach P1 only through us (it runs in its own process group, so a
   terminal's Ctrl-C cannot stop it before P0 has drained). If we die without cleaning up
   (SIGKILL), the kernel sends P1 SIGTERM (Linux parent-death signal): no orphan keeps running.
-- Bad engine-only flags exit 2 before anything starts (not through a P1 restart loop).
+- Bad settings of either process exit 2 before anything starts (not through a P1 restart
+  loop): P1's are checked here by building its ``EngineConfig``.
 - P1 gets the model's ``--revision`` too (both sides load the same revision); processor
   kwargs stay in P0, the only side that runs the processor.
 """
@@ -25,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import shutil
@@ -37,27 +41,15 @@ import time
 from types import FrameType
 from typing import Any
 
-from mmis.config import ConfigError
+from mmis.config import ConfigError, add_flags, default_of, flag_of, from_env
+from mmis.engine.config import EngineConfig
 from mmis.entrypoints import frontend
-from mmis.entrypoints.common import DEFAULT_MODEL, resolve_model, served_name
+from mmis.entrypoints.common import resolve_model, served_name, setup_logging
+from mmis.frontend.config import FrontendConfig
 
 log = logging.getLogger("mmis.serve")
 
-# engine-only flags: dest -> (flag, type, help)
-_ENGINE_FLAGS: dict[str, tuple[str, Any, str]] = {
-    "engine_mm_cache_gb": ("--engine-mm-cache-gb", float, "P1 receiver budget (default: same)"),
-    "fault_evict_rate": (
-        "--fault-evict-rate",
-        float,
-        "OPERATOR-ONLY fault injection: P1 evicts this fraction of cached items on purpose",
-    ),
-    "max_num_seqs": ("--max-num-seqs", int, "most requests running at once in P1"),
-    "max_num_batched_tokens": ("--max-num-batched-tokens", int, "tokens per engine step"),
-    "kv_cache_gb": ("--kv-cache-gb", float, "KV cache memory in GiB"),
-    "num_kv_blocks": ("--num-kv-blocks", int, "KV cache size in blocks (overrides GiB)"),
-    "device": ("--device", str, "torch device for P1 (default: cuda if available, else cpu)"),
-    "seed": ("--seed", int, "seed of P1's fault-injection random numbers"),
-}
+_ENGINE = "engine_"  # the dest prefix of the engine-only flags
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _PARENT_PID_ENV = "MMIS_SERVE_PARENT_PID"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -80,44 +72,46 @@ def _ignore_during_cleanup(signum: int, _frame: FrameType | None) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``mmis frontend``'s flags, then each :class:`EngineConfig` option they lack."""
     frontend.add_arguments(parser)
-    for dest, (flag, kind, text) in _ENGINE_FLAGS.items():
-        parser.add_argument(flag, dest=dest, type=kind, default=None, help=text)
-    parser.add_argument(
-        "--no-prefix-caching", dest="no_prefix_caching", action="store_true", help="disable it"
-    )
+    add_flags(parser, EngineConfig, skip=parser._option_string_actions, dest_prefix=_ENGINE)
 
 
-def engine_command(
-    args: argparse.Namespace, model_path: str, in_addr: str, out_addr: str
-) -> list[str]:
+def frontend_settings(args: argparse.Namespace) -> FrontendConfig:
+    """P0's settings; the model defaults to the engine's (P0 alone has none)."""
+    if args.model is None and "MMIS_FRONTEND_MODEL" not in os.environ:
+        args.model = default_of(EngineConfig, "model")
+    return frontend.settings_from(args)
+
+
+def engine_settings(args: argparse.Namespace, settings: FrontendConfig) -> dict[str, Any]:
+    """P1's settings that differ from its child's own environment and defaults: the
+    engine-only flags given here, and every shared setting as P0 has it (the two agree)."""
+    p0 = {
+        f.metadata["shared"]: getattr(settings, f.name)
+        for f in dataclasses.fields(FrontendConfig)
+        if "shared" in f.metadata
+    }
+    values: dict[str, Any] = {"model": settings.model}
+    for field in dataclasses.fields(EngineConfig):
+        given = getattr(args, _ENGINE + field.name, None)
+        if given is not None:
+            values[field.name] = given
+        elif field.metadata.get("shared") in p0:
+            values[field.name] = p0[field.metadata["shared"]]
+    return values
+
+
+def engine_command(args: argparse.Namespace, settings: FrontendConfig) -> list[str]:
     """P1's command line: ``mmis engine`` run through :func:`engine_child_main`."""
     launcher = "from mmis.entrypoints.serve import engine_child_main; engine_child_main()"
-    cmd = [sys.executable, "-c", launcher, "engine", "--model", model_path]
-    cmd += ["--input-address", in_addr, "--output-address", out_addr]
-    revision = getattr(args, "revision", None) or os.environ.get("MMIS_FRONTEND_REVISION")
-    budget = args.engine_mm_cache_gb if args.engine_mm_cache_gb is not None else args.mm_cache_gb
-    pairs = {
-        "--revision": revision,
-        "--engine-mm-cache-gb": budget,
-        "--mm-cache-type": args.mm_cache_type,
-        "--shm-dir": args.shm_dir,
-        "--fault-evict-rate": args.fault_evict_rate,
-        "--max-num-seqs": args.max_num_seqs,
-        "--max-num-batched-tokens": args.max_num_batched_tokens,
-        "--kv-cache-gb": args.kv_cache_gb,
-        "--num-kv-blocks": args.num_kv_blocks,
-        "--device": args.device,
-        "--seed": args.seed,
-        "--max-model-len": args.max_model_len,
-        "--log-level": args.log_level,
-        "--otlp-traces-endpoint": getattr(args, "otlp_traces_endpoint", None),
-    }
-    for flag, value in pairs.items():
-        if value is not None:
+    cmd = [sys.executable, "-c", launcher, "engine"]
+    for name, value in engine_settings(args, settings).items():
+        flag = flag_of(EngineConfig, name)
+        if isinstance(value, bool):
+            cmd += [flag] if value != default_of(EngineConfig, name) else []
+        elif value is not None:
             cmd += [flag, str(value)]
-    if args.no_prefix_caching:
-        cmd.append("--no-prefix-caching")
     return cmd
 
 
@@ -209,36 +203,21 @@ class EngineSupervisor:
         return proc.returncode
 
 
-def check_engine_flags(args: argparse.Namespace) -> None:
-    """Refuse bad engine-only flags here (exit 2), not through a P1 restart loop."""
-    rate = args.fault_evict_rate
-    if rate is not None and not 0.0 <= rate <= 1.0:
-        raise ConfigError(f"--fault-evict-rate must be within [0, 1], got {rate}")
-    for dest in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks"):
-        value = getattr(args, dest)
-        if value is not None and value < 1:
-            raise ConfigError(f"{_ENGINE_FLAGS[dest][0]} must be at least 1, got {value}")
-    for dest in ("engine_mm_cache_gb", "kv_cache_gb"):
-        value = getattr(args, dest)
-        if value is not None and value <= 0:
-            raise ConfigError(f"{_ENGINE_FLAGS[dest][0]} must be positive, got {value}")
-
-
-def _serve(args: argparse.Namespace) -> int:
-    model = args.model or os.environ.get("MMIS_FRONTEND_MODEL") or DEFAULT_MODEL
-    log.info("preparing model %s", model)
-    path = resolve_model(model)
-    args.served_model_name = served_name(model, args.served_model_name)
-    args.model = path
-    if args.port is None and "MMIS_FRONTEND_PORT" not in os.environ:
-        args.port = 8000
+def _serve(args: argparse.Namespace, settings: FrontendConfig) -> int:
+    log.info("preparing model %s", settings.model)
+    path = resolve_model(settings.model)
     tmp = tempfile.mkdtemp(prefix="mmis-serve-")
-    in_addr, out_addr = f"ipc://{tmp}/engine-in", f"ipc://{tmp}/engine-out"
-    args.engine_input_address, args.engine_output_address = in_addr, out_addr
-    supervisor = EngineSupervisor(engine_command(args, path, in_addr, out_addr))
+    settings = dataclasses.replace(
+        settings,
+        model=path,
+        served_model_name=served_name(settings.model, settings.served_model_name),
+        engine_input_address=f"ipc://{tmp}/engine-in",
+        engine_output_address=f"ipc://{tmp}/engine-out",
+    )
+    supervisor = EngineSupervisor(engine_command(args, settings))
     try:
         supervisor.start()
-        return frontend.run(args)
+        return frontend.serve(settings)
     finally:
         if threading.current_thread() is threading.main_thread():
             for sig in _STOP_SIGNALS:
@@ -249,14 +228,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=str(args.log_level).upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        check_engine_flags(args)
+    try:  # both processes' settings, checked before anything starts
+        settings = frontend_settings(args)
+        from_env(EngineConfig, "engine", **engine_settings(args, settings))
     except ConfigError as exc:
         print(f"mmis serve: {exc}", file=sys.stderr)
         return 2
+    setup_logging(settings.log_level)
     main_thread = threading.current_thread() is threading.main_thread()
     previous = (
         {sig: signal.signal(sig, _raise_stop) for sig in _STOP_SIGNALS} if main_thread else {}
@@ -264,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         # uvicorn swaps in its own handlers while it serves, drains on a signal, then restores
         # ours and re-raises the signal: StopRequested is how a drained shutdown ends here
-        return _serve(args)
+        return _serve(args, settings)
     except StopRequested as stop:
         log.info("%s: P0 drained, P1 stopped", stop)
         return 0

@@ -52,7 +52,7 @@ from mmis.frontend.serving_chat import ChatServing
 from mmis.frontend.serving_common import ClientGoneError
 from mmis.frontend.serving_completions import CompletionServing
 from mmis.frontend.serving_embeddings import EmbeddingServing
-from mmis.frontend.state import FrontendState, ServerSettings
+from mmis.frontend.state import FrontendState
 from mmis.telemetry.tracing import Tracing
 
 log = logging.getLogger(__name__)
@@ -73,8 +73,7 @@ def _unauthorized(message: str) -> JSONResponse:
 
 
 def create_app(
-    settings: ServerSettings,
-    config: FrontendConfig,
+    settings: FrontendConfig,
     *,
     on_state: Callable[[FrontendState], None] | None = None,
     tracing: Tracing | None = None,
@@ -84,7 +83,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state = await FrontendState.create(settings, config, tracing)
+        state = await FrontendState.create(settings, tracing)
         app.state.mmis = state
         app.state.chat = ChatServing(state)
         app.state.completions = CompletionServing(state)
@@ -131,19 +130,19 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        req = parse_request(ChatCompletionRequest, await request.body(), max_n=config.max_n)
+        req = parse_request(ChatCompletionRequest, await request.body(), max_n=settings.max_n)
         serving: ChatServing = request.app.state.chat
         return await serving.create(request, req)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = parse_request(CompletionRequest, await request.body(), max_n=config.max_n)
+        req = parse_request(CompletionRequest, await request.body(), max_n=settings.max_n)
         serving: CompletionServing = request.app.state.completions
         return await serving.create(request, req)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
-        req = parse_request(EmbeddingRequest, await request.body(), max_n=config.max_n)
+        req = parse_request(EmbeddingRequest, await request.body(), max_n=settings.max_n)
         serving: EmbeddingServing = request.app.state.embeddings
         return await serving.create(request, req)
 

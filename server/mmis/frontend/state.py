@@ -2,7 +2,8 @@
 
 Build it with :meth:`FrontendState.create` (inside the server's event loop) and close it with
 :meth:`FrontendState.close`. Settings come from ``mmis.config.from_env`` with the
-section ``frontend`` (``MMIS_FRONTEND_<FIELD>``), CLI flags winning.
+section ``frontend`` (``MMIS_FRONTEND_<FIELD>``), CLI flags winning: one
+:class:`~mmis.frontend.config.FrontendConfig`.
 
 Invariants:
 - One single-worker executor runs every render (the only place the shadow is mutated); the
@@ -28,11 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -60,41 +59,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 4096
 
 
-@dataclasses.dataclass(frozen=True)
-class ServerSettings:
-    """``mmis frontend`` settings (``MMIS_FRONTEND_<FIELD>``); media limits: FrontendConfig."""
-
-    model: str = ""
-    revision: str | None = None  # hub branch, tag or commit; ignored for a local directory
-    processor_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # JSON object
-    served_model_name: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    engine_input_address: str = "tcp://127.0.0.1:5570"
-    engine_output_address: str = "tcp://127.0.0.1:5571"
-    client_index: int = 0
-    mm_cache_type: str = "lru"  # "lru" | "shm"
-    mm_cache_gb: float = 4.0
-    shm_dir: str = "/dev/shm"
-    shm_gb: float = 1.0
-    hash_algorithm: str = "blake3"
-    api_key: str | None = None
-    max_model_len: int | None = None
-    engine_timeout_s: float = 120.0
-    ping_interval_s: float = 2.0
-    liveness_timeout_s: float = 10.0
-    graceful_shutdown_s: float = 30.0
-    # telemetry: OTLP traces (off when unset, OTEL_* env honoured), drift window, P1 polling
-    otlp_traces_endpoint: str | None = None
-    drift_window_s: float = 300.0
-    stats_interval_s: float = 1.0
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or self.model
-
-
-def frontend_tracing(settings: ServerSettings) -> Tracing:
+def frontend_tracing(settings: FrontendConfig) -> Tracing:
     """P0's tracing from ``otlp_traces_endpoint`` over ``OTEL_*``; a no-op when unset."""
     import os
 
@@ -113,7 +78,7 @@ def _max_model_len(model: str, revision: str | None = None) -> int:
     return int(getattr(text, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
 
 
-def load_processor(settings: ServerSettings) -> tuple[ModelProcessor, int]:
+def load_processor(settings: FrontendConfig) -> tuple[ModelProcessor, int]:
     """The processor (with the configured call kwargs) and the context window of
     ``settings.model`` at ``settings.revision``."""
     processor = ModelProcessor.from_pretrained(
@@ -125,7 +90,7 @@ def load_processor(settings: ServerSettings) -> tuple[ModelProcessor, int]:
     return processor, max_len
 
 
-def hash_model_id(settings: ServerSettings) -> str:
+def hash_model_id(settings: FrontendConfig) -> str:
     """The model id hashed into every content mm_hash: the model, and its revision if set."""
     return settings.model if settings.revision is None else f"{settings.model}@{settings.revision}"
 
@@ -133,15 +98,13 @@ def hash_model_id(settings: ServerSettings) -> str:
 class FrontendState:
     def __init__(
         self,
-        settings: ServerSettings,
-        config: FrontendConfig,
+        settings: FrontendConfig,
         processor: ModelProcessor,
         *,
         max_model_len: int,
         tracing: Tracing | None = None,
     ) -> None:
         self.settings = settings
-        self.config = config
         self.processor = processor
         self.max_model_len = max_model_len
         self.model_name = settings.model_name
@@ -157,7 +120,7 @@ class FrontendState:
         self.shm_writer: ShmWriter | None = None
         if settings.mm_cache_type == "shm":
             self.shm_writer = ShmWriter(int(settings.shm_gb * GiB), directory=settings.shm_dir)
-        self.loader = MediaLoader(config)
+        self.loader = MediaLoader(settings)
         self.client = EngineClient(
             settings.engine_input_address,
             settings.engine_output_address,
@@ -176,7 +139,7 @@ class FrontendState:
             self.executor,
             model_id=hash_model_id(settings),
             max_model_len=max_model_len,
-            max_images=config.max_images_per_prompt,
+            max_images=settings.max_images_per_prompt,
             hash_algorithm=settings.hash_algorithm,
             shm_writer=self.shm_writer,
             metrics=self.metrics,
@@ -192,15 +155,11 @@ class FrontendState:
 
     @classmethod
     async def create(
-        cls, settings: ServerSettings, config: FrontendConfig, tracing: Tracing | None = None
+        cls, settings: FrontendConfig, tracing: Tracing | None = None
     ) -> FrontendState:
-        if settings.mm_cache_type not in ("lru", "shm"):
-            raise ValueError(
-                f"mm_cache_type must be 'lru' or 'shm', got {settings.mm_cache_type!r}"
-            )
         loop = asyncio.get_running_loop()
         processor, max_len = await loop.run_in_executor(None, load_processor, settings)
-        state = cls(settings, config, processor, max_model_len=max_len, tracing=tracing)
+        state = cls(settings, processor, max_model_len=max_len, tracing=tracing)
         try:
             await state.client.start(timeout=settings.engine_timeout_s)
         except BaseException:
