@@ -14,6 +14,7 @@ Invariants:
 - Settings reach the server as flags its parsers know (``tests/contract`` parses them with
   the real ``mmis frontend`` / ``mmis engine`` parsers); the only ``MMIS_*`` variable is
   ``MMIS_FRONTEND_API_KEY`` from the Secret, so the key never appears in the pod spec.
+  A server setting the spec leaves unset is not passed: the server's one default applies.
   ``model.revision`` goes to both containers (``--revision``); ``model.processorKwargs`` to
   the front end only (``--processor-kwargs``, compact JSON): P1 never runs the processor.
 - The engine stays up while the front end drains (its preStop pause is longer), so in-flight
@@ -32,7 +33,7 @@ from mmis_operator.spec import ServiceSpec
 
 CACHE_DIR = "/var/cache/mmis"
 STARTUP_PERIOD = 10
-API_KEY_ENV = "MMIS_FRONTEND_API_KEY"  # ServerSettings.api_key via the frontend section
+API_KEY_ENV = "MMIS_FRONTEND_API_KEY"  # FrontendConfig.api_key via the frontend section
 
 
 def address_args() -> list[str]:
@@ -72,7 +73,8 @@ def frontend_args(spec: ServiceSpec) -> list[str]:
     args += ["--mm-cache-type", spec.cache.type, "--mm-cache-gb", shadow]
     if spec.cache.type == "shm":
         args += [*_shm_args(spec), "--shm-gb", quantity.gib(spec.cache.shm_store_bytes)]
-    args += ["--drift-window-s", str(spec.cache.drift_window_seconds)]
+    if spec.cache.drift_window_seconds is not None:
+        args += ["--drift-window-s", str(spec.cache.drift_window_seconds)]
     if spec.allowed_local_media_path:
         args += ["--allowed-local-media-path", spec.allowed_local_media_path]
     if spec.otlp_endpoint:
@@ -88,8 +90,10 @@ def engine_args(spec: ServiceSpec) -> list[str]:
     args = ["engine", "--model", spec.model.name, *revision_args(spec), *address_args()]
     args += ["--mm-cache-type", spec.cache.type, "--engine-mm-cache-gb", quantity.gib(receiver)]
     args += _shm_args(spec)
-    args += ["--max-num-seqs", str(spec.max_num_seqs)]
-    args += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
+    if spec.max_num_seqs is not None:
+        args += ["--max-num-seqs", str(spec.max_num_seqs)]
+    if spec.max_num_batched_tokens is not None:
+        args += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
     if spec.kv_cache_bytes is not None:
         args += ["--kv-cache-gb", quantity.gib(spec.kv_cache_bytes)]
     if spec.fault_evict_rate is not None:

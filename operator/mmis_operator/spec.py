@@ -1,8 +1,13 @@
 """The MMInferenceService spec, parsed into frozen dataclasses with every default applied.
 
 Invariants:
-- Defaults here equal the CRD's ``default:`` values (a unit test walks the CRD to check), so
-  a resource stored before a default existed reconciles the same as a new one.
+- :data:`DEFAULTS` is the operator's one home for defaults; the CRD's ``default:`` values
+  equal it (``tests/operator/test_spec.py`` walks the CRD), so a resource stored before a
+  default existed reconciles the same as a new one.
+- Server settings get no default here unless the operator needs the value itself: the cache
+  type and size (they size the /dev/shm volume and the memory limits). Those equal the
+  server's one definition (``tests/contract/test_settings_defaults.py``); every other server
+  setting is ``None`` when unset and its flag is then not passed (the server's default holds).
 - Every check the API server's schema/CEL rules make is repeated here, plus checks CEL cannot
   make (does the cache fit in the memory it lives in?). A violation raises
   :class:`InvalidSpecError` naming the field and what to change; the handlers turn it into a
@@ -20,7 +25,28 @@ from mmis_operator import quantity
 
 MiB = 1 << 20
 SHM_HEADROOM_MIN = 512 * MiB  # /dev/shm space beyond the store: torch, tokenizers, IPC
-DEFAULT_IMAGE = "ghcr.io/mmis-dev/mmis-server:0.1.0"
+# CRD path (below spec) -> default
+DEFAULTS: dict[str, Any] = {
+    "replicas": 1,
+    "image": "ghcr.io/mmis-dev/mmis-server:0.1.0",
+    "imagePullPolicy": "IfNotPresent",
+    "resources.gpus": 1,
+    "resources.memory": "16Gi",
+    "resources.cpu": "4",
+    "resources.frontendMemory": "4Gi",
+    "resources.frontendCpu": "2",
+    "cache.type": "lru",  # server: mm_cache_type
+    "cache.size": "4Gi",  # server: mm_cache_gb
+    "cache.driftThreshold": 0.01,
+    "telemetry.samplingRatio": 1.0,
+    "auth.apiKeySecretRef.key": "api-key",
+    "service.type": "ClusterIP",
+    "service.port": 8000,
+    "ingress.enabled": False,
+    "ingress.path": "/",
+    "probes.startupTimeoutSeconds": 1800,
+    "probes.drainSeconds": 15,
+}
 
 
 class InvalidSpecError(ValueError):
@@ -48,7 +74,7 @@ class CacheSpec:
     shm_store_bytes: int  # the SHM object store (0 in lru mode)
     shm_volume_bytes: int  # the /dev/shm emptyDir sizeLimit = store + headroom
     drift_threshold: float
-    drift_window_seconds: int
+    drift_window_seconds: int | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +88,8 @@ class ServiceSpec:
     engine_cpu: str
     frontend_memory_bytes: int
     frontend_cpu: str
-    max_num_seqs: int
-    max_num_batched_tokens: int
+    max_num_seqs: int | None
+    max_num_batched_tokens: int | None
     kv_cache_bytes: int | None
     fault_evict_rate: float | None
     cache: CacheSpec
@@ -88,8 +114,14 @@ def _section(spec: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     return value
 
 
-def _int(section: Mapping[str, Any], key: str, default: int, field: str, low: int = 0) -> int:
-    value = section.get(key, default)
+def _default(field: str) -> Any:
+    return DEFAULTS.get(field.removeprefix("spec."))
+
+
+def _int(section: Mapping[str, Any], key: str, field: str, low: int = 0) -> Any:
+    value = section.get(key, _default(field))
+    if value is None:
+        return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidSpecError(field, f"must be an integer, got {value!r}")
     if value < low:
@@ -97,8 +129,8 @@ def _int(section: Mapping[str, Any], key: str, default: int, field: str, low: in
     return value
 
 
-def _ratio(section: Mapping[str, Any], key: str, default: float | None, field: str) -> float | None:
-    value = section.get(key, default)
+def _ratio(section: Mapping[str, Any], key: str, field: str) -> float | None:
+    value = section.get(key, _default(field))
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
@@ -106,8 +138,8 @@ def _ratio(section: Mapping[str, Any], key: str, default: float | None, field: s
     return float(value)
 
 
-def _bytes(section: Mapping[str, Any], key: str, default: str | None, field: str) -> int | None:
-    value = section.get(key, default)
+def _bytes(section: Mapping[str, Any], key: str, field: str) -> int | None:
+    value = section.get(key, _default(field))
     if value is None:
         return None
     try:
@@ -116,8 +148,8 @@ def _bytes(section: Mapping[str, Any], key: str, default: str | None, field: str
         raise InvalidSpecError(field, str(exc).split(": ", 1)[1]) from exc
 
 
-def _cpu(section: Mapping[str, Any], key: str, default: str, field: str) -> str:
-    value = section.get(key, default)
+def _cpu(section: Mapping[str, Any], key: str, field: str) -> str:
+    value = section.get(key, _default(field))
     try:
         amount = quantity.parse(value, field)
     except quantity.QuantityError as exc:
@@ -154,11 +186,11 @@ def _model(spec: Mapping[str, Any]) -> ModelSpec:
 
 def _cache(spec: Mapping[str, Any]) -> CacheSpec:
     cache = _section(spec, "cache")
-    kind = cache.get("type", "lru")
+    kind = cache.get("type", DEFAULTS["cache.type"])
     if kind not in ("lru", "shm"):
         raise InvalidSpecError("spec.cache.type", f"must be lru or shm, got {kind!r}")
-    size = _bytes(cache, "size", "4Gi", "spec.cache.size") or 0
-    shm = _bytes(cache, "shmSize", None, "spec.cache.shmSize")
+    size = _bytes(cache, "size", "spec.cache.size") or 0
+    shm = _bytes(cache, "shmSize", "spec.cache.shmSize")
     if kind == "shm" and shm is not None and shm < size:
         raise InvalidSpecError(
             "spec.cache",
@@ -166,16 +198,16 @@ def _cache(spec: Mapping[str, Any]) -> CacheSpec:
             f"({quantity.format_bytes(size)}): the shared-memory store holds every cached item",
         )
     store = (size if shm is None else shm) if kind == "shm" else (shm or 0)
-    threshold = _ratio(cache, "driftThreshold", 0.01, "spec.cache.driftThreshold")
+    threshold = _ratio(cache, "driftThreshold", "spec.cache.driftThreshold")
     return CacheSpec(
         type=kind,
         size_bytes=size,
-        engine_size_bytes=_bytes(cache, "engineSize", None, "spec.cache.engineSize"),
+        engine_size_bytes=_bytes(cache, "engineSize", "spec.cache.engineSize"),
         shm_store_bytes=store,
         shm_volume_bytes=store + shm_headroom(store),
-        drift_threshold=0.01 if threshold is None else threshold,
+        drift_threshold=DEFAULTS["cache.driftThreshold"] if threshold is None else threshold,
         drift_window_seconds=_int(
-            cache, "driftWindowSeconds", 300, "spec.cache.driftWindowSeconds", low=10
+            cache, "driftWindowSeconds", "spec.cache.driftWindowSeconds", low=10
         ),
     )
 
@@ -214,34 +246,37 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
     auth = _section(spec, "auth").get("apiKeySecretRef")
     parsed = ServiceSpec(
         model=_model(spec),
-        replicas=_int(spec, "replicas", 1, "spec.replicas"),
-        image=str(spec.get("image") or DEFAULT_IMAGE),
-        image_pull_policy=str(spec.get("imagePullPolicy") or "IfNotPresent"),
-        gpus=_int(res, "gpus", 1, "spec.resources.gpus"),
-        engine_memory_bytes=_bytes(res, "memory", "16Gi", "spec.resources.memory") or 0,
-        engine_cpu=_cpu(res, "cpu", "4", "spec.resources.cpu"),
-        frontend_memory_bytes=_bytes(res, "frontendMemory", "4Gi", "spec.resources.frontendMemory")
-        or 0,
-        frontend_cpu=_cpu(res, "frontendCpu", "2", "spec.resources.frontendCpu"),
-        max_num_seqs=_int(eng, "maxNumSeqs", 64, "spec.engine.maxNumSeqs", low=1),
+        replicas=_int(spec, "replicas", "spec.replicas"),
+        image=str(spec.get("image") or DEFAULTS["image"]),
+        image_pull_policy=str(spec.get("imagePullPolicy") or DEFAULTS["imagePullPolicy"]),
+        gpus=_int(res, "gpus", "spec.resources.gpus"),
+        engine_memory_bytes=_bytes(res, "memory", "spec.resources.memory") or 0,
+        engine_cpu=_cpu(res, "cpu", "spec.resources.cpu"),
+        frontend_memory_bytes=_bytes(res, "frontendMemory", "spec.resources.frontendMemory") or 0,
+        frontend_cpu=_cpu(res, "frontendCpu", "spec.resources.frontendCpu"),
+        max_num_seqs=_int(eng, "maxNumSeqs", "spec.engine.maxNumSeqs", low=1),
         max_num_batched_tokens=_int(
-            eng, "maxNumBatchedTokens", 8192, "spec.engine.maxNumBatchedTokens", low=1
+            eng, "maxNumBatchedTokens", "spec.engine.maxNumBatchedTokens", low=1
         ),
-        kv_cache_bytes=_bytes(eng, "kvCacheMemory", None, "spec.engine.kvCacheMemory"),
-        fault_evict_rate=_ratio(eng, "faultEvictRate", None, "spec.engine.faultEvictRate"),
+        kv_cache_bytes=_bytes(eng, "kvCacheMemory", "spec.engine.kvCacheMemory"),
+        fault_evict_rate=_ratio(eng, "faultEvictRate", "spec.engine.faultEvictRate"),
         cache=_cache(spec),
         otlp_endpoint=tel.get("otlpEndpoint") or None,
-        sampling_ratio=_ratio(tel, "samplingRatio", 1.0, "spec.telemetry.samplingRatio") or 0.0,
-        api_key_secret=(str(auth["name"]), str(auth.get("key") or "api-key")) if auth else None,
+        sampling_ratio=_ratio(tel, "samplingRatio", "spec.telemetry.samplingRatio") or 0.0,
+        api_key_secret=(
+            (str(auth["name"]), str(auth.get("key") or DEFAULTS["auth.apiKeySecretRef.key"]))
+            if auth
+            else None
+        ),
         allowed_local_media_path=spec.get("allowedLocalMediaPath") or None,
-        service_type=str(svc.get("type") or "ClusterIP"),
-        service_port=_int(svc, "port", 8000, "spec.service.port", low=1),
+        service_type=str(svc.get("type") or DEFAULTS["service.type"]),
+        service_port=_int(svc, "port", "spec.service.port", low=1),
         service_annotations=dict(svc.get("annotations") or {}),
         ingress=dict(_section(spec, "ingress")),
         startup_timeout_seconds=_int(
-            probes, "startupTimeoutSeconds", 1800, "spec.probes.startupTimeoutSeconds", low=10
+            probes, "startupTimeoutSeconds", "spec.probes.startupTimeoutSeconds", low=10
         ),
-        drain_seconds=_int(probes, "drainSeconds", 15, "spec.probes.drainSeconds"),
+        drain_seconds=_int(probes, "drainSeconds", "spec.probes.drainSeconds"),
         scheduling=dict(_section(spec, "scheduling")),
         pod_template=dict(_section(spec, "podTemplate")),
     )
