@@ -39,13 +39,13 @@ def parse(module, argv):
 
 flags = sys.argv[1:]
 cfg = engine.config_from_args(parse(engine, ["--model", "acme/tiny", "--device", "cpu", *flags]))
-adapter, tokenizer = engine.load_model(cfg)
-settings, _ = frontend.settings_from(parse(frontend, ["--model", "acme/tiny", *flags]))
+adapter = engine.load_model(cfg)
+settings = frontend.settings_from(parse(frontend, ["--model", "acme/tiny", *flags]))
 processor, max_len = load_processor(settings)
 print(json.dumps({
     "engine_family": adapter.family,
     "engine_max_len": adapter.text_config.max_position_embeddings,
-    "engine_tokenizer_has_qwen_image": "<|image_pad|>" in tokenizer.get_vocab(),
+    "tokenizer_has_qwen_image": "<|image_pad|>" in processor.processor.tokenizer.get_vocab(),
     "processor": type(processor.processor).__name__,
     "processor_image_token": processor.image_token,
     "frontend_max_len": max_len,
@@ -92,7 +92,7 @@ def load_with(hub_cache: Path, *flags: str) -> dict[str, Any]:
 LLAVA = {
     "engine_family": "llava",
     "engine_max_len": 4096,
-    "engine_tokenizer_has_qwen_image": False,
+    "tokenizer_has_qwen_image": False,
     "processor": "LlavaProcessor",
     "processor_image_token": "<image>",
     "frontend_max_len": 4096,
@@ -100,7 +100,7 @@ LLAVA = {
 QWEN_V2 = {
     "engine_family": "qwen2-vl",
     "engine_max_len": 2048,
-    "engine_tokenizer_has_qwen_image": True,
+    "tokenizer_has_qwen_image": True,
     "processor": "Qwen2VLProcessor",
     "processor_image_token": "<|image_pad|>",
     "frontend_max_len": 2048,
