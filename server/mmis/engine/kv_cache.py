@@ -76,7 +76,6 @@ def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
 class PrefixCacheStats:
     """Counted per admitted request: ``queries`` prompt tokens looked up, ``hits`` found."""
 
-    requests: int = 0
     queries: int = 0
     hits: int = 0
 
@@ -139,7 +138,6 @@ class KVCacheManager:
         return blocks, len(blocks) * self.block_size
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
-        self.prefix_stats.requests += 1
         self.prefix_stats.queries += num_tokens
         self.prefix_stats.hits += num_hit_tokens
 

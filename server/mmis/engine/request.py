@@ -154,10 +154,6 @@ class Request:
         return self.pooling_params is not None and self.sampling_params is None
 
     @property
-    def max_tokens(self) -> int:
-        return 0 if self.sampling_params is None else self.sampling_params.max_tokens
-
-    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
