@@ -107,7 +107,7 @@ def prefix_cache(core: EngineCore, proc: ModelProcessor, images: int, repeat: in
     timed(core, request)  # warm: the encoder outputs are cached from here on
     miss, hit, cached = [], [], 0
     for _ in range(repeat):
-        core.call_utility("reset_prefix_cache", [])
+        core.utilities()["reset_prefix_cache"]()
         miss.append(timed(core, request))
         before = core.stats()["prefix_cache_hits"]
         hit.append(timed(core, request))
