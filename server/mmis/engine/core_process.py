@@ -133,7 +133,6 @@ class EngineCoreProc:
         self._core_queue: queue.Queue[CoreMessage] = queue.Queue()
         self._out = OutputChannel(cache_epoch=cache_epoch, engine_index=engine_index)
         self._owner: dict[str, int] = {}  # request id -> client index (busy loop only)
-        # the one utility table: name -> (runs on the busy loop?, function)
         # the shell's utility calls (they touch the receiver cache); the core adds its own
         self._shell_utilities: dict[str, Callable[..., Any]] = {
             "hello": self._hello,
