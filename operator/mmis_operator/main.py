@@ -4,6 +4,8 @@ Invariants:
 - With no ``--namespace`` the operator watches every namespace (needs the ClusterRole);
   with one or more it watches only those.
 - Bad options exit with status 2 and a message, before any connection is made.
+- Each option's default is its :class:`~mmis_operator.settings.Options` field's (the parser's
+  are ``None``: an option left out keeps the field default).
 - ``run`` returns 0 after a clean stop (SIGTERM/SIGINT, handled by kopf).
 """
 
@@ -11,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import random
 import sys
 
-from mmis_operator import settings as operator_settings
+from mmis_operator.settings import Options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,32 +34,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peering", help="kopf peering name: enables standby replicas")
     parser.add_argument(
         "--priority",
-        default="0",
         help="peering priority, highest wins; 'random' gives each replica a distinct one "
         "(replicas with equal priorities all pause)",
     )
     parser.add_argument(
-        "--liveness-endpoint",
-        default=None,
-        help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz",
+        "--liveness-endpoint", help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz"
     )
-    parser.add_argument("--watch-server-timeout", type=int, default=60)
-    parser.add_argument("--watch-client-timeout", type=float, default=90.0)
-    parser.add_argument("--request-timeout", type=float, default=60.0)
-    parser.add_argument("--resync-seconds", type=float, default=60.0)
-    parser.add_argument(
-        "--probe-seconds", type=float, default=30.0, help="CacheCoherent: probe pods this often"
-    )
-    parser.add_argument(
-        "--probe-timeout", type=float, default=2.0, help="CacheCoherent: per-pod HTTP timeout"
-    )
-    parser.add_argument("--workers", type=int, default=None, help="sync handler threads")
+    parser.add_argument("--watch-server-timeout", type=int)
+    parser.add_argument("--watch-client-timeout", type=float)
+    parser.add_argument("--request-timeout", type=float)
+    parser.add_argument("--resync-seconds", type=float)
+    parser.add_argument("--probe-seconds", type=float, help="CacheCoherent: probe pods this often")
+    parser.add_argument("--probe-timeout", type=float, help="CacheCoherent: per-pod HTTP timeout")
+    parser.add_argument("--workers", type=int, help="sync handler threads")
     parser.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
 
 
-def _priority(text: str) -> int:
+def _priority(text: str | None) -> int | None:
+    if text is None:
+        return None
     if text == "random":
         return random.SystemRandom().randint(1, 2**30)
     try:
@@ -65,20 +63,10 @@ def _priority(text: str) -> int:
         raise ValueError(f"--priority must be an integer or 'random', got {text!r}") from None
 
 
-def options_from_args(args: argparse.Namespace) -> operator_settings.Options:
-    return operator_settings.Options(
-        namespaces=tuple(args.namespace),
-        peering=args.peering,
-        priority=_priority(args.priority),
-        liveness_endpoint=args.liveness_endpoint,
-        watch_server_timeout=args.watch_server_timeout,
-        watch_client_timeout=args.watch_client_timeout,
-        request_timeout=args.request_timeout,
-        resync_seconds=args.resync_seconds,
-        probe_seconds=args.probe_seconds,
-        probe_timeout=args.probe_timeout,
-        workers=args.workers,
-    )
+def options_from_args(args: argparse.Namespace) -> Options:
+    given = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(Options)}
+    given.update(namespaces=tuple(args.namespace), priority=_priority(args.priority))
+    return Options(**{name: value for name, value in given.items() if value is not None})
 
 
 def run(args: argparse.Namespace) -> int:

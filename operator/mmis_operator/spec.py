@@ -118,8 +118,8 @@ def _default(field: str) -> Any:
     return DEFAULTS.get(field.removeprefix("spec."))
 
 
-def _int(section: Mapping[str, Any], key: str, field: str, low: int = 0) -> Any:
-    value = section.get(key, _default(field))
+def _int(section: Mapping[str, Any], field: str, low: int = 0) -> Any:
+    value = section.get(field.rsplit(".", 1)[1], _default(field))
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
@@ -129,8 +129,8 @@ def _int(section: Mapping[str, Any], key: str, field: str, low: int = 0) -> Any:
     return value
 
 
-def _ratio(section: Mapping[str, Any], key: str, field: str) -> float | None:
-    value = section.get(key, _default(field))
+def _ratio(section: Mapping[str, Any], field: str) -> float | None:
+    value = section.get(field.rsplit(".", 1)[1], _default(field))
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
@@ -138,8 +138,8 @@ def _ratio(section: Mapping[str, Any], key: str, field: str) -> float | None:
     return float(value)
 
 
-def _bytes(section: Mapping[str, Any], key: str, field: str) -> int | None:
-    value = section.get(key, _default(field))
+def _bytes(section: Mapping[str, Any], field: str) -> int | None:
+    value = section.get(field.rsplit(".", 1)[1], _default(field))
     if value is None:
         return None
     try:
@@ -148,8 +148,8 @@ def _bytes(section: Mapping[str, Any], key: str, field: str) -> int | None:
         raise InvalidSpecError(field, str(exc).split(": ", 1)[1]) from exc
 
 
-def _cpu(section: Mapping[str, Any], key: str, field: str) -> str:
-    value = section.get(key, _default(field))
+def _cpu(section: Mapping[str, Any], field: str) -> str:
+    value = section.get(field.rsplit(".", 1)[1], _default(field))
     try:
         amount = quantity.parse(value, field)
     except quantity.QuantityError as exc:
@@ -189,8 +189,8 @@ def _cache(spec: Mapping[str, Any]) -> CacheSpec:
     kind = cache.get("type", DEFAULTS["cache.type"])
     if kind not in ("lru", "shm"):
         raise InvalidSpecError("spec.cache.type", f"must be lru or shm, got {kind!r}")
-    size = _bytes(cache, "size", "spec.cache.size") or 0
-    shm = _bytes(cache, "shmSize", "spec.cache.shmSize")
+    size = _bytes(cache, "spec.cache.size") or 0
+    shm = _bytes(cache, "spec.cache.shmSize")
     if kind == "shm" and shm is not None and shm < size:
         raise InvalidSpecError(
             "spec.cache",
@@ -198,17 +198,15 @@ def _cache(spec: Mapping[str, Any]) -> CacheSpec:
             f"({quantity.format_bytes(size)}): the shared-memory store holds every cached item",
         )
     store = (size if shm is None else shm) if kind == "shm" else (shm or 0)
-    threshold = _ratio(cache, "driftThreshold", "spec.cache.driftThreshold")
+    threshold = _ratio(cache, "spec.cache.driftThreshold")
     return CacheSpec(
         type=kind,
         size_bytes=size,
-        engine_size_bytes=_bytes(cache, "engineSize", "spec.cache.engineSize"),
+        engine_size_bytes=_bytes(cache, "spec.cache.engineSize"),
         shm_store_bytes=store,
         shm_volume_bytes=store + shm_headroom(store),
         drift_threshold=DEFAULTS["cache.driftThreshold"] if threshold is None else threshold,
-        drift_window_seconds=_int(
-            cache, "driftWindowSeconds", "spec.cache.driftWindowSeconds", low=10
-        ),
+        drift_window_seconds=_int(cache, "spec.cache.driftWindowSeconds", low=10),
     )
 
 
@@ -243,40 +241,32 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
         _section(spec, "service"),
         _section(spec, "probes"),
     )
-    auth = _section(spec, "auth").get("apiKeySecretRef")
+    auth, key = _section(spec, "auth").get("apiKeySecretRef"), DEFAULTS["auth.apiKeySecretRef.key"]
     parsed = ServiceSpec(
         model=_model(spec),
-        replicas=_int(spec, "replicas", "spec.replicas"),
+        replicas=_int(spec, "spec.replicas"),
         image=str(spec.get("image") or DEFAULTS["image"]),
         image_pull_policy=str(spec.get("imagePullPolicy") or DEFAULTS["imagePullPolicy"]),
-        gpus=_int(res, "gpus", "spec.resources.gpus"),
-        engine_memory_bytes=_bytes(res, "memory", "spec.resources.memory") or 0,
-        engine_cpu=_cpu(res, "cpu", "spec.resources.cpu"),
-        frontend_memory_bytes=_bytes(res, "frontendMemory", "spec.resources.frontendMemory") or 0,
-        frontend_cpu=_cpu(res, "frontendCpu", "spec.resources.frontendCpu"),
-        max_num_seqs=_int(eng, "maxNumSeqs", "spec.engine.maxNumSeqs", low=1),
-        max_num_batched_tokens=_int(
-            eng, "maxNumBatchedTokens", "spec.engine.maxNumBatchedTokens", low=1
-        ),
-        kv_cache_bytes=_bytes(eng, "kvCacheMemory", "spec.engine.kvCacheMemory"),
-        fault_evict_rate=_ratio(eng, "faultEvictRate", "spec.engine.faultEvictRate"),
+        gpus=_int(res, "spec.resources.gpus"),
+        engine_memory_bytes=_bytes(res, "spec.resources.memory") or 0,
+        engine_cpu=_cpu(res, "spec.resources.cpu"),
+        frontend_memory_bytes=_bytes(res, "spec.resources.frontendMemory") or 0,
+        frontend_cpu=_cpu(res, "spec.resources.frontendCpu"),
+        max_num_seqs=_int(eng, "spec.engine.maxNumSeqs", low=1),
+        max_num_batched_tokens=_int(eng, "spec.engine.maxNumBatchedTokens", low=1),
+        kv_cache_bytes=_bytes(eng, "spec.engine.kvCacheMemory"),
+        fault_evict_rate=_ratio(eng, "spec.engine.faultEvictRate"),
         cache=_cache(spec),
         otlp_endpoint=tel.get("otlpEndpoint") or None,
-        sampling_ratio=_ratio(tel, "samplingRatio", "spec.telemetry.samplingRatio") or 0.0,
-        api_key_secret=(
-            (str(auth["name"]), str(auth.get("key") or DEFAULTS["auth.apiKeySecretRef.key"]))
-            if auth
-            else None
-        ),
+        sampling_ratio=_ratio(tel, "spec.telemetry.samplingRatio") or 0.0,
+        api_key_secret=(str(auth["name"]), str(auth.get("key") or key)) if auth else None,
         allowed_local_media_path=spec.get("allowedLocalMediaPath") or None,
         service_type=str(svc.get("type") or DEFAULTS["service.type"]),
-        service_port=_int(svc, "port", "spec.service.port", low=1),
+        service_port=_int(svc, "spec.service.port", low=1),
         service_annotations=dict(svc.get("annotations") or {}),
         ingress=dict(_section(spec, "ingress")),
-        startup_timeout_seconds=_int(
-            probes, "startupTimeoutSeconds", "spec.probes.startupTimeoutSeconds", low=10
-        ),
-        drain_seconds=_int(probes, "drainSeconds", "spec.probes.drainSeconds"),
+        startup_timeout_seconds=_int(probes, "spec.probes.startupTimeoutSeconds", low=10),
+        drain_seconds=_int(probes, "spec.probes.drainSeconds"),
         scheduling=dict(_section(spec, "scheduling")),
         pod_template=dict(_section(spec, "podTemplate")),
     )

@@ -1,21 +1,16 @@
 """The one definition of every server setting, and the layers derived from it.
 
 Invariants:
-- Every setting of a process is a field of that process's one frozen settings dataclass
-  (P1: ``mmis.engine.config.EngineConfig``, P0: ``mmis.frontend.config.FrontendConfig``),
-  declared with :func:`setting`: its one default and its one help text live there. A setting
-  both processes of a pod read (they must agree on it) is declared once in
-  :data:`SHARED_SETTINGS` and used by both through :func:`shared`.
-- Validation lives in the dataclass (``__post_init__``); its messages name the CLI flag.
-- Derived, never restated: the argparse options (:func:`add_flags`; every option defaults to
-  ``None`` so the dataclass stays the only default) and the environment layer
-  (:func:`from_env`, ``MMIS_<SECTION>_<FIELD>``). ``tests/contract/test_settings_defaults.py``
-  fails when any of them, or the operator, grows a default of its own.
+- Each setting of a process is one field, declared with :func:`setting` (its one default,
+  help and rule), of that process's frozen dataclass: ``mmis.engine.config.EngineConfig``
+  (P1), ``mmis.frontend.config.FrontendConfig`` (P0). A setting both must agree on is one
+  :data:`SHARED_SETTINGS` entry, used by both through :func:`shared`.
+- Derived, never restated: the argparse options (:func:`add_flags`, every default ``None``),
+  the env layer (:func:`from_env`), validation (:func:`check`, naming the flag); checked by
+  ``tests/contract/test_settings_defaults.py``.
 - Precedence: explicit argument (CLI) > environment (``MMIS_<SECTION>_<FIELD>``) > default.
-- Environment values are parsed by the field's declared type; a bad value raises
-  :class:`ConfigError` naming the variable, never a bare ``ValueError`` later.
-- A ``Mapping`` setting is written as a JSON object (env and CLI alike, through
-  :func:`json_object`); anything else (bad JSON, a list, a number) is refused.
+  Values are parsed by the field's type; a bad one raises :class:`ConfigError` naming the
+  flag or variable. A ``Mapping`` is a JSON object (:func:`json_object`), nothing else.
 """
 
 from __future__ import annotations
@@ -39,33 +34,34 @@ class ConfigError(ValueError):
     pass
 
 
+Rule = tuple[Callable[[Any], bool], str]
+POSITIVE: Rule = (lambda v: v is None or v > 0, "must be > 0")
+NOT_NEGATIVE: Rule = (lambda v: v >= 0, "must be >= 0")
+AT_LEAST_1: Rule = (lambda v: v >= 1, "must be at least 1")
+CACHE_TYPE: Rule = (lambda v: v in ("lru", "shm"), "must be lru or shm")
+
+
 def setting(
-    default: Any = dataclasses.MISSING,
-    *,
-    help: str,
-    flags: tuple[str, ...] = (),
-    metavar: str | None = None,
-    choices: tuple[str, ...] | None = None,
-    factory: Callable[[], Any] | None = None,
-    shared_as: str | None = None,
+    default: Any = dataclasses.MISSING, *, help: str, factory: Any = None, **meta: Any
 ) -> Any:
-    """A settings field: its default (or ``factory``) and help, plus what :func:`add_flags`
-    needs (``flags``: the option strings, first one canonical; default ``--field-name``)."""
-    meta = {"help": help, "flags": flags, "metavar": metavar, "choices": choices}
-    if shared_as is not None:
-        meta["shared"] = shared_as
+    """A settings field: its one default (or ``factory``) and help, plus what :func:`add_flags`
+    reads from ``meta``: ``flags`` (option strings, first canonical; default ``--field-name``),
+    ``metavar``, ``choices``, ``shared`` (the :data:`SHARED_SETTINGS` name), and ``rule`` (a
+    predicate and what it requires, checked by :func:`check` in ``__post_init__``)."""
+    meta["help"] = help
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
 
 
-REVISION_HELP = (
-    "model revision (branch, tag or commit) for every from_pretrained; "
-    "ignored for a local directory"
-)
 # settings both P0 and P1 read, which the two must agree on: one definition, used by both
 SHARED_SETTINGS: dict[str, dict[str, Any]] = {
-    "revision": {"default": None, "metavar": "REV", "help": REVISION_HELP},
+    "revision": {
+        "default": None,
+        "metavar": "REV",
+        "help": "model revision (branch, tag or commit) for every from_pretrained; "
+        "ignored for a local directory",
+    },
     "engine_input_address": {
         "default": "tcp://127.0.0.1:5570",
         "flags": ("--engine-input-address", "--input-address"),
@@ -79,10 +75,12 @@ SHARED_SETTINGS: dict[str, dict[str, Any]] = {
     "mm_cache_type": {
         "default": "lru",
         "choices": ("lru", "shm"),
-        "help": "multimodal cache transport: lru (tensors inline over ZMQ) or shm",
+        "rule": CACHE_TYPE,
+        "help": "multimodal cache transport: lru (inline over ZMQ) or shm",
     },
     "mm_cache_gb": {
         "default": 4.0,
+        "rule": NOT_NEGATIVE,
         "help": "multimodal cache budget in GiB (P0's shadow and P1's receiver must match)",
     },
     "shm_dir": {"default": "/dev/shm", "help": "directory of the shared-memory store (shm)"},
@@ -98,12 +96,16 @@ SHARED_SETTINGS: dict[str, dict[str, Any]] = {
 
 def shared(name: str, **changes: Any) -> Any:
     """The field of shared setting ``name`` (``changes``: other option strings only)."""
-    return setting(**{**SHARED_SETTINGS[name], **changes}, shared_as=name)
+    return setting(**{**SHARED_SETTINGS[name], **changes}, shared=name)
+
+
+def _field(cls: type, name: str) -> dataclasses.Field[Any]:
+    return next(f for f in dataclasses.fields(cls) if f.name == name)
 
 
 def default_of(cls: type, name: str) -> Any:
     """The one default of field ``name`` of settings class ``cls``."""
-    (field,) = [f for f in dataclasses.fields(cls) if f.name == name]
+    field = _field(cls, name)
     if field.default_factory is not dataclasses.MISSING:
         return field.default_factory()
     return field.default
@@ -115,15 +117,16 @@ def flags_of(field: dataclasses.Field[Any]) -> tuple[str, ...]:
 
 def flag_of(cls: type, name: str) -> str:
     """The canonical CLI flag of field ``name`` (for messages)."""
-    (field,) = [f for f in dataclasses.fields(cls) if f.name == name]
-    return flags_of(field)[0]
+    return flags_of(_field(cls, name))[0]
 
 
-def _value_type(tp: Any) -> Any:
-    """``X`` of ``X | None``."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return next(a for a in typing.get_args(tp) if a is not type(None))
-    return tp
+def check(settings: Any) -> None:
+    """:class:`ConfigError` naming the flag of the first field that breaks its ``rule``."""
+    for field in dataclasses.fields(settings):
+        ok, rule = field.metadata.get("rule", (None, ""))
+        value = getattr(settings, field.name)
+        if ok is not None and not ok(value):
+            raise ConfigError(f"{flags_of(field)[0]} {rule}, got {value!r}")
 
 
 def _arg_type(tp: Any, flag: str) -> Callable[[str], Any]:
@@ -133,7 +136,6 @@ def _arg_type(tp: Any, flag: str) -> Callable[[str], Any]:
         except ConfigError as exc:
             raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{flag}: ")) from None
 
-    parse.__name__ = getattr(_value_type(tp), "__name__", "value")
     return parse
 
 
@@ -163,9 +165,9 @@ def add_flags(
         if tp is bool:
             kwargs.update(action="store_const", const=not default)
         else:
-            metavar = meta["metavar"] or field.name.upper()
+            metavar = meta.get("metavar") or field.name.upper()
             kwargs.update(type=_arg_type(tp, options[0]), metavar=metavar)
-            kwargs["choices"] = meta["choices"]
+            kwargs["choices"] = meta.get("choices")
         parser.add_argument(*options, **kwargs)
 
 
@@ -179,37 +181,25 @@ def settings_from_args(cls: type[T], section: str, args: argparse.Namespace, pre
     )
 
 
-_JSON_KINDS: dict[type, str] = {
-    list: "array",
-    str: "string",
-    int: "number",
-    float: "number",
-    bool: "boolean",
-    type(None): "null",
-}
+_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
 
 
-def json_object(raw: str) -> dict[str, Any]:
-    """``raw`` as a JSON object (a dict with string keys); ``ValueError`` saying what is wrong
-    (without naming the setting: callers add the flag or variable)."""
+def json_object(raw: str, name: str) -> dict[str, Any]:
+    """``raw`` as a JSON object (a dict with string keys), or :class:`ConfigError` naming
+    ``name`` (a flag or variable) and saying what is wrong."""
     try:
         value = json.loads(raw)
     except ValueError as exc:
-        raise ValueError(f"expected a JSON object, got invalid JSON {raw!r} ({exc})") from None
+        raise ConfigError(
+            f"{name}: expected a JSON object, got invalid JSON {raw!r} ({exc})"
+        ) from None
     if not isinstance(value, dict):
-        kind = _JSON_KINDS.get(type(value), type(value).__name__)
-        raise ValueError(
-            f"expected a JSON object like '{{\"do_normalize\": false}}', got a JSON {kind}: {raw!r}"
+        kind = _JSON_KINDS.get(type(value), "null")
+        raise ConfigError(
+            f"{name}: expected a JSON object like '{{\"do_normalize\": false}}', "
+            f"got a JSON {kind}: {raw!r}"
         )
     return value
-
-
-def parse_json_object(raw: str, name: str) -> dict[str, Any]:
-    """:func:`json_object`, or :class:`ConfigError` naming ``name`` (a flag or variable)."""
-    try:
-        return json_object(raw)
-    except ValueError as exc:
-        raise ConfigError(f"{name}: {exc}") from None
 
 
 def _parse(raw: str, tp: Any, name: str) -> Any:
@@ -220,7 +210,7 @@ def _parse(raw: str, tp: Any, name: str) -> Any:
             return None
         return _parse(raw, args[0], name)
     if origin in (dict, abc.Mapping):
-        return parse_json_object(raw, name)
+        return json_object(raw, name)
     try:
         if tp is bool:
             low = raw.strip().lower()
@@ -241,10 +231,7 @@ def _parse(raw: str, tp: Any, name: str) -> Any:
 
 
 def from_env(
-    cls: type[T],
-    section: str,
-    environ: Mapping[str, str] | None = None,
-    **overrides: Any,
+    cls: type[T], section: str, environ: Mapping[str, str] | None = None, **overrides: Any
 ) -> T:
     """Build ``cls`` from defaults, then ``MMIS_<SECTION>_<FIELD>`` variables, then overrides.
 

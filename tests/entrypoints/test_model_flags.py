@@ -55,7 +55,7 @@ def mmis(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
         (
             ["frontend", "--model", "m", "--processor-kwargs", '{"images": [], "text": "x"}'],
             {},
-            "--processor-kwargs must not set ['images', 'text']",
+            "--processor-kwargs must not set ['images', 'return_tensors', 'text']",
         ),
         (
             ["engine", "--processor-kwargs", "{}"],  # P1 never runs the processor

@@ -68,3 +68,17 @@ def test_client_timeout_must_exceed_server_timeout(capsys: pytest.CaptureFixture
     code = cli_main(["operator", "--watch-server-timeout", "60", "--watch-client-timeout", "30"])
     assert code == 2
     assert "watch client timeout must exceed" in capsys.readouterr().err
+
+
+def test_options_have_one_default_the_dataclass_field() -> None:
+    parser = argparse.ArgumentParser()
+    operator_main.add_arguments(parser)
+    # --namespace appends to a fresh list; --log-level is no Options field (its one home)
+    own = {
+        a.dest: a.default
+        for a in parser._actions
+        if a.dest not in ("help", "namespace", "log_level") and a.default is not None
+    }
+    assert not own, f"operator options with a default besides Options': {own}"
+    assert operator_main.options_from_args(_parse()) == settings.Options()
+    assert operator_main.options_from_args(_parse("--probe-seconds", "5")).probe_seconds == 5.0

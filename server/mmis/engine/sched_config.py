@@ -20,7 +20,6 @@ from mmis.engine.config import EngineConfig
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    # the user settings: EngineConfig's defaults (their one definition), P1 passes its values
     max_num_seqs: int = default_of(EngineConfig, "max_num_seqs")  # running requests at most
     max_num_batched_tokens: int = default_of(EngineConfig, "max_num_batched_tokens")
     num_blocks: int = 1024  # KV blocks per layer, block 0 included (P1: the pool's count)
