@@ -124,9 +124,7 @@ def ingress(owner: Mapping[str, Any], spec: ServiceSpec) -> dict[str, Any] | Non
             {
                 "host": cfg["host"],
                 "http": {
-                    "paths": [
-                        {"path": cfg.get("path") or "/", "pathType": "Prefix", "backend": backend}
-                    ]
+                    "paths": [{"path": cfg["path"], "pathType": "Prefix", "backend": backend}]
                 },
             }
         ]
@@ -144,6 +142,6 @@ def endpoint(owner: Mapping[str, Any], spec: ServiceSpec) -> str:
     cfg = spec.ingress
     if cfg.get("enabled"):
         scheme = "https" if cfg.get("tlsSecretName") else "http"
-        path = (cfg.get("path") or "/").rstrip("/")
+        path = str(cfg["path"]).rstrip("/")
         return f"{scheme}://{cfg['host']}{path}/v1"
     return f"http://{meta['name']}.{meta['namespace']}.svc:{spec.service_port}/v1"

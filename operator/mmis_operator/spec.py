@@ -264,7 +264,10 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
         service_type=str(svc.get("type") or DEFAULTS["service.type"]),
         service_port=_int(svc, "spec.service.port", low=1),
         service_annotations=dict(svc.get("annotations") or {}),
-        ingress=dict(_section(spec, "ingress")),
+        ingress={
+            **_section(spec, "ingress"),
+            "path": _section(spec, "ingress").get("path") or DEFAULTS["ingress.path"],
+        },
         startup_timeout_seconds=_int(probes, "spec.probes.startupTimeoutSeconds", low=10),
         drain_seconds=_int(probes, "spec.probes.drainSeconds"),
         scheduling=dict(_section(spec, "scheduling")),

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from mmis.config import AT_LEAST_1, POSITIVE, check, setting, shared
+from mmis.config import AT_LEAST_1, POSITIVE, GiB, check, setting, shared
 
 DEFAULT_MODEL = "mmis-tiny"
+DEFAULT_KV_BLOCKS = 2048  # the KV pool's size when neither --num-kv-blocks nor --kv-cache-gb
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +44,8 @@ class EngineConfig:
     num_kv_blocks: int | None = setting(
         None,
         rule=(lambda v: v is None or v >= 2, "must be at least 2 (block 0 is reserved)"),
-        help="KV cache size in blocks (overrides GiB)",
+        help=f"KV cache size in blocks, block 0 included (overrides --kv-cache-gb; "
+        f"with neither, {DEFAULT_KV_BLOCKS})",
     )
     block_size: int = setting(16, rule=AT_LEAST_1, help="tokens per KV block")
     enable_prefix_caching: bool = setting(
@@ -59,3 +61,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check(self)
+
+    def kv_pool_size(self) -> tuple[int | None, int | None]:
+        """``(num_blocks, budget_bytes)`` for the KV pool: the block count wins, then the GiB
+        budget, then :data:`DEFAULT_KV_BLOCKS`."""
+        if self.num_kv_blocks is None and self.kv_cache_gb is None:
+            return DEFAULT_KV_BLOCKS, None
+        budget = None if self.kv_cache_gb is None else int(self.kv_cache_gb * GiB)
+        return self.num_kv_blocks, budget

@@ -2,7 +2,7 @@
 
 Invariants:
 - Every limit is a positive integer (``max_model_len`` may be ``None``: no limit beyond the KV
-  pool); ``strip_keep_fields`` is a tuple of tensor names; a bad value raises
+  pool); a bad value raises
   :class:`~mmis.config.ConfigError` naming the field.
 - User settings (``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``,
   ``enable_prefix_caching``, ``max_model_len``) default to :class:`EngineConfig`'s, their one
@@ -28,8 +28,6 @@ class SchedulerConfig:
     encoder_cache_size: int = 8192  # encoder output slots (one per placeholder token)
     encoder_compute_budget: int = 8192  # placeholder tokens encoded per step at most
     max_model_len: int | None = default_of(EngineConfig, "max_model_len")  # prompt + output
-    # tensor names kept when a prefix hit strips an item's payload (M-RoPE needs the grid)
-    strip_keep_fields: tuple[str, ...] = ("image_grid_thw",)
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -37,10 +35,6 @@ class SchedulerConfig:
             if field.name == "enable_prefix_caching":
                 if not isinstance(value, bool):
                     raise ConfigError(f"SchedulerConfig.{field.name} must be a bool, got {value!r}")
-                continue
-            if field.name == "strip_keep_fields":
-                if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
-                    raise ConfigError(f"SchedulerConfig.{field.name} must be a tuple of names")
                 continue
             if value is None and field.name == "max_model_len":
                 continue

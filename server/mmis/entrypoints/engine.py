@@ -96,10 +96,7 @@ def build(cfg: EngineConfig) -> EngineCoreProc:
     from mmis.telemetry.request_spans import RequestSpans
 
     adapter = load_model(cfg)
-    kv_bytes = None if cfg.kv_cache_gb is None else int(cfg.kv_cache_gb * GiB)
-    num_blocks = cfg.num_kv_blocks
-    if kv_bytes is None and num_blocks is None:
-        num_blocks = 2048
+    num_blocks, kv_bytes = cfg.kv_pool_size()
     try:
         runner = ModelRunner.create(
             adapter, block_size=cfg.block_size, num_blocks=num_blocks, kv_budget_bytes=kv_bytes
@@ -115,13 +112,7 @@ def build(cfg: EngineConfig) -> EngineCoreProc:
     spans = RequestSpans(tracing, background=True) if tracing.enabled else None
     core = make_core(cfg, runner, spans)
     readers = ShmReaderSet(cfg.shm_dir)
-
-    def shm_reader(address: Any) -> Any:
-        arrays = readers.read(address, copy=True)
-        readers.ack(address)
-        return arrays
-
-    receiver = ReceiverCache(int(cfg.mm_cache_gb * GiB), shm_reader=shm_reader)
+    receiver = ReceiverCache(int(cfg.mm_cache_gb * GiB), shm_reader=readers.receive)
     log.info(
         "engine ready: %d KV blocks of %d tokens, receiver cache %.2f GiB, epoch %s",
         runner.pool.num_blocks,

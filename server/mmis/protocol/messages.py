@@ -145,7 +145,11 @@ class UtilityResult(msgspec.Struct, array_like=True):
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True):
-    """Progress of one request (one choice ``index`` of it) since the previous output."""
+    """Progress of one request since the previous output.
+
+    ``index`` is reserved (always 0): P1 serves one choice per request and P0 fans ``n`` out
+    into requests of its own; the field stays so that the wire format keeps its positions.
+    """
 
     request_id: str
     new_token_ids: list[int] = msgspec.field(default_factory=list)
