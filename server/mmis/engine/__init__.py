@@ -1,1 +1,1 @@
-"""P1, the engine core. Never imports mmis.frontend (import-linter contract)."""
+"""P1, the engine core (docs/ARCHITECTURE.md §1 steps 6-10). Never imports mmis.frontend."""

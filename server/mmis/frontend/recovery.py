@@ -4,7 +4,7 @@ An *attempt* renders the retained :class:`SourcePrompt`, sends one engine reques
 (``n`` siblings, ids ``<request id>-a<attempt>-<choice>``: fresh per attempt, so a late
 output of a dead attempt is never mixed in) and reads their outputs from one queue.
 
-Rules (ARCHITECTURE.md section 2, scenarios S1, S3, S4, S5):
+Rules (the drift-recovery chain of docs/ARCHITECTURE.md §2; scenarios S1, S3, S4, S5 in §5):
 - A sibling output with ``finish_reason="error"`` and code ``multimodal_cache_miss`` or
   ``engine_restarted`` is *retryable*. On the first attempt it aborts the other siblings
   (exactly one error is handled, however many siblings report one) and starts the second
