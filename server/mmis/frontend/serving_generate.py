@@ -132,7 +132,8 @@ class TextGenerator:
                     n=n,
                     reserve=reserve,
                     build=build,
-                    watch=watch,
+                    # without stop strings nothing can end a choice early: no watch, no decode
+                    watch=watch if req.stop_list() else None,
                 ),
             )
             return self._whole(req, fmt, request_id, rendered, outputs)
