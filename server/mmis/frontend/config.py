@@ -44,7 +44,22 @@ class FrontendConfig:
     served_model_name: str | None = setting(None, help="model name clients see (default: --model)")
     host: str = setting("127.0.0.1", help="address to bind")
     port: int = setting(8000, help="port to bind; 0 picks a free one")
-    api_key: str | None = setting(None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    api_key: str | None = setting(
+        None,
+        help="require 'Authorization: Bearer KEY' on every route of --port but /health and /ready",
+    )
+    ops_port: int | None = setting(
+        None,
+        rule=(lambda v: v is None or 0 <= v <= 65535, "must be a port number (0 picks one)"),
+        help="serve /metrics and /stats/cache on this port (no API key, for Prometheus and the "
+        "operator, pod to pod) instead of --port; 0 picks a free one",
+    )
+    max_request_body_mb: float = setting(
+        32.0,
+        rule=POSITIVE,
+        help="largest request body in MiB (413 beyond it, checked while reading): room for a "
+        "full-context prompt and a few 12 MP photos as data URLs",
+    )
     graceful_shutdown_s: float = setting(
         30.0, rule=NOT_NEGATIVE, help="how long SIGTERM waits for in-flight requests"
     )
@@ -58,6 +73,16 @@ class FrontendConfig:
         120.0, rule=POSITIVE, help="how long to wait for P1's handshake at start"
     )
     ping_interval_s: float = setting(2.0, rule=POSITIVE, help="how often P1 is pinged")
+    fail_fast: bool = setting(
+        False,
+        help="while P1 is down or restarting, answer 503 with Retry-After at once instead of "
+        "waiting for it (replicas behind a gateway)",
+    )
+    engine_wait_s: float = setting(
+        60.0,
+        rule=POSITIVE,
+        help="how long a request waits for a restarting P1 before a 503 (without --fail-fast)",
+    )
     liveness_timeout_s: float = setting(
         10.0, rule=POSITIVE, help="P1 is dead after this long without a pong"
     )
