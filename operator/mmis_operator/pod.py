@@ -68,7 +68,8 @@ def frontend_args(spec: ServiceSpec) -> list[str]:
     """``mmis frontend`` flags; every one exists in ``mmis.entrypoints.frontend``."""
     args = ["frontend", "--model", spec.model.name, "--served-model-name", spec.model.served_name]
     args += [*revision_args(spec), *processor_kwargs_args(spec)]
-    args += ["--host", "0.0.0.0", "--port", str(r.HTTP_PORT), *address_args()]
+    args += ["--host", "0.0.0.0", "--port", str(r.HTTP_PORT), "--ops-port", str(r.OPS_PORT)]
+    args += address_args()
     shadow = quantity.gib(spec.cache.size_bytes)
     args += ["--mm-cache-type", spec.cache.type, "--mm-cache-gb", shadow]
     if spec.cache.type == "shm":
@@ -164,7 +165,10 @@ def frontend_container(spec: ServiceSpec, name: str) -> dict[str, Any]:
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["mmis"],
         "args": frontend_args(spec),
-        "ports": [{"name": r.HTTP_PORT_NAME, "containerPort": r.HTTP_PORT, "protocol": "TCP"}],
+        "ports": [
+            {"name": r.HTTP_PORT_NAME, "containerPort": r.HTTP_PORT, "protocol": "TCP"},
+            {"name": r.OPS_PORT_NAME, "containerPort": r.OPS_PORT, "protocol": "TCP"},
+        ],
         "env": env,
         "resources": {
             "requests": {"cpu": spec.frontend_cpu, "memory": memory},

@@ -1,7 +1,8 @@
 """The coherence probe: fetch each ready pod's ``/stats/cache``, store ``CacheCoherent``.
 
 One cycle (:meth:`CoherenceProbe.run`, called by the operator's ``coherence`` timer): list the
-service's pods, GET ``http://<podIP>:8000/stats/cache`` on each ready one concurrently, judge
+service's pods, GET ``http://<podIP>:8001/stats/cache`` (the front end's operations port,
+never exposed by the Service, no API key) on each ready one concurrently, judge
 the answers (:mod:`mmis_operator.coherence`) and write ``status.cache`` plus the
 ``CacheCoherent`` condition, posting one Event per status flip.
 
@@ -66,7 +67,7 @@ def targets(
     if override:
         logger.warning("ignoring %s: endpoint overrides are not allowed", OVERRIDE_ANNOTATION)
     return [
-        Target(p["metadata"]["name"], f"http://{p['status']['podIP']}:{r.HTTP_PORT}{STATS_PATH}")
+        Target(p["metadata"]["name"], f"http://{p['status']['podIP']}:{r.OPS_PORT}{STATS_PATH}")
         for p in ready
     ]
 

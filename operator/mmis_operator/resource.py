@@ -36,6 +36,9 @@ FRONTEND = "frontend"
 ENGINE = "engine"
 HTTP_PORT = 8000
 HTTP_PORT_NAME = "http"
+# /metrics and /stats/cache (front end's --ops-port): pod to pod only, never on the Service
+OPS_PORT = 8001
+OPS_PORT_NAME = "ops"
 ENGINE_INPUT_ADDRESS = "tcp://127.0.0.1:5570"
 ENGINE_OUTPUT_ADDRESS = "tcp://127.0.0.1:5571"
 SHM_VOLUME = "dshm"

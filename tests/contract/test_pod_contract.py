@@ -218,9 +218,11 @@ def test_server_settings_match_the_spec(variant: str, monkeypatch: pytest.Monkey
     assert settings.otlp_traces_endpoint == engine.otlp_traces_endpoint == spec.otlp_endpoint
     assert settings.api_key == (SECRET_VALUE if spec.api_key_secret else None)
     assert settings.allowed_local_media_path == spec.allowed_local_media_path
-    # the port the probes and the Service use is the one the server binds
-    (port,) = front_c["ports"]
-    assert port["name"] == r.HTTP_PORT_NAME and port["containerPort"] == settings.port
+    # the port the probes and the Service use is the one the server binds; the operations
+    # port (what Prometheus and the coherence probe reach, pod to pod) is the one it opens
+    http, ops = front_c["ports"]
+    assert http["name"] == r.HTTP_PORT_NAME and http["containerPort"] == settings.port
+    assert ops["name"] == r.OPS_PORT_NAME and ops["containerPort"] == settings.ops_port
     assert settings.host == "0.0.0.0"  # a pod must listen on its pod IP
 
 

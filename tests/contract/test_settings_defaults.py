@@ -45,8 +45,8 @@ MINIMAL = {
 }
 # settings the operator sets on purpose in every pod (not a default: the pod's own wiring)
 POD_WIRING = {
-    "frontend": {"model", "served_model_name", "host", "port", "engine_input_address"}
-    | {"engine_output_address"},
+    "frontend": {"model", "served_model_name", "host", "port", "ops_port"}
+    | {"engine_input_address", "engine_output_address"},
     "engine": {"model", "input_address", "output_address"},
 }
 # server settings the operator needs the value of itself (volume and memory sizing)

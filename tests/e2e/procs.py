@@ -87,13 +87,17 @@ class Frontend(Proc):
             announces=True,
         )
         self.base_url = self.root_url + "/v1"
+        key = (env or {}).get("MMIS_FRONTEND_API_KEY")
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         self.wait_http("/ready", timeout)
 
     def metric(self, name: str) -> float:
         """Sum of every series of ``mmis_frontend_<name>`` on ``/metrics``."""
-        text = httpx.get(self.root_url + "/metrics", timeout=30).text
+        answer = httpx.get(self.root_url + "/metrics", headers=self.headers, timeout=30)
+        answer.raise_for_status()
+        text = answer.text
         total = 0.0
         for line in text.splitlines():
             if line.startswith(f"mmis_frontend_{name}") and not line.startswith("#"):

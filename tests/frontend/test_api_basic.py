@@ -138,7 +138,9 @@ def test_models_probes_metrics_and_api_key(
     with httpx.Client(timeout=10) as http:
         assert http.get(f"{root}/health").status_code == 200
         assert http.get(f"{root}/ready").status_code == 200
-        assert "mmis_shadow_hits_total{" in http.get(f"{root}/metrics").text
+        assert http.get(f"{root}/metrics").status_code == 401  # every route but the probes
+        keyed = {"Authorization": f"bearer {KEY}"}  # the scheme in any case
+        assert "mmis_shadow_hits_total{" in http.get(f"{root}/metrics", headers=keyed).text
         denied = http.get(f"{root}/v1/models")
         assert denied.status_code == 401
         assert denied.json()["error"]["code"] == "invalid_api_key"

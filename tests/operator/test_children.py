@@ -62,6 +62,9 @@ def test_addresses_and_cache_flags_come_from_one_place(sample: dict[str, Any]) -
     assert _args(front, "--engine-input-address") == r.ENGINE_INPUT_ADDRESS
     assert _args(front, "--mm-cache-gb") == "4"
     assert _args(front, "--port") == str(r.HTTP_PORT)
+    assert _args(front, "--ops-port") == str(r.OPS_PORT)
+    service = children.service(sample, parse_spec(sample["spec"]))
+    assert [p["name"] for p in service["spec"]["ports"]] == [r.HTTP_PORT_NAME]  # never ops
     assert _args(front, "--shm-gb") == "6"
     assert _args(front, "--shm-dir") == _args(engine, "--shm-dir") == r.SHM_MOUNT
 

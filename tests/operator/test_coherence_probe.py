@@ -36,15 +36,15 @@ def _pod(name: str, ip: str | None = "10.0.0.1", ready: bool = True) -> dict[str
 def test_targets_are_ready_pods_with_ips(sample: dict[str, Any]) -> None:
     pods = [_pod("b", "10.0.0.2"), _pod("a"), _pod("c", ready=False), _pod("d", ip=None)]
     assert targets(sample, pods, allow_override=False) == [
-        Target("a", "http://10.0.0.1:8000/stats/cache"),
-        Target("b", "http://10.0.0.2:8000/stats/cache"),
+        Target("a", "http://10.0.0.1:8001/stats/cache"),
+        Target("b", "http://10.0.0.2:8001/stats/cache"),
     ]
 
 
 def test_override_is_ignored_unless_allowed(sample: dict[str, Any]) -> None:
     sample["metadata"]["annotations"] = {OVERRIDE_ANNOTATION: "http://127.0.0.1:9/"}
     pods = [_pod("a"), _pod("b")]
-    assert targets(sample, pods, False)[0].url == "http://10.0.0.1:8000/stats/cache"
+    assert targets(sample, pods, False)[0].url == "http://10.0.0.1:8001/stats/cache"
     assert targets(sample, pods, True) == [Target("a", "http://127.0.0.1:9/stats/cache")]
 
 

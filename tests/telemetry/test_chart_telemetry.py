@@ -1,4 +1,4 @@
-"""The chart ships the generated dashboard and rules: rendered by the real helm binary."""
+"""The chart ships the generated dashboard, rules and scrape object: rendered by real helm."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import mmis_dashboard as dashboard  # noqa: E402
 
 CHART = ROOT / "charts" / "mmis"
 PROMETHEUS_RULE_API = "monitoring.coreos.com/v1/PrometheusRule"
+PODMONITOR_API = "monitoring.coreos.com/v1/PodMonitor"
 # helm template otherwise assumes a Kubernetes older than Chart.yaml allows
 KUBE = ("--kube-version", "1.36.3")
 
@@ -73,3 +74,28 @@ def test_chart_lints_strictly_with_the_new_templates() -> None:
         [str(_helm()), "lint", "--strict", str(CHART)], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_pod_monitor_scrapes_the_operations_port_of_the_operators_pods() -> None:
+    """The chart's scrape object selects the pods the operator builds, on their ops port."""
+    from mmis_operator import children
+    from mmis_operator import resource as r
+    from mmis_operator.spec import parse_spec
+
+    assert _of_kind(_render(), "PodMonitor") == []
+    (monitor,) = _of_kind(_render("--api-versions", PODMONITOR_API), "PodMonitor")
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["path"] == "/metrics"
+    pod = children.pod_template(parse_spec({"model": {"id": "acme/vlm"}}), "m")
+    labels = pod["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert labels[r.LABEL_SERVICE] == "m"  # the service name, which podTargetLabels keeps
+    (frontend,) = [c for c in pod["spec"]["containers"] if c["name"] == r.FRONTEND]
+    ports = {p["name"]: p["containerPort"] for p in frontend["ports"]}
+    assert endpoint["port"] == r.OPS_PORT_NAME and ports[r.OPS_PORT_NAME] == r.OPS_PORT
+    args = frontend["args"]
+    assert args[args.index("--ops-port") + 1] == str(r.OPS_PORT)
+    forced = _of_kind(_render("--set", "podMonitor.enabled=true"), "PodMonitor")
+    assert len(forced) == 1
+    off = _render("--api-versions", PODMONITOR_API, "--set", "podMonitor.enabled=false")
+    assert _of_kind(off, "PodMonitor") == []

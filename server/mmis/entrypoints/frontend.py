@@ -7,6 +7,9 @@ derived from the fields of :class:`~mmis.frontend.config.FrontendConfig`, the on
 Invariants:
 - ``--port 0`` binds a free port; the bound address is printed as the first stdout line,
   ``mmis frontend listening on http://HOST:PORT``, so a supervisor (or a test) can find it.
+  With ``--ops-port`` the second line is ``mmis frontend operations on http://HOST:PORT``
+  (``/metrics``, ``/stats/cache``): one server, one app, two sockets; the app tells them
+  apart by the port a connection arrived on (:mod:`mmis.frontend.http_gate`).
 - SIGTERM/SIGINT drain: uvicorn stops accepting, waits up to ``--graceful-shutdown-s`` for
   in-flight requests, then the lifespan closes the engine client. Exit status 0 after a clean
   shutdown, 2 for bad settings, 1 when the engine never answered.
@@ -15,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import signal
 import socket
@@ -67,18 +71,30 @@ def run(args: argparse.Namespace) -> int:
     return serve(settings)
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
 def serve(settings: FrontendConfig) -> int:
     """Bind, announce the address, serve until a signal; the exit status."""
     import uvicorn
 
     from mmis.frontend.api_server import create_app
 
-    sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((settings.host, settings.port))
-    sock.listen(2048)
+    sock = _listen(settings.host, settings.port)
     host, port = sock.getsockname()[:2]
     print(f"mmis frontend listening on http://{host}:{port}", flush=True)
+    sockets = [sock]
+    if settings.ops_port is not None:
+        ops = _listen(settings.host, settings.ops_port)
+        sockets.append(ops)
+        ops_port = ops.getsockname()[1]
+        settings = dataclasses.replace(settings, ops_port=ops_port)
+        print(f"mmis frontend operations on http://{host}:{ops_port}", flush=True)
     app = create_app(settings, on_state=_freeze_gc)
     server = uvicorn.Server(
         uvicorn.Config(
@@ -91,5 +107,5 @@ def serve(settings: FrontendConfig) -> int:
     # uvicorn re-raises the captured SIGTERM after draining, with the handler that was in
     # place before it started; a no-op one makes a drained shutdown exit with status 0
     signal.signal(signal.SIGTERM, lambda *_: None)
-    server.run(sockets=[sock])
+    server.run(sockets=sockets)
     return 0 if server.started else 1

@@ -1,25 +1,28 @@
-"""The FastAPI application of P0: OpenAI routes, probes, metrics, API-key check.
+"""The FastAPI application of P0: OpenAI routes, probes, metrics, the HTTP gate.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``,
-``GET /v1/models``, ``GET /health`` (process up and engine answering pings),
-``GET /ready`` (a synthetic image request completed since start), ``GET /metrics`` (the
-process' one metrics registry: P0's series, P1's polled figures, the drift gauge and P0's
-level gauges; P1 is polled first when its snapshot is stale) and ``GET /stats/cache``.
+``GET /v1/models`` (every served name), ``GET /version``, ``GET /health`` (process up and
+engine answering pings), ``GET /ready`` (a synthetic image request completed since start),
+and the operations routes ``GET /metrics`` (the process' one metrics registry: P0's series,
+P1's polled figures, the drift gauge and P0's level gauges; P1 is polled first when its
+snapshot is stale) and ``GET /stats/cache`` — on ``--ops-port`` when it is set.
 
-``GET /stats/cache`` (unauthenticated, like the probes: the operator reads it on every ready
-pod) answers the drift window as JSON: ``drift_rate`` (drift misses / shadow hits over the
-window; 0.0 without shadow hits), ``hit_rate`` (sender-cache hits / lookups), ``retry_rate``
-(retries / requests), the raw window deltas ``shadow_hits``, ``drift_misses``, ``queries``,
+``GET /stats/cache`` (no key: the operator reads it on every ready pod) answers the drift
+window as JSON: ``drift_rate`` (drift misses / shadow hits over the window; 0.0 without
+shadow hits), ``hit_rate`` (sender-cache hits / lookups), ``retry_rate`` (retries /
+requests), the raw window deltas ``shadow_hits``, ``drift_misses``, ``queries``,
 ``retries``, ``requests``, and ``window_seconds`` / ``span_seconds`` (the configured window,
 and how much of it the samples cover so far).
 
 Invariants:
-- Every error leaves in the OpenAI shape (:mod:`mmis.frontend.errors`), including
-  401 for a missing or wrong API key (``code: invalid_api_key``) and unexpected exceptions
-  (500, text not leaked).
-- With an API key configured, every ``/v1/*`` route needs ``Authorization: Bearer <key>``;
-  the probes, ``/metrics`` and ``/stats/cache`` stay open (kubelet, Prometheus and the
-  operator carry no key).
+- Every request passes :class:`~mmis.frontend.http_gate.HttpGate` first (the outermost
+  middleware): operations routes on their port, the API key on every route of the serving
+  port but ``/health`` and ``/ready``, JSON bodies only (415), bounded bodies (413).
+- Every error leaves in the OpenAI shape (:mod:`mmis.frontend.errors`): malformed JSON
+  (deep nesting included) is 400, unknown paths 404, a model the server does not serve 404
+  ``model_not_found``, unexpected exceptions 500 (text not leaked).
+- A body is parsed on a worker thread when it is large (:data:`INLINE_PARSE_BYTES`), so
+  no request stalls the event loop that answers ``/health`` and streams.
 - Each inference request is wrapped by :class:`RequestTelemetryMiddleware` (its server span,
   latency / TTFT / TPOT histograms, request and token counters).
 - The app owns its :class:`FrontendState` through the lifespan: created on startup (engine
@@ -28,16 +31,26 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
+from importlib import metadata
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
 
 from mmis.frontend.config import FrontendConfig
-from mmis.frontend.errors import INVALID_REQUEST_TYPE, error_body
+from mmis.frontend.errors import (
+    FrontendError,
+    ModelNotFoundError,
+    error_body,
+    json_response,
+)
+from mmis.frontend.http_gate import HttpGate, MiB
 from mmis.frontend.request_telemetry import RequestTelemetryMiddleware
 from mmis.frontend.schemas import (
     ChatCompletionRequest,
@@ -58,18 +71,15 @@ from mmis.telemetry.tracing import Tracing
 log = logging.getLogger(__name__)
 
 CLIENT_CLOSED_REQUEST = 499
+INLINE_PARSE_BYTES = 256 * 1024
+M = TypeVar("M", bound=BaseModel)
 
 
-def _unauthorized(message: str) -> JSONResponse:
-    body = {
-        "error": {
-            "message": message,
-            "type": INVALID_REQUEST_TYPE,
-            "param": None,
-            "code": "invalid_api_key",
-        }
-    }
-    return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+def version() -> str:
+    try:
+        return metadata.version("mmis")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def create_app(
@@ -105,54 +115,70 @@ def create_app(
         log.exception("unexpected error", exc_info=exc)
         return JSONResponse(error_body(exc), status_code=500)
 
+    async def on_http(_: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        code = {404: "not_found", 405: "method_not_allowed"}.get(status, "invalid_request")
+        detail = exc.detail if isinstance(exc, HTTPException) else "error"
+        return json_response(FrontendError(str(detail), code=code, status=status))
+
     app.add_exception_handler(ClientGoneError, on_gone)
+    app.add_exception_handler(HTTPException, on_http)
     app.add_exception_handler(Exception, on_unexpected)
     app.add_middleware(RequestTelemetryMiddleware, state_of=lambda: app.state.mmis)
-
-    if settings.api_key:
-        expected = f"Bearer {settings.api_key}".encode()
-
-        @app.middleware("http")
-        async def check_api_key(
-            request: Request, call_next: Callable[[Request], Awaitable[Response]]
-        ) -> Response:
-            if request.url.path.startswith("/v1"):
-                given = request.headers.get("authorization", "").encode()
-                if not given:
-                    return _unauthorized("missing API key: send 'Authorization: Bearer <key>'")
-                if not hmac.compare_digest(given, expected):
-                    return _unauthorized("invalid API key")
-            return await call_next(request)
+    app.add_middleware(  # outermost: nothing runs for a request it refuses
+        HttpGate,
+        api_key=settings.api_key,
+        max_body_bytes=int(settings.max_request_body_mb * MiB),
+        ops_port=settings.ops_port,
+    )
+    served = settings.served_names
 
     def state_of(request: Request) -> FrontendState:
         state: FrontendState = request.app.state.mmis
         return state
 
+    async def parse(request: Request, model: type[M]) -> M:
+        """The body as ``model`` (400 when malformed), naming a served model (else 404)."""
+        body = await request.body()
+        if len(body) > INLINE_PARSE_BYTES:
+            req = await asyncio.to_thread(parse_request, model, body, max_n=settings.max_n)
+        else:
+            req = parse_request(model, body, max_n=settings.max_n)
+        name = getattr(req, "model", None)
+        if name is not None and name not in served:
+            raise ModelNotFoundError(name, served)
+        return req
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        req = parse_request(ChatCompletionRequest, await request.body(), max_n=settings.max_n)
+        req = await parse(request, ChatCompletionRequest)
         serving: ChatServing = request.app.state.chat
         return await serving.create(request, req)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = parse_request(CompletionRequest, await request.body(), max_n=settings.max_n)
+        req = await parse(request, CompletionRequest)
         serving: CompletionServing = request.app.state.completions
         return await serving.create(request, req)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
-        req = parse_request(EmbeddingRequest, await request.body(), max_n=settings.max_n)
+        req = await parse(request, EmbeddingRequest)
         serving: EmbeddingServing = request.app.state.embeddings
         return await serving.create(request, req)
 
     @app.get("/v1/models")
     async def models(request: Request) -> ModelList:
         state = state_of(request)
-        card = ModelCard(
-            id=state.model_name, root=settings.model, max_model_len=state.max_model_len
-        )
-        return ModelList(data=[card])
+        cards = [
+            ModelCard(id=name, root=settings.model, max_model_len=state.max_model_len)
+            for name in served
+        ]
+        return ModelList(data=cards)
+
+    @app.get("/version")
+    async def get_version() -> Response:
+        return JSONResponse({"version": version()})
 
     @app.get("/health")
     async def health(request: Request) -> Response:

@@ -41,7 +41,12 @@ class FrontendConfig:
         help="JSON object of keyword arguments for the model's processor call, "
         """e.g. '{"do_normalize": false}'; part of every image's mm_hash""",
     )
-    served_model_name: str | None = setting(None, help="model name clients see (default: --model)")
+    served_model_name: str | None = setting(
+        None,
+        rule=(lambda v: v is None or any(n.strip() for n in v.split(",")), "names no model"),
+        help="the model's name(s) in requests, comma-separated aliases; the first one names it "
+        "in answers and metrics; a request naming another model is a 404 (default: --model)",
+    )
     host: str = setting("127.0.0.1", help="address to bind")
     port: int = setting(8000, help="port to bind; 0 picks a free one")
     api_key: str | None = setting(
@@ -72,7 +77,9 @@ class FrontendConfig:
     engine_timeout_s: float = setting(
         120.0, rule=POSITIVE, help="how long to wait for P1's handshake at start"
     )
-    ping_interval_s: float = setting(2.0, rule=POSITIVE, help="how often P1 is pinged")
+    ping_interval_s: float = setting(
+        0.5, rule=POSITIVE, help="how often P1 is pinged (its input thread answers)"
+    )
     fail_fast: bool = setting(
         False,
         help="while P1 is down or restarting, answer 503 with Retry-After at once instead of "
@@ -84,7 +91,9 @@ class FrontendConfig:
         help="how long a request waits for a restarting P1 before a 503 (without --fail-fast)",
     )
     liveness_timeout_s: float = setting(
-        10.0, rule=POSITIVE, help="P1 is dead after this long without a pong"
+        5.0,
+        rule=POSITIVE,
+        help="P1 counts as hung after this long without a message (a crash is seen at once)",
     )
     mm_cache_type: str = shared("mm_cache_type")
     mm_cache_gb: float = shared("mm_cache_gb")
@@ -143,8 +152,15 @@ class FrontendConfig:
     max_n: int = setting(16, rule=POSITIVE, help="largest accepted n (choices per request)")
 
     @property
+    def served_names(self) -> tuple[str, ...]:
+        """The names a request's ``model`` may use (``--served-model-name``, else ``--model``)."""
+        if not self.served_model_name:
+            return (self.model,)
+        return tuple(n.strip() for n in self.served_model_name.split(",") if n.strip())
+
+    @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model
+        return self.served_names[0]
 
     def __post_init__(self) -> None:
         check(self)

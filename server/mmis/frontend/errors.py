@@ -14,6 +14,9 @@ error                                         status  ``code``
 :class:`MediaForbiddenError` (SSRF, file://)  403     ``media_forbidden``
 :class:`ContextLengthExceededError`           400     ``context_length_exceeded``
 :class:`HashOnlyCacheMissError`               422     ``multimodal_cache_miss``
+:class:`ModelNotFoundError` (``model``)       404     ``model_not_found``
+:class:`RequestTooLargeError` (body size)     413     ``request_too_large``
+:class:`UnsupportedMediaTypeError`            415     ``unsupported_media_type``
 :class:`~mmis.protocol.errors.MultiModalCacheMissError` (after the one retry)
                                               503     ``multimodal_cache_miss``
 other :class:`MMISError` coded invalid_request / context_length_exceeded (e.g. ProtocolError)
@@ -142,6 +145,34 @@ class HashOnlyCacheMissError(FrontendError):
 
     def extra(self) -> dict[str, Any]:
         return {"retryable": True, "missing_uuids": self.missing_uuids}
+
+
+class ModelNotFoundError(FrontendError):
+    """The request names a model this server does not serve (``--served-model-name``)."""
+
+    status = 404
+    code = "model_not_found"
+
+    def __init__(self, model: str, served: Iterable[str]) -> None:
+        names = ", ".join(repr(name) for name in served)
+        super().__init__(
+            f"the model {model!r} does not exist on this server; it serves {names}",
+            param="model",
+        )
+
+
+class RequestTooLargeError(FrontendError):
+    """The body is larger than ``--max-request-body-mb`` (refused while reading it)."""
+
+    status = 413
+    code = "request_too_large"
+
+
+class UnsupportedMediaTypeError(FrontendError):
+    """A body sent with a ``Content-Type`` other than JSON."""
+
+    status = 415
+    code = "unsupported_media_type"
 
 
 def error_status(exc: BaseException) -> int:

@@ -12,7 +12,13 @@ Invariants:
 - ``processor_kwargs`` (``--processor-kwargs``) go to every processor call on an image; the
   renderer hashes the same mapping into each content mm_hash, so changing them changes
   both the tensors and the hashes.
-- Not thread-safe: used from the single multimodal worker thread only.
+- Image calls (:meth:`ModelProcessor.process_image`) run on the single multimodal worker
+  thread only. Text calls (:meth:`tokenize`, :meth:`decode`, :meth:`chat_prompt`) may run
+  on any thread: they pass the tokenizer's default arguments, so they never change its
+  truncation or padding state (the one mutation a fast tokenizer refuses concurrently).
+- :attr:`ModelProcessor.max_token_chars` is the longest token of the vocabulary in
+  characters: a text of ``c`` characters has at least ``c / max_token_chars`` tokens, which
+  bounds a prompt from its length before it is tokenized.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ class ModelProcessor:
         self.image_token: str = token
         self.image_token_id: int = int(self.tokenizer.convert_tokens_to_ids(token))
         self.processor_kwargs: dict[str, Any] = dict(processor_kwargs or {})
+        vocab = self.tokenizer.get_vocab()
+        self.max_token_chars: int = max((len(t) for t in vocab), default=1) or 1
 
     @classmethod
     def from_pretrained(

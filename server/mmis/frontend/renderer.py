@@ -4,8 +4,10 @@ Two stages:
 
 1. :meth:`Renderer.prepare` (asyncio): loads the images with the media loader (limits, SSRF
    guard), hashes each one (the client's ``uuid`` wins) and tokenizes the prompt with one
-   image token per image. The result, a :class:`SourcePrompt`, is *retained* by the request's
-   handler so a retry can render it again with the cache bypassed.
+   image token per image, on a worker thread (a long prompt never stalls the event loop),
+   after refusing a prompt too long for the context from its length alone. The result, a
+   :class:`SourcePrompt`, is *retained* by the request's handler so a retry can render it
+   again with the cache bypassed.
 2. :meth:`Renderer.render` (the single multimodal worker thread): drains the pending
    invalidations FIRST, then per item: a shadow hit (and no bypass) sends ``data=None`` (SHM
    mode: the same descriptor issued again) with the placeholder length the shadow remembers;
@@ -150,7 +152,8 @@ class Renderer:
             mm_hash = await loop.run_in_executor(None, self.hash_image, image, ref.uuid)
             items.append(SourceItem(mm_hash, ref.uuid, image, ref.param))
         if isinstance(prompt, str):
-            token_ids = self.processor.tokenize(prompt)
+            self._check_prompt_chars(len(prompt), param)
+            token_ids = await loop.run_in_executor(None, self.processor.tokenize, prompt)
         else:
             token_ids = [int(t) for t in prompt]
         slots = sum(t == self.processor.image_token_id for t in token_ids)
@@ -251,6 +254,18 @@ class Renderer:
             except ShmStoreFullError:
                 pass  # the store is full: send inline
         return [p.tensors] * copies, p.entry
+
+    def _check_prompt_chars(self, chars: int, param: str) -> None:
+        """Refuse a prompt that cannot fit from its length alone, before tokenizing it."""
+        per_token = self.processor.max_token_chars
+        if chars <= self.max_model_len * per_token:
+            return
+        raise ContextLengthExceededError(
+            f"the prompt has {chars} characters, so at least {chars // per_token} tokens "
+            f"(this tokenizer's longest token has {per_token} characters), which exceeds the "
+            f"model's context window of {self.max_model_len} tokens",
+            param=param,
+        )
 
     def _check_context(self, num_tokens: int, reserve: int, num_images: int, param: str) -> None:
         if num_tokens + reserve <= self.max_model_len:

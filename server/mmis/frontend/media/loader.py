@@ -5,8 +5,8 @@ Invariants:
   ``file://`` (only below ``allowed_local_media_path``). Anything else is a 400.
 - The image count is checked *before* any image is fetched or decoded.
 - Every image is size-limited in bytes (all sources) and in pixels (from the header).
-- Blocking work (file reads, decoding) runs in ``executor`` (default: asyncio's), never on the
-  event loop.
+- Blocking work (base64 decoding, file reads, image decoding) runs in ``executor``
+  (default: asyncio's), never on the event loop.
 - Loading several images is all-or-nothing: the first failure cancels the other loads and is
   raised as is (a typed :class:`~mmis.frontend.errors.MediaError`).
 """
@@ -73,7 +73,11 @@ class MediaLoader:
         """The encoded bytes behind ``url``: ``(data, source, media_type)``."""
         scheme = url.split(":", 1)[0].strip().lower() if ":" in url else ""
         if scheme == "data":
-            parsed = parse_data_url(url, max_bytes=self.config.media_max_bytes, param=param)
+            parsed = await self._blocking(  # base64 of megabytes: not on the event loop
+                functools.partial(
+                    parse_data_url, url, max_bytes=self.config.media_max_bytes, param=param
+                )
+            )
             return parsed.data, "data", parsed.media_type
         if scheme in ("http", "https"):
             fetched = await self.fetcher.fetch(url, param=param)
