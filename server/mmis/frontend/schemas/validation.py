@@ -78,6 +78,8 @@ def parse_request(model: type[M], body: bytes | str | Any, *, max_n: int = DEFAU
             body = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise InvalidRequestError(f"request body is not valid JSON ({exc})") from exc
+        except RecursionError:
+            raise InvalidRequestError("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object")
     try:
