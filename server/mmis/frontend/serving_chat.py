@@ -6,10 +6,12 @@ Invariants:
 - ``developer`` messages are rendered as ``system`` (templates rarely know the newer role);
   an assistant message without content is rendered with empty text.
 - A template that fails on the client's messages is a 400 naming ``messages``, not a 500.
+- The template runs on a worker thread (a huge conversation never stalls the event loop).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -95,7 +97,8 @@ class ChatServing:
     async def create(self, http: Request, req: ChatCompletionRequest) -> Response:
         messages, images = template_messages(req)
         try:
-            text = self.state.processor.chat_prompt(messages)
+            # the template renders the whole conversation: on a worker, not the event loop
+            text = await asyncio.to_thread(self.state.processor.chat_prompt, messages)
         except Exception as exc:  # jinja errors, template-raised exceptions
             raise InvalidRequestError(
                 f"the model's chat template rejected the messages: {exc}", param="messages"
