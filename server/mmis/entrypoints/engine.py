@@ -112,6 +112,7 @@ def build(cfg: EngineConfig) -> EngineCoreProc:
     spans = RequestSpans(tracing, background=True) if tracing.enabled else None
     core = make_core(cfg, runner, spans)
     readers = ShmReaderSet(cfg.shm_dir)
+    readers.start()  # drops the mappings of removed segments (their memory is then freed)
     receiver = ReceiverCache(int(cfg.mm_cache_gb * GiB), shm_reader=readers.receive)
     log.info(
         "engine ready: %d KV blocks of %d tokens, receiver cache %.2f GiB, epoch %s",

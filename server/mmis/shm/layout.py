@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from mmis.shm import ownership
 from mmis.shm.errors import ShmSegmentError, UnknownSegmentError
 
 MAGIC = int.from_bytes(b"MMISSHM1", "little")
@@ -75,16 +76,22 @@ class SegmentMapping:
     acks: npt.NDArray[np.uint64]  # shape (slot_count,)
     data_offset: int
     data_capacity: int
+    lock_fd: int | None = None  # the writer's: its ownership lock (mmis.shm.ownership)
 
     @property
     def slot_count(self) -> int:
         return int(self.slots.shape[0])
 
     def close(self) -> None:
-        """Unmap; if a caller still holds zero-copy views, leave the unmap to the GC."""
+        """Unmap (if a caller still holds zero-copy views, leave the unmap to the GC), then
+        release the ownership lock, if this mapping holds it."""
         del self.slots, self.acks
         with contextlib.suppress(BufferError):
             self.mm.close()
+        if self.lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.lock_fd)
+            self.lock_fd = None
 
 
 def _views(path: Path, mm: mmap.mmap) -> SegmentMapping:
@@ -105,7 +112,8 @@ def _views(path: Path, mm: mmap.mmap) -> SegmentMapping:
 
 
 def create(path: Path, data_capacity: int, slot_count: int) -> SegmentMapping:
-    """Create a new segment file (exclusively, mode 0600) with its memory reserved up front.
+    """Create a new segment file (exclusively, mode 0600) with its memory reserved up front,
+    holding its ownership lock (:func:`mmis.shm.ownership.lock_new`) until it is closed.
 
     Reserving with ``posix_fallocate`` turns "tmpfs is full" into an ``OSError`` here instead
     of a ``SIGBUS`` on the first write into an unbacked page.
@@ -116,19 +124,23 @@ def create(path: Path, data_capacity: int, slot_count: int) -> SegmentMapping:
     size = data_offset + data_capacity
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
+        ownership.lock_new(fd, path)
         try:
             os.posix_fallocate(fd, 0, size)
         except OSError:
             os.unlink(path)
             raise
         mm = mmap.mmap(fd, size)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
     header = np.frombuffer(mm, dtype="<u8", count=HEADER_WORDS)
     header[:7] = [0, VERSION, slot_count, slot_table, ack_table, data_offset, data_capacity]
     header[0] = MAGIC  # last: a reader never sees a half-written header as valid
     del header
-    return _views(path, mm)
+    mapping = _views(path, mm)
+    mapping.lock_fd = fd
+    return mapping
 
 
 def attach(path: Path) -> SegmentMapping:

@@ -11,6 +11,11 @@ Invariants:
   writer may reuse, and the writer's reference count balances. A descriptor whose space was
   reclaimed raises :class:`~mmis.shm.errors.StaleHandleError` (retryable: P1's receiver cache
   reports the item missing and P0 resends it inline, see :mod:`mmis.multimodal.cache`).
+- A segment whose file is gone (its writer closed, or died and a new writer reclaimed it,
+  :mod:`mmis.shm.ownership`) is detached by :meth:`ShmReaderSet.prune` — every
+  ``prune_interval_s`` on the janitor thread once :meth:`start` ran — because a removed
+  tmpfs file's memory is freed only when no process maps it any more. Reads and prunes
+  take the same lock, so a mapping is never closed under a read.
 """
 
 from __future__ import annotations
@@ -35,7 +40,30 @@ class ShmReaderSet:
         self.directory = Path(directory)
         self._keys = dict(keys or {})
         self._readers: dict[str, ShmReader] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._janitor: threading.Thread | None = None
+
+    def start(self, prune_interval_s: float = 1.0) -> None:
+        """Prune on a daemon thread every ``prune_interval_s`` until :meth:`close`."""
+        if self._janitor is not None:
+            return
+
+        def run() -> None:
+            while not self._stop.wait(prune_interval_s):
+                self.prune()
+
+        self._janitor = threading.Thread(target=run, name="mmis-shm-janitor", daemon=True)
+        self._janitor.start()
+
+    def prune(self) -> list[str]:
+        """Detach every segment whose file is gone; the names detached."""
+        with self._lock:
+            gone = [name for name in self._readers if not (self.directory / name).exists()]
+            readers = [self._readers.pop(name) for name in gone]
+            for reader in readers:
+                reader.close()
+        return gone
 
     def reader(self, address: ShmAddress) -> ShmReader:
         with self._lock:
@@ -57,8 +85,9 @@ class ShmReaderSet:
 
     def receive(self, address: ShmAddress) -> dict[str, npt.NDArray[Any]]:
         """The descriptor's arrays, owned (copied out), then the descriptor acknowledged."""
-        arrays = self.read(address, copy=True)
-        self.ack(address)
+        with self._lock:  # no prune between the copy and the ack
+            arrays = self.read(address, copy=True)
+            self.ack(address)
         return arrays
 
     def forget(self, segment: str) -> None:
@@ -69,6 +98,10 @@ class ShmReaderSet:
             reader.close()
 
     def close(self) -> None:
+        self._stop.set()
+        if self._janitor is not None:
+            self._janitor.join(timeout=5)
+            self._janitor = None
         with self._lock:
             readers, self._readers = list(self._readers.values()), {}
         for reader in readers:

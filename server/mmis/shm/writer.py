@@ -18,11 +18,15 @@ Protocol (no ZMQ message is ever needed for acknowledgements):
    than the store raises :class:`ShmPayloadTooLargeError` at once. Nothing blocks forever.
 
 Invariants: one writer object per segment, guarded by a lock (P0 may call from several
-threads); the writer owns the segment and key files and unlinks them on :meth:`close`.
+threads); the writer owns the segment and key files, holds the segment's ownership lock while
+it lives and unlinks both files on :meth:`close`. Before creating its segment it reclaims
+the segments of writers that died (:mod:`mmis.shm.ownership`), and it waits a bounded
+``reserve_timeout_s`` for their memory to be released.
 """
 
 from __future__ import annotations
 
+import errno
 import secrets
 import threading
 import time
@@ -32,7 +36,7 @@ from types import TracebackType
 from typing import Any
 
 from mmis.protocol.messages import ShmAddress
-from mmis.shm import layout, payload, signing
+from mmis.shm import layout, ownership, payload, signing
 from mmis.shm.errors import (
     ShmPayloadTooLargeError,
     ShmSegmentError,
@@ -55,6 +59,7 @@ class ShmWriter:
         max_handles: int = 4096,
         put_timeout_s: float = 0.05,
         expire_after_s: float = 60.0,
+        reserve_timeout_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -63,16 +68,18 @@ class ShmWriter:
         if max_handles < 1 or put_timeout_s < 0 or expire_after_s < 0:
             raise ValueError("max_handles must be >= 1 and timeouts must be >= 0")
         self.directory = Path(directory)
-        self.segment = layout.check_segment_name(name or f"mmis-{secrets.token_hex(8)}")
+        self.reclaimed_stale = ownership.reclaim_stale(self.directory)
+        capacity = layout.align_up(capacity_bytes)
+        self.segment, self._map = self._create(
+            name, capacity, max_handles, reserve_timeout_s, clock, sleep
+        )
         self.key = signing.new_key()
         self.key_path = signing.key_path(self.directory, self.segment)
-        capacity = layout.align_up(capacity_bytes)
-        self._map = layout.create(self.directory / self.segment, capacity, max_handles)
         try:
             signing.write_key_file(self.key_path, self.key)
         except BaseException:
-            self._map.close()
             (self.directory / self.segment).unlink(missing_ok=True)
+            self._map.close()
             raise
         self._ring = Ring(capacity)
         self._live: dict[int, Extent] = {}
@@ -85,6 +92,31 @@ class ShmWriter:
         self._closed = False
         self._reclaimed = [0, 0]  # bytes, handles
         self._expired = [0, 0]
+
+    def _create(
+        self,
+        name: str | None,
+        capacity: int,
+        max_handles: int,
+        reserve_timeout_s: float,
+        clock: Callable[[], float],
+        sleep: Callable[[float], None],
+    ) -> tuple[str, layout.SegmentMapping]:
+        """Create and lock the segment. A full directory (``ENOSPC``: a reclaimed segment's
+        memory is freed once its reader drops it) is retried until ``reserve_timeout_s``;
+        a lost creation race is retried under a new name (when the name is ours to pick)."""
+        deadline = clock() + reserve_timeout_s
+        while True:
+            segment = layout.check_segment_name(name or f"mmis-{secrets.token_hex(8)}")
+            try:
+                return segment, layout.create(self.directory / segment, capacity, max_handles)
+            except ownership.LostRaceError:
+                if name is not None:
+                    raise
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC or clock() >= deadline:
+                    raise
+                sleep(0.1)  # a bounded wait for memory another process is releasing
 
     # -- public API ---------------------------------------------------------------------
 
@@ -163,9 +195,9 @@ class ShmWriter:
             if self._closed:
                 return
             self._closed = True
-            self._map.close()
             (self.directory / self.segment).unlink(missing_ok=True)
             self.key_path.unlink(missing_ok=True)
+            self._map.close()  # releases the ownership lock last
 
     def __enter__(self) -> ShmWriter:
         return self
