@@ -8,7 +8,9 @@ Rules:
   10 minutes on a pod with enough shadow hits to judge (:data:`MIN_SHADOW_HITS`);
 - ``MMISRetryFailures``: retries that missed again, i.e. requests answered 503 after the
   one retry;
-- ``MMISEngineDown``: a front end has had no stats from its engine for 2 minutes.
+- ``MMISEngineDown``: a front end has had no stats from its engine for 2 minutes;
+- ``MMISMetricsAbsent``: no front end has been scraped for 15 minutes — the guard without
+  which ``MMISEngineDown`` is silent when nothing scrapes (``absent()``).
 
 Invariants: every expression selects only catalog metrics (a test parses each with a real
 PromQL parser); rules aggregate by ``namespace``/``pod`` (added by the scrape), ``model`` and
@@ -81,6 +83,17 @@ RULES: tuple[dict[str, Any], ...] = (
         "The front end of {{ $labels.namespace }}/{{ $labels.pod }} has had no stats from "
         "its engine (P1) for 2 minutes: the engine process is down, hung or restarting. "
         "Check the pod's engine container logs and restarts.",
+    ),
+    _rule(
+        "MMISMetricsAbsent",
+        "absent(mmis_engine_up)",
+        "15m",
+        "warning",
+        "no mmis front end is being scraped",
+        "Prometheus has had no mmis_engine_up series for 15 minutes: no MMInferenceService "
+        "runs, or nothing scrapes the front ends' operations port (container port ops, 8001, "
+        "/metrics). Enable the chart's PodMonitor (podMonitor.enabled) or add a scrape "
+        "config; until then MMISEngineDown and the other mmis alerts cannot fire.",
     ),
 )
 

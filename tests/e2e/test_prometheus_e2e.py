@@ -51,6 +51,7 @@ ALERTS = CHART / "alerts.yaml"
 MODEL = "tiny"
 RATE_INTERVAL = "1m"
 FILTER_OPS = {">", "<", ">=", "<=", "==", "!=", "and", "or", "unless"}
+ABSENCE_FUNCS = {"absent", "absent_over_time"}
 COLORS = [(40 * i, 255 - 40 * i, 90) for i in range(6)]
 
 
@@ -82,6 +83,8 @@ def _children(node: Any) -> list[Any]:
 
 
 def _is_filter(node: Any) -> bool:
+    if isinstance(node, promql_parser.Call) and node.func.name in ABSENCE_FUNCS:
+        return True  # empty exactly when its argument has data
     if not isinstance(node, promql_parser.BinaryExpr) or str(node.op) not in FILTER_OPS:
         return False
     return node.modifier is None or not node.modifier.return_bool
@@ -112,6 +115,7 @@ def test_data_parts_unwraps_filters_only() -> None:
     assert data_parts("sum(rate(a[1m]))") == ["sum(rate(a[1m]))"]
     assert data_parts("a > bool 1") == ["a > bool 1"]
     assert data_parts("count(a == 0) or vector(0)") == ["a", "vector(0)"]
+    assert data_parts("absent(a)") == ["a"]
     assert data_parts("sum by (p) (a) / sum by (p) (b) > 0.05 and sum(c) >= 20") == [
         "sum by (p) (a) / sum by (p) (b)",
         "sum(c)",

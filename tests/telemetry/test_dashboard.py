@@ -143,7 +143,12 @@ def test_alert_rules_file_is_a_prometheus_rule_file() -> None:
     rules = yaml.safe_load((CHART / generate.ALERTS_FILE).read_text())
     (group,) = rules["groups"]
     by_name = {r["alert"]: r for r in group["rules"]}
-    assert set(by_name) == {"MMISHighDriftRate", "MMISRetryFailures", "MMISEngineDown"}
+    assert set(by_name) == {
+        "MMISHighDriftRate",
+        "MMISRetryFailures",
+        "MMISEngineDown",
+        "MMISMetricsAbsent",
+    }
     for rule in by_name.values():
         assert set(rule) == {"alert", "expr", "for", "labels", "annotations"}
         assert re.fullmatch(r"\d+[smh]", rule["for"])
@@ -151,4 +156,6 @@ def test_alert_rules_file_is_a_prometheus_rule_file() -> None:
         assert rule["annotations"]["summary"] and rule["annotations"]["description"]
     assert 'outcome="failed"' in by_name["MMISRetryFailures"]["expr"]
     assert "mmis_engine_up" in by_name["MMISEngineDown"]["expr"]
+    # the guard that makes "engine down" loud when nothing scrapes the front ends at all
+    assert by_name["MMISMetricsAbsent"]["expr"] == "absent(mmis_engine_up)"
     assert str(alerts.DRIFT_RATE_THRESHOLD) in by_name["MMISHighDriftRate"]["expr"]
