@@ -49,18 +49,19 @@ def test_the_output_carries_tensors_only_for_this_steps_encoder_runs():
     )
     out = sched.schedule()
     (seq,) = out.scheduled
-    assert (seq.start_position, list(seq.token_ids)) == (0, prompt[:7])  # stops before y
-    assert [(m.mm_hash, m.data is not None) for m in seq.mm_items] == [("x", True)]
-    assert seq.encoder_inputs == [0]
+    # [0, 9) reaches both items: both encoded now, y's range split at 9
+    assert (seq.start_position, list(seq.token_ids)) == (0, prompt[:9])
+    assert [(m.mm_hash, m.data is not None) for m in seq.mm_items] == [("x", True), ("y", True)]
+    assert seq.encoder_inputs == [0, 1]
     sched.update_from_output(out, {})
     out = sched.schedule()
     (seq,) = out.scheduled
-    # x is already encoded: no tensors, but its grid still reaches the runner (M-RoPE)
+    # both already encoded: no tensors, but their grids still reach the runner (M-RoPE)
     assert [(m.mm_hash, m.data is not None, m.grid_thw) for m in seq.mm_items] == [
         ("x", False, (1, 2, 2)),
-        ("y", True, (1, 2, 2)),
+        ("y", False, (1, 2, 2)),
     ]
-    assert seq.encoder_inputs == [1]
+    assert seq.encoder_inputs == []
     assert seq.sample and seq.block_table == sched.kv.block_table("r")
 
 

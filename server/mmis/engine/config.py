@@ -15,6 +15,7 @@ from mmis.config import AT_LEAST_1, POSITIVE, GiB, check, setting, shared
 
 DEFAULT_MODEL = "mmis-tiny"
 DEFAULT_KV_BLOCKS = 2048  # the KV pool's size when neither --num-kv-blocks nor --kv-cache-gb
+MIN_ENCODER_CACHE_TOKENS = 8192  # the encoder cache's floor when sized from the processor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,13 @@ class EngineConfig:
         f"with neither, {DEFAULT_KV_BLOCKS})",
     )
     block_size: int = setting(16, rule=AT_LEAST_1, help="tokens per KV block")
+    encoder_cache_tokens: int | None = setting(
+        None,
+        rule=(lambda v: v is None or v >= 1, "must be at least 1"),
+        help="encoder outputs P1 caches, in placeholder tokens (also the most it encodes in one "
+        "step); default: the largest image the model's image processor makes, at least "
+        f"{MIN_ENCODER_CACHE_TOKENS}",
+    )
     enable_prefix_caching: bool = setting(
         True, flags=("--no-prefix-caching",), help="do not reuse the KV blocks of shared prefixes"
     )

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from mmis.config import ConfigError, default_of
-from mmis.engine.config import EngineConfig
+from mmis.engine.config import MIN_ENCODER_CACHE_TOKENS, EngineConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,8 +25,8 @@ class SchedulerConfig:
     num_blocks: int = 1024  # KV blocks per layer, block 0 included (P1: the pool's count)
     block_size: int = default_of(EngineConfig, "block_size")  # tokens per KV block
     enable_prefix_caching: bool = default_of(EngineConfig, "enable_prefix_caching")
-    encoder_cache_size: int = 8192  # encoder output slots (one per placeholder token)
-    encoder_compute_budget: int = 8192  # placeholder tokens encoded per step at most
+    encoder_cache_size: int = MIN_ENCODER_CACHE_TOKENS  # output slots, one per placeholder token
+    encoder_compute_budget: int = MIN_ENCODER_CACHE_TOKENS  # placeholder tokens encoded a step
     max_model_len: int | None = default_of(EngineConfig, "max_model_len")  # prompt + output
 
     def __post_init__(self) -> None:

@@ -16,10 +16,13 @@ Invariants:
   preempted (recompute: its blocks and encoder references are released, ``num_computed_tokens
   = 0``, output tokens kept, it goes to the front of ``waiting``). No request is admitted in a
   pass that preempted one.
-- An image's encoder run is scheduled only in the chunk that reaches its placeholder range and
-  only if its output is not cached; a chunk never splits the range of an uncached item: it
-  covers the whole range or stops before it. Every encoder-cache change of a chunk that is not
-  scheduled after all is rolled back exactly (:class:`_EncoderPlan`).
+- An image's encoder run is scheduled only in the chunk that first reaches its placeholder
+  range and only if its output is not cached; it encodes the whole item (its output goes to
+  the encoder cache), so that chunk and the later ones may split the range anywhere (a
+  12 MP photo's thousands of placeholder tokens take several chunks). An item that does not
+  fit the step's encoder budget or the cache's free slots defers the chunk to stop before
+  it. Every encoder-cache change of a chunk that is not scheduled after all is rolled back
+  exactly (:class:`_EncoderPlan`).
 - A prefix-cache hit sets ``num_computed_tokens`` to the hit length at admission: those tokens
   (and the encoder runs of items they cover) are skipped.
 - A request that can never be scheduled (prompt beyond ``max_model_len`` or the KV pool, an
@@ -82,16 +85,19 @@ def never_schedulable(cfg: SchedulerConfig, request: Request) -> tuple[ErrorCode
         return (
             ErrorCode.CONTEXT_LENGTH_EXCEEDED,
             f"the prompt has {request.num_tokens} tokens; the model's context is "
-            f"{cfg.max_model_len} tokens, including at least one generated token",
+            f"{cfg.max_model_len} tokens, including at least one generated token "
+            "(--max-model-len)",
         )
-    # an uncached item is encoded in one step and computed in one chunk, and must fit the cache
-    limit = min(cfg.encoder_cache_size, cfg.encoder_compute_budget, cfg.max_num_batched_tokens)
+    # an uncached item is encoded whole in one step, into the cache (its range may then be
+    # split across chunks): it must fit both
+    limit = min(cfg.encoder_cache_size, cfg.encoder_compute_budget)
     for feature in request.mm_features:
         if feature.placeholder.length > limit:
             return (
                 ErrorCode.INVALID_REQUEST,
                 f"multimodal item {feature.identifier!r} needs {feature.placeholder.length} "
-                f"placeholder tokens; this engine handles at most {limit} per item",
+                f"placeholder tokens; this engine's encoder cache holds {limit} "
+                "(raise it with --encoder-cache-tokens)",
             )
     return None
 
@@ -296,11 +302,7 @@ class Scheduler:
                 if not held:
                     plan.acquired.append(feature.mm_hash)
                 continue
-            fits = (
-                offset + length <= end
-                and plan.encoder_tokens + length <= budget.encoder
-                and cache.can_allocate(length)
-            )
+            fits = plan.encoder_tokens + length <= budget.encoder and cache.can_allocate(length)
             if not fits:
                 end = max(offset, start)  # stop before the item (or schedule nothing)
                 break
@@ -437,7 +439,8 @@ class Scheduler:
         capacity = self.kv.num_usable_blocks * self.kv.block_size
         self._reject_head(
             ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-            f"the prompt has {request.num_tokens} tokens; the KV cache holds {capacity}",
+            f"the prompt has {request.num_tokens} tokens; the KV cache holds {capacity} "
+            "(raise it with --kv-cache-gb or --num-kv-blocks)",
         )
 
     def _end_by_scheduler(self, request: Request) -> None:

@@ -7,8 +7,10 @@ Invariants:
   reports ready; the scheduler's block count is the pool's.
 - ``--revision`` reaches every ``from_pretrained`` of P1 (config and model) through
   :func:`load_model`; P1 loads no tokenizer (stop strings are P0's). P1 takes no processor
-  kwargs: it never runs the processor, it receives the tensors P0 made (their shapes carry
-  everything it derives, e.g. placeholder counts).
+  kwargs: it receives the tensors P0 made (their shapes carry everything it derives, e.g.
+  placeholder counts). It runs the model's image processor once, at start-up, on synthetic
+  images, only to size its encoder cache for the largest photo (``engine/encoder_sizing.py``;
+  ``--encoder-cache-tokens`` skips that).
 - SIGTERM/SIGINT stop the busy loop; the sockets close; the process exits 0.
 """
 
@@ -57,16 +59,23 @@ def load_model(cfg: EngineConfig) -> ModelAdapter:
 
 
 def make_core(
-    cfg: EngineConfig, runner: ModelRunner, spans: RequestSpans | None = None
+    cfg: EngineConfig,
+    runner: ModelRunner,
+    spans: RequestSpans | None = None,
+    *,
+    largest_item: int | None = None,
 ) -> EngineCore:
-    """A scheduler sized from ``cfg`` and the runner's KV pool, and the core around both
-    (what ``mmis engine`` runs; benchmarks build theirs here too)."""
+    """A scheduler sized from ``cfg``, the runner's KV pool and the largest image item
+    (:mod:`mmis.engine.encoder_sizing`), and the core around both (what ``mmis engine``
+    runs; benchmarks build theirs here too)."""
     from mmis.engine.core import EngineCore
+    from mmis.engine.encoder_sizing import encoder_cache_tokens
     from mmis.engine.sched_config import SchedulerConfig
     from mmis.engine.scheduler import Scheduler
 
     adapter = runner.adapter
     max_len = cfg.max_model_len or getattr(adapter.text_config, "max_position_embeddings", None)
+    encoder_tokens = encoder_cache_tokens(cfg.encoder_cache_tokens, largest_item)
     scheduler = Scheduler(
         SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs,
@@ -74,6 +83,8 @@ def make_core(
             num_blocks=runner.pool.num_blocks,
             block_size=cfg.block_size,
             enable_prefix_caching=cfg.enable_prefix_caching,
+            encoder_cache_size=encoder_tokens,
+            encoder_compute_budget=encoder_tokens,
             max_model_len=max_len,
         )
     )
@@ -89,6 +100,7 @@ def make_core(
 def build(cfg: EngineConfig) -> EngineCoreProc:
     """Load the model and wire scheduler, runner, receiver cache and process shell."""
     from mmis.engine.core_process import EngineCoreProc
+    from mmis.engine.encoder_sizing import largest_item_tokens, load_image_processor
     from mmis.engine.paged_attention import PagedAttentionError
     from mmis.engine.runner import ModelRunner
     from mmis.multimodal.cache import ReceiverCache
@@ -110,14 +122,22 @@ def build(cfg: EngineConfig) -> EngineCoreProc:
         )
     tracing = engine_tracing(cfg)
     spans = RequestSpans(tracing, background=True) if tracing.enabled else None
-    core = make_core(cfg, runner, spans)
+    largest = None
+    if cfg.encoder_cache_tokens is None:
+        image_processor = load_image_processor(str(resolve_model(cfg.model)), cfg.revision)
+        if image_processor is not None:
+            largest = largest_item_tokens(adapter, image_processor)
+    core = make_core(cfg, runner, spans, largest_item=largest)
     readers = ShmReaderSet(cfg.shm_dir)
     readers.start()  # drops the mappings of removed segments (their memory is then freed)
     receiver = ReceiverCache(int(cfg.mm_cache_gb * GiB), shm_reader=readers.receive)
     log.info(
-        "engine ready: %d KV blocks of %d tokens, receiver cache %.2f GiB, epoch %s",
+        "engine ready: %d KV blocks of %d tokens, encoder cache %d tokens (largest image %s), "
+        "receiver cache %.2f GiB, epoch %s",
         runner.pool.num_blocks,
         cfg.block_size,
+        core.scheduler.config.encoder_cache_size,
+        largest,
         cfg.mm_cache_gb,
         receiver.epoch,
     )

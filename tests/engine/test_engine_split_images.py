@@ -1,0 +1,55 @@
+"""Greedy parity with images split across prefill chunks, over a real ``mmis engine`` process.
+
+With ``--max-num-batched-tokens 6`` every image (16 placeholder tokens in both tiny families)
+is larger than one step: its encoder output is computed by the first chunk that reaches it
+and its range is spread over several chunks (``engine/scheduler.py``). The tokens must be
+those of plain transformers ``generate(do_sample=False)``, with two images in one prompt, a
+long prompt crossing many chunks, and the same request again served from the prefix cache.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine_harness import EngineHarness
+from engine_inputs import ModelKit, image, kit_for, renamed
+
+pytestmark = [pytest.mark.model, pytest.mark.slow]
+
+FAMILIES = ("llava", "qwen2-vl")
+STEP = 6  # tokens per engine step: smaller than every image
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def kit(request: pytest.FixtureRequest, tiny_dirs: dict[str, Path]) -> ModelKit:
+    return kit_for(request.param, tiny_dirs[request.param])
+
+
+@pytest.fixture(scope="module")
+def engine(kit: ModelKit) -> Iterator[EngineHarness]:
+    with EngineHarness(kit.path, "--max-num-batched-tokens", str(STEP)) as eng:
+        yield eng
+
+
+def test_images_split_across_chunks_match_generate(kit: ModelKit, engine: EngineHarness) -> None:
+    cases = [
+        ("Describe the picture.", [image(500)]),
+        ("Compare these two pictures, then say which one is brighter.", [image(501), image(502)]),
+    ]
+    for text, images in cases:
+        request = kit.request(text, images, max_tokens=8)
+        spans = [f.placeholder.length for f in request.mm_features]
+        assert all(length > STEP for length in spans), spans  # every image is split
+        [res] = engine.run(request)
+        assert res.error is None, res.error
+        assert res.token_ids == kit.reference(text, images, 8), (kit.family, text)
+        [again] = engine.run(renamed(request))  # from the prefix cache this time
+        assert again.error is None, again.error
+        assert again.token_ids == res.token_ids
+        assert again.num_cached_tokens > 0
