@@ -374,7 +374,8 @@ def test_s4_stream_that_sent_bytes_ends_with_an_sse_error_event(scripted: Script
     first = json.loads(lines[0].removeprefix("data: "))
     assert first["choices"][0]["delta"]["role"] == "assistant"
     error = json.loads(lines[-2].removeprefix("data: "))["error"]
-    assert error["code"] == "engine_restarted" and error["retryable"] is True
+    # P1's end closed: the engine client saw it gone (before any restart) and said so
+    assert error["code"] == "engine_unavailable" and error["retryable"] is True
     assert lines[-1] == "data: [DONE]"
     # the new engine serves the next request
     again = chat(scripted.frontend, image_part((70, 7, 7)))

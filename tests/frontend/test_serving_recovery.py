@@ -167,7 +167,8 @@ def test_s4_stream_that_sent_bytes_ends_with_an_sse_error_event(stack: Stack) ->
                 stack.restart_engine("epoch-2")
     assert json.loads(lines[0][len("data: ") :])["choices"][0]["delta"]["role"] == "assistant"
     error = json.loads(lines[-2][len("data: ") :])["error"]
-    assert error["code"] == "engine_restarted" and error["retryable"] is True
+    # P1's end closed: the engine client saw it gone (before any restart) and said so
+    assert error["code"] == "engine_unavailable" and error["retryable"] is True
     assert lines[-1] == "data: [DONE]"
     # the restarted engine serves the next request, with the shadow cleared by the epoch change
     assert _chat(stack, image_part((70, 7, 7))).choices[0].finish_reason == "length"

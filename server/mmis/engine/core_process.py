@@ -24,6 +24,11 @@ Threads and what each one owns (the invariants that keep P1 crash-free under dri
 Wire: P0 processes PUSH to our PULL (many clients may share one P1); we PUB to their SUB with
 the client index as the topic. A client handshakes with the ``hello`` utility call until the
 answer arrives, which proves its subscription is live.
+
+Liveness: ``hello`` is also P0's heartbeat (every ``--ping-interval-s``). It is answered on the
+input thread, never queued behind the busy loop, so a long prefill or step does not look like a
+hang; the answer only needs this process scheduled and its input and output threads running.
+P0 sees a crash through its sockets, not through missing answers (``frontend/engine_client.py``).
 """
 
 from __future__ import annotations

@@ -11,9 +11,18 @@ Invariants:
   directory; P0 runs in this process (``mmis frontend``'s code path, same flags). The first
   stdout line is P0's ``mmis frontend listening on http://HOST:PORT`` (also with ``--port 0``):
   P1's stdout goes to our stderr so it can never come first.
-- If P1 exits unexpectedly it is restarted (as a pod's container would be); P0 stays up and
-  heals the drift through the cache epoch change. Restarts back off exponentially (1 s to
-  30 s); a child that ran for a minute resets the backoff.
+- If P1 exits unexpectedly it is restarted (as a pod's container would be); P0 stays up, sees
+  the loss at once (its socket monitor, ``frontend/engine_client.py``), ends the streams that
+  sent bytes, holds or fails fast the other requests (``frontend/recovery.py``), reports
+  ``/ready`` false until the new P1 answers, and heals the drift through the cache epoch
+  change. Restarts back off exponentially (1 s to 30 s); a child that ran for a minute resets
+  the backoff.
+- A *hung* P1 (alive but silent, e.g. SIGSTOP) is not killed here: P0 takes it as down after
+  ``--liveness-timeout-s`` (same handling, ``/ready`` false), and takes it back if it
+  answers again (SIGCONT). Killing is the job of the one component that owns P1's liveness:
+  in Kubernetes the engine container's liveness probe. This supervisor sees only the process
+  exit; a heartbeat gap on a loaded machine is no proof of a hang, and killing a slow engine
+  loses every request in it.
 - On SIGTERM/SIGINT P0 drains in-flight requests first (uvicorn's graceful shutdown), then P1
   gets SIGTERM (SIGKILL after a bound) and is reaped; the temporary directory is removed; the
   exit status is 0. Signals reach P1 only through us (it runs in its own process group, so a

@@ -1,4 +1,4 @@
-"""P0's asynchronous client of one P1 engine core.
+"""P0's asynchronous client of one P1 engine core, and its view of P1's liveness.
 
 Invariants:
 - exactly one output-handler task reads P1's outputs and routes them to per-request queues
@@ -10,15 +10,38 @@ Invariants:
 - evicted hashes and a changed cache epoch (P1 restarted) are handed to ``on_evicted`` /
   ``on_epoch_change`` before the outputs of the same batch, so drift is prevented, not only
   healed: a restart costs at most one miss per item;
-- every request remembers the cache epoch it was sent under; when the epoch changes, each
-  one sent under an older epoch receives a synthetic retryable ``engine_restarted`` error
-  output (its P1 is gone), and when the client closes, every one still registered receives an
-  ``engine_unavailable`` error: no consumer waits forever on a dead engine;
 - a request id is used for one attempt only (the caller derives fresh ids per attempt), and
   outputs for ids no longer registered are dropped, so a late output never mixes in;
-- a periodic ``hello`` ping keeps :attr:`EngineClient.alive` current for ``/health``;
 - the client never blocks the event loop on P1: sends are ZMQ sends awaited on the loop,
   receives are awaited. The codec instance is used from the loop thread only.
+
+Liveness (the link is *up* or *down*; :attr:`EngineClient.alive` is ``/health`` and half of
+``/ready``, see ``frontend/state.py``):
+- **A crash is seen at once.** A ZMQ socket monitor on both sockets reports the peer's
+  disconnect the moment the kernel closes P1's end (process gone: SIGKILL, OOM kill, exit);
+  no heartbeat is needed for that, and it takes milliseconds, not a timeout.
+- **A hang is seen within a bound.** Every ``ping_interval_s`` the watchdog sends a ``hello``
+  (answered by P1's *input* thread, ``engine/core_process.py``, so a long prefill on the busy
+  loop never delays it); any batch from P1 counts as a sign of life. After
+  ``liveness_timeout_s`` without one the link goes down, detected at most one
+  ``ping_interval_s`` later. It does not go down while a message from P1 is waiting in our
+  SUB socket (then P0's own loop is behind, P1 is not silent): a loaded P0 is not mistaken for
+  a hung P1. What a ``hello`` cannot see is a busy loop stuck while the input thread runs;
+  the engine container's liveness probe (Kubernetes) owns that case.
+- **Going down** fails every registered request at once with one synthetic retryable
+  ``engine_unavailable`` error output (the registration is dropped, so nothing of the dead
+  attempt can follow), fails every pending utility call, and refuses new sends
+  (:class:`EngineUnavailableError`) until the link is up again; the ids are remembered.
+- **Coming back** needs a ``hello`` answered after the sockets reconnected (a restarted P1)
+  or after the silence ended (a stopped P1 continued). Its batch runs the epoch-change path
+  first (a restarted P1 has a new cache epoch: the shadow is dropped before any new render),
+  then the link is up, waiters of :meth:`EngineClient.wait_up` resume, and one abort of the
+  remembered ids goes out (a P1 that was only stalled, or a request queued in the socket when
+  P1 died, must not run for nobody).
+- every request remembers the cache epoch it was sent under; if the epoch changes under it
+  anyway (a restart faster than the disconnect was seen), it receives a synthetic retryable
+  ``engine_restarted`` error; when the client closes, every one still registered receives an
+  ``engine_unavailable`` error: no consumer waits forever on a dead engine.
 """
 
 from __future__ import annotations
@@ -28,13 +51,16 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
+from mmis.frontend.errors import EngineUnavailableError
 from mmis.protocol.codec import WireCodec
 from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import (
@@ -52,10 +78,12 @@ log = logging.getLogger(__name__)
 
 OutputQueue = asyncio.Queue[EngineCoreOutput]
 
+__all__ = ["EngineClient", "EngineUnavailableError", "OutputQueue", "error_output"]
 
-class EngineUnavailableError(MMISError):
-    code = ErrorCode.ENGINE_UNAVAILABLE.value
-    retryable = True
+HELLO = "hello"
+RECONNECT_PING_S = 0.1  # ping period while the sockets are connected but P1 has not answered
+MAX_RETRY_AFTER_S = 30.0
+_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
 
 class UtilityCallError(MMISError):
@@ -87,8 +115,8 @@ class EngineClient:
         on_missing: Callable[[list[str]], None] | None = None,
         on_evicted: Callable[[list[str]], None] | None = None,
         on_epoch_change: Callable[[str], None] | None = None,
-        ping_interval_s: float = 2.0,
-        liveness_timeout_s: float = 10.0,
+        ping_interval_s: float = 0.5,
+        liveness_timeout_s: float = 5.0,
     ) -> None:
         self.input_address = input_address
         self.output_address = output_address
@@ -99,12 +127,22 @@ class EngineClient:
         self.ping_interval_s = ping_interval_s
         self.liveness_timeout_s = liveness_timeout_s
         self.cache_epoch = ""
-        self.last_pong = 0.0
+        self.last_pong = 0.0  # monotonic time of P1's latest batch
         self.epoch_changes = 0
+        self.losses = 0  # times the link went down after being up
+        self.down_since: float | None = None  # monotonic; None while up (or never up yet)
+        self.down_reason = "the engine has not answered yet"
+        self._last_outage_s = 0.0
         self._codec = WireCodec()
         self._ctx = zmq.asyncio.Context()
         self._push = self._ctx.socket(zmq.PUSH)
         self._sub = self._ctx.socket(zmq.SUB)
+        self._connected = {"input": False, "output": False}
+        self._up = asyncio.Event()
+        self._wake = asyncio.Event()  # a socket connected: ping now
+        self._reconnected = False  # a socket connected again while the link was down
+        self._oneshots: set[asyncio.Task[None]] = set()
+        self._orphans: set[str] = set()  # ids failed by a loss; aborted once P1 answers again
         self._inflight: dict[str, _InFlight] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count(1)
@@ -122,8 +160,39 @@ class EngineClient:
 
     @property
     def alive(self) -> bool:
-        """Whether P1 answered a ping within ``liveness_timeout_s``."""
-        return not self._closed and time.monotonic() - self.last_pong < self.liveness_timeout_s
+        """Whether the link is up: P1 handshaked, its sockets are connected and it answered
+        within ``liveness_timeout_s`` (the watchdog keeps this current)."""
+        return not self._closed and self._up.is_set()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def retry_after_s(self) -> int:
+        """Seconds a client should wait before retrying while P1 is down: the previous
+        outage's length minus the time this one has lasted, within [1, 30]."""
+        elapsed = 0.0 if self.down_since is None else time.monotonic() - self.down_since
+        guess = min(max(self._last_outage_s - elapsed, 1.0), MAX_RETRY_AFTER_S)
+        return math.ceil(guess)
+
+    def unavailable(self, message: str | None = None) -> EngineUnavailableError:
+        """The typed 503 for "P1 is down" (message, ``Retry-After``)."""
+        text = message or f"the engine is unavailable ({self.down_reason}); retry the request"
+        return EngineUnavailableError(text, retry_after_s=self.retry_after_s)
+
+    async def wait_up(self, timeout: float) -> None:
+        """Return once the link is up; :class:`EngineUnavailableError` after ``timeout``."""
+        if not self.alive and not self._closed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._up.wait(), timeout)
+        if self._closed:
+            raise EngineUnavailableError("the server is closing")
+        if not self.alive:
+            raise self.unavailable(
+                f"the engine did not come back within {timeout:.0f}s ({self.down_reason}); "
+                "retry the request"
+            )
 
     async def start(self, timeout: float = 60.0) -> None:
         """Connect and handshake: returns once P1 answered (our subscription is live)."""
@@ -132,14 +201,19 @@ class EngineClient:
         self._push.setsockopt(zmq.SNDHWM, 0)
         self._sub.setsockopt(zmq.RCVHWM, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        loop = asyncio.get_running_loop()
+        for name, sock in (("input", self._push), ("output", self._sub)):
+            monitor = sock.get_monitor_socket(_MONITORED)  # before connect: sees the first
+            self._tasks.append(
+                loop.create_task(self._monitor(name, monitor), name=f"mmis-engine-{name}-monitor")
+            )
         self._push.connect(self.input_address)
         self._sub.connect(self.output_address)
-        loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._handle_outputs(), name="mmis-engine-outputs"))
         deadline = loop.time() + timeout
         while True:
             try:
-                hello = await self.call_utility("hello", timeout=0.25)
+                hello = await self.call_utility(HELLO, timeout=0.25)
                 break
             except TimeoutError:
                 if loop.time() > deadline:
@@ -148,16 +222,19 @@ class EngineClient:
                     ) from None
         self.cache_epoch = str(hello["cache_epoch"])
         self.last_pong = time.monotonic()
-        self._tasks.append(loop.create_task(self._ping_loop(), name="mmis-engine-ping"))
+        self._up.set()
+        self._tasks.append(loop.create_task(self._watchdog(), name="mmis-engine-watchdog"))
 
     async def close(self) -> None:
         """Stop the tasks, fail whatever is still in flight, close the sockets (idempotent)."""
         if self._closed:
             return
         self._closed = True
-        for task in self._tasks:
+        self._up.set()  # wakes every wait_up, which then sees the client closed
+        tasks = [*self._tasks, *self._oneshots]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         for rid, entry in list(self._inflight.items()):
@@ -165,6 +242,9 @@ class EngineClient:
                 error_output(rid, ErrorCode.ENGINE_UNAVAILABLE.value, "the server is closing")
             )
         self._inflight.clear()
+        for sock in (self._push, self._sub):
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
         self._push.close()
         self._sub.close()
         self._ctx.term()
@@ -176,7 +256,12 @@ class EngineClient:
         await self._push.send_multipart(self._codec.encode_request(msg), copy=False)
 
     async def add_requests(self, requests: Iterable[EngineCoreRequest], queue: OutputQueue) -> None:
-        """Register every request on ``queue`` (before sending, so no output is missed), send."""
+        """Register every request on ``queue`` (before sending, so no output is missed), send.
+
+        While the link is down nothing is sent: :class:`EngineUnavailableError` (the caller
+        waits with :meth:`wait_up` first)."""
+        if not self.alive:
+            raise self.unavailable()
         batch = list(requests)
         for request in batch:
             if request.request_id in self._inflight:
@@ -194,10 +279,17 @@ class EngineClient:
         """Forget ``request_ids``; with ``abort``, also tell P1 to stop the ones it runs."""
         ids = [rid for rid in request_ids if self._inflight.pop(rid, None) is not None]
         if abort and ids and not self._closed:
+            if not self.alive:  # nothing reaches P1 now: abort them once it answers again
+                self._orphans.update(ids)
+                return
             with contextlib.suppress(Exception):
                 await self._send(AbortRequests(request_ids=ids, client_index=self.client_index))
 
     async def call_utility(self, method: str, *args: Any, timeout: float = 30.0) -> Any:
+        """Call ``method`` in P1; while the link is down only ``hello`` is sent (the others
+        fail at once with :class:`EngineUnavailableError`)."""
+        if method != HELLO and not self.alive:
+            raise self.unavailable()
         call_id = next(self._call_ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
@@ -207,13 +299,106 @@ class EngineClient:
         finally:
             self._calls.pop(call_id, None)
 
-    # ------------------------------------------------------------------ outputs
-    async def _ping_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.ping_interval_s)  # a period, not a synchronisation
-            with contextlib.suppress(TimeoutError, MMISError):
-                await self.call_utility("hello", timeout=self.liveness_timeout_s)
+    # ------------------------------------------------------------------ liveness
+    async def _monitor(self, name: str, monitor: zmq.asyncio.Socket) -> None:
+        """Track one socket's connection; a disconnect means P1's process is gone."""
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_CONNECTED:
+                    self._connected[name] = True
+                    self._reconnected = not self.alive
+                    self._wake.set()
+                elif event == zmq.EVENT_DISCONNECTED:
+                    self._connected[name] = False
+                    self._lost(f"the engine's {name} socket disconnected: its process is gone")
+        finally:
+            monitor.close()
 
+    def _silent_for(self) -> float:
+        """Seconds since P1's latest batch, or 0 when one is waiting unread in our socket."""
+        events = self._sub.get(zmq.EVENTS)  # get(), not getsockopt(): pyzmq re-arms its reader
+        if isinstance(events, int) and events & zmq.POLLIN:
+            return 0.0  # P1 spoke; our own loop has not read it yet
+        return time.monotonic() - self.last_pong
+
+    async def _watchdog(self) -> None:
+        """Ping P1, take the link down when it falls silent, bring it up when it answers."""
+        while True:
+            period = self.ping_interval_s
+            if not self.alive and self._reconnected and all(self._connected.values()):
+                period = min(period, RECONNECT_PING_S)  # a restarted P1 is answering soon
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), period)
+            self._wake.clear()
+            if self.alive:
+                silent = self._silent_for()
+                if silent > self.liveness_timeout_s:
+                    self._lost(f"the engine sent nothing for {silent:.1f}s: it is hung")
+            await self._ping()
+
+    async def _ping(self) -> None:
+        """Send one ``hello`` without waiting for its answer, which may bring the link up."""
+        call_id = next(self._call_ids)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._calls[call_id] = fut
+        fut.add_done_callback(self._on_pong)
+        loop.call_later(self.liveness_timeout_s, self._forget_call, call_id)
+        try:  # never waits long: the socket queues without limit (SNDHWM 0)
+            await self._send(UtilityCall(call_id, HELLO, [], self.client_index))
+        except zmq.ZMQError as exc:
+            log.warning("could not ping the engine: %s", exc)
+            self._forget_call(call_id)
+
+    def _forget_call(self, call_id: int) -> None:
+        fut = self._calls.pop(call_id, None)
+        if fut is not None and not fut.done():
+            fut.cancel()
+
+    def _on_pong(self, fut: asyncio.Future[Any]) -> None:
+        if fut.cancelled() or fut.exception() is not None or self._closed or self.alive:
+            return
+        if self.down_since is not None:
+            self._last_outage_s = time.monotonic() - self.down_since
+            log.warning(
+                "the engine answers again after %.1fs (epoch %s)",
+                self._last_outage_s,
+                self.cache_epoch,
+            )
+        self.down_since = None
+        self._reconnected = False
+        self._up.set()
+        if self._orphans:
+            ids, self._orphans = sorted(self._orphans), set()
+            task = asyncio.get_running_loop().create_task(self.release_orphans(ids))
+            self._oneshots.add(task)
+            task.add_done_callback(self._oneshots.discard)
+
+    async def release_orphans(self, request_ids: list[str]) -> None:
+        """Abort ids a loss failed: P1 may still run them (it only stalled), or receive them
+        from our socket's queue (they were on the way when it died)."""
+        with contextlib.suppress(Exception):
+            await self._send(AbortRequests(request_ids=request_ids, client_index=self.client_index))
+
+    def _lost(self, reason: str) -> None:
+        """Take the link down: fail everything in flight now, refuse sends until P1 is back."""
+        if not self.alive:
+            return  # already down (or never up: the handshake in start() owns that)
+        self._up.clear()
+        self.down_since = time.monotonic()
+        self.down_reason = reason
+        self.losses += 1
+        log.error("engine lost (%s): failing %d request(s) in flight", reason, len(self._inflight))
+        for rid, entry in self._inflight.items():
+            entry.queue.put_nowait(error_output(rid, ErrorCode.ENGINE_UNAVAILABLE.value, reason))
+        self._orphans.update(self._inflight)
+        self._inflight.clear()
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(EngineUnavailableError(reason))
+
+    # ------------------------------------------------------------------ outputs
     async def _handle_outputs(self) -> None:
         while True:
             frames = await self._sub.recv_multipart(copy=False)

@@ -32,6 +32,10 @@ The body carries ``"retryable": true`` and ``"missing_uuids": [...]``.
 
 The 503 for a miss after the retry carries ``"retryable": true`` and ``"missing_mm_hashes"``.
 
+:class:`EngineUnavailableError` (P1 down, restarting or hung; 503, ``engine_unavailable``) and
+its subclass ``EngineRestartedError`` (``frontend/generation.py``, ``engine_restarted``) carry
+``"retryable": true`` and a ``Retry-After`` header (:func:`json_response`).
+
 Streams that already sent bytes cannot change their status: they end with
 :func:`sse_error_event` (``data: {"error": {...}}``, the event the OpenAI SDK raises on),
 followed by :data:`SSE_DONE`. FastAPI wiring (validation errors included) is
@@ -44,6 +48,7 @@ their exception text (only a generic message), the rest always name what was wro
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -241,4 +246,30 @@ def sse_error_event(exc: BaseException) -> bytes:
 
 
 def json_response(exc: BaseException) -> JSONResponse:
-    return JSONResponse(error_body(exc), status_code=error_status(exc))
+    headers = exc.headers() if isinstance(exc, EngineUnavailableError) else None
+    return JSONResponse(error_body(exc), status_code=error_status(exc), headers=headers)
+
+
+class EngineUnavailableError(FrontendError):
+    """P1 is down, restarting or not answering (503, ``engine_unavailable``, retryable).
+
+    The response carries ``Retry-After`` (:attr:`retry_after_s`, whole seconds, at least 1) so
+    a gateway or client retries later, on this replica or another one; the body says
+    ``"retryable": true``. A stream that already sent bytes gets the same error as its SSE
+    error event. Raised by ``frontend/engine_client.py`` and ``frontend/recovery.py``.
+    """
+
+    status = 503
+    type = UNAVAILABLE_TYPE
+    code = ErrorCode.ENGINE_UNAVAILABLE.value
+    retryable = True
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = max(1, math.ceil(retry_after_s))
+
+    def extra(self) -> dict[str, Any]:
+        return {"retryable": True}
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}

@@ -3,7 +3,8 @@
 A :class:`Generation` is what :class:`~mmis.frontend.recovery.RecoveryPolicy` sends
 per attempt; it replays buffered outputs, stops single choices, aborts the rest on close, and
 turns error outputs into typed exceptions (:func:`output_error`) or, for the retryable codes
-(``multimodal_cache_miss``, ``engine_restarted``), a :class:`RetryableFailure`.
+(``multimodal_cache_miss``; the engine losses ``engine_unavailable`` and ``engine_restarted``,
+made up by ``frontend/engine_client.py``), a :class:`RetryableFailure`.
 
 Invariants:
 - A sibling is *done* once P1 sent its terminal output (nothing to abort) or P0 stopped it
@@ -20,27 +21,27 @@ from collections.abc import AsyncIterator, Sequence
 from opentelemetry import trace
 
 from mmis.frontend.engine_client import EngineClient, OutputQueue
-from mmis.frontend.errors import UNAVAILABLE_TYPE, FrontendError, from_request_error
+from mmis.frontend.errors import EngineUnavailableError, from_request_error
 from mmis.frontend.renderer import RenderedPrompt
 from mmis.frontend.request_telemetry import current_record
 from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import EngineCoreOutput, ErrorCode
 
-RETRYABLE_CODES = frozenset(
-    {ErrorCode.MULTIMODAL_CACHE_MISS.value, ErrorCode.ENGINE_RESTARTED.value}
+ENGINE_LOSS_CODES = frozenset(
+    {ErrorCode.ENGINE_UNAVAILABLE.value, ErrorCode.ENGINE_RESTARTED.value}
 )
+RETRYABLE_CODES = frozenset({ErrorCode.MULTIMODAL_CACHE_MISS.value, *ENGINE_LOSS_CODES})
 
 
-class EngineRestartedError(FrontendError):
-    """P1 restarted under a request twice in a row (or is gone); the client may resend."""
+class EngineRestartedError(EngineUnavailableError):
+    """P1 restarted (new cache epoch) under a request; 503 with ``Retry-After``, retryable."""
 
-    status = 503
-    type = UNAVAILABLE_TYPE
     code = ErrorCode.ENGINE_RESTARTED.value
-    retryable = True
 
-    def extra(self) -> dict[str, object]:
-        return {"retryable": True}
+
+def is_engine_loss(output: EngineCoreOutput) -> bool:
+    """Whether ``output`` is P0's synthetic error for a lost engine (not the request's fault)."""
+    return output.error is not None and output.error.code in ENGINE_LOSS_CODES
 
 
 class RetryableFailure(Exception):
@@ -61,10 +62,10 @@ def output_error(output: EngineCoreOutput) -> BaseException:
         internal = MMISError("the engine failed the request without saying why")
         internal.code = ErrorCode.INTERNAL.value
         return internal
-    if err.code in (ErrorCode.ENGINE_RESTARTED, ErrorCode.ENGINE_UNAVAILABLE):
-        return EngineRestartedError(
-            f"the engine is restarting or unavailable ({err.message}); retry the request"
-        )
+    if err.code == ErrorCode.ENGINE_RESTARTED:
+        return EngineRestartedError(f"the engine restarted ({err.message}); retry the request")
+    if err.code == ErrorCode.ENGINE_UNAVAILABLE:
+        return EngineUnavailableError(f"the engine is unavailable ({err.message}); retry")
     return from_request_error(err, output.missing_mm_hashes)
 
 

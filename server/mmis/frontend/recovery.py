@@ -5,17 +5,34 @@ An *attempt* renders the retained :class:`SourcePrompt`, sends one engine reques
 output of a dead attempt is never mixed in) and reads their outputs from one queue.
 
 Rules (the drift-recovery chain of docs/ARCHITECTURE.md §2; scenarios S1, S3, S4, S5 in §5):
-- A sibling output with ``finish_reason="error"`` and code ``multimodal_cache_miss`` or
-  ``engine_restarted`` is *retryable*. On the first attempt it aborts the other siblings
-  (exactly one error is handled, however many siblings report one) and starts the second
-  attempt, rendered with ``bypass=True`` (every item with data carries it), with ``n``
-  choices again.
+- A sibling output with ``finish_reason="error"`` and code ``multimodal_cache_miss`` is a
+  *drift failure*. The first one aborts the other siblings (exactly one error is handled,
+  however many siblings report one) and starts the drift retry, rendered with ``bypass=True``
+  (every item with data carries it), with ``n`` choices again. A request has one drift retry.
 - Streams may retry only until their first byte: :meth:`RecoveryPolicy.start` returns once
   every sibling produced its first output (the SSE response starts after that). Whole
   responses (:meth:`RecoveryPolicy.complete`) may retry on a failure at any point, since
   nothing was sent yet.
-- A retryable failure of the second attempt raises: a miss is the documented 503
-  (:class:`MultiModalCacheMissError`), a restart :class:`EngineRestartedError` (503).
+- A drift failure after the drift retry raises the documented 503
+  (:class:`MultiModalCacheMissError`).
+
+Engine losses (P1 crashed, restarted or hung; ``frontend/engine_client.py`` fails the
+attempt with a synthetic ``engine_unavailable`` / ``engine_restarted`` output) are not drift:
+- **They never spend the drift retry, and the drift retry never spends theirs.** After a loss
+  the request waits until P1 answers again, then renders again with the bypass it had (on the
+  drift retry: still bypassed). A restarted P1 announces a new cache epoch, which empties the
+  shadow before that render (the epoch change is handled before the link is up), so every
+  item goes with its data and cannot miss; a P1 that only stalled kept its cache. Either way a
+  miss on the healed attempt still has the one drift retry, if unspent: an engine loss cannot
+  make a healable request fail.
+- **One loss is healed per request**; the second raises its retryable 503 (a request that
+  takes P1 down each time it runs must not crash-loop the engine).
+- **Waiting is bounded**: every wait for P1 (before an attempt, after a loss) ends by
+  ``engine_wait_s`` after the request's first wait began, then
+  :class:`~mmis.frontend.errors.EngineUnavailableError` (503, ``Retry-After``).
+  With ``fail_fast`` there is no wait: a loss, or P1 down when an attempt is about to start,
+  is that 503 at once, so a gateway sends the request to another replica.
+- Loss retries are not counted in ``mmis_mm_retries_total`` (that is the drift retry's).
 - Missing items the client sent by uuid only cannot be healed by P0:
   :class:`HashOnlyCacheMissError` (422) names their uuids, without a retry.
 - Non-retryable engine errors map through :func:`from_request_error` (400 / 500).
@@ -33,18 +50,21 @@ Rules (the drift-recovery chain of docs/ARCHITECTURE.md §2; scenarios S1, S3, S
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from opentelemetry import trace
 
 from mmis.frontend.engine_client import EngineClient
-from mmis.frontend.errors import HashOnlyCacheMissError
+from mmis.frontend.errors import EngineUnavailableError, HashOnlyCacheMissError
 from mmis.frontend.generation import (
     RETRYABLE_CODES,
     EngineRestartedError,
     Generation,
     RetryableFailure,
+    is_engine_loss,
     output_error,
 )
 from mmis.frontend.renderer import RenderedPrompt, Renderer, SourcePrompt
@@ -74,6 +94,7 @@ ATTR_ITEMS = "mmis.mm.items"
 ATTR_CACHE_HITS = "mmis.mm.cache_hits"
 ATTR_BYTES_SENT = "mmis.mm.bytes_sent"
 ATTR_CHOICES = "mmis.choices"
+MAX_ENGINE_LOSSES = 1  # engine losses healed per request
 _OFF = Tracing(tracer=trace.NoOpTracer())
 
 
@@ -114,11 +135,16 @@ class RecoveryPolicy:
         client: EngineClient,
         metrics: MMISMetrics,
         tracing: Tracing | None = None,
+        *,
+        fail_fast: bool = False,
+        engine_wait_s: float = 60.0,
     ) -> None:
         self.renderer = renderer
         self.client = client
         self.metrics = metrics
         self.tracing = tracing or _OFF
+        self.fail_fast = fail_fast
+        self.engine_wait_s = engine_wait_s
 
     async def _attempt(
         self,
@@ -128,12 +154,13 @@ class RecoveryPolicy:
         n: int,
         reserve: int,
         build: RequestBuilder,
+        bypass: bool,
     ) -> Generation:
         tracing = self.tracing
         attrs = {tr.ATTR_ATTEMPT: attempt + 1, ATTR_ITEMS: len(source.items)}
         with tracing.span(RENDER_SPAN, attributes=attrs) as render_span:
             rendered = await self.renderer.render(
-                source, bypass=attempt > 0, reserve_tokens=reserve, copies=n
+                source, bypass=bypass, reserve_tokens=reserve, copies=n
             )
             if render_span.is_recording():
                 render_span.set_attributes(
@@ -216,35 +243,74 @@ class RecoveryPolicy:
         build: RequestBuilder,
         body: Callable[[Generation], Awaitable[T]],
     ) -> T:
-        missed = 0  # hashes the first attempt missed
-        for attempt in (0, 1):
+        missed = 0  # hashes the failed attempt before the drift retry missed
+        drift_retried = False
+        losses = 0
+        loop = asyncio.get_running_loop()
+        wait_deadline: float | None = None  # set by the request's first wait for P1
+        for attempt in itertools.count():
             try:
-                generation = await self._attempt(source, request_id, attempt, n, reserve, build)
+                if not self.client.alive:
+                    if self.fail_fast:
+                        raise self.client.unavailable()
+                    if wait_deadline is None:
+                        wait_deadline = loop.time() + self.engine_wait_s
+                    await self.client.wait_up(max(wait_deadline - loop.time(), 0.0))
+                generation = await self._attempt(
+                    source, request_id, attempt, n, reserve, build, bypass=drift_retried
+                )
+            except EngineUnavailableError:
+                waited_out = wait_deadline is not None and loop.time() >= wait_deadline
+                if self.fail_fast or waited_out or self.client.closed or self.client.alive:
+                    if drift_retried:
+                        self._count(endpoint, "error", missed)
+                    raise
+                if wait_deadline is None:
+                    wait_deadline = loop.time() + self.engine_wait_s
+                continue  # P1 went down during the render, nothing was sent: wait for it
             except BaseException:
-                if attempt:
+                if drift_retried:
                     self._count(endpoint, "error", missed)
                 raise
             try:
                 result = await body(generation)
             except RetryableFailure as failure:
-                self._trace_failure(generation.span, failure.output, attempt)
-                missed = len(set(failure.output.missing_mm_hashes))
+                out = failure.output
+                if not is_engine_loss(out):
+                    self._trace_failure(generation.span, out, int(drift_retried))
                 await generation.aclose()
-                self._on_failure(source, endpoint, failure.output, attempt)
+                if is_engine_loss(out):
+                    losses += 1
+                    if self.fail_fast or losses > MAX_ENGINE_LOSSES:
+                        if drift_retried:
+                            self._count(endpoint, "error", missed)
+                        raise self._loss_error(out) from None
+                    continue  # the next turn waits for P1, then renders again
+                missed = len(set(out.missing_mm_hashes))
+                self._on_failure(source, endpoint, out, int(drift_retried))
+                drift_retried = True
                 continue
             except BaseException:
                 await generation.aclose()
-                if attempt:
+                if drift_retried:
                     self._count(endpoint, "error", missed)
                 raise
-            if attempt:
+            if drift_retried:
                 self._count(endpoint, "success", missed)
             return result
-        raise RuntimeError("unreachable: the second attempt returns or raises")
+        raise RuntimeError("unreachable: the attempts loop returns or raises")
+
+    def _loss_error(self, out: EngineCoreOutput) -> BaseException:
+        """The 503 for a loss that is not healed, with this client's ``Retry-After``."""
+        exc = output_error(out)
+        if isinstance(exc, EngineUnavailableError):
+            exc.retry_after_s = self.client.retry_after_s
+        return exc
 
     def _on_failure(
         self, source: SourcePrompt, endpoint: str, out: EngineCoreOutput, attempt: int
     ) -> None:
+        """A drift failure; ``attempt`` is 0 before the drift retry, 1 on it."""
         uuids = source.hash_only_uuids(out.missing_mm_hashes)
         if uuids:
             self._count(endpoint, "hash_only", len(uuids), attempt=attempt + 1)
@@ -267,7 +333,7 @@ class RecoveryPolicy:
         """The miss on the attempt's span; the invalidation it queued on the request span."""
         missing = len(set(out.missing_mm_hashes))
         if not missing:
-            return  # engine_restarted: no cache miss, the retry event tells the story
+            return  # no hash named: nothing to trace
         outcome = "retrying" if attempt == 0 else "failed"
         tr.record_cache_event(span, tr.CACHE_MISS, missing, attempt + 1, outcome)
         request_span = trace.get_current_span()

@@ -14,8 +14,13 @@ Invariants:
   model id also names the revision (:func:`hash_model_id`): an image processed one way is
   never served for a request that would have processed it another way.
 - ``ready`` becomes true only after a synthetic image request went P0 -> cache -> P1 ->
-  output since this process started (``/ready``); ``/health`` needs the process and a live
-  engine (a ping answered recently).
+  output since this process started; :attr:`FrontendState.healthy` is the engine link being
+  up (``frontend/engine_client.py``: false the moment P1's process is gone, and after
+  ``liveness_timeout_s`` of silence; true again once the restarted or resumed P1 answered).
+  ``/ready`` is ``ready and healthy``, so it is false while P1 is down or restarting;
+  ``/health`` is ``healthy``.
+- While P1 is down, requests wait for it (at most ``engine_wait_s``) or, with ``fail_fast``,
+  get a 503 with ``Retry-After`` at once (the rules are in ``frontend/recovery.py``).
 - :meth:`close` stops the stats poller, the engine client (failing whatever is still in
   flight), the media loader, the executor and the SHM writer (unlinking its segment), in
   that order, then flushes the traces of a tracing setup it built itself.
@@ -144,7 +149,14 @@ class FrontendState:
             shm_writer=self.shm_writer,
             metrics=self.metrics,
         )
-        self.policy = RecoveryPolicy(self.renderer, self.client, self.metrics, self.tracing)
+        self.policy = RecoveryPolicy(
+            self.renderer,
+            self.client,
+            self.metrics,
+            self.tracing,
+            fail_fast=settings.fail_fast,
+            engine_wait_s=settings.engine_wait_s,
+        )
         self.stats = StatsPoller(
             self.client, self.telemetry.engine_stats, settings.stats_interval_s
         )
@@ -228,6 +240,8 @@ class FrontendState:
 
     @property
     def healthy(self) -> bool:
+        """Whether the engine link is up (P1 connected and answering); false while P1 is
+        down, hung or restarting."""
         return self.client.alive
 
     async def close(self) -> None:
