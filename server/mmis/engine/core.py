@@ -3,15 +3,18 @@
 Invariants:
 - Only the busy-loop thread calls into this object (see ``core_process.py``).
 - A request that cannot run (bad token ids, too long for the context, bad parameters,
-  ``n != 1``, item tensors that do not match their placeholder; see ``admission.py``) is
-  answered with a ``finish_reason="error"`` output at admission and never reaches the
-  scheduler. P0 owns the ``n`` choices: it sends one request per choice.
+  ``logit_bias`` token ids outside the vocabulary, ``n != 1``, item tensors that do not match
+  their placeholder; see ``admission.py``) is answered with a ``finish_reason="error"`` output
+  at admission and never reaches the scheduler. P0 owns the ``n`` choices: it sends one
+  request per choice.
 - Safety net: if the runner still fails a step, that step's requests end with an error output,
   encoder entries it never stored are dropped, and the engine keeps serving; :meth:`step`
   never raises for anything a client sent.
 - Stop *token ids* (EOS, ``stop_token_ids``) end a request here (``Request.check_stop``); stop
   *strings* are P0's (its detokenizer matches them and aborts the request), so the core needs
   no tokenizer.
+- The runner reads the scheduler's requests (their token lists) for penalties; only the
+  scheduler changes them, between steps.
 - :meth:`utilities` is the core's part of the one utility table (``core_process.py``).
 """
 
@@ -28,6 +31,8 @@ import numpy as np
 from mmis.engine.admission import ModelLimits, Problem, check_request
 from mmis.engine.request import Request
 from mmis.engine.runner import ModelRunner
+from mmis.engine.sampler import SamplingParamsError
+from mmis.engine.sampler import validate as validate_sampling
 from mmis.engine.sched_output import SchedulerOutput
 from mmis.engine.scheduler import Scheduler
 from mmis.protocol.errors import MMISError
@@ -37,6 +42,7 @@ from mmis.protocol.messages import (
     ErrorCode,
     FinishReason,
     RequestError,
+    SamplingParams,
 )
 from mmis.telemetry.engine_stats import EngineStats
 
@@ -82,6 +88,8 @@ class EngineCore:
     ) -> None:
         """Admit ``request`` (or answer it with an error output); never raises for bad input."""
         problem = check_request(request, mm_inputs, self.limits, self.runner.adapter)
+        if problem is None and request.sampling_params is not None:
+            problem = self._check_logit_bias(request.sampling_params)
         if problem is None and request.request_id in self.scheduler.requests:
             problem = Problem(
                 ErrorCode.INVALID_REQUEST, f"request id {request.request_id!r} is in use"
@@ -105,6 +113,14 @@ class EngineCore:
         if self.spans is not None:
             self.spans.admit(request.request_id, request.trace_context)
 
+    def _check_logit_bias(self, params: SamplingParams) -> Problem | None:
+        """``logit_bias`` token ids must be in the vocabulary (``admission`` checks the rest)."""
+        try:
+            validate_sampling(params, self.vocab_size)
+        except SamplingParamsError as exc:
+            return Problem(ErrorCode.INVALID_REQUEST, str(exc))
+        return None
+
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
         if self.spans is not None:
@@ -124,7 +140,7 @@ class EngineCore:
         pooled: dict[str, Any] = {}
         if not sched_out.is_empty:
             try:
-                result = self.runner.execute(sched_out)
+                result = self.runner.execute(sched_out, self.scheduler.requests)
             except Exception as exc:  # one bad step fails its requests, never the engine
                 outputs.extend(self._fail_step(sched_out, exc))
             else:

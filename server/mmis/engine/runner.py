@@ -5,6 +5,10 @@ brought tensors and is not yet stored; embeds all scheduled tokens packed as one
 overwrites each image's placeholder rows with its embeddings (a chunk may start or end inside
 a placeholder range); runs the language model once with paged attention over the KV pool;
 samples after the last token of every chunk that asks for it, and pools for pooling requests.
+Rows with a presence/frequency/repetition penalty also need the request's token history: the
+caller passes the requests themselves (``histories``: request id -> an object with
+``prompt_token_ids`` and ``output_token_ids``, the core passes the scheduler's requests), read
+only, through the sampler's :class:`TokenHistoryCache`.
 
 Invariants:
 - Exactly one language-model forward per step, whatever the number of sequences.
@@ -12,14 +16,15 @@ Invariants:
   it through ``freed_encoder_hashes``).
 - It reads the scheduler's :class:`SchedulerOutput` as is (``sched_output.py``).
 - Per-request state is only the partial sum of mean-pooling requests whose prompt spans
-  several chunks; ``ended_request_ids`` drops it.
+  several chunks and the device token counts of requests with penalties (always equal to
+  their token lists, see ``sampler.py``); ``ended_request_ids`` drops both.
 - Inconsistent input raises a typed :class:`StepInputError` (or the adapter's
   ``ModelInputError``) before the KV pool is written.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -31,7 +36,7 @@ from mmis.engine.paged_attention import (
     PagedKVPool,
     PagedStep,
 )
-from mmis.engine.sampler import Sampler
+from mmis.engine.sampler import Sampler, TokenCounts, TokenHistory, TokenHistoryCache, needs_history
 from mmis.engine.sched_output import ScheduledRequest, SchedulerOutput, StepOutput
 from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import ErrorCode
@@ -56,6 +61,7 @@ class ModelRunner:
         self.sampler = sampler or Sampler()
         self.encoder_outputs: dict[str, torch.Tensor] = {}
         self._pool_sums: dict[str, tuple[torch.Tensor, int]] = {}
+        self.token_history = TokenHistoryCache()
         self.num_forwards = 0
         self.num_encoder_calls = 0
 
@@ -77,12 +83,16 @@ class ModelRunner:
         return self.pool.block_size
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> StepOutput:
+    def execute(
+        self, batch: SchedulerOutput, histories: Mapping[str, TokenHistory] | None = None
+    ) -> StepOutput:
+        """Run one step; ``histories`` is required when a sampled row has a penalty."""
         out = StepOutput()
         for mm_hash in batch.freed_encoder_hashes:
             self.encoder_outputs.pop(mm_hash, None)
         for request_id in batch.ended_request_ids:
             self._pool_sums.pop(request_id, None)
+        self.token_history.drop(batch.ended_request_ids)
         seqs = list(batch.scheduled)
         if not seqs:
             return out
@@ -104,7 +114,7 @@ class ModelRunner:
         )
         hidden = self.adapter.forward(embeds, positions, PagedStep(self.pool, meta))
         self.num_forwards += 1
-        self._sample(hidden, seqs, out)
+        self._sample(hidden, seqs, out, histories)
         self._pool(hidden, seqs, out)
         return out
 
@@ -165,7 +175,11 @@ class ModelRunner:
             offset += s.num_tokens
 
     def _sample(
-        self, hidden: torch.Tensor, seqs: Sequence[ScheduledRequest], out: StepOutput
+        self,
+        hidden: torch.Tensor,
+        seqs: Sequence[ScheduledRequest],
+        out: StepOutput,
+        histories: Mapping[str, TokenHistory] | None,
     ) -> None:
         rows, chosen, offset = [], [], 0
         for s in seqs:
@@ -176,11 +190,38 @@ class ModelRunner:
         if not chosen:
             return
         logits = self.adapter.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
-        tokens = self.sampler(
-            logits, [s.sampling_params for s in chosen], [s.end_position for s in chosen]
-        ).tolist()
+        params = [s.sampling_params for s in chosen]
+        counts = self._token_counts(chosen, histories, logits)
+        tokens = self.sampler(logits, params, [s.end_position for s in chosen], counts).tolist()
         for s, token in zip(chosen, tokens, strict=True):
             out.sampled_token_ids[s.request_id] = int(token)
+
+    def _token_counts(
+        self,
+        chosen: Sequence[ScheduledRequest],
+        histories: Mapping[str, TokenHistory] | None,
+        logits: torch.Tensor,
+    ) -> TokenCounts | None:
+        rows, ids, repetition = [], [], False
+        for k, s in enumerate(chosen):
+            params = s.sampling_params
+            if params is not None and needs_history(params):
+                rows.append(k)
+                ids.append(s.request_id)
+                repetition = repetition or params.repetition_penalty != 1
+        if not rows:
+            return None
+        missing = [rid for rid in ids if histories is None or rid not in histories]
+        if histories is None or missing:
+            raise StepInputError(f"requests {missing}: penalties need their token history")
+        return self.token_history.counts(
+            rows,
+            ids,
+            [histories[rid] for rid in ids],
+            with_prompt=repetition,
+            vocab_size=logits.shape[-1],
+            device=logits.device,
+        )
 
     def _pool(
         self, hidden: torch.Tensor, seqs: Sequence[ScheduledRequest], out: StepOutput

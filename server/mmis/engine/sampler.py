@@ -1,19 +1,42 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p and per-request seeds.
+"""Batched token sampling: logit bias, penalties, greedy, temperature, min-p, top-k, top-p and
+per-request seeds.
+
+Order per row (vLLM's): ``logit_bias`` is added; then the repetition penalty (prompt and
+output tokens: a positive logit is divided by it, a negative one multiplied), the frequency
+penalty (times each token's count in the output so far) and the presence penalty (once per
+token present in the output) are subtracted, as OpenAI defines them; greedy rows take the
+argmax of these logits; sampled rows then divide by the temperature, drop tokens below
+``min_p`` times the best token's probability, then apply top-k and top-p.
 
 Invariants:
 - ``temperature`` below :data:`GREEDY_EPSILON` (or no params at all) means greedy: the argmax of
-  the raw logits, exactly as ``generate(do_sample=False)`` picks it.
-- One batched pass for all rows: top-k and top-p share one sort; sampling is an exponential
-  race (``argmax(p / q)``, ``q ~ Exp(1)``), which draws from ``p`` exactly.
-- A seeded row draws its noise from a generator seeded by ``(seed, position)``: the token at
-  a given position of a seeded request is the same whatever the batch around it, however the
-  prompt was chunked, and after a preemption that recomputes it. No state is kept.
-- Invalid parameters raise :class:`SamplingParamsError`, never an assert.
+  the (biased, penalized) logits; with no bias and no penalty that is the argmax of the raw
+  logits, exactly as ``generate(do_sample=False)`` picks it. Greedy is deterministic.
+- One batched pass for all rows, on the logits' device: bias and penalties are a scatter and a
+  few elementwise ops over ``[rows, vocab]`` tensors (no Python loop over the vocabulary, no
+  device-to-host sync); top-k and top-p share one sort; sampling is an exponential race
+  (``argmax(p / q)``, ``q ~ Exp(1)``), which draws from ``p`` exactly.
+- Fast path: a batch where no row has a bias, a penalty or ``min_p`` runs none of that code;
+  its only extra cost is five attribute checks per row (measured: ``benchmarks/bench_sampler.py``).
+- A seeded row draws its noise from a generator seeded by ``(seed, position)``, and its
+  penalties depend only on its own token history: the token at a given position of a seeded
+  request is the same whatever the batch around it, however the prompt was chunked, and after
+  a preemption that recomputes it.
+- The token history a penalty needs is :class:`TokenCounts` (dense ``[rows, vocab]`` output
+  counts and prompt mask), kept by :class:`TokenHistoryCache` from the requests' own token
+  lists: device tensors updated with only the tokens appended since the previous step; a
+  request the cache has not seen (or dropped: finished, preempted) is counted from its lists
+  in full, so the counts always equal those of ``prompt_token_ids`` / ``output_token_ids``.
+  Chosen over recounting the lists every step by measurement (``benchmarks/README.md``).
+- Invalid parameters raise :class:`SamplingParamsError`, never an assert; the message starts
+  with the field's name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -21,6 +44,9 @@ from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import ErrorCode, SamplingParams
 
 GREEDY_EPSILON = 1e-5
+PENALTY_RANGE = 2.0  # presence / frequency penalty in [-2, 2] (OpenAI)
+LOGIT_BIAS_RANGE = 100.0  # each bias in [-100, 100] (OpenAI)
+MAX_LOGIT_BIAS = 300  # entries per request
 _SEED_MIX = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 63) - 1
 
@@ -31,8 +57,8 @@ class SamplingParamsError(MMISError, ValueError):
     code = ErrorCode.INVALID_REQUEST.value
 
 
-def validate(params: SamplingParams) -> None:
-    if params.temperature < 0:
+def _check_basic(params: SamplingParams) -> None:
+    if not params.temperature >= 0:
         raise SamplingParamsError(f"temperature must be >= 0, got {params.temperature}")
     if not 0 < params.top_p <= 1:
         raise SamplingParamsError(f"top_p must be in (0, 1], got {params.top_p}")
@@ -40,13 +66,228 @@ def validate(params: SamplingParams) -> None:
         raise SamplingParamsError(f"top_k must be -1, 0 (off) or positive, got {params.top_k}")
 
 
+def _has_extras(params: SamplingParams) -> bool:
+    """Whether any of bias, penalties or min-p differs from its default (NaN does)."""
+    return (
+        params.presence_penalty != 0
+        or params.frequency_penalty != 0
+        or params.repetition_penalty != 1
+        or params.min_p != 0
+        or bool(params.logit_bias)
+    )
+
+
+def _check_ranges(params: SamplingParams) -> None:
+    _check_basic(params)
+    _check_extras(params)
+
+
+def _check_extras(params: SamplingParams) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(params, name)
+        if not -PENALTY_RANGE <= value <= PENALTY_RANGE:
+            raise SamplingParamsError(
+                f"{name} must be in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}], got {value}"
+            )
+    if not 0 < params.repetition_penalty < float("inf"):
+        raise SamplingParamsError(
+            f"repetition_penalty must be > 0 (1 = off), got {params.repetition_penalty}"
+        )
+    if not 0 <= params.min_p <= 1:
+        raise SamplingParamsError(f"min_p must be in [0, 1], got {params.min_p}")
+    if len(params.logit_bias) > MAX_LOGIT_BIAS:
+        raise SamplingParamsError(
+            f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(params.logit_bias)}"
+        )
+
+
+def validate(params: SamplingParams, vocab_size: int | None = None) -> None:
+    """Raise :class:`SamplingParamsError` unless every parameter is in range (and, given the
+    vocabulary size, every ``logit_bias`` token id is in the vocabulary)."""
+    _check_ranges(params)
+    for token, bias in params.logit_bias.items():
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            where = f"[0, {vocab_size})" if vocab_size is not None else "[0, vocabulary size)"
+            raise SamplingParamsError(
+                f"logit_bias: token id {token} is not in the model's vocabulary {where}"
+            )
+        if not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
+            raise SamplingParamsError(
+                f"logit_bias: the bias of token {token} must be in "
+                f"[-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], got {bias}"
+            )
+
+
 def is_greedy(params: SamplingParams | None) -> bool:
     return params is None or params.temperature < GREEDY_EPSILON
+
+
+def needs_history(params: SamplingParams | None) -> bool:
+    """Whether the row's logits depend on the tokens seen so far (a penalty is on)."""
+    return params is not None and (
+        params.presence_penalty != 0
+        or params.frequency_penalty != 0
+        or params.repetition_penalty != 1
+    )
+
+
+def _adjusts(params: SamplingParams | None) -> bool:
+    """Whether the row's logits change before the greedy pick (bias or penalty)."""
+    return params is not None and (bool(params.logit_bias) or needs_history(params))
 
 
 def seed_for(seed: int, position: int) -> int:
     """A generator seed for the token sampled at ``position`` of a request seeded ``seed``."""
     return ((seed & _MASK64) * _SEED_MIX + position * 0x2545F4914F6CDD1D + 1) & _MASK64
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenCounts:
+    """The token history of the batch rows that have a penalty, on the logits' device.
+
+    ``rows[k]`` is the batch row of history row ``k``; ``output[k, t]`` how often token ``t``
+    occurs among that request's output tokens so far (float32); ``prompt[k, t]`` whether it
+    occurs in its prompt (``None`` when no row in the batch has a repetition penalty).
+    """
+
+    rows: torch.Tensor
+    output: torch.Tensor
+    prompt: torch.Tensor | None
+
+
+class TokenHistory(Protocol):
+    """What the cache reads of a request (``engine/request.py`` ``Request`` is one)."""
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def output_token_ids(self) -> Sequence[int]: ...
+
+
+@dataclasses.dataclass
+class _Counted:
+    seen: int  # output tokens counted
+    prompt: bool = False  # whether its prompt row of the batch tensor is filled
+
+
+class TokenHistoryCache:
+    """Output-token counts and prompt masks of the requests with penalties, on the device.
+
+    The cache holds one ``[rows, vocab]`` count tensor (and prompt mask) for the rows of the
+    last step. :meth:`counts` with the same requests in the same order (the steady state of
+    decoding) scatters only the tokens appended since that step into it, in place; otherwise
+    it gathers the rows it still has into a new batch tensor (one index_select) and counts the
+    other requests from their lists, in the same scatter. Either way the cost does not grow
+    with the history's length, except for requests seen for the first time.
+    """
+
+    def __init__(self) -> None:
+        self._rows: dict[str, _Counted] = {}
+        self._ids: list[str] = []  # request ids of the rows of ``_output`` / ``_prompt``
+        self._output: torch.Tensor | None = None
+        self._prompt: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def drop(self, request_ids: Sequence[str]) -> None:
+        for request_id in request_ids:
+            self._rows.pop(request_id, None)
+        if not self._rows:  # nobody left: free the batch tensors too
+            self.clear()
+
+    def clear(self) -> None:
+        self._rows.clear()
+        self._ids, self._output, self._prompt = [], None, None
+
+    def counts(
+        self,
+        rows: Sequence[int],
+        request_ids: Sequence[str],
+        histories: Sequence[TokenHistory],
+        *,
+        with_prompt: bool,
+        vocab_size: int,
+        device: torch.device,
+    ) -> TokenCounts:
+        """The :class:`TokenCounts` of ``rows`` (ascending batch rows), whose requests are
+        ``request_ids`` with token lists ``histories``."""
+        ids = list(request_ids)
+        old, old_prompt = self._output, self._prompt
+        if old is not None and (old.shape[1] != vocab_size or old.device != device):
+            old, old_prompt = None, None
+        if old is not None and ids == self._ids and all(i in self._rows for i in ids):
+            output, prompt = old, old_prompt  # the steady state: update in place
+        else:  # new batch tensors: rows kept from the old ones, zeros for the rest
+            where = {rid: k for k, rid in enumerate(self._ids)} if old is not None else {}
+            kept = [(k, where[rid]) for k, rid in enumerate(ids) if rid in where]
+            kept = [(k, j) for k, j in kept if ids[k] in self._rows]
+            output = torch.zeros(len(ids), vocab_size, dtype=torch.float32, device=device)
+            prompt = None
+            if old is not None and kept:
+                dst = _index([k for k, _ in kept], device)
+                src = _index([j for _, j in kept], device)
+                output[dst] = old.index_select(0, src)
+                if old_prompt is not None:
+                    prompt = torch.zeros(len(ids), vocab_size, dtype=torch.bool, device=device)
+                    prompt[dst] = old_prompt.index_select(0, src)
+            kept_rows = {k for k, _ in kept}
+            for k, rid in enumerate(ids):
+                state = self._rows.get(rid)
+                if k not in kept_rows or state is None:
+                    self._rows[rid] = _Counted(0)
+                elif prompt is None:
+                    state.prompt = False
+        new_rows: list[int] = []
+        new_tokens: list[int] = []
+        for k, (rid, history) in enumerate(zip(ids, histories, strict=True)):
+            state = self._rows[rid]
+            out = history.output_token_ids
+            if state.seen > len(out):  # cannot happen (tokens are only appended): recount
+                output[k].zero_()
+                state.seen = 0
+            appended = out[state.seen :]
+            new_rows.extend([k] * len(appended))
+            new_tokens.extend(appended)
+            state.seen = len(out)
+        if new_tokens:
+            index = torch.tensor([new_rows, new_tokens], dtype=torch.long).to(device)
+            output.index_put_((index[0], index[1]), torch.ones((), device=device), accumulate=True)
+        if with_prompt:
+            prompt = self._fill_prompts(ids, histories, prompt, vocab_size, device)
+        self._ids, self._output, self._prompt = ids, output, prompt
+        return TokenCounts(_index(list(rows), device), output, prompt if with_prompt else None)
+
+    def _fill_prompts(
+        self,
+        ids: Sequence[str],
+        histories: Sequence[TokenHistory],
+        prompt: torch.Tensor | None,
+        vocab_size: int,
+        device: torch.device,
+    ) -> torch.Tensor:
+        if prompt is None:
+            prompt = torch.zeros(len(ids), vocab_size, dtype=torch.bool, device=device)
+            for rid in ids:
+                self._rows[rid].prompt = False
+        flat_rows: list[int] = []
+        flat_tokens: list[int] = []
+        for k, rid in enumerate(ids):
+            state = self._rows[rid]
+            if not state.prompt:
+                tokens = histories[k].prompt_token_ids
+                flat_rows.extend([k] * len(tokens))
+                flat_tokens.extend(tokens)
+                state.prompt = True
+        if flat_tokens:
+            index = torch.tensor([flat_rows, flat_tokens], dtype=torch.long).to(device)
+            prompt[index[0], index[1]] = True
+        return prompt
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long).to(device)
 
 
 class Sampler:
@@ -57,17 +298,32 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams | None],
         positions: Sequence[int],
+        counts: TokenCounts | None = None,
     ) -> torch.Tensor:
-        """``positions[i]``: the index the sampled token of row i will have in its sequence."""
+        """``positions[i]``: the index the sampled token of row i will have in its sequence;
+        ``counts``: the token history of the rows that have a penalty (required then)."""
         if logits.ndim != 2 or logits.shape[0] != len(params) or len(params) != len(positions):
             raise SamplingParamsError(
                 f"logits {tuple(logits.shape)} do not match {len(params)} params / "
                 f"{len(positions)} positions"
             )
+        vocab = logits.shape[-1]
+        adjusted = False
         for p in params:
-            if p is not None:
-                validate(p)
+            if p is None:
+                continue
+            _check_basic(p)
+            if not _has_extras(p):  # the fast path: the checks the sampler always made
+                continue
+            _check_extras(p)
+            if p.logit_bias and not 0 <= min(p.logit_bias) <= max(p.logit_bias) < vocab:
+                raise SamplingParamsError(
+                    f"logit_bias: token ids must be in the vocabulary [0, {vocab})"
+                )
+            adjusted = adjusted or _adjusts(p)
         logits = logits.float()
+        if adjusted:
+            logits = self._bias_and_penalize(logits, params, counts)
         greedy_rows = [is_greedy(p) for p in params]
         argmax = logits.argmax(dim=-1)
         if all(greedy_rows):
@@ -85,19 +341,75 @@ class Sampler:
         return torch.where(greedy, argmax, sampled)
 
     @staticmethod
+    def _bias_and_penalize(
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams | None],
+        counts: TokenCounts | None,
+    ) -> torch.Tensor:
+        """The logits plus each row's bias, minus its penalties (out of place)."""
+        device, original = logits.device, logits
+        bias_rows: list[int] = []
+        bias_tokens: list[int] = []
+        bias_values: list[float] = []
+        penalized: list[tuple[float, float, float]] = []
+        for i, p in enumerate(params):
+            if p is None:
+                continue
+            if p.logit_bias:
+                bias_rows.extend([i] * len(p.logit_bias))
+                bias_tokens.extend(p.logit_bias)
+                bias_values.extend(p.logit_bias.values())
+            if needs_history(p):
+                penalized.append((p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
+        if bias_rows:
+            index = torch.tensor([bias_rows, bias_tokens], dtype=torch.long).to(device)
+            values = torch.tensor(bias_values, dtype=logits.dtype).to(device)
+            logits = logits.index_put((index[0], index[1]), values, accumulate=True)
+        if not penalized:
+            return logits
+        if counts is None or counts.output.shape[0] != len(penalized):
+            raise SamplingParamsError(
+                f"{len(penalized)} row(s) have penalties but the token history covers "
+                f"{0 if counts is None else counts.output.shape[0]}"
+            )
+        factors = torch.tensor(penalized, dtype=logits.dtype).to(device)
+        repetition, frequency, presence = (factors[:, j : j + 1] for j in range(3))
+        whole = counts.output.shape[0] == logits.shape[0]  # every row: no gather / scatter
+        if whole and logits is original:
+            rows = logits.clone()
+        else:
+            rows = logits if whole else logits.index_select(0, counts.rows)
+        output = counts.output
+        present = output > 0
+        if any(rep != 1 for rep, _, _ in penalized):
+            seen = present if counts.prompt is None else present | counts.prompt
+            one = torch.ones((), dtype=rows.dtype, device=device)
+            factor = torch.where(rows > 0, 1.0 / repetition, repetition)
+            rows.mul_(torch.where(seen, factor, one))
+        # OpenAI: mu[j] -= c[j] * frequency + (c[j] > 0) * presence
+        zero = torch.zeros((), dtype=rows.dtype, device=device)
+        rows.sub_(torch.where(present, torch.addcmul(presence, output, frequency), zero))
+        return rows if whole else logits.index_copy(0, counts.rows, rows)
+
+    @staticmethod
     def _probabilities(
         logits: torch.Tensor, params: Sequence[SamplingParams | None]
     ) -> torch.Tensor:
         vocab = logits.shape[-1]
-        temps, top_k, top_p = [], [], []
+        temps, top_k, top_p, min_p = [], [], [], []
         for p in params:
             sampling = p is not None and p.temperature >= GREEDY_EPSILON
             temps.append(p.temperature if p is not None and sampling else 1.0)
             k = p.top_k if p is not None else 0
             top_k.append(k if 0 < k < vocab else vocab)
             top_p.append(p.top_p if p is not None and p.top_p < 1.0 else float("inf"))
+            min_p.append(p.min_p if p is not None and sampling else 0.0)
         device = logits.device
         scaled = logits / torch.tensor(temps, device=device).unsqueeze(1)
+        if max(min_p) > 0:
+            probs = torch.softmax(scaled, dim=-1)
+            floor = torch.tensor(min_p, device=device).unsqueeze(1) * probs.amax(-1, True)
+            scaled = scaled.masked_fill(probs < floor, float("-inf"))
         if min(top_k) == vocab and min(top_p) == float("inf"):
             return torch.softmax(scaled, dim=-1)
         ordered, order = scaled.sort(dim=-1, descending=True)

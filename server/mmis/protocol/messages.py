@@ -89,6 +89,13 @@ class MultiModalFeature(msgspec.Struct, array_like=True):
 
 
 class SamplingParams(msgspec.Struct, array_like=True):
+    """How to pick each output token (P1 checks the ranges: ``engine/sampler.py`` ``validate``).
+
+    ``presence_penalty`` / ``frequency_penalty`` (OpenAI, [-2, 2], 0 off) count the tokens
+    generated so far; ``repetition_penalty`` (> 0, 1 off) covers prompt and output;
+    ``min_p`` ([0, 1], 0 off); ``logit_bias`` maps token id -> bias in [-100, 100].
+    """
+
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -98,6 +105,11 @@ class SamplingParams(msgspec.Struct, array_like=True):
     stop: list[str] = msgspec.field(default_factory=list)
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
 
 
 class PoolingParams(msgspec.Struct, array_like=True):

@@ -40,7 +40,7 @@ from mmis.protocol import (
 )
 
 GOLDEN_DIR = Path(__file__).resolve().parent
-CURRENT_VERSION = "v1"
+CURRENT_VERSION = "v2"
 SUFFIX = ".msgpack"
 
 
@@ -89,7 +89,9 @@ def _error() -> RequestError:
 
 
 def samples() -> list[Sample]:
-    sampling = SamplingParams(2, 0.7, 0.9, 50, 1234, 64, ["</s>", "\n\n"], [2, 7], False)
+    sampling = SamplingParams(
+        2, 0.7, 0.9, 50, 1234, 64, ["</s>", "\n\n"], [2, 7], False, 0.5, -0.25, 1.1, 0.05, {9: 5.0}
+    )
     token_output = EngineCoreOutput("req-1", [11, 12, 13], None, None, [], 1, 58, 16)
     miss_output = EngineCoreOutput(
         "req-2", [], "error", _error(), ["b2" * 32, "e5" * 32], 0, 0, 0, None, None

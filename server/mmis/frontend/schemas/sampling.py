@@ -4,12 +4,17 @@ Ranges (each violation is a 400 naming the field): ``n`` in [1, max_n] (``max_n`
 validation context, default :data:`DEFAULT_MAX_N`), ``temperature`` in [0, 2], ``top_p`` in
 (0, 1], ``top_k`` >= 0 (extension; 0 = off), ``max_tokens`` >= 1, ``seed`` in [0, 2**63),
 ``stop`` a string or up to :data:`MAX_STOP` non-empty strings, ``stream_options`` only with
-``stream: true``.
+``stream: true``, ``presence_penalty`` and ``frequency_penalty`` in [-2, 2] (OpenAI),
+``repetition_penalty`` > 0 (extension, as in vLLM; 1 = off), ``min_p`` in [0, 1] (extension),
+``logit_bias`` at most :data:`MAX_LOGIT_BIAS` entries of token id (a decimal string key, as
+JSON objects need) -> bias in [-100, 100]. Every float must be finite. Token ids beyond the
+model's vocabulary are refused by the engine (also a 400 that names ``logit_bias``).
+The limits are the engine's (``mmis.engine.sampler``); the two sides check them alike.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field, ValidationInfo, field_validator
 
@@ -18,6 +23,12 @@ from mmis.protocol.messages import SamplingParams
 
 DEFAULT_MAX_N = 16
 MAX_STOP = 16
+MAX_LOGIT_BIAS = 300  # = mmis.engine.sampler.MAX_LOGIT_BIAS (P0 does not import the engine)
+
+
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]  # JSON object keys are strings
+Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
+LogitBias = Annotated[dict[TokenIdKey, Bias], Field(max_length=MAX_LOGIT_BIAS)]
 
 
 class StreamOptions(OpenAIModel):
@@ -37,6 +48,11 @@ class SamplingRequest(OpenAIModel):
     stop: str | list[str] | None = None
     user: str | None = Field(default=None, max_length=256)
     ignore_eos: bool = False  # extension (as in vLLM): decode to max_tokens past end-of-sequence
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
+    logit_bias: LogitBias | None = None
 
     @field_validator("n")
     @classmethod
@@ -91,6 +107,11 @@ class SamplingRequest(OpenAIModel):
             max_tokens=default_max_tokens if requested is None else requested,
             stop=self.stop_list(),
             ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_p=self.min_p or 0.0,
+            logit_bias={int(k): float(v) for k, v in (self.logit_bias or {}).items()},
         )
 
 
