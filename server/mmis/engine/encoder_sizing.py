@@ -5,8 +5,9 @@ A photo's placeholder count depends on the processor's pixel limits (Qwen2-VL: u
 so a fixed cache refuses real photos. :func:`largest_item_tokens` *measures* instead of
 computing per family: it runs the model's image processor (no tokenizer) on the largest
 image a client may send (:data:`PROBE_SIZES`, past any processor's limit, so it is clamped
-to that limit; skipped when :data:`SMALL_PROBES` show the output does not grow) and counts their tokens with the model adapter's own
-``num_placeholder_tokens``, the count the engine checks every request against.
+to that limit; skipped when :data:`SMALL_PROBES` show the output does not grow) and counts
+its tokens with the model adapter's own ``num_placeholder_tokens``, the count the engine
+checks every request against.
 
 Invariants:
 - The encoder cache (and the per-step encoder budget) is at least the largest probed item
