@@ -1,4 +1,5 @@
-"""The objects one MMInferenceService owns: a Deployment, a Service and, optionally, an Ingress.
+"""The objects one MMInferenceService owns: a Deployment, a Service and, optionally, an
+Ingress, a PodDisruptionBudget and the model cache's PersistentVolumeClaim.
 
 Invariants:
 - Pure functions: (owner metadata, parsed spec) in, manifest dicts out; no API calls.
@@ -8,6 +9,10 @@ Invariants:
   labels but can never change or drop the selector labels (a Deployment's selector is
   immutable, and the Service and scale subresource rely on it).
 - Children are named after the owner, so reconciling twice yields identical manifests.
+- The Ingress routes only ``INGRESS_ROUTES`` (the OpenAI API and /health) under its path; the
+  Service exposes only the ``http`` port, never ``ops``.
+- The rollout strategy comes from ``spec.rollout`` (default surge 0, unavailable 1: a rollout
+  never waits for a GPU the node does not have); the PDB from ``spec.disruption``.
 """
 
 from __future__ import annotations
@@ -15,10 +20,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mmis_operator import overrides
+from mmis_operator import overrides, quantity
 from mmis_operator import resource as r
-from mmis_operator.pod import pod_spec
+from mmis_operator.pod import MODEL_CACHE_VOLUME, claim_name, pod_spec
 from mmis_operator.spec import ServiceSpec
+
+# what the Ingress routes: the OpenAI API and the health probe, nothing else (the front end's
+# /metrics and /stats/cache are on the ops port, which no Service exposes)
+INGRESS_ROUTES = ("/v1", "/health")
 
 
 class OwnerError(ValueError):
@@ -76,7 +85,10 @@ def deployment(owner: Mapping[str, Any], spec: ServiceSpec) -> dict[str, Any]:
             "selector": {"matchLabels": r.selector_labels(name)},
             "strategy": {
                 "type": "RollingUpdate",
-                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+                "rollingUpdate": {
+                    "maxSurge": spec.rollout.max_surge,
+                    "maxUnavailable": spec.rollout.max_unavailable,
+                },
             },
             "progressDeadlineSeconds": spec.startup_timeout_seconds + 600,
             "revisionHistoryLimit": 5,
@@ -119,21 +131,55 @@ def ingress(owner: Mapping[str, Any], spec: ServiceSpec) -> dict[str, Any] | Non
     if cfg.get("annotations"):
         meta["annotations"] = dict(cfg["annotations"])
     backend = {"service": {"name": name, "port": {"number": spec.service_port}}}
-    body: dict[str, Any] = {
-        "rules": [
-            {
-                "host": cfg["host"],
-                "http": {
-                    "paths": [{"path": cfg["path"], "pathType": "Prefix", "backend": backend}]
-                },
-            }
-        ]
-    }
+    prefix = str(cfg["path"]).rstrip("/")
+    paths = [
+        {"path": f"{prefix}{route}", "pathType": "Prefix", "backend": backend}
+        for route in INGRESS_ROUTES
+    ]
+    body: dict[str, Any] = {"rules": [{"host": cfg["host"], "http": {"paths": paths}}]}
     if cfg.get("className"):
         body["ingressClassName"] = cfg["className"]
     if cfg.get("tlsSecretName"):
         body["tls"] = [{"hosts": [cfg["host"]], "secretName": cfg["tlsSecretName"]}]
     return {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": meta, "spec": body}
+
+
+def disruption_budget(owner: Mapping[str, Any], spec: ServiceSpec) -> dict[str, Any] | None:
+    """The PodDisruptionBudget, or None when ``spec.disruption.enabled`` is false. Pods that
+    are not ready may always be evicted (``AlwaysAllow``): a crash-looping pod never blocks
+    a node drain."""
+    if not spec.disruption.enabled:
+        return None
+    name = owner["metadata"]["name"]
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(owner, name),
+        "spec": {
+            "maxUnavailable": spec.disruption.max_unavailable,
+            "selector": {"matchLabels": r.selector_labels(name)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
+def model_claim(owner: Mapping[str, Any], spec: ServiceSpec) -> dict[str, Any] | None:
+    """The model cache's PersistentVolumeClaim when the operator creates it (no ``claimName``);
+    owned by the resource, so it is deleted with it."""
+    storage = spec.model.storage
+    if not storage.create_claim:
+        return None
+    name = owner["metadata"]["name"]
+    claim = claim_name(spec, name)
+    meta = {**_metadata(owner, name), "name": claim}
+    meta["labels"] = {**meta["labels"], "mmis.dev/volume": MODEL_CACHE_VOLUME}
+    body: dict[str, Any] = {
+        "accessModes": [storage.access_mode],
+        "resources": {"requests": {"storage": quantity.format_bytes(storage.size_bytes)}},
+    }
+    if storage.storage_class:
+        body["storageClassName"] = storage.storage_class
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": body}
 
 
 def endpoint(owner: Mapping[str, Any], spec: ServiceSpec) -> str:

@@ -8,10 +8,16 @@ Invariants:
 - A transient failure (API server down, RBAC being fixed) becomes ``kopf.TemporaryError``
   with a delay, so kopf retries without a crash.
 - Handlers return None: kopf stores nothing in ``status``; all status is ours.
+- No handler needs a finalizer, so deleting a resource never waits for the operator (an
+  uninstalled operator included): children go by garbage collection (owner references), and
+  the timers are registered without kopf's finalizer (``_no_finalizer``); a finalizer left by
+  an older operator is removed by kopf on its first look at the object.
+- Pod events of managed pods go to :meth:`Reconciler.pod_changed` (status only).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import kopf
@@ -43,10 +49,11 @@ def build_registry(
     resync_seconds: float = 60.0,
     probe: CoherenceProbe | None = None,
     probe_seconds: float = 30.0,
+    allow_fault_injection: bool = False,
 ) -> kopf.OperatorRegistry:
     """Register every handler of the operator on a new registry bound to ``kube``."""
     registry = kopf.OperatorRegistry()
-    reconciler = Reconciler(kube)
+    reconciler = Reconciler(kube, allow_fault_injection)
     resource = (r.GROUP, r.VERSION, r.PLURAL)
 
     @kopf.on.login(registry=registry)
@@ -58,10 +65,6 @@ def build_registry(
     @kopf.on.update(*resource, id="reconcile", field="spec", registry=registry)
     def reconcile(body: kopf.Body, **_: Any) -> None:
         _run(reconciler.reconcile, _plain(body))
-
-    @kopf.on.delete(*resource, id="delete", registry=registry)
-    def delete(body: kopf.Body, **_: Any) -> None:
-        _run(reconciler.delete, _plain(body))
 
     @kopf.timer(
         *resource,
@@ -110,7 +113,29 @@ def build_registry(
         except KubeError as exc:  # the next event or the resync timer will catch up
             logger.warning("status refresh failed: %s", exc)
 
+    @kopf.on.event(
+        "", "v1", "pods", id="pod", labels={r.LABEL_MANAGED_BY: r.MANAGED_BY}, registry=registry
+    )
+    def pod_event(body: kopf.Body, type: str | None, logger: kopf.Logger, **_: Any) -> None:
+        if type == "DELETED":
+            return  # the Deployment's events follow
+        try:
+            reconciler.pod_changed(_plain(body))
+        except KubeError as exc:  # the next event or the resync timer will catch up
+            logger.warning("status refresh failed: %s", exc)
+
+    _no_finalizer(registry)
     return registry
+
+
+def _no_finalizer(registry: kopf.OperatorRegistry) -> None:
+    """kopf gives every timer a finalizer (to stop it before the object goes). Ours tolerate a
+    vanished object (status writes to a gone resource are skipped), so deletion is not held
+    for them: without a finalizer, a resource is deleted even with no operator running."""
+    spawning = registry._spawning  # kopf has no public switch for this (tested)
+    spawning._handlers = [
+        dataclasses.replace(h, requires_finalizer=False) for h in spawning._handlers
+    ]
 
 
 def _plain(body: kopf.Body) -> dict[str, Any]:

@@ -6,7 +6,9 @@ Invariants:
 - Every failure surfaces as :class:`KubeError` carrying the HTTP status (0: no answer, e.g. the
   API server is restarting) and the server's message; nothing hangs: requests have timeouts.
 - Children are written with server-side apply under one field manager (``mmis-operator``), so
-  a re-apply is idempotent and fields other managers own are left alone.
+  a re-apply is idempotent and fields other managers own are left alone; with
+  ``fieldValidation=Strict``, so a field the API does not know (a typo in ``podTemplate``)
+  fails the apply with the field's path instead of vanishing.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ _PLURALS = {
     "Deployment": "deployments",
     "Service": "services",
     "Ingress": "ingresses",
+    "PodDisruptionBudget": "poddisruptionbudgets",
+    "PersistentVolumeClaim": "persistentvolumeclaims",
+    "Pod": "pods",
     "Event": "events",
     r.KIND: r.PLURAL,
 }
@@ -133,8 +138,15 @@ class Kube:
         path = object_path(
             manifest["apiVersion"], manifest["kind"], meta.get("namespace"), meta["name"]
         )
-        query = {"fieldManager": r.FIELD_MANAGER, "force": "true"}
+        query = {"fieldManager": r.FIELD_MANAGER, "force": "true", "fieldValidation": "Strict"}
         return self.request("PATCH", path, dict(manifest), query, APPLY)
+
+    def list(self, path: str, label_selector: str) -> list[dict[str, Any]]:
+        """The items of a collection ``path`` matching ``label_selector``."""
+        items: list[dict[str, Any]] = (
+            self.request("GET", path, query={"labelSelector": label_selector}).get("items") or []
+        )
+        return items
 
     def delete(self, path: str) -> None:
         """Delete in the background (dependents follow); an object already gone is no error."""

@@ -48,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe-timeout", type=float, help="CacheCoherent: per-pod HTTP timeout")
     parser.add_argument("--workers", type=int, help="sync handler threads")
     parser.add_argument(
+        "--allow-fault-injection",
+        action="store_const",
+        const=True,
+        help="let resources set testing knobs (spec.engine.faultEvictRate); refused otherwise",
+    )
+    parser.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
 

@@ -5,6 +5,9 @@ Invariants:
 - Lists of named items (containers, volumes, env, volumeMounts, ports, ...) merge item by
   item on ``name``: an override entry updates the generated entry of the same name, new
   names are appended, generated entries the override does not mention are kept.
+- Except ``volumes``: an override volume replaces the generated volume of the same name
+  whole (a volume has exactly one source; merging an ``emptyDir`` with a
+  ``persistentVolumeClaim`` would give two, which the API server rejects).
 - Any other list is replaced as a whole (``tolerations``, ``args``, ``command``).
 - Inputs are never mutated; the result shares no mutable structure with them.
 """
@@ -35,7 +38,10 @@ class OverrideError(ValueError):
     """The override has the wrong shape (e.g. a container entry without a name)."""
 
 
-def _merge_named(base: list[Any], override: list[Any], path: str) -> list[Any]:
+REPLACED_BY_NAME = frozenset({"volumes"})
+
+
+def _merge_named(base: list[Any], override: list[Any], path: str, whole: bool = False) -> list[Any]:
     merged = [copy.deepcopy(item) for item in base]
     index = {item.get("name"): i for i, item in enumerate(merged) if isinstance(item, Mapping)}
     for item in override:
@@ -43,7 +49,11 @@ def _merge_named(base: list[Any], override: list[Any], path: str) -> list[Any]:
             raise OverrideError(f"{path}: every entry needs a name, got {item!r}")
         name = item["name"]
         if name in index:
-            merged[index[name]] = merge(merged[index[name]], item, f"{path}[{name}]")
+            merged[index[name]] = (
+                copy.deepcopy(dict(item))
+                if whole
+                else merge(merged[index[name]], item, f"{path}[{name}]")
+            )
         else:
             index[name] = len(merged)
             merged.append(copy.deepcopy(dict(item)))
@@ -59,7 +69,8 @@ def merge(base: Mapping[str, Any], override: Mapping[str, Any], path: str = "") 
         if isinstance(current, Mapping) and isinstance(value, Mapping):
             result[key] = merge(current, value, where)
         elif key in NAMED_LISTS and isinstance(value, list):
-            result[key] = _merge_named(current if isinstance(current, list) else [], value, where)
+            base_list = current if isinstance(current, list) else []
+            result[key] = _merge_named(base_list, value, where, key in REPLACED_BY_NAME)
         else:
             result[key] = copy.deepcopy(value)
     return result

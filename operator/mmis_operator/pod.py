@@ -1,4 +1,5 @@
-"""The inference pod template: containers ``frontend`` (P0) and ``engine`` (P1).
+"""The inference pod template: containers ``frontend`` (P0) and ``engine`` (P1), and for
+``model.id`` the init container ``model-download``.
 
 Invariants:
 - Both containers get the same engine <-> front end addresses (``resource.py``) and the same
@@ -9,8 +10,17 @@ Invariants:
   resources). CPU has requests and no limit (no throttling); memory request == limit.
 - Probes: a startup probe on ``/health`` whose budget is ``probes.startupTimeoutSeconds``
   (slow downloads and model loads), readiness on ``/ready``, liveness on ``/health``.
-- Non-root, no privilege escalation, all capabilities dropped, read-only root filesystem;
-  writable paths are emptyDirs (/tmp, the model cache).
+- Non-root, no privilege escalation, all capabilities dropped, read-only root filesystem, on
+  every container (Pod Security ``restricted``); writable paths are volumes (/tmp, the model
+  cache). No service-account token is mounted (``automountServiceAccountToken: false``): the
+  server never calls the API server. The front end gets ``NVIDIA_VISIBLE_DEVICES=void``: it
+  needs no GPU, so the NVIDIA runtime exposes none to it.
+- Model storage: the ``model-cache`` volume is an emptyDir whose ``sizeLimit`` is
+  ``model.storage.size`` (the same ephemeral-storage request on the engine and the download,
+  so the scheduler counts it), or a claim (``model.storage``: created by the operator or
+  existing). ``model.id`` is downloaded once per pod by the init container (the only
+  container with ``HF_TOKEN``, from ``model.tokenSecretRef``); P0 and P1 then read the same
+  ``HF_HOME`` with ``HF_HUB_OFFLINE=1``, so neither downloads again nor needs the token.
 - Settings reach the server as flags its parsers know (``tests/contract`` parses them with
   the real ``mmis frontend`` / ``mmis engine`` parsers); the only ``MMIS_*`` variable is
   ``MMIS_FRONTEND_API_KEY`` from the Secret, so the key never appears in the pod spec.
@@ -32,8 +42,22 @@ from mmis_operator import resource as r
 from mmis_operator.spec import ServiceSpec
 
 CACHE_DIR = "/var/cache/mmis"
+MODEL_CACHE_VOLUME = "model-cache"
+DOWNLOAD = "model-download"  # the init container that fills the model cache
 STARTUP_PERIOD = 10
 API_KEY_ENV = "MMIS_FRONTEND_API_KEY"  # FrontendConfig.api_key via the frontend section
+TOKEN_ENV = "HF_TOKEN"
+# snapshot_download of the weights, config, tokenizer and processor files of one revision
+# into HF_HOME (huggingface_hub ships with transformers in the server image); formats the
+# server never loads are left out
+DOWNLOAD_SCRIPT = (
+    "import sys\n"
+    "from huggingface_hub import snapshot_download\n"
+    "repo, revision = sys.argv[1], (sys.argv[2] or None)\n"
+    "path = snapshot_download(repo, revision=revision, ignore_patterns=["
+    "'*.h5', '*.msgpack', '*.onnx', '*.onnx_data', '*.tflite', '*.ot', '*.gguf', 'onnx/*'])\n"
+    "print('model ready at', path, flush=True)\n"
+)
 
 
 def address_args() -> list[str]:
@@ -107,8 +131,11 @@ def engine_args(spec: ServiceSpec) -> list[str]:
 def common_env(spec: ServiceSpec, name: str) -> list[dict[str, Any]]:
     """Environment both containers share. Settings travel as flags; no ``MMIS_*`` here, so
     the pod never carries a variable the server does not read (``tests/contract``)."""
+    env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"}]
+    if not spec.model.is_path:  # the init container downloaded it; never a second download
+        env.append({"name": "HF_HUB_OFFLINE", "value": "1"})
     return [
-        {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+        *env,
         {"name": "OTEL_SERVICE_NAME", "value": f"mmis-{name}"},
         {"name": "OTEL_TRACES_SAMPLER", "value": "parentbased_traceidratio"},
         {"name": "OTEL_TRACES_SAMPLER_ARG", "value": f"{spec.sampling_ratio:g}"},
@@ -139,8 +166,59 @@ def _mounts() -> list[dict[str, Any]]:
     return [
         {"name": r.SHM_VOLUME, "mountPath": r.SHM_MOUNT},
         {"name": "tmp", "mountPath": "/tmp"},
-        {"name": "model-cache", "mountPath": CACHE_DIR},
+        {"name": MODEL_CACHE_VOLUME, "mountPath": CACHE_DIR},
     ]
+
+
+def created_claim_name(name: str) -> str:
+    """The name of the model cache claim the operator creates for resource ``name``."""
+    return f"{name}-{MODEL_CACHE_VOLUME}"
+
+
+def claim_name(spec: ServiceSpec, name: str) -> str | None:
+    """The model cache's claim: the existing one, the one the operator creates, or None."""
+    storage = spec.model.storage
+    if storage.type != "PersistentVolumeClaim":
+        return None
+    return storage.claim_name or created_claim_name(name)
+
+
+def model_cache_volume(spec: ServiceSpec, name: str) -> dict[str, Any]:
+    claim = claim_name(spec, name)
+    if claim is not None:
+        return {"name": MODEL_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": claim}}
+    size = quantity.format_bytes(spec.model.storage.size_bytes)
+    return {"name": MODEL_CACHE_VOLUME, "emptyDir": {"sizeLimit": size}}
+
+
+def download_container(spec: ServiceSpec, name: str) -> dict[str, Any] | None:
+    """The init container that downloads ``model.id`` once per pod into the shared cache
+    (None for ``model.path``); the only container that gets ``HF_TOKEN``."""
+    if spec.model.is_path:
+        return None
+    env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"}]
+    if spec.model.token_secret:
+        secret, key = spec.model.token_secret
+        env.append({"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}})
+    container: dict[str, Any] = {
+        "name": DOWNLOAD,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["python3", "-c", DOWNLOAD_SCRIPT],
+        "args": [spec.model.name, spec.model.revision or ""],
+        "env": env,
+        "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "1Gi"}},
+        "securityContext": _security(),
+        "volumeMounts": [
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": MODEL_CACHE_VOLUME, "mountPath": CACHE_DIR},
+        ],
+    }
+    if spec.model.storage.type == "EmptyDir":
+        container["resources"]["requests"]["ephemeral-storage"] = quantity.format_bytes(
+            spec.model.storage.size_bytes
+        )
+    return container
 
 
 def _pre_stop(seconds: int) -> dict[str, Any]:
@@ -149,7 +227,8 @@ def _pre_stop(seconds: int) -> dict[str, Any]:
 
 def frontend_container(spec: ServiceSpec, name: str) -> dict[str, Any]:
     memory = quantity.format_bytes(spec.frontend_memory_bytes + spec.cache.shm_volume_bytes)
-    env = common_env(spec, name)
+    # the front end needs no GPU: the NVIDIA runtime then mounts none into it
+    env = [*common_env(spec, name), {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
     if spec.api_key_secret:
         secret, key = spec.api_key_secret
         # read by the server's config layer; never a flag (it would show in the pod spec)
@@ -190,8 +269,11 @@ def frontend_container(spec: ServiceSpec, name: str) -> dict[str, Any]:
 def engine_container(spec: ServiceSpec, name: str) -> dict[str, Any]:
     memory = quantity.format_bytes(spec.engine_memory_bytes)
     limits: dict[str, Any] = {"memory": memory}
+    requests: dict[str, Any] = {"cpu": spec.engine_cpu, "memory": memory}
     if spec.gpus:
         limits[r.GPU_RESOURCE] = str(spec.gpus)
+    if spec.model.storage.type == "EmptyDir":  # the emptyDir model cache is charged here
+        requests["ephemeral-storage"] = quantity.format_bytes(spec.model.storage.size_bytes)
     container: dict[str, Any] = {
         "name": r.ENGINE,
         "image": spec.image,
@@ -199,7 +281,7 @@ def engine_container(spec: ServiceSpec, name: str) -> dict[str, Any]:
         "command": ["mmis"],
         "args": engine_args(spec),
         "env": common_env(spec, name),
-        "resources": {"requests": {"cpu": spec.engine_cpu, "memory": memory}, "limits": limits},
+        "resources": {"requests": requests, "limits": limits},
         "securityContext": _security(),
         "volumeMounts": _mounts(),
     }
@@ -225,7 +307,7 @@ def pod_spec(spec: ServiceSpec, name: str) -> dict[str, Any]:
                 },
             },
             {"name": "tmp", "emptyDir": {}},
-            {"name": "model-cache", "emptyDir": {}},
+            model_cache_volume(spec, name),
         ],
         "securityContext": {
             "runAsNonRoot": True,
@@ -236,7 +318,11 @@ def pod_spec(spec: ServiceSpec, name: str) -> dict[str, Any]:
         },
         "terminationGracePeriodSeconds": spec.drain_seconds + 35,
         "enableServiceLinks": False,
+        "automountServiceAccountToken": False,  # the server never calls the API server
     }
+    download = download_container(spec, name)
+    if download is not None:
+        body["initContainers"] = [download]
     if tolerations:
         body["tolerations"] = tolerations
     if scheduling.get("nodeSelector"):

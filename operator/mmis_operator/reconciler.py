@@ -9,6 +9,15 @@ Invariants:
 - An invalid spec never raises past the handler as anything but :class:`InvalidSpecError`,
   after the status says why (Degraded=True, reason InvalidSpec) and a Warning event is posted.
 - Each condition transition posts one Event, typed by :func:`status_writer.event_type`.
+- A field the operator's settings refuse (``faultEvictRate`` without
+  ``--allow-fault-injection``) is reported like an invalid spec (Degraded, reason
+  FieldRefused, the field named) and nothing is applied: no pod ever runs with it.
+- Status reads the pods (one LIST by the selector) whenever the Deployment is not fully rolled
+  out and ready, so a pod's waiting reason or a scheduling failure shows in the same write.
+  Pod events refresh the owner's status only when that pod shows a problem or the owner's
+  last status had one (``_pod_problem_owners``, an in-memory hint; the resync repairs it).
+- Optional children (Ingress, PodDisruptionBudget, the model claim) that the spec no longer
+  asks for are deleted, only when this resource owns them.
 """
 
 from __future__ import annotations
@@ -20,7 +29,8 @@ from typing import Any
 from mmis_operator import children, status, status_writer
 from mmis_operator import resource as r
 from mmis_operator.kube import Kube, KubeError, object_path, service_path
-from mmis_operator.spec import InvalidSpecError, parse_spec
+from mmis_operator.pod import created_claim_name
+from mmis_operator.spec import InvalidSpecError, parse_spec, refused_by_policy
 
 logger = logging.getLogger(__name__)
 
@@ -33,16 +43,50 @@ class ApplyError(Exception):
         self.permanent = permanent
 
 
-_API_VERSIONS = {"Ingress": "networking.k8s.io/v1", "Service": "v1", "Deployment": "apps/v1"}
+_API_VERSIONS = {
+    "Ingress": "networking.k8s.io/v1",
+    "PodDisruptionBudget": "policy/v1",
+    "Service": "v1",
+    "Deployment": "apps/v1",
+}
 
 
 def _child_path(kind: str, namespace: str, name: str) -> str:
     return object_path(_API_VERSIONS[kind], kind, namespace, name)
 
 
+def _settled(dep: Mapping[str, Any] | None) -> bool:
+    """The Deployment has rolled out its template and every replica is ready."""
+    if dep is None:
+        return True  # no pods to read
+    st, want = dep.get("status") or {}, int((dep.get("spec") or {}).get("replicas") or 0)
+    seen = int(st.get("observedGeneration") or 0) >= int(dep["metadata"].get("generation") or 0)
+    counts = [int(st.get(k) or 0) for k in ("replicas", "readyReplicas", "updatedReplicas")]
+    return seen and counts == [want, want, want]
+
+
+# how the API server refuses a server-side apply whose fields its schema lacks (Strict): the
+# message names the field, e.g. `.spec.template.spec.containers[name="engine"].imagePullPolicyy:
+# field not declared in schema`; the status is 500 for that, not 4xx (seen in tests/kube)
+_SCHEMA_REFUSALS = ("failed to create typed patch object", "strict decoding error")
+
+
+def rejected(exc: KubeError) -> bool:
+    """The API server refused the manifest itself: retrying the same spec cannot help."""
+    if exc.status in (400, 422):
+        return True
+    return exc.status == 500 and any(words in exc.message for words in _SCHEMA_REFUSALS)
+
+
 class Reconciler:
-    def __init__(self, kube: Kube) -> None:
+    def __init__(self, kube: Kube, allow_fault_injection: bool = False) -> None:
         self.kube = kube
+        self.allow_fault_injection = allow_fault_injection
+        self._pod_problem_owners: set[tuple[str, str]] = set()
+
+    def _pods(self, namespace: str, name: str) -> list[dict[str, Any]]:
+        path = f"/api/v1/namespaces/{namespace}/pods"
+        return self.kube.list(path, r.selector_string(name))
 
     def write_status(
         self,
@@ -52,14 +96,23 @@ class Reconciler:
         observed_generation: int | None = None,
         problem: status.Problem | None = None,
     ) -> dict[str, Any] | None:
-        """Store the status computed from the fresh resource and ``deployment``."""
-        return status_writer.write(
+        """Store the status computed from the fresh resource, ``deployment`` and its pods."""
+        pods = [] if _settled(deployment) else self._pods(namespace, name)
+        stored = status_writer.write(
             self.kube,
             namespace,
             name,
-            lambda obj: status.desired_status(obj, deployment, problem),
+            lambda obj: status.desired_status(
+                obj, deployment, problem, pods, self.allow_fault_injection
+            ),
             observed_generation,
         )
+        key = (namespace, name)
+        if stored is not None and status.pod_problem(pods) is not None:
+            self._pod_problem_owners.add(key)
+        else:
+            self._pod_problem_owners.discard(key)
+        return stored
 
     def _write_failure(self, namespace: str, name: str, problem: status.Problem | None) -> None:
         deployment = self.kube.get(_child_path("Deployment", namespace, name))
@@ -71,22 +124,38 @@ class Reconciler:
         namespace, name = meta["namespace"], meta["name"]
         try:
             spec = parse_spec(body.get("spec") or {})
+            refused = refused_by_policy(spec, self.allow_fault_injection)
+            if refused is not None:
+                raise refused
         except InvalidSpecError:
-            self._write_failure(namespace, name, None)  # the status says InvalidSpec
+            self._write_failure(namespace, name, None)  # the status says InvalidSpec / refused
             raise
-        manifests = [children.deployment(body, spec), children.service(body, spec)]
-        wanted_ingress = children.ingress(body, spec)
-        if wanted_ingress is not None:
-            manifests.append(wanted_ingress)
+        claim = children.model_claim(body, spec)
+        manifests = [
+            *([claim] if claim is not None else []),
+            children.deployment(body, spec),
+            children.service(body, spec),
+        ]
+        optional = {
+            "Ingress": children.ingress(body, spec),
+            "PodDisruptionBudget": children.disruption_budget(body, spec),
+        }
+        manifests += [m for m in optional.values() if m is not None]
         applied: dict[str, dict[str, Any]] = {}
         try:
             for manifest in manifests:
                 applied[manifest["kind"]] = self.kube.apply(manifest)
-            if wanted_ingress is None:
-                self._delete_owned(_child_path("Ingress", namespace, name), meta)
+            for kind, wanted in optional.items():
+                if wanted is None:
+                    self._delete_owned(_child_path(kind, namespace, name), meta)
+            if claim is None:
+                claim_path = object_path(
+                    "v1", "PersistentVolumeClaim", namespace, created_claim_name(name)
+                )
+                self._delete_owned(claim_path, meta)
         except KubeError as exc:
-            permanent = exc.status in (400, 422)
-            reason = "InvalidPodTemplate" if permanent else "ApplyFailed"
+            permanent = rejected(exc)
+            reason = "InvalidPodTemplate" if permanent else "ApplyFailed"  # Strict: names field
             hint = (
                 "fix spec.podTemplate / spec fields the API server rejected"
                 if permanent
@@ -108,12 +177,18 @@ class Reconciler:
         if any(ref.get("uid") == owner_meta.get("uid") for ref in owners):
             self.kube.delete(path)
 
-    def delete(self, body: Mapping[str, Any]) -> None:
-        """Remove the children now (garbage collection would too, but later and not always)."""
-        meta = body["metadata"]
-        namespace, name = meta["namespace"], meta["name"]
-        for kind in _API_VERSIONS:
-            self._delete_owned(_child_path(kind, namespace, name), meta)
+    def pod_changed(self, pod: Mapping[str, Any]) -> None:
+        """A managed pod changed: refresh its owner's status if the pod shows a problem, or
+        the owner's last status had one (so a recovery clears it); otherwise nothing."""
+        meta = pod["metadata"]
+        owner = (meta.get("labels") or {}).get(r.LABEL_SERVICE)
+        if not owner:
+            return
+        key = (meta["namespace"], owner)
+        if key not in self._pod_problem_owners and status.pod_problem([pod]) is None:
+            return
+        deployment = self.kube.get(_child_path("Deployment", meta["namespace"], owner))
+        self.write_status(meta["namespace"], owner, deployment)
 
     def deployment_changed(self, deployment: Mapping[str, Any], deleted: bool) -> None:
         """A managed Deployment changed: refresh the owner's status, re-create it if deleted."""

@@ -34,6 +34,7 @@ async def serve(
             options.resync_seconds,
             CoherenceProbe(kube, options.probe_timeout, options.allow_stats_endpoint_override),
             options.probe_seconds,
+            options.allow_fault_injection,
         ),
         settings=settings,
         clusterwide=not options.namespaces,

@@ -1,9 +1,10 @@
 """Operator options (from the command line) and the kopf settings derived from them.
 
 Invariants:
-- Everything kopf stores on objects lives under ``mmis.dev``: the finalizer
-  ``mmis.dev/finalizer``, handler progress and the last-handled spec as ``mmis.dev/...``
-  annotations; nothing is written into ``status`` by kopf.
+- Everything kopf stores on objects lives under ``mmis.dev``: handler progress and the
+  last-handled spec as ``mmis.dev/...`` annotations; nothing is written into ``status`` by
+  kopf. No handler needs a finalizer (``handlers._no_finalizer``): ``mmis.dev/finalizer``
+  is only the name kopf looks for to remove it from resources an older operator finalized.
 - Watches always have a server-side and a client-side timeout, and requests a timeout, so a
   restarted or silent API server never wedges the operator: watches re-establish themselves.
 - Peering is off (standalone) unless a peering name is given; then a standby replica with a
@@ -38,6 +39,8 @@ class Options:
     probe_seconds: float = 30.0
     probe_timeout: float = 2.0
     allow_stats_endpoint_override: bool = False
+    # testing knobs in a resource (spec.engine.faultEvictRate) are refused unless this is set
+    allow_fault_injection: bool = False
 
     def __post_init__(self) -> None:
         if self.watch_client_timeout <= self.watch_server_timeout:

@@ -13,6 +13,11 @@ Invariants:
   :class:`InvalidSpecError` naming the field and what to change; the handlers turn it into a
   ``Degraded`` condition and an event, never a crash loop.
 - Sizes are whole bytes; the builders never re-parse strings.
+- Policy is apart from validity: :func:`refused_by_policy` says which valid fields this
+  operator's settings refuse (``engine.faultEvictRate`` without ``--allow-fault-injection``);
+  the builders stay pure and build any valid spec.
+- Rollout defaults (``maxSurge 0, maxUnavailable 1``) cannot deadlock a node whose GPUs are
+  all taken: an old pod is stopped before its replacement asks for a GPU.
 """
 
 from __future__ import annotations
@@ -46,7 +51,19 @@ DEFAULTS: dict[str, Any] = {
     "ingress.path": "/",
     "probes.startupTimeoutSeconds": 1800,
     "probes.drainSeconds": 15,
+    "model.storage.type": "EmptyDir",
+    "model.storage.size": "50Gi",
+    "model.storage.accessMode": "ReadWriteOnce",
+    "model.tokenSecretRef.key": "token",
+    # surge 0 / unavailable 1: a rollout frees a pod's GPUs before the new pod asks for them,
+    # so it completes on a node with no spare GPU (surge 1 would wait for one forever)
+    "rollout.maxSurge": 0,
+    "rollout.maxUnavailable": 1,
+    "disruption.enabled": True,
+    "disruption.maxUnavailable": 1,
 }
+STORAGE_TYPES = ("EmptyDir", "PersistentVolumeClaim")
+ACCESS_MODES = ("ReadWriteOnce", "ReadWriteOncePod", "ReadWriteMany")
 
 
 class InvalidSpecError(ValueError):
@@ -58,12 +75,43 @@ class InvalidSpecError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class StorageSpec:
+    """Where the model cache lives: an emptyDir (``sizeLimit`` = ``size_bytes``, the same
+    ephemeral-storage request), a claim the operator creates (``create_claim``, ``size_bytes``,
+    ``storage_class``, ``access_mode``) or an existing claim (``claim_name``)."""
+
+    type: str  # EmptyDir | PersistentVolumeClaim
+    size_bytes: int
+    claim_name: str | None  # an existing claim (not created, not deleted)
+    storage_class: str | None
+    access_mode: str
+
+    @property
+    def create_claim(self) -> bool:
+        return self.type == "PersistentVolumeClaim" and self.claim_name is None
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSpec:
     name: str  # the id or the path, whichever is set
     is_path: bool
     revision: str | None
     served_name: str
     processor_kwargs: Mapping[str, Any]
+    storage: StorageSpec
+    token_secret: tuple[str, str] | None  # (secret name, key): HF_TOKEN of the download
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSpec:
+    max_surge: int | str
+    max_unavailable: int | str
+
+
+@dataclasses.dataclass(frozen=True)
+class DisruptionSpec:
+    enabled: bool
+    max_unavailable: int | str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +151,8 @@ class ServiceSpec:
     ingress: Mapping[str, Any]  # enabled, host, className, path, tlsSecretName, annotations
     startup_timeout_seconds: int
     drain_seconds: int
+    rollout: RolloutSpec
+    disruption: DisruptionSpec
     scheduling: Mapping[str, Any]
     pod_template: Mapping[str, Any]
 
@@ -175,12 +225,100 @@ def _model(spec: Mapping[str, Any]) -> ModelSpec:
     kwargs = model.get("processorKwargs") or {}
     if not isinstance(kwargs, Mapping):
         raise InvalidSpecError("spec.model.processorKwargs", "must be an object")
+    token = model.get("tokenSecretRef")
+    if token is not None and (not isinstance(token, Mapping) or not token.get("name")):
+        raise InvalidSpecError("spec.model.tokenSecretRef", "needs name (a Secret)")
+    if token and path:
+        raise InvalidSpecError(
+            "spec.model.tokenSecretRef", "is for downloading model.id; model.path is not downloaded"
+        )
     return ModelSpec(
         name=name,
         is_path=bool(path),
         revision=model.get("revision") or None,
         served_name=str(model.get("servedName") or name),
         processor_kwargs=dict(kwargs),
+        storage=_storage(model),
+        token_secret=(
+            (str(token["name"]), str(token.get("key") or DEFAULTS["model.tokenSecretRef.key"]))
+            if token
+            else None
+        ),
+    )
+
+
+def _storage(model: Mapping[str, Any]) -> StorageSpec:
+    raw = model.get("storage") or {}
+    if not isinstance(raw, Mapping):
+        raise InvalidSpecError("spec.model.storage", "must be an object")
+    kind = raw.get("type", DEFAULTS["model.storage.type"])
+    if kind not in STORAGE_TYPES:
+        raise InvalidSpecError(
+            "spec.model.storage.type", f"must be one of {', '.join(STORAGE_TYPES)}, got {kind!r}"
+        )
+    mode = raw.get("accessMode", DEFAULTS["model.storage.accessMode"])
+    if mode not in ACCESS_MODES:
+        raise InvalidSpecError(
+            "spec.model.storage.accessMode",
+            f"must be one of {', '.join(ACCESS_MODES)}, got {mode!r}",
+        )
+    claim = raw.get("claimName") or None
+    if claim and kind != "PersistentVolumeClaim":
+        raise InvalidSpecError("spec.model.storage", "claimName needs type PersistentVolumeClaim")
+    if claim and raw.get("storageClassName"):
+        raise InvalidSpecError(
+            "spec.model.storage",
+            "set claimName (an existing claim) or storageClassName (a claim the operator "
+            "creates), not both",
+        )
+    size = _bytes(raw, "spec.model.storage.size") or 0
+    if size <= 0:
+        raise InvalidSpecError("spec.model.storage.size", "must be positive")
+    return StorageSpec(
+        type=kind,
+        size_bytes=size,
+        claim_name=claim,
+        storage_class=raw.get("storageClassName") or None,
+        access_mode=mode,
+    )
+
+
+def _int_or_percent(section: Mapping[str, Any], field: str) -> int | str:
+    value = section.get(field.rsplit(".", 1)[1], _default(field))
+    if isinstance(value, str) and value.endswith("%") and value[:-1].isdigit():
+        if int(value[:-1]) > 100:
+            raise InvalidSpecError(field, f"a percentage must be at most 100%, got {value!r}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidSpecError(
+            field, f"must be a whole number of pods or a percentage such as 25%, got {value!r}"
+        )
+    return value
+
+
+def _zero(value: int | str) -> bool:
+    return value in (0, "0%")
+
+
+def _rollout(spec: Mapping[str, Any]) -> RolloutSpec:
+    section = _section(spec, "rollout")
+    surge = _int_or_percent(section, "spec.rollout.maxSurge")
+    unavailable = _int_or_percent(section, "spec.rollout.maxUnavailable")
+    if _zero(surge) and _zero(unavailable):
+        raise InvalidSpecError(
+            "spec.rollout",
+            "maxSurge and maxUnavailable cannot both be 0: the rollout could never replace a pod",
+        )
+    return RolloutSpec(max_surge=surge, max_unavailable=unavailable)
+
+
+def _disruption(spec: Mapping[str, Any]) -> DisruptionSpec:
+    section = _section(spec, "disruption")
+    enabled = section.get("enabled", DEFAULTS["disruption.enabled"])
+    if not isinstance(enabled, bool):
+        raise InvalidSpecError("spec.disruption.enabled", f"must be a boolean, got {enabled!r}")
+    return DisruptionSpec(
+        enabled=enabled, max_unavailable=_int_or_percent(section, "spec.disruption.maxUnavailable")
     )
 
 
@@ -270,6 +408,8 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
         },
         startup_timeout_seconds=_int(probes, "spec.probes.startupTimeoutSeconds", low=10),
         drain_seconds=_int(probes, "spec.probes.drainSeconds"),
+        rollout=_rollout(spec),
+        disruption=_disruption(spec),
         scheduling=dict(_section(spec, "scheduling")),
         pod_template=dict(_section(spec, "podTemplate")),
     )
@@ -279,3 +419,15 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
         raise InvalidSpecError("spec.ingress", "enabled requires host")
     _fits(parsed)
     return parsed
+
+
+def refused_by_policy(spec: ServiceSpec, allow_fault_injection: bool) -> InvalidSpecError | None:
+    """A field this operator's settings refuse (None: nothing refused). Testing knobs run only
+    where the operator was started with ``--allow-fault-injection``."""
+    if spec.fault_evict_rate and not allow_fault_injection:
+        return InvalidSpecError(
+            "spec.engine.faultEvictRate",
+            "is a testing knob (the engine evicts cache entries on purpose); this operator "
+            "refuses it: remove the field, or run the operator with --allow-fault-injection",
+        )
+    return None

@@ -6,21 +6,26 @@ Invariants:
 - Ready is True only when every desired replica of the current template is ready; a
   resource scaled to zero is not Ready (reason ScaledToZero).
 - Progressing is True while the Deployment has not finished rolling out the current template.
-- Degraded is True for an invalid spec, a failed apply, or a Deployment that reports
-  ProgressDeadlineExceeded / ReplicaFailure; each message says what to do next.
+- Degraded is True for an invalid spec, a field the operator's settings refuse, a failed apply,
+  a Deployment that reports ProgressDeadlineExceeded / ReplicaFailure, or a pod that cannot
+  progress (:func:`pod_problem`: ImagePullBackOff, CrashLoopBackOff with the last exit, a
+  missing Secret, Unschedulable with the scheduler's message unless another pod of the
+  service is terminating and will free capacity, an eviction); each message
+  names the pod and container and says what to do next. While pods are not all ready, Ready
+  and Progressing carry the same reason, so ``kubectl get mmis`` shows it.
 - ``observedGeneration`` is never lowered: only the reconcile handler raises it, after applying.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mmis_operator import children, conditions
 from mmis_operator import resource as r
 from mmis_operator.conditions import Condition
-from mmis_operator.spec import InvalidSpecError, parse_spec
+from mmis_operator.spec import InvalidSpecError, parse_spec, refused_by_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +63,75 @@ def _deployment_problem(dep: Mapping[str, Any], selector: str) -> Problem | None
     return None
 
 
+# container waiting reasons that do not resolve by waiting, most actionable first
+_WAITING = {
+    "CreateContainerConfigError": "a Secret or ConfigMap the pod needs is missing: create "
+    "it, or fix spec.auth.apiKeySecretRef / spec.model.tokenSecretRef",
+    "ErrImagePull": "check spec.image (and imagePullSecrets through spec.podTemplate)",
+    "ImagePullBackOff": "check spec.image (and imagePullSecrets through spec.podTemplate)",
+    "InvalidImageName": "fix spec.image",
+    "CreateContainerError": "see `kubectl describe pod`",
+    "RunContainerError": "see `kubectl describe pod`",
+    "CrashLoopBackOff": "see `kubectl logs --previous`",
+}
+_ORDER = (*_WAITING, "Evicted", "Unschedulable")
+# reasons the reconciler reports itself (never from pods or the Deployment)
+_OWN = ("InvalidSpec", "FieldRefused", "InvalidPodTemplate", "ApplyFailed")
+
+
+def _container_problems(pod: str, statuses: Sequence[Mapping[str, Any]]) -> list[Problem]:
+    found = []
+    for cs in statuses:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        reason = waiting.get("reason")
+        if reason not in _WAITING:
+            continue
+        detail = waiting.get("message") or ""
+        if reason == "CrashLoopBackOff":
+            last = (cs.get("lastState") or {}).get("terminated") or {}
+            detail = (
+                f"last exit {last.get('reason') or 'unknown'} (exit code "
+                f"{last.get('exitCode', '?')}, {int(cs.get('restartCount') or 0)} restarts)"
+            )
+        where = f"pod {pod}, container {cs.get('name')}"
+        text = f"{where}: {reason}{': ' + detail if detail else ''}; {_WAITING[reason]}"
+        found.append(Problem(reason, text))
+    return found
+
+
+def pod_problem(pods: Sequence[Mapping[str, Any]]) -> Problem | None:
+    """The most actionable reason why one of ``pods`` cannot progress, or None."""
+    found: list[Problem] = []
+    # a pod that waits for what a terminating pod still holds (a rollout on a full GPU node)
+    # is not a problem: the capacity comes free when that pod is gone
+    freeing = any(p["metadata"].get("deletionTimestamp") for p in pods)
+    for pod in sorted(pods, key=lambda p: str(p["metadata"].get("name"))):
+        meta, st = pod["metadata"], pod.get("status") or {}
+        if meta.get("deletionTimestamp"):
+            continue
+        name = meta.get("name")
+        if st.get("reason") == "Evicted":
+            found.append(Problem("Evicted", f"pod {name} was evicted: {st.get('message') or ''}"))
+            continue
+        scheduled = conditions.find(st.get("conditions") or (), "PodScheduled") or {}
+        unschedulable = scheduled.get("status") == "False" and scheduled.get("reason") == (
+            "Unschedulable"
+        )
+        if unschedulable and not freeing:
+            found.append(
+                Problem(
+                    "Unschedulable",
+                    f"pod {name} cannot be scheduled: {scheduled.get('message') or ''}; "
+                    "free or add capacity, or lower spec.resources / spec.scheduling",
+                )
+            )
+        statuses = [*(st.get("initContainerStatuses") or ()), *(st.get("containerStatuses") or ())]
+        found += _container_problems(str(name), statuses)
+    if not found:
+        return None
+    return min(found, key=lambda p: _ORDER.index(p.reason))
+
+
 def _rollout(dep: Mapping[str, Any] | None, desired: int) -> tuple[dict[str, int], bool]:
     if dep is None:
         return {"replicas": 0, "readyReplicas": 0, "updatedReplicas": 0}, False
@@ -74,9 +148,14 @@ def _rollout(dep: Mapping[str, Any] | None, desired: int) -> tuple[dict[str, int
 
 
 def desired_status(
-    body: Mapping[str, Any], dep: Mapping[str, Any] | None, problem: Problem | None = None
+    body: Mapping[str, Any],
+    dep: Mapping[str, Any] | None,
+    problem: Problem | None = None,
+    pods: Sequence[Mapping[str, Any]] = (),
+    allow_fault_injection: bool = False,
 ) -> DesiredStatus:
-    """Compute status fields and the Ready/Progressing/Degraded conditions."""
+    """Compute status fields and the Ready/Progressing/Degraded conditions from the resource,
+    its Deployment and its pods (``allow_fault_injection``: the operator's setting)."""
     name = body["metadata"]["name"]
     selector = r.selector_string(name)
     raw_spec = body.get("spec") or {}
@@ -84,6 +163,9 @@ def desired_status(
         spec = parse_spec(raw_spec)
         endpoint = children.endpoint(body, spec)
         desired = spec.replicas
+        refused = refused_by_policy(spec, allow_fault_injection)
+        if refused is not None and problem is None:
+            problem = Problem("FieldRefused", f"{refused}; the previous pods keep running")
     except InvalidSpecError as exc:
         problem = problem or Problem("InvalidSpec", f"{exc}; the previous pods keep running")
         endpoint = ""
@@ -91,7 +173,9 @@ def desired_status(
     counts, done = _rollout(dep, desired)
     problem = problem or (None if dep is None else _deployment_problem(dep, selector))
     ready_n = counts["readyReplicas"]
-    if dep is None and problem is not None:
+    if problem is None and dep is not None and not (done and ready_n >= desired):
+        problem = pod_problem(pods)
+    if problem is not None and (dep is None or (desired > 0 and ready_n < desired)):
         ready = Condition(r.READY, "False", problem.reason, problem.message)
     elif desired == 0:
         ready = Condition(
@@ -117,12 +201,10 @@ def desired_status(
             f"{ready_n}/{desired} pods ready; pods load the model before /ready "
             f"passes: `kubectl get pods -l {selector}`",
         )
-    if problem is not None and problem.reason in (
-        "InvalidSpec",
-        "InvalidPodTemplate",
-        "ApplyFailed",
-    ):
+    if problem is not None and problem.reason in _OWN:
         progressing = Condition(r.PROGRESSING, "False", problem.reason, problem.message)
+    elif problem is not None and not done:
+        progressing = Condition(r.PROGRESSING, "True", problem.reason, problem.message)
     elif done:
         progressing = Condition(
             r.PROGRESSING,

@@ -7,8 +7,9 @@ Stable interface (mark such tests ``@pytest.mark.controlplane``):
     CompletedProcess), ``.restart_apiserver()``, ``.api_client()`` (kubernetes
     ApiClient), ``.kubeconfig_for_serviceaccount(namespace, name) -> Path``, ``.nodes``
     (names of the fake nodes, each with ``nvidia.com/gpu: 8``);
-  * ``namespace`` (function): a fresh namespace (with its ``default`` ServiceAccount),
-    deleted afterwards;
+  * ``namespace`` (function): a fresh namespace (with its ``default`` ServiceAccount) that
+    enforces Pod Security Admission ``restricted`` (the apiserver's PodSecurity plugin is on
+    by default), deleted afterwards;
   * ``crd`` (session): the MMInferenceService CRD (``crds/``) applied and Established
     (``kubecluster.apply_crds``; ``kubecluster.kubectl_wait`` is the retrying wait).
 
@@ -20,6 +21,7 @@ cannot be had, the tests fail with the reason when ``CI=true`` and skip otherwis
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import uuid
@@ -32,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kubecluster import Cluster, Tools, ToolsMissing, apply_crds, find_tools
 
+PSA = "pod-security.kubernetes.io"
 CRD = Path(__file__).resolve().parents[2] / "crds" / "mminferenceservice.yaml"
 
 _tools: Tools | None = None
@@ -84,7 +87,13 @@ def cluster() -> Iterator[Cluster]:
 @pytest.fixture
 def namespace(cluster: Cluster) -> Iterator[str]:
     name = f"t-{uuid.uuid4().hex[:10]}"
-    cluster.kubectl("create", "namespace", name)
+    manifest = {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": name, "labels": {f"{PSA}/enforce": "restricted",
+                                              f"{PSA}/enforce-version": "latest"}},
+    }  # fmt: skip
+    cluster.kubectl("create", "-f", "-", input=json.dumps(manifest))
     cluster.kubectl(
         "wait", "--for=create", "serviceaccount/default",
         "-n", name, "--timeout=60s",

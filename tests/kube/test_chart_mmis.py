@@ -92,9 +92,22 @@ def test_chart_refuses_inconsistent_values(cluster: Cluster) -> None:
 
 
 def test_chart_refuses_kubernetes_older_than_1_30(cluster: Cluster) -> None:
-    old = _helm(cluster, "template", "rel", str(CHART), "--kube-version", "1.29.9", check=False)
-    assert old.returncode != 0
-    assert ">=1.30.0-0" in old.stderr
+    for version in ("1.29.9", "1.25.0", "1.20.1"):
+        old = _helm(cluster, "template", "rel", str(CHART), "--kube-version", version, check=False)
+        assert old.returncode != 0, version
+        assert ">=1.30.0-0" in old.stderr
+
+
+def test_plain_helm_template_renders(cluster: Cluster) -> None:
+    """No cluster, no --kube-version: helm's offline placeholder version (v1.20.0) passes."""
+    proc = subprocess.run(
+        [str(cluster.bin("helm")), "template", str(CHART)],
+        capture_output=True, text=True, env={**cluster.env, "KUBECONFIG": "/nonexistent"},
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    kinds = {doc["kind"] for doc in yaml.safe_load_all(proc.stdout) if doc}
+    assert {"Deployment", "ClusterRole"} <= kinds
 
 
 def _docs(cluster: Cluster, *values: str) -> dict[str, dict[str, Any]]:
@@ -219,3 +232,12 @@ def test_clusterwide_rbac_grants_only_the_operator_verbs(cluster: Cluster, chart
         assert not _can(cluster, kubeconfig, "update", "deployments", "-A")
     finally:
         _helm(cluster, "uninstall", name, "--namespace", namespace, check=False)
+
+
+def test_fault_injection_is_off_unless_asked_for(cluster: Cluster) -> None:
+    def args(*values: str) -> list[str]:
+        container = _docs(cluster, *values)["Deployment"]["spec"]["template"]["spec"]
+        return list(container["containers"][0]["args"])
+
+    assert "--allow-fault-injection" not in args()
+    assert "--allow-fault-injection" in args("--set", "operator.allowFaultInjection=true")

@@ -110,7 +110,7 @@ def test_resource_becomes_a_ready_deployment_and_service(
     assert status["readyReplicas"] == 1
     assert status["endpoint"] == f"http://llava.{namespace}.svc:8000/v1"
     assert _condition(owner, "Degraded")["status"] == "False"
-    assert owner["metadata"]["finalizers"] == ["mmis.dev/finalizer"]
+    assert not owner["metadata"].get("finalizers")  # deletion never waits for the operator
     assert any(k.startswith("mmis.dev/") for k in owner["metadata"]["annotations"])
     reasons = {e["reason"] for e in _events(cluster, namespace, "llava")}
     assert "AllReplicasReady" in reasons
@@ -152,8 +152,9 @@ def test_deletion_removes_children(
     _apply_ready(cluster, namespace)
     cluster.kubectl("delete", "-n", namespace, "mmis/llava", "--wait=false")
     _wait(cluster, namespace, "mmis/llava", "--for=delete")
-    gone = cluster.kubectl("get", "-n", namespace, "deployment/llava", "service/llava", check=False)
-    assert "NotFound" in gone.stderr and gone.stdout.strip() == ""
+    # garbage collection (owner references) removes the children; no finalizer held the owner
+    for child in ("deployment/llava", "service/llava", "pdb/llava"):
+        _wait(cluster, namespace, child, "--for=delete")
 
 
 def test_invalid_spec_is_reported_not_retried_and_a_fix_recovers(

@@ -41,6 +41,8 @@ class FakeStore:
         self.rival, self.conflicts = rival, conflicts
         self.tries = self.writes = 0  # status PUTs attempted / stored
         self.events: list[tuple[str, str]] = []
+        self.pods: list[dict[str, Any]] = []  # what a pod LIST returns
+        self.lists = 0
 
     def get(self, path: str) -> dict[str, Any] | None:
         own = path.endswith(f"/mminferenceservices/{self.obj['metadata']['name']}")
@@ -62,6 +64,10 @@ class FakeStore:
     def _bump(self) -> None:
         meta = self.obj["metadata"]
         meta["resourceVersion"] = str(int(meta["resourceVersion"]) + 1)
+
+    def list(self, path: str, label_selector: str) -> list[dict[str, Any]]:
+        self.lists += 1
+        return copy.deepcopy(self.pods)
 
     def post_event(self, involved: Any, kind: str, reason: str, message: str) -> None:
         self.events.append((kind, reason))

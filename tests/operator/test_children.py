@@ -194,3 +194,107 @@ def test_owner_without_uid_is_refused(sample: dict[str, Any]) -> None:
     del sample["metadata"]["uid"]
     with pytest.raises(children.OwnerError, match="uid"):
         children.deployment(sample, parse_spec(sample["spec"]))
+
+
+def test_model_cache_defaults_to_a_sized_empty_dir(sample: dict[str, Any]) -> None:
+    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    pods = dep["spec"]["template"]["spec"]
+    (cache,) = [v for v in pods["volumes"] if v["name"] == pod.MODEL_CACHE_VOLUME]
+    assert cache == {"name": "model-cache", "emptyDir": {"sizeLimit": "50Gi"}}
+    engine = _containers(dep)[r.ENGINE]
+    assert engine["resources"]["requests"]["ephemeral-storage"] == "50Gi"
+    assert children.model_claim(sample, parse_spec(sample["spec"])) is None
+
+
+def test_one_download_per_pod_shared_by_both_containers(sample: dict[str, Any]) -> None:
+    sample["spec"]["model"].update(revision="r1", tokenSecretRef={"name": "hf"})
+    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    pods = dep["spec"]["template"]["spec"]
+    (init,) = pods["initContainers"]
+    assert init["name"] == pod.DOWNLOAD
+    assert init["args"] == ["llava-hf/llava-1.5-7b-hf", "r1"]
+    (token,) = [e for e in init["env"] if e["name"] == "HF_TOKEN"]
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
+    assert init["securityContext"]["allowPrivilegeEscalation"] is False
+    home = {e["name"]: e.get("value") for e in init["env"]}["HF_HOME"]
+    for container in _containers(dep).values():
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["HF_HOME"] == home and env["HF_HUB_OFFLINE"] == "1"
+        assert "HF_TOKEN" not in env  # only the download gets the token
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert mounts[pod.MODEL_CACHE_VOLUME] == pod.CACHE_DIR
+    sample["spec"]["model"] = {"path": "/models/x"}
+    local = children.deployment(sample, parse_spec(sample["spec"]))
+    assert "initContainers" not in local["spec"]["template"]["spec"]
+
+
+def test_model_cache_on_a_claim(sample: dict[str, Any]) -> None:
+    sample["spec"]["model"]["storage"] = {
+        "type": "PersistentVolumeClaim", "size": "100Gi", "storageClassName": "fast",
+    }  # fmt: skip
+    parsed = parse_spec(sample["spec"])
+    claim = children.model_claim(sample, parsed)
+    assert claim is not None
+    assert claim["metadata"]["name"] == "llava-model-cache"
+    assert claim["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "100Gi"
+    assert claim["spec"]["storageClassName"] == "fast"
+    dep = children.deployment(sample, parsed)
+    (cache,) = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "model-cache"]
+    assert cache["persistentVolumeClaim"] == {"claimName": "llava-model-cache"}
+    assert "ephemeral-storage" not in _containers(dep)[r.ENGINE]["resources"]["requests"]
+    sample["spec"]["model"]["storage"] = {"type": "PersistentVolumeClaim", "claimName": "mine"}
+    existing = parse_spec(sample["spec"])
+    assert children.model_claim(sample, existing) is None
+    dep = children.deployment(sample, existing)
+    (cache,) = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "model-cache"]
+    assert cache["persistentVolumeClaim"] == {"claimName": "mine"}
+
+
+def test_pod_template_volume_replaces_the_model_cache(sample: dict[str, Any]) -> None:
+    pvc = {"name": "model-cache", "persistentVolumeClaim": {"claimName": "shared"}}
+    sample["spec"]["podTemplate"] = {"spec": {"volumes": [pvc]}}
+    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    (cache,) = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "model-cache"]
+    assert cache == pvc
+
+
+def test_rollout_defaults_never_wait_for_a_spare_gpu(sample: dict[str, Any]) -> None:
+    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    sample["spec"]["rollout"] = {"maxSurge": 1, "maxUnavailable": 0}
+    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+
+
+def test_disruption_budget(sample: dict[str, Any]) -> None:
+    parsed = parse_spec(sample["spec"])
+    pdb = children.disruption_budget(sample, parsed)
+    assert pdb is not None
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == r.selector_labels("llava")
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    assert pdb["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    sample["spec"]["disruption"] = {"enabled": False}
+    assert children.disruption_budget(sample, parse_spec(sample["spec"])) is None
+
+
+def test_ingress_routes_only_the_api_and_health(sample: dict[str, Any]) -> None:
+    sample["spec"]["ingress"] = {"enabled": True, "host": "h.example", "path": "/llava/"}
+    ing = children.ingress(sample, parse_spec(sample["spec"]))
+    assert ing is not None
+    paths = [p["path"] for p in ing["spec"]["rules"][0]["http"]["paths"]]
+    assert paths == ["/llava/v1", "/llava/health"]
+    sample["spec"]["ingress"] = {"enabled": True, "host": "h.example"}
+    ing = children.ingress(sample, parse_spec(sample["spec"]))
+    assert ing is not None
+    assert [p["path"] for p in ing["spec"]["rules"][0]["http"]["paths"]] == ["/v1", "/health"]
+
+
+def test_inference_pods_get_no_token_and_the_front_end_no_gpu(sample: dict[str, Any]) -> None:
+    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    assert dep["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    env = {e["name"]: e.get("value") for e in _containers(dep)[r.FRONTEND]["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "void"
+    engine_env = {e["name"] for e in _containers(dep)[r.ENGINE]["env"]}
+    assert "NVIDIA_VISIBLE_DEVICES" not in engine_env  # the device plugin sets the engine's

@@ -38,9 +38,21 @@ def test_handler_ids_are_valid_annotation_names() -> None:
     ids = {h.id for h in registry._changing.get_all_handlers()}
     ids |= {h.id for h in registry._spawning.get_all_handlers()}
     ids |= {h.id for h in registry._watching.get_all_handlers()}
-    assert ids == {"reconcile", "reconcile/spec", "delete", "resync", "coherence", "deployment"}
+    assert ids == {"reconcile", "reconcile/spec", "resync", "coherence", "deployment", "pod"}
     for handler_id in ids:
         assert re.fullmatch(r"[A-Za-z0-9][-A-Za-z0-9_./]*", handler_id)
+
+
+def test_no_handler_makes_kopf_add_a_finalizer() -> None:
+    """Deleting a resource must not wait for the operator (it may be uninstalled): no delete
+    handler, and the timers registered without kopf's finalizer (tests/kube checks it live)."""
+    cfg = kubernetes.client.Configuration()
+    cfg.host = "https://127.0.0.1:1"
+    registry = handlers.build_registry(Kube(cfg))
+    spawning = registry._spawning.get_all_handlers()
+    assert {h.id for h in spawning} == {"resync", "coherence"}
+    assert not any(h.requires_finalizer for h in spawning)
+    assert not any(h.requires_finalizer for h in registry._changing.get_all_handlers())
 
 
 @pytest.mark.parametrize(

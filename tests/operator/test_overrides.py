@@ -35,3 +35,10 @@ def test_inputs_are_not_mutated() -> None:
 def test_named_entry_without_name_is_an_error() -> None:
     with pytest.raises(OverrideError, match=r"spec\.volumes: every entry needs a name"):
         merge({"spec": {"volumes": []}}, {"spec": {"volumes": [{"emptyDir": {}}]}})
+
+
+def test_a_volume_of_the_same_name_replaces_ours_whole() -> None:
+    base = {"volumes": [{"name": "model-cache", "emptyDir": {"sizeLimit": "50Gi"}}]}
+    pvc = {"name": "model-cache", "persistentVolumeClaim": {"claimName": "models"}}
+    out = merge(base, {"volumes": [pvc]})
+    assert out["volumes"] == [pvc]  # one source: the API server rejects two

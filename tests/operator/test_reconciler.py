@@ -53,3 +53,32 @@ def test_gives_up_after_persistent_conflicts(store: Any) -> None:
     store.rival, store.conflicts = _add_coherent, 100
     with pytest.raises(KubeError, match="kept changing"):
         Reconciler(store).write_status("ml", "llava", _dep(2))
+
+
+def test_status_reads_the_pods_only_while_not_settled(store: Any) -> None:
+    rec = Reconciler(store)
+    rec.write_status("ml", "llava", _dep(2))
+    assert store.lists == 0  # rolled out and ready: no pod LIST
+    store.pods = [
+        {"metadata": {"name": "llava-1", "labels": {"mmis.dev/service": "llava"}},
+         "status": {"containerStatuses": [
+             {"name": "engine", "state": {"waiting": {"reason": "ErrImagePull"}}}]}}
+    ]  # fmt: skip
+    rec.write_status("ml", "llava", _dep(1))
+    assert store.lists == 1
+    degraded = [c for c in store.obj["status"]["conditions"] if c["type"] == "Degraded"]
+    assert degraded[0]["reason"] == "ErrImagePull"
+    assert ("Warning", "ErrImagePull") in store.events
+
+
+def test_schema_refusals_are_permanent() -> None:
+    from mmis_operator.reconciler import rejected
+
+    typo = (
+        "failed to create typed patch object (ns/x; apps/v1, Kind=Deployment): "
+        '.spec.template.spec.containers[name="engine"].imagePullPolicyy: field not declared'
+    )
+    assert rejected(KubeError(500, typo))
+    assert rejected(KubeError(422, "Deployment.apps is invalid"))
+    assert not rejected(KubeError(500, "etcdserver: request timed out"))
+    assert not rejected(KubeError(0, "connection refused"))

@@ -82,3 +82,9 @@ def test_options_have_one_default_the_dataclass_field() -> None:
     assert not own, f"operator options with a default besides Options': {own}"
     assert operator_main.options_from_args(_parse()) == settings.Options()
     assert operator_main.options_from_args(_parse("--probe-seconds", "5")).probe_seconds == 5.0
+
+
+def test_fault_injection_needs_the_explicit_flag() -> None:
+    assert operator_main.options_from_args(_parse()).allow_fault_injection is False
+    allowed = operator_main.options_from_args(_parse("--allow-fault-injection"))
+    assert allowed.allow_fault_injection is True

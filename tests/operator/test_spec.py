@@ -46,6 +46,13 @@ def test_python_defaults_match_the_crd_defaults() -> None:
         "ingress.enabled": bool(parsed.ingress.get("enabled")),
         "probes.startupTimeoutSeconds": parsed.startup_timeout_seconds,
         "probes.drainSeconds": parsed.drain_seconds,
+        "model.storage.type": parsed.model.storage.type,
+        "model.storage.size": parsed.model.storage.size_bytes / gi,
+        "model.storage.accessMode": parsed.model.storage.access_mode,
+        "rollout.maxSurge": parsed.rollout.max_surge,
+        "rollout.maxUnavailable": parsed.rollout.max_unavailable,
+        "disruption.enabled": parsed.disruption.enabled,
+        "disruption.maxUnavailable": parsed.disruption.max_unavailable,
     }
     # the CRD writes quantities as strings; compare in GiB
     crd_values = {
@@ -54,7 +61,7 @@ def test_python_defaults_match_the_crd_defaults() -> None:
     }
     # one home: the CRD's defaults are spec.DEFAULTS, and parse_spec applies them
     assert defaults == specmod.DEFAULTS
-    for key in ("auth.apiKeySecretRef.key", "ingress.path"):
+    for key in ("auth.apiKeySecretRef.key", "ingress.path", "model.tokenSecretRef.key"):
         crd_values.pop(key)
     assert crd_values == observed
     # server settings the operator does not need have no default of its own (not passed)
@@ -114,6 +121,32 @@ def test_shm_store_and_volume_sizes() -> None:
         ({"model": {"id": "m"}, "ingress": {"enabled": True}}, "spec.ingress", "requires host"),
         ({"model": {"id": "m"}, "engine": "fast"}, "spec.engine", "must be an object"),
         (
+            {"model": {"id": "m", "storage": {"claimName": "c"}}},
+            "spec.model.storage",
+            "claimName needs type PersistentVolumeClaim",
+        ),
+        (
+            {"model": {"id": "m", "storage": {"type": "Disk"}}},
+            "spec.model.storage.type",
+            "EmptyDir",
+        ),
+        (
+            {"model": {"path": "/m", "tokenSecretRef": {"name": "hf"}}},
+            "spec.model.tokenSecretRef",
+            "not downloaded",
+        ),
+        (
+            {"model": {"id": "m"}, "rollout": {"maxSurge": 0, "maxUnavailable": "0%"}},
+            "spec.rollout",
+            "cannot both be 0",
+        ),
+        ({"model": {"id": "m"}, "rollout": {"maxSurge": "x"}}, "spec.rollout.maxSurge", "25%"),
+        (
+            {"model": {"id": "m"}, "disruption": {"maxUnavailable": -1}},
+            "spec.disruption.maxUnavailable",
+            "percentage",
+        ),
+        (
             {"model": {"id": "m"}, "resources": {"memory": "4Gi"}, "cache": {"size": "4Gi"}},
             "spec.resources.memory",
             "raise resources.memory",
@@ -152,3 +185,38 @@ def test_model_fields() -> None:
     assert parsed.model.is_path
     assert parsed.model.served_name == "/models/x"
     assert parsed.model.processor_kwargs == {"size": 336}
+
+
+def test_storage_rollout_and_disruption_fields() -> None:
+    parsed = parse_spec(
+        {
+            "model": {
+                "id": "m",
+                "storage": {"type": "PersistentVolumeClaim", "size": "80Gi",
+                            "storageClassName": "fast", "accessMode": "ReadWriteMany"},
+                "tokenSecretRef": {"name": "hf"},
+            },
+            "rollout": {"maxSurge": "25%", "maxUnavailable": 0},
+            "disruption": {"enabled": False},
+        }
+    )  # fmt: skip
+    storage = parsed.model.storage
+    assert storage.create_claim and storage.size_bytes == 80 * 2**30
+    assert (storage.storage_class, storage.access_mode) == ("fast", "ReadWriteMany")
+    assert parsed.model.token_secret == ("hf", "token")
+    assert (parsed.rollout.max_surge, parsed.rollout.max_unavailable) == ("25%", 0)
+    assert parsed.disruption.enabled is False
+    existing = parse_spec(
+        {"model": {"id": "m", "storage": {"type": "PersistentVolumeClaim", "claimName": "c"}}}
+    )
+    assert not existing.model.storage.create_claim
+
+
+def test_fault_injection_is_refused_unless_allowed() -> None:
+    parsed = parse_spec({"model": {"id": "m"}, "engine": {"faultEvictRate": 0.1}})
+    refused = specmod.refused_by_policy(parsed, allow_fault_injection=False)
+    assert refused is not None and refused.field == "spec.engine.faultEvictRate"
+    assert "--allow-fault-injection" in str(refused)
+    assert specmod.refused_by_policy(parsed, allow_fault_injection=True) is None
+    plain = parse_spec({"model": {"id": "m"}})
+    assert specmod.refused_by_policy(plain, allow_fault_injection=False) is None

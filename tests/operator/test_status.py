@@ -102,3 +102,88 @@ def test_merge_keeps_foreign_conditions_and_never_lowers_generation(sample: dict
     assert current == before
     raised = status.merged_status(current, desired, generation=6, observed_generation=6)
     assert raised["observedGeneration"] == 6
+
+
+def _pod(name: str, **status_fields: Any) -> dict[str, Any]:
+    return {"metadata": {"name": name}, "status": status_fields}
+
+
+def _waiting(container: str, reason: str, message: str = "", **extra: Any) -> dict[str, Any]:
+    return {"name": container, "state": {"waiting": {"reason": reason, "message": message}},
+            **extra}  # fmt: skip
+
+
+def _conditions(desired: status.DesiredStatus) -> dict[str, Any]:
+    return {c.type: c for c in desired.conditions}
+
+
+def test_pod_problems_surface_with_the_real_reason(sample: dict[str, Any]) -> None:
+    pulling = _pod("p-1", containerStatuses=[_waiting("engine", "ImagePullBackOff", "no such tag")])
+    got = _conditions(status.desired_status(sample, _dep(2, 0, 2), pods=[pulling]))
+    for kind in ("Ready", "Progressing", "Degraded"):
+        assert got[kind].reason == "ImagePullBackOff", kind
+    assert got["Degraded"].status == "True" and got["Progressing"].status == "True"
+    assert "pod p-1, container engine" in got["Degraded"].message
+    assert "no such tag" in got["Degraded"].message
+
+
+def test_crash_loop_names_the_last_exit(sample: dict[str, Any]) -> None:
+    crash = _waiting(
+        "frontend", "CrashLoopBackOff", "back-off 5m0s",
+        lastState={"terminated": {"reason": "OOMKilled", "exitCode": 137}}, restartCount=4,
+    )  # fmt: skip
+    pods = [_pod("p-1", containerStatuses=[crash])]
+    degraded = _conditions(status.desired_status(sample, _dep(2, 1, 2), pods=pods))["Degraded"]
+    assert degraded.reason == "CrashLoopBackOff"
+    assert "last exit OOMKilled (exit code 137, 4 restarts)" in degraded.message
+
+
+def test_unschedulable_carries_the_scheduler_message(sample: dict[str, Any]) -> None:
+    message = "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."
+    pending = _pod(
+        "p-2",
+        conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                     "message": message}],
+    )  # fmt: skip
+    missing_secret = _pod(
+        "p-1", containerStatuses=[_waiting("frontend", "CreateContainerConfigError",
+                                           'secret "keys" not found')],
+    )  # fmt: skip
+    got = _conditions(status.desired_status(sample, _dep(2, 0, 2), pods=[pending]))
+    assert got["Degraded"].reason == "Unschedulable"
+    assert message in got["Degraded"].message
+    both = _conditions(status.desired_status(sample, _dep(2, 0, 2), pods=[pending, missing_secret]))
+    assert both["Degraded"].reason == "CreateContainerConfigError"  # the more actionable one
+    assert 'secret "keys" not found' in both["Degraded"].message
+
+
+def test_healthy_or_terminating_pods_are_no_problem(sample: dict[str, Any]) -> None:
+    gone = _pod("p-old", containerStatuses=[_waiting("engine", "CrashLoopBackOff")])
+    gone["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    starting = _pod("p-new", containerStatuses=[_waiting("engine", "ContainerCreating")])
+    got = _by_type(status.desired_status(sample, _dep(2, 1, 2), pods=[gone, starting]))
+    assert got["Degraded"] == ("False", "AsExpected")
+    assert got["Ready"] == ("False", "ReplicasNotReady")
+
+
+def test_fault_injection_is_reported_as_refused(sample: dict[str, Any]) -> None:
+    sample["spec"]["engine"] = {"faultEvictRate": 0.2}
+    got = _conditions(status.desired_status(sample, _dep(2, 2, 2)))
+    assert got["Degraded"].reason == "FieldRefused"
+    assert "spec.engine.faultEvictRate" in got["Degraded"].message
+    allowed = status.desired_status(sample, _dep(2, 2, 2), allow_fault_injection=True)
+    assert _by_type(allowed)["Degraded"] == ("False", "AsExpected")
+
+
+def test_waiting_for_a_terminating_pods_gpus_is_no_problem(sample: dict[str, Any]) -> None:
+    old = _pod("p-old", phase="Running")
+    old["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    new = _pod(
+        "p-new",
+        conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                     "message": "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."}],
+    )  # fmt: skip
+    rolling = _by_type(status.desired_status(sample, _dep(2, 1, 1), pods=[old, new]))
+    assert rolling["Degraded"] == ("False", "AsExpected")
+    stuck = _by_type(status.desired_status(sample, _dep(2, 1, 1), pods=[new]))
+    assert stuck["Degraded"] == ("True", "Unschedulable")

@@ -55,13 +55,20 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: [networking.k8s.io]
   resources: [ingresses]
   verbs: [get, create, patch, delete]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, create, patch, delete]
+# the model cache claim the operator creates (spec.model.storage)
+- apiGroups: [""]
+  resources: [persistentvolumeclaims]
+  verbs: [get, create, patch, delete]
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
-# the CacheCoherent probe finds ready pods and their IPs
+# the CacheCoherent probe finds ready pods and their IPs; status reads their container states
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list]
+  verbs: [get, list, watch]
 {{- if .Values.peering.enabled }}
 - apiGroups: [kopf.dev]
   resources: [kopfpeerings]

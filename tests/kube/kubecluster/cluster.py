@@ -57,7 +57,13 @@ def _reap_stale_workdirs() -> None:
 
 
 def node_manifest(name: str) -> dict[str, Any]:
-    capacity = {"cpu": "32", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": str(GPUS_PER_NODE)}
+    capacity = {
+        "cpu": "32",
+        "memory": "256Gi",
+        "pods": "110",
+        "nvidia.com/gpu": str(GPUS_PER_NODE),
+        "ephemeral-storage": "20Ti",  # 110 pods with the default 50Gi model cache emptyDir
+    }
     return {
         "apiVersion": "v1",
         "kind": "Node",
