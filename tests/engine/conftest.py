@@ -32,7 +32,7 @@ from mmis.engine.sched_output import (
 from mmis.engine.tiny_model import build_tiny_model
 from mmis.protocol.messages import PoolingParams, SamplingParams
 
-FAMILIES = ("llava", "qwen2-vl")
+FAMILIES = ("llava", "qwen2-vl", "qwen2.5-vl", "llava-siglip")  # every tiny_model family
 
 
 @pytest.fixture(scope="session")

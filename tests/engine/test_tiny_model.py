@@ -14,6 +14,7 @@ from PIL import Image
 
 from mmis.cli import main as cli_main
 from mmis.engine.tiny_model import (
+    FAMILIES,
     TinyModelError,
     build_tiny_model,
     default_model_dir,
@@ -28,7 +29,7 @@ def _image(seed: int) -> Image.Image:
     return Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8))
 
 
-@pytest.mark.parametrize("name", ["llava", "qwen2-vl"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_loads_with_plain_transformers_and_output_depends_on_image(tiny_dirs, name):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 

@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from mmis.engine.model.tiny_tokenizer import (
     LLAVA_SPECIALS,
@@ -27,7 +27,9 @@ from mmis.engine.model.tiny_tokenizer import (
     train_tokenizer,
 )
 
-FAMILIES = ("llava", "qwen2-vl")
+# llava-siglip: a LLaVA whose tower has no CLS token (SigLIP, strategy "full");
+# qwen2.5-vl: Qwen2.5-VL's windowed vision tower in front of the Qwen2-VL language model
+FAMILIES = ("llava", "qwen2-vl", "qwen2.5-vl", "llava-siglip")
 DEFAULT_FAMILY = "llava"
 
 
@@ -41,7 +43,7 @@ def _seeded(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _build_llava(out: Path, seed: int) -> None:
+def _build_llava(out: Path, seed: int, *, siglip: bool = False) -> None:
     from transformers import (
         AutoModelForImageTextToText,
         CLIPImageProcessor,
@@ -50,6 +52,8 @@ def _build_llava(out: Path, seed: int) -> None:
         LlavaConfig,
         LlavaProcessor,
         PreTrainedTokenizerFast,
+        SiglipImageProcessor,
+        SiglipVisionConfig,
     )
 
     tokenizer = PreTrainedTokenizerFast(
@@ -63,15 +67,17 @@ def _build_llava(out: Path, seed: int) -> None:
     tokenizer.chat_template = LLAVA_TEMPLATE
     ids = token_ids(tokenizer, LLAVA_SPECIALS)
     image_size, patch_size = 32, 8
-    vision = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        image_size=image_size,
-        patch_size=patch_size,
-        projection_dim=32,
-    )
+    tower: dict[str, Any] = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "image_size": image_size,
+        "patch_size": patch_size,
+    }
+    vision = SiglipVisionConfig(**tower) if siglip else CLIPVisionConfig(projection_dim=32, **tower)
+    # SigLIP has no CLS token: its LLaVA checkpoints take every patch ("full")
+    strategy: Literal["default", "full"] = "full" if siglip else "default"
     text = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -90,7 +96,7 @@ def _build_llava(out: Path, seed: int) -> None:
         vision_config=vision,
         text_config=text,
         image_token_index=ids["<image>"],
-        vision_feature_select_strategy="default",
+        vision_feature_select_strategy=strategy,
         vision_feature_layer=-1,
         **extra,
     )
@@ -99,16 +105,20 @@ def _build_llava(out: Path, seed: int) -> None:
         text.eos_token_id,
         text.pad_token_id,
     )
-    image_processor = CLIPImageProcessor(
-        size={"shortest_edge": image_size},
-        crop_size={"height": image_size, "width": image_size},
-    )
+    image_processor: Any
+    if siglip:
+        image_processor = SiglipImageProcessor(size={"height": image_size, "width": image_size})
+    else:
+        image_processor = CLIPImageProcessor(
+            size={"shortest_edge": image_size},
+            crop_size={"height": image_size, "width": image_size},
+        )
     processor = LlavaProcessor(
         image_processor=image_processor,
         tokenizer=tokenizer,
         patch_size=patch_size,
-        vision_feature_select_strategy="default",
-        num_additional_image_tokens=1,
+        vision_feature_select_strategy=strategy,
+        num_additional_image_tokens=0 if siglip else 1,
         chat_template=LLAVA_TEMPLATE,
     )
     _seeded(seed)
@@ -116,10 +126,12 @@ def _build_llava(out: Path, seed: int) -> None:
     _save(model, processor, out, ids["</s>"], ids["<pad>"], ids["<s>"])
 
 
-def _build_qwen2_vl(out: Path, seed: int) -> None:
+def _build_qwen2_vl(out: Path, seed: int, *, v2_5: bool = False) -> None:
     from transformers import (
         AutoModelForImageTextToText,
         PreTrainedTokenizerFast,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLProcessor,
         Qwen2VLConfig,
         Qwen2VLImageProcessor,
         Qwen2VLProcessor,
@@ -136,7 +148,33 @@ def _build_qwen2_vl(out: Path, seed: int) -> None:
     ids = token_ids(tokenizer, QWEN_SPECIALS)
     patch, merge, temporal = 8, 2, 2
     extra: dict[str, Any] = {"initializer_range": 0.2}
-    config = Qwen2VLConfig(
+    vision: dict[str, Any] = {
+        "depth": 2,
+        "embed_dim": 32,
+        "hidden_size": 64,
+        "num_heads": 4,
+        "mlp_ratio": 2,
+        "patch_size": patch,
+        "spatial_merge_size": merge,
+        "temporal_patch_size": temporal,
+        "initializer_range": 0.2,
+    }
+    if v2_5:  # windowed attention in all blocks but the listed ones, SwiGLU MLPs
+        vision = {
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 4,
+            "out_hidden_size": 64,
+            "patch_size": patch,
+            "spatial_merge_size": merge,
+            "temporal_patch_size": temporal,
+            "window_size": 32,
+            "fullatt_block_indexes": [1],
+            "initializer_range": 0.2,
+        }
+    config_cls: Any = Qwen2_5_VLConfig if v2_5 else Qwen2VLConfig
+    config = config_cls(
         text_config={
             "vocab_size": len(tokenizer),
             "hidden_size": 64,
@@ -155,17 +193,7 @@ def _build_qwen2_vl(out: Path, seed: int) -> None:
             "pad_token_id": ids["<|endoftext|>"],
             "initializer_range": 0.2,
         },
-        vision_config={
-            "depth": 2,
-            "embed_dim": 32,
-            "hidden_size": 64,
-            "num_heads": 4,
-            "mlp_ratio": 2,
-            "patch_size": patch,
-            "spatial_merge_size": merge,
-            "temporal_patch_size": temporal,
-            "initializer_range": 0.2,
-        },
+        vision_config=vision,
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
@@ -181,7 +209,8 @@ def _build_qwen2_vl(out: Path, seed: int) -> None:
         "merge_size": merge,
         "temporal_patch_size": temporal,
     }
-    processor = Qwen2VLProcessor(
+    processor_cls: Any = Qwen2_5_VLProcessor if v2_5 else Qwen2VLProcessor
+    processor = processor_cls(
         image_processor=Qwen2VLImageProcessor(size=size, **common),
         video_processor=Qwen2VLVideoProcessor(size=size, **common),
         tokenizer=tokenizer,
@@ -198,6 +227,14 @@ def _save(model: Any, processor: Any, out: Path, eos: int, pad: int, bos: int) -
     gen.do_sample = False
     model.save_pretrained(out)
     processor.save_pretrained(out)
+
+
+BUILDERS = {
+    "llava": _build_llava,
+    "llava-siglip": lambda out, seed: _build_llava(out, seed, siglip=True),
+    "qwen2-vl": _build_qwen2_vl,
+    "qwen2.5-vl": lambda out, seed: _build_qwen2_vl(out, seed, v2_5=True),
+}
 
 
 def build_tiny_model(
@@ -217,7 +254,7 @@ def build_tiny_model(
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     tmp.chmod(0o755)
     try:
-        (_build_llava if family == "llava" else _build_qwen2_vl)(tmp, seed)
+        BUILDERS[family](tmp, seed)
         os.rename(tmp, target)  # atomic; replaces an empty directory, fails on a full one
     except OSError:
         if not (target / "config.json").exists():

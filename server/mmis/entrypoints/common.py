@@ -1,7 +1,7 @@
 """Pieces every ``mmis`` server command shares: model resolution and logging.
 
 Invariants:
-- ``--model`` accepts a local directory, a hub id, or ``mmis-tiny`` / ``mmis-tiny-qwen2-vl``
+- ``--model`` accepts a local directory, a hub id, or ``mmis-tiny`` / ``mmis-tiny-<family>``
   (the built-in tiny models, built on first use into the model cache; never committed).
 - ``--revision`` (a branch, tag or commit of a hub model) goes to every ``from_pretrained``
   of config, model, processor and tokenizer; for a local directory transformers ignores it.
@@ -15,7 +15,15 @@ from __future__ import annotations
 import logging
 import os
 
-TINY_MODELS = {"mmis-tiny": "llava", "mmis-tiny-llava": "llava", "mmis-tiny-qwen2-vl": "qwen2-vl"}
+# the built-in names, one per family of mmis/engine/tiny_model.py (a test keeps them in step;
+# importing that module here would load torch into every command)
+TINY_MODELS = {
+    "mmis-tiny": "llava",
+    "mmis-tiny-llava": "llava",
+    "mmis-tiny-llava-siglip": "llava-siglip",
+    "mmis-tiny-qwen2-vl": "qwen2-vl",
+    "mmis-tiny-qwen2.5-vl": "qwen2.5-vl",
+}
 
 
 def resolve_model(model: str) -> str:

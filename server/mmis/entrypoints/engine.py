@@ -51,11 +51,14 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def load_model(cfg: EngineConfig) -> ModelAdapter:
     """The model adapter of ``cfg.model`` at ``cfg.revision``."""
-    from mmis.engine.model import load_adapter
+    from mmis.engine.model import UnsupportedModelError, load_adapter
 
     path = resolve_model(cfg.model)
     log.info("loading model %s (revision %s)", path, cfg.revision or "default")
-    return load_adapter(path, device=cfg.device, revision=cfg.revision)
+    try:
+        return load_adapter(path, device=cfg.device, revision=cfg.revision)
+    except UnsupportedModelError as exc:  # refused before serving anything, saying why
+        raise SystemExit(f"mmis engine: cannot serve {cfg.model}: {exc}") from None
 
 
 def make_core(

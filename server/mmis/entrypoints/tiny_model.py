@@ -1,4 +1,7 @@
-"""``mmis tiny-model DIR [--family llava|qwen2-vl] [--seed N]``: write a tiny random model.
+"""``mmis tiny-model DIR [--family F] [--seed N]``: write a tiny random model of a family.
+
+Families (``mmis/engine/tiny_model.py``): ``llava`` (CLIP tower), ``llava-siglip`` (SigLIP
+tower, no CLS token), ``qwen2-vl``, ``qwen2.5-vl``.
 
 Invariant: the directory loads with plain ``AutoProcessor`` and
 ``AutoModelForImageTextToText.from_pretrained(DIR)``; an existing non-empty DIR is refused

@@ -14,15 +14,11 @@ from pathlib import Path
 
 import torch
 
-from mmis.engine.model.adapter import ModelAdapter, ModelInputError
+from mmis.engine.model.adapter import ModelAdapter, ModelInputError, UnsupportedModelError
 from mmis.engine.model.llava import LlavaAdapter
 from mmis.engine.model.qwen2_vl import Qwen2VLAdapter
 
 ADAPTERS: tuple[type[ModelAdapter], ...] = (LlavaAdapter, Qwen2VLAdapter)
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint's family has no adapter."""
 
 
 def adapter_class(model_type: str) -> type[ModelAdapter]:

@@ -12,6 +12,10 @@ Invariants:
 - ``positions`` returns ``[n]`` (1-D RoPE) or ``[3, n]`` (M-RoPE) for prompt/decode positions
   ``start .. start + n - 1``; it depends only on the item layout, never on runner state.
 - Bad item tensors raise :class:`ModelInputError` with a message that names the problem.
+- A model the paged kernel cannot run exactly is refused when the adapter is built
+  (:class:`UnsupportedModelError`, naming what): attention other than full causal attention
+  (sliding-window layers, ``layer_types`` other than ``full_attention``), or a decoder layer
+  whose attention lacks its own ``layer_idx`` (it would read and write another layer's KV).
 """
 
 from __future__ import annotations
@@ -27,6 +31,35 @@ from mmis.engine.paged_attention import ATTENTION_NAME, STEP_KWARG, KVCacheSpec,
 from mmis.engine.sched_output import MultiModalInput
 from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import ErrorCode
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's family has no adapter, or the engine cannot run it exactly."""
+
+
+def check_exact(text_config: Any, language_model: Any) -> None:
+    """Refuse what the paged attention path would silently run differently."""
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types:
+        other = sorted({str(t) for t in layer_types} - {"full_attention"})
+        if other:
+            raise UnsupportedModelError(
+                f"attention types {other} in the model's layer_types are not supported yet "
+                "(only full causal attention)"
+            )
+    if getattr(text_config, "use_sliding_window", False):
+        raise UnsupportedModelError(
+            f"sliding-window attention (use_sliding_window, window "
+            f"{getattr(text_config, 'sliding_window', None)}) is not supported yet"
+        )
+    for i, layer in enumerate(getattr(language_model, "layers", ())):
+        attention = getattr(layer, "self_attn", None)
+        found = getattr(attention, "layer_idx", None)
+        if found != i:
+            raise UnsupportedModelError(
+                f"decoder layer {i}'s attention has layer_idx {found!r}, not {i}: the engine "
+                "keys each layer's KV cache by it"
+            )
 
 
 class ModelInputError(MMISError, ValueError):
@@ -77,6 +110,7 @@ class ModelAdapter(abc.ABC):
         self.eos_token_ids: tuple[int, ...] = tuple(
             int(e) for e in (eos if isinstance(eos, list | tuple) else [eos]) if e is not None
         )
+        check_exact(text, self.language_model)
 
     # -- construction -------------------------------------------------------------------
     @classmethod

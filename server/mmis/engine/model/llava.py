@@ -1,9 +1,10 @@
-"""LLaVA family: CLIP-style vision tower + MLP projector + a Llama-style language model.
+"""LLaVA family: a CLIP or SigLIP vision tower + MLP projector + a Llama-style language model.
 
 Invariants:
 - An item's tensors are ``{"pixel_values": [1, 3, H, W]}`` (a ``[3, H, W]`` array is accepted).
-- Placeholder count = (H // patch) * (W // patch), plus 1 for the CLS token when the feature
-  strategy is ``"full"``; it always equals the rows ``encode_images`` returns for the item.
+- Placeholder count = (H // patch) * (W // patch), plus 1 for the tower's CLS token when it
+  has one (CLIP; SigLIP has none) and the feature strategy is ``"full"`` (``"default"``
+  drops the first row); it always equals the rows ``encode_images`` returns for the item.
 - Positions are plain 1-D: position p is p.
 """
 
@@ -38,9 +39,18 @@ class LlavaAdapter(ModelAdapter):
         pixels = self._pixels(item)
         patch = int(self.model.config.vision_config.patch_size)
         count = (int(pixels.shape[-2]) // patch) * (int(pixels.shape[-1]) // patch)
-        if self.model.config.vision_feature_select_strategy == "full":
+        if self._has_cls:
             count += 1
+        if self.model.config.vision_feature_select_strategy == "default":
+            count -= 1  # transformers drops the first row, CLS or not
         return count
+
+    @property
+    def _has_cls(self) -> bool:
+        """Whether the tower prepends a class token (CLIP does; SigLIP does not)."""
+        tower = self.model.model.vision_tower
+        embeddings = getattr(getattr(tower, "vision_model", tower), "embeddings", None)
+        return getattr(embeddings, "class_embedding", None) is not None
 
     def encode_images(self, items: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:
         if not items:

@@ -1,4 +1,7 @@
-"""Qwen2-VL family: a windowless ViT with patch merging + a Qwen2 language model with M-RoPE.
+"""Qwen2-VL family: a ViT with patch merging + a Qwen2 language model with M-RoPE.
+
+Also Qwen2.5-VL: its vision tower (windowed attention, SwiGLU) sits behind the same
+``get_image_features`` and its language model and image positions are Qwen2-VL's.
 
 Invariants:
 - An item's tensors are ``{"pixel_values": [t*h*w, C*tp*p*p], "image_grid_thw": [1, 3]}``.
@@ -23,7 +26,7 @@ from mmis.engine.sched_output import MultiModalInput
 
 class Qwen2VLAdapter(ModelAdapter):
     family = "qwen2-vl"
-    model_types = ("qwen2_vl",)
+    model_types = ("qwen2_vl", "qwen2_5_vl")  # same language model, positions and interface
 
     @property
     def merge_size(self) -> int:
