@@ -51,6 +51,7 @@ from mmis.frontend.errors import (
     json_response,
 )
 from mmis.frontend.http_gate import HttpGate, MiB
+from mmis.frontend.openapi import install_openapi
 from mmis.frontend.request_telemetry import RequestTelemetryMiddleware
 from mmis.frontend.schemas import (
     ChatCompletionRequest,
@@ -205,4 +206,5 @@ def create_app(
     async def cache_stats(request: Request) -> Response:
         return JSONResponse(state_of(request).telemetry.drift.stats())
 
+    install_openapi(app)
     return app

@@ -4,7 +4,10 @@ Accepted: ``messages`` (at least one; roles system, developer, user, assistant, 
 a string or a list of text / image parts, see :mod:`.common`; images only in user messages;
 content may be omitted only for assistant messages), and the sampling fields of
 :mod:`.sampling`. ``max_completion_tokens`` wins over the older ``max_tokens`` when both are
-given. Tool calling, logprobs, non-text response formats, penalties and audio are rejected.
+given. Tool calling, logprobs, non-text response formats and audio are rejected.
+
+The JSON schema states the role rules too (:func:`_message_schema`): one branch per role
+group, content required but for assistant messages, image parts only in user messages.
 """
 
 from __future__ import annotations
@@ -12,16 +15,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from mmis.frontend.schemas.common import (
     Content,
     ImagePart,
     OpenAIModel,
     TextPart,
+    add_sampling_rules,
+    add_unsupported_to_schema,
     reject_unsupported,
 )
-from mmis.frontend.schemas.sampling import SamplingRequest
+from mmis.frontend.schemas.sampling import MAX_STOP, SamplingRequest
 
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tools": (),
@@ -30,9 +35,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "function_call": ("none", "auto"),
     "logprobs": (),
     "top_logprobs": (),
-    "logit_bias": (),
-    "frequency_penalty": (),
-    "presence_penalty": (),
     "response_format": ({"type": "text"},),
     "audio": (),
     "modalities": (["text"],),
@@ -40,7 +42,47 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
+def _text_only(content: dict[str, Any]) -> dict[str, Any]:
+    """``Content``'s schema (string | list of parts) with text parts only."""
+    branches = []
+    for branch in content["oneOf"]:
+        if branch.get("type") == "array":
+            parts = branch["items"]["oneOf"]
+            text = next(p for p in parts if "TextPart" in str(p.get("$ref", "")))
+            branch = {**branch, "items": text}
+        branches.append(branch)
+    return {"oneOf": branches}
+
+
+def _message_schema(schema: dict[str, Any]) -> None:
+    """One branch per role group, as :meth:`ChatMessage._content_rules` decides."""
+    props = schema.pop("properties")
+    schema.pop("required", None)
+    schema.pop("type", None)
+    content = next(b for b in props["content"]["anyOf"] if b.get("type") != "null")
+    text = _text_only(content)
+
+    def branch(roles: list[str], content: dict[str, Any], required: bool) -> dict[str, Any]:
+        return {
+            "type": "object",
+            "properties": {
+                "role": {"type": "string", "enum": roles},
+                "content": content,
+                "name": props["name"],
+            },
+            "required": ["role", "content"] if required else ["role"],
+        }
+
+    schema["oneOf"] = [
+        branch(["user"], content, required=True),
+        branch(["assistant"], {"anyOf": [text, {"type": "null"}]}, required=False),
+        branch(["system", "developer", "tool"], text, required=True),
+    ]
+
+
 class ChatMessage(OpenAIModel):
+    model_config = ConfigDict(json_schema_extra=_message_schema)
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content | None = None
     name: str | None = None
@@ -62,14 +104,21 @@ class ChatMessage(OpenAIModel):
         return list(self.content)
 
 
+def _request_schema(schema: dict[str, Any], model: type[Any]) -> None:
+    add_unsupported_to_schema(schema, model, _UNSUPPORTED)
+    add_sampling_rules(schema, MAX_STOP)
+
+
 class ChatCompletionRequest(SamplingRequest):
+    model_config = ConfigDict(json_schema_extra=_request_schema)
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
-        return reject_unsupported(cls.__name__, data, _UNSUPPORTED)
+        return reject_unsupported(cls, data, _UNSUPPORTED)
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:

@@ -1,6 +1,8 @@
 """Shared pieces of the OpenAI request models: base config, sampling fields, content parts.
 
 What we accept (documented contract):
+- Values must have the JSON type their field states (strict validation: ``"0.5"`` is not a
+  number, ``true`` is not an integer).
 - Unknown top-level fields are ignored (clients send many), *except* known OpenAI features we
   do not implement (``tools``, ``logprobs``, ``response_format`` other than text, penalties,
   ...): sending one with a non-default value is a 400 naming it, never silently ignored.
@@ -11,6 +13,10 @@ What we accept (documented contract):
   ``{"uuid": ID}`` (id only: the server must still hold the item, else the documented 422 of
   :mod:`mmis.frontend.errors`), and ``{"image_url": URL}`` (a bare string).
   ``uuid`` may appear in both places only if equal.
+- The JSON schemas of these models (``model_json_schema()``, what ``GET /openapi.json`` serves,
+  :mod:`mmis.frontend.openapi`) state the same rules as the validators where JSON Schema can:
+  an image part names a url or a uuid, a bare-string ``image_url``, and every unsupported
+  parameter with the only values accepted for it (:func:`unsupported_schema`).
 - Union-typed fields use callable discriminators whose tags contain brackets (``list[part]``):
   only the matching branch validates, and :mod:`~mmis.frontend.errors` drops such tags
   from the error location, so ``param`` reads like ``messages[0].content[1].image_url.url``.
@@ -35,20 +41,26 @@ UUID_MAX_LENGTH = 256
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: a value is taken only as the JSON type its schema states (no "1" for 1, no
+    # true for 1.0), so the documented schema is exactly what is accepted
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 def _is_default(value: Any, allowed: tuple[Any, ...]) -> bool:
     return value is None or value is False or value == 0 or value in ((), [], {}, *allowed)
 
 
-def reject_unsupported(model: str, data: Any, unsupported: dict[str, tuple[Any, ...]]) -> Any:
+def reject_unsupported(
+    model: type[BaseModel], data: Any, unsupported: dict[str, tuple[Any, ...]]
+) -> Any:
     """Raise if ``data`` sets an unsupported OpenAI parameter to a non-default value.
 
-    The error's location is the parameter itself, so the 400 names it in ``param``.
+    The error's location is the parameter itself, so the 400 names it in ``param``. A name
+    that ``model`` declares as a field is supported (the field validates it), not rejected.
     """
     if not isinstance(data, dict):
         return data
+    unsupported = still_unsupported(model, unsupported)
     errors = [
         InitErrorDetails(
             type=PydanticCustomError("unsupported_parameter", "is not supported by this server"),
@@ -59,11 +71,86 @@ def reject_unsupported(model: str, data: Any, unsupported: dict[str, tuple[Any, 
         if name in data and not _is_default(data[name], allowed)
     ]
     if errors:
-        raise ValidationError.from_exception_data(model, errors)
+        raise ValidationError.from_exception_data(model.__name__, errors)
     return data
 
 
+def still_unsupported(
+    model: type[BaseModel], unsupported: dict[str, tuple[Any, ...]]
+) -> dict[str, tuple[Any, ...]]:
+    """``unsupported`` less the names ``model`` declares as fields."""
+    fields = model.model_fields
+    return {name: allowed for name, allowed in unsupported.items() if name not in fields}
+
+
+def unsupported_schema(allowed: tuple[Any, ...]) -> dict[str, Any]:
+    """The JSON schema of an unsupported parameter: only its default-like values pass."""
+    branches: list[dict[str, Any]] = [
+        {"type": "null"},
+        {"const": False},
+        {"const": 0},
+        {"type": "array", "maxItems": 0},
+        {"type": "object", "maxProperties": 0},
+        *({"const": value} for value in allowed),
+    ]
+    return {
+        "anyOf": branches,
+        "description": "not supported by this server: any other value is a 400 naming it",
+    }
+
+
+def add_unsupported_to_schema(
+    schema: dict[str, Any], model: type[BaseModel], unsupported: dict[str, tuple[Any, ...]]
+) -> None:
+    """Document each still-unsupported parameter of ``model`` in its JSON ``schema``."""
+    properties = schema.setdefault("properties", {})
+    for name, allowed in still_unsupported(model, unsupported).items():
+        properties[name] = unsupported_schema(allowed)
+
+
+def add_sampling_rules(schema: dict[str, Any], max_stop: int) -> None:
+    """The rules of :class:`~mmis.frontend.schemas.sampling.SamplingRequest`'s validators that
+    its field types do not carry: non-empty stop strings (at most ``max_stop``), and
+    ``stream_options`` only with ``stream: true``."""
+    properties = schema["properties"]
+    properties["stop"] = {
+        "anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": max_stop},
+            {"type": "null"},
+        ],
+        "default": None,
+        "title": "Stop",
+    }
+    schema["dependentSchemas"] = {
+        "stream_options": {
+            "anyOf": [
+                {"properties": {"stream_options": {"type": "null"}}},
+                {"properties": {"stream": {"const": True}}, "required": ["stream"]},
+            ]
+        }
+    }
+
+
+def _image_url_schema(schema: dict[str, Any]) -> None:
+    schema["anyOf"] = [
+        {"required": ["url"], "properties": {"url": {"type": "string"}}},
+        {"required": ["uuid"], "properties": {"uuid": {"type": "string"}}},
+    ]
+
+
+def _image_part_schema(schema: dict[str, Any]) -> None:
+    # the bare-string form ``"image_url": URL`` (see ``ImagePart._bare_url``)
+    schema["properties"]["image_url"]["anyOf"].insert(1, {"type": "string", "minLength": 1})
+    schema["anyOf"] = [
+        {"required": ["image_url"], "properties": {"image_url": {"type": ["object", "string"]}}},
+        {"required": ["uuid"], "properties": {"uuid": {"type": "string"}}},
+    ]
+
+
 class ImageURL(OpenAIModel):
+    model_config = ConfigDict(json_schema_extra=_image_url_schema)
+
     url: str | None = Field(default=None, min_length=1)
     uuid: str | None = Field(default=None, min_length=1, max_length=UUID_MAX_LENGTH)
     detail: Literal["auto", "low", "high"] | None = None
@@ -75,6 +162,8 @@ class TextPart(OpenAIModel):
 
 
 class ImagePart(OpenAIModel):
+    model_config = ConfigDict(json_schema_extra=_image_part_schema)
+
     type: Literal["image_url"]
     image_url: ImageURL | None = None
     uuid: str | None = Field(default=None, min_length=1, max_length=UUID_MAX_LENGTH)
@@ -115,7 +204,9 @@ class ImagePart(OpenAIModel):
 
 def _part_tag(value: Any) -> str | None:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return {"text": "part[text]", "image_url": "part[image_url]"}.get(kind)  # type: ignore[arg-type]
+    if not isinstance(kind, str):  # any JSON value may come here: {} is unhashable
+        return None
+    return {"text": "part[text]", "image_url": "part[image_url]"}.get(kind)
 
 
 ContentPart = Annotated[

@@ -3,17 +3,21 @@
 Accepted: ``prompt`` as a non-empty string or a non-empty list of token ids (ints >= 0);
 batched prompts (a list of strings or of token lists) are rejected with a clear 400. Default
 ``max_tokens`` is 16 (the OpenAI default for this endpoint). ``echo``, ``suffix``,
-``best_of`` > 1, logprobs, logit bias and penalties are rejected.
+``best_of`` > 1 and logprobs are rejected.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from mmis.frontend.schemas.common import reject_unsupported
-from mmis.frontend.schemas.sampling import SamplingRequest
+from mmis.frontend.schemas.common import (
+    add_sampling_rules,
+    add_unsupported_to_schema,
+    reject_unsupported,
+)
+from mmis.frontend.schemas.sampling import MAX_STOP, SamplingRequest
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
@@ -22,20 +26,27 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
     "best_of": (1,),
     "logprobs": (),
-    "logit_bias": (),
-    "frequency_penalty": (),
-    "presence_penalty": (),
 }
 
 
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+def _request_schema(schema: dict[str, Any], model: type[Any]) -> None:
+    add_unsupported_to_schema(schema, model, _UNSUPPORTED)
+    add_sampling_rules(schema, MAX_STOP)
+
+
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int]
+    model_config = ConfigDict(json_schema_extra=_request_schema)
+
+    prompt: Annotated[str, Field(min_length=1)] | TokenIds
     max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
 
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
-        return reject_unsupported(cls.__name__, data, _UNSUPPORTED)
+        return reject_unsupported(cls, data, _UNSUPPORTED)
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -20,13 +20,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
 from mmis.frontend.schemas.common import (
     ContentPart,
     ImagePart,
     OpenAIModel,
     TextPart,
+    add_unsupported_to_schema,
     reject_unsupported,
 )
 
@@ -52,9 +53,9 @@ def _input_tag(value: Any) -> str | None:
 
 EmbeddingInput = Annotated[
     Annotated[NonEmptyText, Tag("[text]")]
-    | Annotated[list[NonEmptyText], Tag("list[text]"), Field(max_length=MAX_BATCH)]
-    | Annotated[list[TokenId], Tag("list[token]")]
-    | Annotated[list[ContentPart], Tag("list[part]")],
+    | Annotated[list[NonEmptyText], Tag("list[text]"), Field(min_length=1, max_length=MAX_BATCH)]
+    | Annotated[list[TokenId], Tag("list[token]"), Field(min_length=1)]
+    | Annotated[list[ContentPart], Tag("list[part]"), Field(min_length=1)],
     Discriminator(
         _input_tag,
         custom_error_type="invalid_input",
@@ -68,7 +69,16 @@ EmbeddingInput = Annotated[
 EmbeddingItem = str | list[int] | list[TextPart | ImagePart]
 
 
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {"dimensions": ()}
+
+
+def _request_schema(schema: dict[str, Any], model: type[Any]) -> None:
+    add_unsupported_to_schema(schema, model, _UNSUPPORTED)
+
+
 class EmbeddingRequest(OpenAIModel):
+    model_config = ConfigDict(json_schema_extra=_request_schema)
+
     model: str | None = None
     input: EmbeddingInput
     encoding_format: Literal["float", "base64"] = "float"
@@ -77,7 +87,7 @@ class EmbeddingRequest(OpenAIModel):
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
-        return reject_unsupported(cls.__name__, data, {"dimensions": ()})
+        return reject_unsupported(cls, data, _UNSUPPORTED)
 
     @property
     def is_multimodal(self) -> bool:

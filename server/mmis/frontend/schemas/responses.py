@@ -4,6 +4,12 @@ the model list. ``created`` is a Unix time in seconds.
 Streams are Server-Sent Events: each chunk is ``data: <json>\\n\\n`` (:func:`sse_chunk`), the
 stream ends with ``data: [DONE]``. With ``stream_options.include_usage`` every chunk carries
 ``"usage": null`` and one last chunk has ``"choices": []`` and the usage.
+
+Errors are :class:`ErrorResponse` (the shape :func:`mmis.frontend.errors.error_body` writes);
+the probes answer :class:`ProbeStatus`, ``GET /stats/cache`` :class:`CacheStats`,
+``GET /version`` :class:`VersionInfo`. These models are the response schemas of
+``GET /openapi.json`` (:mod:`mmis.frontend.openapi`); ``tests/e2e/test_fuzz_openapi.py``
+checks the server's real answers against them.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 FinishReason = Literal["stop", "length", "abort", "error"] | None
 
@@ -126,3 +132,57 @@ class ModelList(BaseModel):
 def sse_chunk(chunk: BaseModel) -> bytes:
     """One Server-Sent Event carrying ``chunk`` as JSON."""
     return b"data: " + chunk.model_dump_json().encode() + b"\n\n"
+
+
+class ErrorDetail(BaseModel):
+    """The ``error`` object; the documented extra keys of :mod:`mmis.frontend.errors` are
+    optional fields, and other keys are allowed."""
+
+    model_config = ConfigDict(extra="allow")
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+    retryable: bool | None = Field(
+        default=None, description="true: resending can succeed (422: with the image data)"
+    )
+    missing_uuids: list[str] | None = Field(
+        default=None, description="422 multimodal_cache_miss: the uuids to resend with data"
+    )
+    missing_mm_hashes: list[str] | None = Field(
+        default=None, description="503 multimodal_cache_miss: the items missed twice"
+    )
+
+
+class ErrorResponse(BaseModel):
+    """Every error in the OpenAI shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorDetail
+
+
+class ProbeStatus(BaseModel):
+    """``GET /health`` and ``GET /ready``: 200 when up / ready, else 503 with the reason."""
+
+    status: str
+
+
+class CacheStats(BaseModel):
+    """``GET /stats/cache``: the drift window (:meth:`mmis.telemetry.drift.DriftWindow.stats`)."""
+
+    drift_rate: float = Field(ge=0.0, description="drift misses / shadow hits; 0 without hits")
+    hit_rate: float = Field(ge=0.0, le=1.0, description="sender-cache hits / lookups")
+    retry_rate: float = Field(ge=0.0, description="retries / requests")
+    window_seconds: float = Field(gt=0.0, description="the configured window")
+    span_seconds: float = Field(ge=0.0, description="how much of the window the samples cover")
+    shadow_hits: float = Field(ge=0.0)
+    drift_misses: float = Field(ge=0.0)
+    queries: float = Field(ge=0.0)
+    retries: float = Field(ge=0.0)
+    requests: float = Field(ge=0.0)
+
+
+class VersionInfo(BaseModel):
+    """``GET /version``: the version of the ``mmis`` package serving."""
+
+    version: str
