@@ -53,7 +53,7 @@ def make(
         mm_features=features,
         sampling_params=SamplingParams(max_tokens=max_tokens, **params),  # type: ignore[arg-type]
         arrival_time=arrival,
-        eos_token_id=EOS,
+        eos_token_ids=(EOS,),
     )
 
 

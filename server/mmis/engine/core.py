@@ -68,14 +68,14 @@ class EngineCore:
         scheduler: Scheduler,
         runner: ModelRunner,
         *,
-        eos_token_id: int | None = None,
+        eos_token_ids: Sequence[int] = (),
         max_model_len: int | None = None,
         spans: RequestSpans | None = None,
     ) -> None:
         self.spans = spans  # P1 tracing (None when off): see telemetry.request_spans
         self.scheduler = scheduler
         self.runner = runner
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)  # all of them stop (generation_config's list)
         self.max_model_len = max_model_len
         self.vocab_size = int(runner.adapter.vocab_size)
         self.limits = ModelLimits(self.vocab_size, max_model_len)
@@ -104,7 +104,7 @@ class EngineCore:
         try:
             admitted = Request.from_core_request(
                 msgspec.structs.replace(request, mm_features=features),
-                eos_token_id=self.eos_token_id,
+                eos_token_ids=self.eos_token_ids,
             )
         except MMISError as exc:  # e.g. overlapping placeholder ranges
             self._immediate.append(_error(request.request_id, ErrorCode(exc.code), str(exc)))

@@ -78,7 +78,7 @@ class Request:
         pooling_params: PoolingParams | None = None,
         arrival_time: float = 0.0,
         client_index: int = 0,
-        eos_token_id: int | None = None,
+        eos_token_ids: Sequence[int] = (),
         skip_cache: bool = False,
     ) -> None:
         if not prompt_token_ids:
@@ -110,7 +110,7 @@ class Request:
         self.pooling_params = pooling_params
         self.arrival_time = arrival_time
         self.client_index = client_index
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = frozenset(eos_token_ids)  # every end-of-sequence id of the model
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit of the first admission; -1 = not yet
@@ -123,7 +123,7 @@ class Request:
 
     @classmethod
     def from_core_request(
-        cls, message: EngineCoreRequest, *, eos_token_id: int | None = None
+        cls, message: EngineCoreRequest, *, eos_token_ids: Sequence[int] = ()
     ) -> Request:
         return cls(
             message.request_id,
@@ -133,7 +133,7 @@ class Request:
             pooling_params=message.pooling_params,
             arrival_time=message.arrival_time,
             client_index=message.client_index,
-            eos_token_id=eos_token_id,
+            eos_token_ids=eos_token_ids,
             skip_cache=message.skip_cache,
         )
 
@@ -186,7 +186,7 @@ class Request:
         params = self.sampling_params
         if params is None:
             return False
-        if not params.ignore_eos and last_token == self.eos_token_id:
+        if not params.ignore_eos and last_token in self.eos_token_ids:
             self.finish(FinishReason.STOP)
             return True
         if last_token in params.stop_token_ids:

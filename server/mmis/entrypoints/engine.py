@@ -94,7 +94,7 @@ def make_core(
     return EngineCore(
         scheduler,
         runner,
-        eos_token_id=adapter.eos_token_ids[0] if adapter.eos_token_ids else None,
+        eos_token_ids=adapter.eos_token_ids,
         max_model_len=max_len,
         spans=spans,
     )

@@ -21,6 +21,8 @@ Invariants:
 - Every error leaves in the OpenAI shape (:mod:`mmis.frontend.errors`): malformed JSON
   (deep nesting included) is 400, unknown paths 404, a model the server does not serve 404
   ``model_not_found``, unexpected exceptions 500 (text not leaked).
+- A chat or completion request's unset sampling fields take the model's generation-config
+  values (:mod:`mmis.frontend.generation_defaults`, ``--generation-config``).
 - A body is parsed on a worker thread when it is large (:data:`INLINE_PARSE_BYTES`), so
   no request stalls the event loop that answers ``/health`` and streams.
 - Each inference request is wrapped by :class:`RequestTelemetryMiddleware` (its server span,
@@ -43,6 +45,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
+from mmis.frontend import generation_defaults
 from mmis.frontend.config import FrontendConfig
 from mmis.frontend.errors import (
     FrontendError,
@@ -62,6 +65,7 @@ from mmis.frontend.schemas import (
     install_exception_handlers,
     parse_request,
 )
+from mmis.frontend.schemas.sampling import SamplingRequest
 from mmis.frontend.serving_chat import ChatServing
 from mmis.frontend.serving_common import ClientGoneError
 from mmis.frontend.serving_completions import CompletionServing
@@ -96,6 +100,9 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = await FrontendState.create(settings, tracing)
         app.state.mmis = state
+        app.state.generation_defaults = await asyncio.to_thread(
+            generation_defaults.load, settings.model, settings.revision, settings.generation_config
+        )
         app.state.chat = ChatServing(state)
         app.state.completions = CompletionServing(state)
         app.state.embeddings = EmbeddingServing(state)
@@ -148,6 +155,8 @@ def create_app(
         name = getattr(req, "model", None)
         if name is not None and name not in served:
             raise ModelNotFoundError(name, served)
+        if isinstance(req, SamplingRequest):  # the model's own defaults for what is unset
+            req = generation_defaults.apply(req, request.app.state.generation_defaults)
         return req
 
     @app.post("/v1/chat/completions")

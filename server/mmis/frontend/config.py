@@ -150,6 +150,13 @@ class FrontendConfig:
         help="formats PIL may open",
     )
     max_n: int = setting(16, rule=POSITIVE, help="largest accepted n (choices per request)")
+    generation_config: str = setting(
+        "auto",
+        choices=("auto", "none"),
+        help="auto: the model's generation_config.json sampling values (temperature, top_p, "
+        "top_k, min_p, repetition_penalty, max_new_tokens) are the defaults of requests that "
+        "omit them, as in vLLM; none: ignore them",
+    )
 
     @property
     def served_names(self) -> tuple[str, ...]:

@@ -104,12 +104,15 @@ class ModelAdapter(abc.ABC):
         self.num_heads = int(text.num_attention_heads)
         self.num_kv_heads = int(getattr(text, "num_key_value_heads", None) or self.num_heads)
         self.head_dim = int(getattr(text, "head_dim", None) or self.hidden_size // self.num_heads)
-        eos = model.generation_config.eos_token_id
-        if eos is None:
-            eos = text.eos_token_id
-        self.eos_token_ids: tuple[int, ...] = tuple(
-            int(e) for e in (eos if isinstance(eos, list | tuple) else [eos]) if e is not None
-        )
+        # every end-of-sequence id the checkpoint declares stops a request (Qwen2-VL's
+        # generation_config lists <|im_end|> and <|endoftext|>; its config only one)
+        found: list[int] = []
+        for source in (model.generation_config, model.config, text):
+            eos = getattr(source, "eos_token_id", None)
+            for e in eos if isinstance(eos, list | tuple) else [eos]:
+                if e is not None and int(e) not in found:
+                    found.append(int(e))
+        self.eos_token_ids: tuple[int, ...] = tuple(found)
         check_exact(text, self.language_model)
 
     # -- construction -------------------------------------------------------------------
