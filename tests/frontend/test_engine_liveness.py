@@ -7,8 +7,8 @@ codec and receiver cache in threads; only the model is scripted).
   P1 brings the link up with its new epoch and receives the abort of the failed id.
 - A hang (P1's input thread stalled, no outputs) is seen after ``liveness_timeout_s``; the
   same P1 answering again brings the link up with no epoch change and aborts the failed id.
-- A P0 loop that is behind is not a silent P1: with P1's messages waiting unread, the client
-  does not count P1 as silent.
+- A P0 loop that is behind is not a silent P1: a blocked loop sent no ping, so there is no
+  silence to count; and with a message from P1 waiting unread, P1 is not silent.
 - Through the HTTP API: an engine loss does not spend the drift retry (a loss, then a miss on
   the restarted P1, is a 200 with the drift-free output); a stream that sent nothing is healed;
   ``fail_fast`` answers 503 + ``Retry-After`` at once; without it the wait ends after
@@ -150,14 +150,17 @@ async def test_a_p0_loop_behind_is_not_a_silent_engine(
     )
     await client.start(timeout=10)
     try:
-        await asyncio.sleep(0.5)  # a few pings answered: the link is up and quiet
-        time.sleep(1.0)  # on purpose: P0's loop is blocked ...
-        engine.proc._send(0, [EngineCoreOutput("nobody")])  # ... while P1 talks (its thread)
+        await asyncio.sleep(0.5)  # pings answered: the link is up and quiet
+        time.sleep(1.0)  # on purpose: P0's loop is blocked for longer than the timeout ...
+        await asyncio.sleep(0.5)  # ... so it sent no ping meanwhile: no silence to count
+        assert client.alive and client.losses == 0
+        # a ping unanswered for 10 s, but P1's message waits unread: P1 is not silent
+        client._asked_at = time.monotonic() - 10
+        engine.proc._send(0, [EngineCoreOutput("nobody")])  # P1's thread; our loop is blocked
         deadline = time.monotonic() + 10
-        while client._silent_for() != 0.0:  # P1 is not silent: its output waits unread
-            assert time.monotonic() < deadline, "a waiting output did not count as P1 talking"
+        while client._silent_for() != 0.0:
+            assert time.monotonic() < deadline, "a waiting message did not count as P1 talking"
             time.sleep(0.01)  # polling without running our loop, on purpose
-        assert time.monotonic() - client.last_pong > 0.3  # though nothing was read for long
         await asyncio.sleep(0.5)  # the watchdog and the reader catch up
         assert client.alive and client.losses == 0
     finally:

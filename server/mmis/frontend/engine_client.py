@@ -22,12 +22,14 @@ Liveness (the link is *up* or *down*; :attr:`EngineClient.alive` is ``/health`` 
   no heartbeat is needed for that, and it takes milliseconds, not a timeout.
 - **A hang is seen within a bound.** Every ``ping_interval_s`` the watchdog sends a ``hello``
   (answered by P1's *input* thread, ``engine/core_process.py``, so a long prefill on the busy
-  loop never delays it); any batch from P1 counts as a sign of life. After
-  ``liveness_timeout_s`` without one the link goes down, detected at most one
-  ``ping_interval_s`` later. It does not go down while a message from P1 is waiting in our
-  SUB socket (then P0's own loop is behind, P1 is not silent): a loaded P0 is not mistaken for
-  a hung P1. What a ``hello`` cannot see is a busy loop stuck while the input thread runs;
-  the engine container's liveness probe (Kubernetes) owns that case.
+  loop never delays it); any batch from P1 counts as an answer. The link goes down when a
+  ping has waited ``liveness_timeout_s`` with nothing heard from P1 since it was sent: between
+  ``liveness_timeout_s - ping_interval_s`` and ``liveness_timeout_s + ping_interval_s`` after
+  P1 fell silent. A loaded P0 is not mistaken for a hung P1: silence is counted from a ping
+  actually sent (a blocked loop sends none), and not while a message from P1 waits unread in
+  our SUB socket (our loop is behind, P1 is not silent). What a ``hello`` cannot see is a busy
+  loop stuck while the input thread runs; the engine container's liveness probe (Kubernetes)
+  owns that case.
 - **Going down** fails every registered request at once with one synthetic retryable
   ``engine_unavailable`` error output (the registration is dropped, so nothing of the dead
   attempt can follow), fails every pending utility call, and refuses new sends
@@ -128,6 +130,7 @@ class EngineClient:
         self.liveness_timeout_s = liveness_timeout_s
         self.cache_epoch = ""
         self.last_pong = 0.0  # monotonic time of P1's latest batch
+        self._asked_at: float | None = None  # the first ping sent after P1's latest batch
         self.epoch_changes = 0
         self.losses = 0  # times the link went down after being up
         self.down_since: float | None = None  # monotonic; None while up (or never up yet)
@@ -316,11 +319,14 @@ class EngineClient:
             monitor.close()
 
     def _silent_for(self) -> float:
-        """Seconds since P1's latest batch, or 0 when one is waiting unread in our socket."""
+        """Seconds a ping has waited with nothing heard from P1 since it was sent; 0 when
+        none waits, or when a message from P1 is waiting unread in our socket."""
+        if self._asked_at is None:
+            return 0.0
         events = self._sub.get(zmq.EVENTS)  # get(), not getsockopt(): pyzmq re-arms its reader
         if isinstance(events, int) and events & zmq.POLLIN:
             return 0.0  # P1 spoke; our own loop has not read it yet
-        return time.monotonic() - self.last_pong
+        return time.monotonic() - self._asked_at
 
     async def _watchdog(self) -> None:
         """Ping P1, take the link down when it falls silent, bring it up when it answers."""
@@ -345,6 +351,8 @@ class EngineClient:
         self._calls[call_id] = fut
         fut.add_done_callback(self._on_pong)
         loop.call_later(self.liveness_timeout_s, self._forget_call, call_id)
+        if self._asked_at is None:
+            self._asked_at = time.monotonic()
         try:  # never waits long: the socket queues without limit (SNDHWM 0)
             await self._send(UtilityCall(call_id, HELLO, [], self.client_index))
         except zmq.ZMQError as exc:
@@ -414,6 +422,7 @@ class EngineClient:
 
     def _dispatch(self, batch: EngineCoreOutputs) -> None:
         self.last_pong = time.monotonic()
+        self._asked_at = None  # P1 spoke: no ping waits any more
         if batch.cache_epoch and batch.cache_epoch != self.cache_epoch:
             previous, self.cache_epoch = self.cache_epoch, batch.cache_epoch
             if previous:
