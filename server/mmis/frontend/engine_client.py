@@ -62,6 +62,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from mmis.config import default_of
+from mmis.frontend.config import FrontendConfig
 from mmis.frontend.errors import EngineUnavailableError
 from mmis.protocol.codec import WireCodec
 from mmis.protocol.errors import MMISError
@@ -117,8 +119,8 @@ class EngineClient:
         on_missing: Callable[[list[str]], None] | None = None,
         on_evicted: Callable[[list[str]], None] | None = None,
         on_epoch_change: Callable[[str], None] | None = None,
-        ping_interval_s: float = 0.5,
-        liveness_timeout_s: float = 5.0,
+        ping_interval_s: float = default_of(FrontendConfig, "ping_interval_s"),
+        liveness_timeout_s: float = default_of(FrontendConfig, "liveness_timeout_s"),
     ) -> None:
         self.input_address = input_address
         self.output_address = output_address
