@@ -126,7 +126,12 @@ def _build_llava(out: Path, seed: int, *, siglip: bool = False) -> None:
     _save(model, processor, out, ids["</s>"], ids["<pad>"], ids["<s>"])
 
 
-def _build_qwen2_vl(out: Path, seed: int, *, v2_5: bool = False) -> None:
+# the hub checkpoints' image settings and context (Qwen2-VL-7B-Instruct): what real photos
+# meet; the tiny default keeps images at 64x64 pixels so tests stay fast
+HUB_QWEN2_VL = {"patch": 14, "min_pixels": 3136, "max_pixels": 12845056, "context": 32768}
+
+
+def _build_qwen2_vl(out: Path, seed: int, *, v2_5: bool = False, hub: bool = False) -> None:
     from transformers import (
         AutoModelForImageTextToText,
         PreTrainedTokenizerFast,
@@ -146,7 +151,7 @@ def _build_qwen2_vl(out: Path, seed: int, *, v2_5: bool = False) -> None:
     )
     tokenizer.chat_template = QWEN_TEMPLATE
     ids = token_ids(tokenizer, QWEN_SPECIALS)
-    patch, merge, temporal = 8, 2, 2
+    patch, merge, temporal = (HUB_QWEN2_VL["patch"] if hub else 8), 2, 2
     extra: dict[str, Any] = {"initializer_range": 0.2}
     vision: dict[str, Any] = {
         "depth": 2,
@@ -182,7 +187,7 @@ def _build_qwen2_vl(out: Path, seed: int, *, v2_5: bool = False) -> None:
             "num_hidden_layers": 2,
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
-            "max_position_embeddings": 4096,
+            "max_position_embeddings": HUB_QWEN2_VL["context"] if hub else 4096,
             "rope_parameters": {
                 "rope_type": "default",
                 "rope_theta": 10000.0,
@@ -204,6 +209,11 @@ def _build_qwen2_vl(out: Path, seed: int, *, v2_5: bool = False) -> None:
     config.eos_token_id = ids["<|im_end|>"]
     config.pad_token_id = ids["<|endoftext|>"]
     size = {"shortest_edge": 16 * 16, "longest_edge": 64 * 64}
+    if hub:
+        size = {
+            "shortest_edge": HUB_QWEN2_VL["min_pixels"],
+            "longest_edge": HUB_QWEN2_VL["max_pixels"],
+        }
     common: dict[str, Any] = {
         "patch_size": patch,
         "merge_size": merge,
@@ -234,7 +244,12 @@ BUILDERS = {
     "llava-siglip": lambda out, seed: _build_llava(out, seed, siglip=True),
     "qwen2-vl": _build_qwen2_vl,
     "qwen2.5-vl": lambda out, seed: _build_qwen2_vl(out, seed, v2_5=True),
+    # not a family of its own: Qwen2-VL with the hub's image settings and context
+    "qwen2-vl-hub": lambda out, seed: _build_qwen2_vl(out, seed, hub=True),
 }
+
+
+MODELS = tuple(BUILDERS)  # what can be built: the families and the hub-settings variant
 
 
 def build_tiny_model(
@@ -245,8 +260,8 @@ def build_tiny_model(
     The files are written into a sibling temporary directory and renamed into place, so the
     target either holds a complete model or does not exist. Returns the target path.
     """
-    if family not in FAMILIES:
-        raise TinyModelError(f"unknown model family {family!r}; expected one of {FAMILIES}")
+    if family not in BUILDERS:
+        raise TinyModelError(f"unknown model family {family!r}; expected one of {MODELS}")
     target = Path(directory).expanduser().resolve()
     if target.exists() and any(target.iterdir()):
         raise TinyModelError(f"{target} exists and is not empty; refusing to overwrite it")
@@ -272,8 +287,8 @@ def model_cache_dir() -> Path:
 
 def tiny_model_dir(family: str = DEFAULT_FAMILY) -> Path:
     """The cached tiny model of ``family``, built on first use (concurrency-safe)."""
-    if family not in FAMILIES:
-        raise TinyModelError(f"unknown model family {family!r}; expected one of {FAMILIES}")
+    if family not in BUILDERS:
+        raise TinyModelError(f"unknown model family {family!r}; expected one of {MODELS}")
     target = model_cache_dir() / f"mmis-tiny-{family}"
     if not (target / "config.json").exists():
         try:

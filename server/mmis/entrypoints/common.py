@@ -23,6 +23,7 @@ TINY_MODELS = {
     "mmis-tiny-llava-siglip": "llava-siglip",
     "mmis-tiny-qwen2-vl": "qwen2-vl",
     "mmis-tiny-qwen2.5-vl": "qwen2.5-vl",
+    "mmis-tiny-qwen2-vl-hub": "qwen2-vl-hub",
 }
 
 

@@ -1,7 +1,8 @@
 """``mmis tiny-model DIR [--family F] [--seed N]``: write a tiny random model of a family.
 
 Families (``mmis/engine/tiny_model.py``): ``llava`` (CLIP tower), ``llava-siglip`` (SigLIP
-tower, no CLS token), ``qwen2-vl``, ``qwen2.5-vl``.
+tower, no CLS token), ``qwen2-vl``, ``qwen2.5-vl``, and ``qwen2-vl-hub`` (Qwen2-VL with the
+hub checkpoints' image settings and context, for real photos).
 
 Invariant: the directory loads with plain ``AutoProcessor`` and
 ``AutoModelForImageTextToText.from_pretrained(DIR)``; an existing non-empty DIR is refused
@@ -13,12 +14,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mmis.engine.tiny_model import DEFAULT_FAMILY, FAMILIES, TinyModelError, build_tiny_model
+from mmis.engine.tiny_model import DEFAULT_FAMILY, MODELS, TinyModelError, build_tiny_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("directory", metavar="DIR", help="where to write the model (new or empty)")
-    parser.add_argument("--family", choices=FAMILIES, default=DEFAULT_FAMILY, help="model family")
+    parser.add_argument("--family", choices=MODELS, default=DEFAULT_FAMILY, help="model family")
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
 
 

@@ -1,0 +1,116 @@
+"""Real photo sizes on a Qwen2-VL with the hub's image settings, served with no tuning flags.
+
+The tiny ``qwen2-vl-hub`` model (``mmis/engine/tiny_model.py``: patch 14, merge 2,
+min_pixels 3136, max_pixels 12845056, a 32768-token context) behind ``mmis serve --model
+DIR``: 640x480, 1920x1080 and 4032x3024 JPEG photos are answered with 200 through the openai
+SDK (the 12 MP one takes about 15.5k placeholder tokens: more than one prefill chunk, so its
+range is split across chunks, and more than a fixed 8192-slot encoder cache, so the cache is
+sized from the processor at start-up), and the 1920x1080 answer equals plain transformers'
+greedy ``generate()`` on the same decoded image and prompt.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).parent))
+from procs import Proc
+
+from mmis.engine.tiny_model import tiny_model_dir
+
+pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(900)]
+
+PROMPT = "What is in the picture?"
+MAX_TOKENS = 6
+
+
+def _jpeg(width: int, height: int) -> bytes:
+    """A photo-like JPEG: smooth random colour fields, not a flat image."""
+    rng = np.random.default_rng(width * height)
+    coarse = rng.integers(0, 255, (height // 32 + 1, width // 32 + 1, 3), dtype=np.uint8)
+    image = Image.fromarray(coarse).resize((width, height), Image.Resampling.BILINEAR)
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=85)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[openai.OpenAI, Path]]:
+    model = tiny_model_dir("qwen2-vl-hub")
+    log_dir = tmp_path_factory.mktemp("photos")
+    args = ["serve", "--port", "0", "--model", str(model), "--served-model-name", "q"]
+    proc = Proc("serve-photos", args, log_dir, announces=True)
+    try:
+        proc.wait_http("/ready", 600)
+        client = openai.OpenAI(base_url=proc.root_url + "/v1", api_key="x", max_retries=0)
+        yield client.with_options(timeout=600), model
+    finally:
+        proc.stop()
+
+
+def _ask(client: openai.OpenAI, jpeg: bytes) -> tuple[str, int, int]:
+    url = "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()
+    out = client.chat.completions.create(
+        model="q",
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": PROMPT},
+                ],
+            }
+        ],
+    )
+    assert out.usage is not None
+    return (
+        out.choices[0].message.content or "",
+        out.usage.prompt_tokens,
+        out.usage.completion_tokens,
+    )
+
+
+def _reference(model: Path, jpeg: bytes) -> str:
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model)
+    hf = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).eval()
+    image = Image.open(io.BytesIO(jpeg)).convert("RGB")
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=[image], return_tensors="pt")
+    with torch.no_grad():
+        out = hf.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    new = out[0, inputs["input_ids"].shape[1] :].tolist()
+    return str(processor.tokenizer.decode(new, skip_special_tokens=True))
+
+
+def test_photos_are_answered_and_full_hd_matches_transformers(
+    served: tuple[openai.OpenAI, Path],
+) -> None:
+    client, model = served
+    small = _ask(client, _jpeg(640, 480))
+    full_hd_jpeg = _jpeg(1920, 1080)
+    full_hd = _ask(client, full_hd_jpeg)
+    assert small[1] < full_hd[1]  # more pixels, more placeholder tokens
+    assert full_hd[1] > 2048  # more than one prefill chunk (the default step budget)
+    assert full_hd[0] == _reference(model, full_hd_jpeg)
+
+
+def test_a_12_mp_phone_photo_is_answered(served: tuple[openai.OpenAI, Path]) -> None:
+    client, _ = served
+    _, prompt_tokens, completion_tokens = _ask(client, _jpeg(4032, 3024))
+    assert prompt_tokens > 8192  # past the old fixed encoder cache: sized from the processor
+    assert completion_tokens >= 1
