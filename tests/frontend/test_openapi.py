@@ -172,6 +172,7 @@ ACCEPTED: list[tuple[type, dict[str, Any]]] = [
     (CHAT, ask(unknown_extension={"x": 1})),
     (CompletionRequest, {"prompt": "x"}),
     (CompletionRequest, {"prompt": [1, 2], "best_of": 1, "echo": False, "suffix": ""}),
+    (CompletionRequest, {"prompt": [0, 2**31 - 1], "echo": 0.0, "suffix": {}}),
     (EmbeddingRequest, {"input": ["a", "b"], "encoding_format": "base64"}),
     (EmbeddingRequest, {"input": [3, 4]}),
     (EmbeddingRequest, {"input": [IMAGE, {"type": "text", "text": "t"}], "model": "alias"}),
@@ -197,6 +198,9 @@ REFUSED: list[tuple[type, dict[str, Any]]] = [
     (CompletionRequest, {"prompt": [1, -2]}),
     (CompletionRequest, {"prompt": "x", "echo": True}),
     (CompletionRequest, {"prompt": "x", "max_tokens": 0}),
+    (CompletionRequest, {"prompt": "x", "best_of": True}),  # true is not 1 (was accepted)
+    (CompletionRequest, {"prompt": [4009, 2**98]}),  # once a 500 (past the wire's 64 bits)
+    (EmbeddingRequest, {"input": [2**31]}),
     (EmbeddingRequest, {"input": []}),
     (EmbeddingRequest, {"input": ["a", 1]}),
     (EmbeddingRequest, {"input": [{"type": {}}]}),

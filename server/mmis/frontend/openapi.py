@@ -18,8 +18,8 @@ Invariants:
 - Limits are the running server's, read from ``app.state.mmis`` when the document is first
   asked for (after startup): ``n <= max_n``, ``max_tokens`` and ``max_completion_tokens`` at
   most the context window, ``model`` one of the served names; with ``--ops-port`` the
-  operations routes (``http_gate.OPS_PATHS``) are left out (they answer on that port only). An app
-  that never started (unit tests) gets the models' own bounds and is not cached.
+  operations routes (``http_gate.OPS_PATHS``) are left out (they answer on that port only).
+  An app that never started (unit tests) gets the models' own bounds and is not cached.
 - A stream (``text/event-stream``) is described one event at a time, as OpenAPI 3.1 readers
   such as schemathesis take ``schema`` of an event stream: ``data`` is a chunk, the error
   event, or ``[DONE]``.

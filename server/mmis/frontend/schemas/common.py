@@ -38,6 +38,9 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 UUID_MAX_LENGTH = 256
+# No vocabulary is this large; the engine checks the model's own (a 400 naming the range).
+# Without a bound, ids past 64 bits reached the wire encoder (a 500).
+TOKEN_ID_LIMIT = 2**31
 
 
 class OpenAIModel(BaseModel):
@@ -46,8 +49,24 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+def json_equal(a: Any, b: Any) -> bool:
+    """Equality as JSON (and JSON Schema's ``const``) sees it: ``true`` is not ``1``, ``1.0``
+    is ``1``."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        return a == b
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(map(json_equal, a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(json_equal(a[k], b[k]) for k in a)
+    return type(a) is type(b) and bool(a == b)
+
+
 def _is_default(value: Any, allowed: tuple[Any, ...]) -> bool:
-    return value is None or value is False or value == 0 or value in ((), [], {}, *allowed)
+    """``null``, ``false``, ``0``, ``[]``, ``{}`` or an allowed value (as :func:`unsupported_schema`
+    states it)."""
+    return any(json_equal(value, default) for default in (None, False, 0, [], {}, *allowed))
 
 
 def reject_unsupported(

@@ -1,6 +1,7 @@
 """``POST /v1/completions`` request model.
 
-Accepted: ``prompt`` as a non-empty string or a non-empty list of token ids (ints >= 0);
+Accepted: ``prompt`` as a non-empty string or a non-empty list of token ids (ints in
+[0, 2**31); the engine checks them against the model's vocabulary);
 batched prompts (a list of strings or of token lists) are rejected with a clear 400. Default
 ``max_tokens`` is 16 (the OpenAI default for this endpoint). ``echo``, ``suffix``,
 ``best_of`` > 1 and logprobs are rejected.
@@ -13,6 +14,7 @@ from typing import Annotated, Any
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from mmis.frontend.schemas.common import (
+    TOKEN_ID_LIMIT,
     add_sampling_rules,
     add_unsupported_to_schema,
     reject_unsupported,
@@ -29,7 +31,7 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]], Field(min_length=1)]
 
 
 def _request_schema(schema: dict[str, Any], model: type[Any]) -> None:

@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
 from mmis.frontend.schemas.common import (
+    TOKEN_ID_LIMIT,
     ContentPart,
     ImagePart,
     OpenAIModel,
@@ -34,7 +35,7 @@ from mmis.frontend.schemas.common import (
 MAX_BATCH = 2048
 
 NonEmptyText = Annotated[str, Field(min_length=1)]
-TokenId = Annotated[int, Field(ge=0, strict=True)]
+TokenId = Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT, strict=True)]
 
 
 def _input_tag(value: Any) -> str | None:
