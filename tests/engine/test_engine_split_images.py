@@ -4,7 +4,8 @@ With ``--max-num-batched-tokens 6`` every image (16 placeholder tokens in both t
 is larger than one step: its encoder output is computed by the first chunk that reaches it
 and its range is spread over several chunks (``engine/scheduler.py``). The tokens must be
 those of plain transformers ``generate(do_sample=False)``, with two images in one prompt, a
-long prompt crossing many chunks, and the same request again served from the prefix cache.
+long prompt crossing many chunks, the same request again served from the prefix cache, and
+drift (S1) on a split image healing to the same tokens.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_harness import EngineHarness
-from engine_inputs import ModelKit, image, kit_for, renamed
+from engine_inputs import ModelKit, hash_only, image, kit_for, renamed
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -53,3 +54,26 @@ def test_images_split_across_chunks_match_generate(kit: ModelKit, engine: Engine
         assert again.error is None, again.error
         assert again.token_ids == res.token_ids
         assert again.num_cached_tokens > 0
+
+
+def test_drift_on_a_split_image_heals_to_the_same_tokens(
+    kit: ModelKit, engine: EngineHarness
+) -> None:
+    """S1 with a split image: P1 dropped the item (the fault knob), a hash-only resend is
+    one retryable miss, and the resend with data (split across chunks again) heals."""
+    images = [image(510)]
+    base = kit.request("What is in the picture?", images, max_tokens=6)
+    [first] = engine.run(base)
+    assert first.error is None, first.error
+    assert engine.call("set_fault_evict_rate", 1.0) == 1.0
+    try:
+        [missed] = engine.run(hash_only(base))
+    finally:
+        engine.call("set_fault_evict_rate", 0.0)
+    assert missed.error is not None and missed.error.code == "multimodal_cache_miss"
+    assert missed.error.retryable and missed.missing_mm_hashes == [base.mm_features[0].mm_hash]
+    [healed] = engine.run(renamed(base))
+    assert healed.error is None, healed.error
+    assert (
+        healed.token_ids == first.token_ids == kit.reference("What is in the picture?", images, 6)
+    )
