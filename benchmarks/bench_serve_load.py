@@ -2,7 +2,12 @@
 
     .venv/bin/python benchmarks/bench_serve_load.py [--requests 500] [--concurrency 16]
         [--images 32] [--max-tokens 8] [--fault-evict-rate 0.3] [--timeout 120] [--rounds 5]
-        [--threads 1] [--model M]
+        [--threads 1] [--model M] [--against TREE]
+
+``--against TREE`` compares two source trees instead, both with the knob off: the baseline
+server runs the code of another checkout (``git worktree add TREE <commit>``; its
+``server/`` first on ``PYTHONPATH``), the other this checkout's; the ratios are this tree's
+over that one's, and the outputs must be identical.
 
 One run starts ``mmis serve`` twice on the same model: the baseline (fault knob off) and one
 with ``--fault-evict-rate`` (the operator-only knob: P1 evicts that fraction of cached items
@@ -54,11 +59,19 @@ def _sum(delta: dict[str, float], series: str, label: str = "") -> int:
     )
 
 
-def _start(name: str, args: argparse.Namespace, extra: list[str], log_dir: Path) -> ServerProcess:
+def _start(
+    name: str,
+    args: argparse.Namespace,
+    extra: list[str],
+    log_dir: Path,
+    tree: Path | None = None,
+) -> ServerProcess:
     serve_args = ["--max-num-seqs", str(max(args.concurrency, 16)), "--seed", "0", *extra]
     if args.model:
         serve_args += ["--model", args.model, "--served-model-name", "bench"]
     env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
+    if tree is not None:  # another checkout's code, this venv's dependencies
+        env["PYTHONPATH"] = str(tree / "server")
     return ServerProcess.mmis_serve(name, serve_args, log_dir, env)
 
 
@@ -120,15 +133,21 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved chunks per server")
     parser.add_argument("--threads", type=int, default=1, help="OMP threads (0: default)")
     parser.add_argument("--model", default=None, help="model dir (default: built-in mmis-tiny)")
+    parser.add_argument(
+        "--against", type=Path, default=None, help="another checkout: compare trees, knob off"
+    )
     args = parser.parse_args()
 
     servers: dict[str, ServerProcess] = {}
     startup: dict[str, float] = {}
     knob = ["--fault-evict-rate", str(args.fault_evict_rate)]
+    plan: list[tuple[str, list[str], Path | None]] = [("baseline", [], None), ("drift", knob, None)]
+    if args.against is not None:
+        plan = [("baseline", [], args.against.resolve()), ("drift", [], None)]
     with tempfile.TemporaryDirectory(prefix="bench-serve-load-") as tmp:
         try:
-            for name, extra in (("baseline", []), ("drift", knob)):
-                servers[name] = _start(name, args, extra, Path(tmp))
+            for name, extra, tree in plan:
+                servers[name] = _start(name, args, extra, Path(tmp), tree)
                 startup[name] = servers[name].wait_http("/ready")
             measured = _measure(servers, args)
         finally:
@@ -140,8 +159,12 @@ def main() -> int:
                     )
     (base, base_delta), (drift, drift_delta) = measured["baseline"], measured["drift"]
     print(f"startup to /ready: baseline {startup['baseline']:.1f}s, drift {startup['drift']:.1f}s")
-    print(_describe("baseline", base, base_delta))
-    print(_describe(f"drift {args.fault_evict_rate}", drift, drift_delta))
+    if args.against is None:
+        print(_describe("baseline", base, base_delta))
+        print(_describe(f"drift {args.fault_evict_rate}", drift, drift_delta))
+    else:
+        print(_describe("that tree", base, base_delta))
+        print(_describe("this tree", drift, drift_delta))
 
     problems = []
     for name, result in (("baseline", base), ("drift", drift)):
@@ -153,8 +176,10 @@ def main() -> int:
     differ = [k for k in base.outputs if base.outputs[k] != drift.outputs.get(k)]
     if differ:
         problems.append(f"outputs differ between the runs for {len(differ)} images: {differ[:5]}")
-    if not _sum(drift_delta, DRIFT_MISSES):
+    if args.against is None and not _sum(drift_delta, DRIFT_MISSES):
         problems.append("the drift run saw no drift miss: the fault knob did not bite")
+    if args.against is not None:
+        print(f"(A/B of trees, knob off: baseline = {args.against}, then = this checkout)")
     for problem in problems:
         print("FAIL:", problem)
 
