@@ -116,7 +116,8 @@ def test_string_content_is_one_text_part_and_defaults_apply() -> None:
         ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role", "'user'"),
         ({"messages": [{"role": "user"}]}, "messages[0]", "content is required"),
         ({"tools": [{"type": "function"}]}, "tools", "not supported"),
-        ({"logprobs": True}, "logprobs", "not supported"),
+        ({"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
         ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
     ],
 )

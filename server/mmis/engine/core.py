@@ -43,6 +43,7 @@ from mmis.protocol.messages import (
     FinishReason,
     RequestError,
     SamplingParams,
+    TokenLogprobs,
 )
 from mmis.telemetry.engine_stats import EngineStats
 
@@ -138,6 +139,7 @@ class EngineCore:
         started_ns = time.time_ns()
         sampled: dict[str, list[int]] = {}
         pooled: dict[str, Any] = {}
+        logprobs: dict[str, TokenLogprobs] = {}
         if not sched_out.is_empty:
             try:
                 result = self.runner.execute(sched_out, self.scheduler.requests)
@@ -146,12 +148,15 @@ class EngineCore:
             else:
                 sampled = {rid: [tok] for rid, tok in result.sampled_token_ids.items()}
                 pooled = result.pooled
+                logprobs = result.logprobs
             self.num_steps += 1
         events = self.scheduler.update_from_output(sched_out, sampled)
         for event in events:
             out = event.to_wire()
             if event.request_id in pooled and event.finished:
                 out.pooled = np.asarray(pooled[event.request_id], dtype=np.float32)
+            if event.new_token_ids and event.request_id in logprobs:
+                out.logprobs = logprobs[event.request_id]
             outputs.append(out)
         if self.spans is not None:
             self.spans.on_step(sched_out.scheduled, events, started_ns, time.time_ns())

@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from mmis.engine import logprobs
 from mmis.engine.model.adapter import ModelAdapter
 from mmis.engine.paged_attention import (
     DEFAULT_BLOCK_SIZE,
@@ -192,9 +193,13 @@ class ModelRunner:
         logits = self.adapter.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
         params = [s.sampling_params for s in chosen]
         counts = self._token_counts(chosen, histories, logits)
-        tokens = self.sampler(logits, params, [s.end_position for s in chosen], counts).tolist()
-        for s, token in zip(chosen, tokens, strict=True):
+        pending = logprobs.prepare(logits, params)  # before the sampler touches the logits
+        sampled = self.sampler(logits, params, [s.end_position for s in chosen], counts)
+        for s, token in zip(chosen, sampled.tolist(), strict=True):
             out.sampled_token_ids[s.request_id] = int(token)
+        if pending is not None:
+            for row, lp in logprobs.finish(pending, sampled).items():
+                out.logprobs[chosen[row].request_id] = lp
 
     def _token_counts(
         self,

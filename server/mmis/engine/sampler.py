@@ -40,6 +40,7 @@ from typing import Protocol
 
 import torch
 
+from mmis.engine.logprobs import MAX_LOGPROBS
 from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import ErrorCode, SamplingParams
 
@@ -95,6 +96,10 @@ def _check_extras(params: SamplingParams) -> None:
         )
     if not 0 <= params.min_p <= 1:
         raise SamplingParamsError(f"min_p must be in [0, 1], got {params.min_p}")
+    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
+        raise SamplingParamsError(
+            f"logprobs must be in [0, {MAX_LOGPROBS}] (top alternatives), got {params.logprobs}"
+        )
     if len(params.logit_bias) > MAX_LOGIT_BIAS:
         raise SamplingParamsError(
             f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(params.logit_bias)}"

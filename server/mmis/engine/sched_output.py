@@ -37,6 +37,7 @@ from mmis.protocol.messages import (
     PoolingParams,
     RequestError,
     SamplingParams,
+    TokenLogprobs,
 )
 
 
@@ -138,6 +139,7 @@ class StepOutput:
     """What one step produced, keyed by request id."""
 
     sampled_token_ids: dict[str, int] = dataclasses.field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = dataclasses.field(default_factory=dict)  # who asked
     pooled: dict[str, Any] = dataclasses.field(default_factory=dict)  # numpy float32 vectors
     encoded_mm_hashes: list[str] = dataclasses.field(default_factory=list)
 

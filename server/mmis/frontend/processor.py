@@ -86,6 +86,10 @@ class ModelProcessor:
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens included (what logprobs show for it)."""
+        return str(self.tokenizer.decode([int(token_id)], skip_special_tokens=False))
+
     @property
     def eos_token_id(self) -> int | None:
         eos = getattr(self.tokenizer, "eos_token_id", None)

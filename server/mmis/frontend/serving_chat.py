@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from mmis.frontend import logprobs
 from mmis.frontend.errors import InvalidRequestError
+from mmis.frontend.logprobs import TokenLogprob
 from mmis.frontend.renderer import ImageRef
 from mmis.frontend.schemas import (
     AssistantMessage,
@@ -32,7 +34,7 @@ from mmis.frontend.schemas import (
     Usage,
 )
 from mmis.frontend.serving_common import new_request_id
-from mmis.frontend.serving_generate import TextGenerator
+from mmis.frontend.serving_generate import Choice, TextGenerator
 
 if TYPE_CHECKING:
     from mmis.frontend.state import FrontendState
@@ -63,25 +65,41 @@ class ChatFormat:
         self.model = model
 
     def whole(
-        self, request_id: str, choices: Sequence[tuple[str, str | None]], usage: Usage
+        self, request_id: str, choices: Sequence[Choice], usage: Usage
     ) -> ChatCompletionResponse:
         return ChatCompletionResponse(
             id=request_id,
             model=self.model,
             choices=[
-                ChatChoice(index=i, message=AssistantMessage(content=text), finish_reason=finish)  # type: ignore[arg-type]
-                for i, (text, finish) in enumerate(choices)
+                ChatChoice(
+                    index=i,
+                    message=AssistantMessage(content=text),
+                    finish_reason=finish,  # type: ignore[arg-type]
+                    logprobs=None if rows is None else logprobs.chat(rows),
+                )
+                for i, (text, finish, rows) in enumerate(choices)
             ],
             usage=usage,
         )
 
     def chunk(
-        self, request_id: str, index: int, text: str | None, finish: str | None, first: bool
+        self,
+        request_id: str,
+        index: int,
+        text: str | None,
+        finish: str | None,
+        first: bool,
+        rows: list[TokenLogprob] | None = None,
     ) -> ChatCompletionChunk:
         delta = ChatDelta(
             role="assistant" if first else None, content=text or ("" if first else None)
         )
-        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish)  # type: ignore[arg-type]
+        choice = ChatChunkChoice(
+            index=index,
+            delta=delta,
+            finish_reason=finish,  # type: ignore[arg-type]
+            logprobs=None if rows is None else logprobs.chat(rows),
+        )
         return ChatCompletionChunk(id=request_id, model=self.model, choices=[choice])
 
     def usage_chunk(self, request_id: str, usage: Usage) -> ChatCompletionChunk:

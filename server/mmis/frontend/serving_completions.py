@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 from fastapi.responses import Response
 
+from mmis.frontend import logprobs
+from mmis.frontend.logprobs import TokenLogprob
 from mmis.frontend.schemas import (
     CompletionChoice,
     CompletionRequest,
@@ -19,7 +21,7 @@ from mmis.frontend.schemas import (
     Usage,
 )
 from mmis.frontend.serving_common import new_request_id
-from mmis.frontend.serving_generate import TextGenerator
+from mmis.frontend.serving_generate import Choice, TextGenerator
 
 if TYPE_CHECKING:
     from mmis.frontend.state import FrontendState
@@ -29,23 +31,37 @@ class CompletionFormat:
     def __init__(self, model: str) -> None:
         self.model = model
 
-    def whole(
-        self, request_id: str, choices: Sequence[tuple[str, str | None]], usage: Usage
-    ) -> CompletionResponse:
+    def whole(self, request_id: str, choices: Sequence[Choice], usage: Usage) -> CompletionResponse:
         return CompletionResponse(
             id=request_id,
             model=self.model,
             choices=[
-                CompletionChoice(index=i, text=text, finish_reason=finish)  # type: ignore[arg-type]
-                for i, (text, finish) in enumerate(choices)
+                CompletionChoice(
+                    index=i,
+                    text=text,
+                    finish_reason=finish,  # type: ignore[arg-type]
+                    logprobs=None if rows is None else logprobs.completion(rows),
+                )
+                for i, (text, finish, rows) in enumerate(choices)
             ],
             usage=usage,
         )
 
     def chunk(
-        self, request_id: str, index: int, text: str | None, finish: str | None, first: bool
+        self,
+        request_id: str,
+        index: int,
+        text: str | None,
+        finish: str | None,
+        first: bool,
+        rows: list[TokenLogprob] | None = None,
     ) -> CompletionResponse:
-        choice = CompletionChoice(index=index, text=text or "", finish_reason=finish)  # type: ignore[arg-type]
+        choice = CompletionChoice(
+            index=index,
+            text=text or "",
+            finish_reason=finish,  # type: ignore[arg-type]
+            logprobs=None if rows is None else logprobs.completion(rows),
+        )
         return CompletionResponse(id=request_id, model=self.model, choices=[choice])
 
     def usage_chunk(self, request_id: str, usage: Usage) -> CompletionResponse:

@@ -29,6 +29,7 @@ from pydantic import BaseModel
 
 from mmis.frontend.detokenizer import IncrementalDetokenizer
 from mmis.frontend.errors import SSE_DONE
+from mmis.frontend.logprobs import LogprobsBuilder, TokenLogprob
 from mmis.frontend.recovery import ChoiceWatch, Generation, RequestBuilder, RetryableFailure
 from mmis.frontend.renderer import RenderedPrompt, SourcePrompt
 from mmis.frontend.request_telemetry import current_record
@@ -47,15 +48,23 @@ if TYPE_CHECKING:
 SEED_MODULUS = 2**63
 
 
+# one choice of a whole answer: its text, finish reason, and logprob rows (None: not asked)
+Choice = tuple[str, str | None, list[TokenLogprob] | None]
+
+
 class ResponseFormat(Protocol):
     """An endpoint's response shapes."""
 
-    def whole(
-        self, request_id: str, choices: Sequence[tuple[str, str | None]], usage: Usage
-    ) -> BaseModel: ...
+    def whole(self, request_id: str, choices: Sequence[Choice], usage: Usage) -> BaseModel: ...
 
     def chunk(
-        self, request_id: str, index: int, text: str | None, finish: str | None, first: bool
+        self,
+        request_id: str,
+        index: int,
+        text: str | None,
+        finish: str | None,
+        first: bool,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> BaseModel: ...
 
     def usage_chunk(self, request_id: str, usage: Usage) -> BaseModel: ...
@@ -148,6 +157,9 @@ class TextGenerator:
     def _detokenizer(self, req: SamplingRequest) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.state.processor.decode, req.stop_list())
 
+    def _logprobs(self) -> LogprobsBuilder:
+        return LogprobsBuilder(self.state.processor.token_text)
+
     def _whole(
         self,
         req: SamplingRequest,
@@ -156,15 +168,22 @@ class TextGenerator:
         rendered: RenderedPrompt,
         outputs: list[list[EngineCoreOutput]],
     ) -> Response:
-        choices: list[tuple[str, str | None]] = []
+        choices: list[Choice] = []
         completion = cached = 0
+        wants_logprobs = req.logprobs_count() is not None
         for outs in outputs:
             detok = self._detokenizer(req)
             detok.add([t for out in outs for t in out.new_token_ids], final=True)
             completion += len(detok.token_ids)
             cached = max([cached, *(out.num_cached_tokens for out in outs)])
             finish = "stop" if detok.stopped else (outs[-1].finish_reason if outs else None)
-            choices.append((detok.text, finish))
+            rows = None
+            if wants_logprobs:
+                builder = self._logprobs()
+                for out in outs:
+                    builder.add(out)
+                rows = builder.kept(len(detok.token_ids))
+            choices.append((detok.text, finish, rows))
         usage = make_usage(rendered.num_tokens, completion, cached)
         note_usage(rendered.num_tokens, completion, cached)
         body = fmt.whole(request_id, choices, usage)
@@ -174,22 +193,28 @@ class TextGenerator:
         self, req: SamplingRequest, fmt: ResponseFormat, request_id: str, gen: Generation
     ) -> AsyncGenerator[bytes, None]:
         detoks = [self._detokenizer(req) for _ in range(gen.n)]
+        builders = [self._logprobs() for _ in range(gen.n)]
+        wants_logprobs = req.logprobs_count() is not None
         started = [False] * gen.n
         cached = 0
         try:
             async for choice, out in gen.outputs():
                 detok = detoks[choice]
                 final = out.finish_reason is not None
+                kept_before = len(detok.token_ids)
                 delta = detok.add(out.new_token_ids, final=final)
                 cached = max(cached, out.num_cached_tokens)
                 finish = out.finish_reason if final else None
                 if detok.stopped:
                     finish = "stop"
                     await gen.finish_choice(choice)
-                if delta or finish or not started[choice]:
-                    yield sse_chunk(
-                        fmt.chunk(request_id, choice, delta, finish, not started[choice])
-                    )
+                rows = None
+                if wants_logprobs:  # the rows of the tokens this output added and the text keeps
+                    builders[choice].add(out)
+                    rows = builders[choice].rows[kept_before : len(detok.token_ids)]
+                if delta or finish or rows or not started[choice]:
+                    first = not started[choice]
+                    yield sse_chunk(fmt.chunk(request_id, choice, delta, finish, first, rows))
                     started[choice] = True
         except RetryableFailure as failure:
             raise failure.error() from None

@@ -30,6 +30,7 @@ from mmis.protocol.messages import (
     RequestType,
     SamplingParams,
     ShmAddress,
+    TokenLogprobs,
     UtilityCall,
     UtilityResult,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "SamplingParams",
     "ShmAddress",
     "TensorHeader",
+    "TokenLogprobs",
     "UtilityCall",
     "UtilityResult",
     "WireCodec",

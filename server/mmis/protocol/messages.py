@@ -94,6 +94,8 @@ class SamplingParams(msgspec.Struct, array_like=True):
     ``presence_penalty`` / ``frequency_penalty`` (OpenAI, [-2, 2], 0 off) count the tokens
     generated so far; ``repetition_penalty`` (> 0, 1 off) covers prompt and output;
     ``min_p`` ([0, 1], 0 off); ``logit_bias`` maps token id -> bias in [-100, 100].
+    ``logprobs``: ``None`` off; else each sampled token's log-probability and that many of
+    the most likely alternatives ([0, 20]) come back in ``EngineCoreOutput.logprobs``.
     """
 
     n: int = 1
@@ -110,6 +112,7 @@ class SamplingParams(msgspec.Struct, array_like=True):
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
+    logprobs: int | None = None
 
 
 class PoolingParams(msgspec.Struct, array_like=True):
@@ -156,6 +159,20 @@ class UtilityResult(msgspec.Struct, array_like=True):
     error: RequestError | None = None
 
 
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Log-probabilities of the new tokens of one output, one row per token.
+
+    Row ``i``: ``token_ids[i][0]`` is the sampled token, the rest its most likely
+    alternatives in decreasing order; ``logprobs[i][j]`` belongs to ``token_ids[i][j]``;
+    ``ranks[i]`` is the sampled token's rank (1 = the most likely). Computed in P1 from the
+    model's logits of that step, before any sampling parameter (``engine/logprobs.py``).
+    """
+
+    token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    logprobs: list[list[float]] = msgspec.field(default_factory=list)
+    ranks: list[int] = msgspec.field(default_factory=list)
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True):
     """Progress of one request since the previous output.
 
@@ -173,6 +190,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True):
     num_cached_tokens: int = 0
     pooled: Any = None  # a numpy array for pooling requests
     stop_reason: str | int | None = None
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True):

@@ -33,6 +33,7 @@ from mmis.protocol.messages import (
     RequestError,
     SamplingParams,
     ShmAddress,
+    TokenLogprobs,
     UtilityCall,
     UtilityResult,
 )
@@ -50,6 +51,7 @@ WIRE_STRUCTS: tuple[type[msgspec.Struct], ...] = (
     RequestError,
     UtilityCall,
     UtilityResult,
+    TokenLogprobs,
     EngineCoreOutput,
     EngineCoreOutputs,
 )

@@ -34,13 +34,14 @@ from mmis.protocol import (
     SamplingParams,
     ShmAddress,
     TensorHeader,
+    TokenLogprobs,
     UtilityCall,
     UtilityResult,
     WireCodec,
 )
 
 GOLDEN_DIR = Path(__file__).resolve().parent
-CURRENT_VERSION = "v2"
+CURRENT_VERSION = "v3"
 SUFFIX = ".msgpack"
 
 
@@ -90,9 +91,28 @@ def _error() -> RequestError:
 
 def samples() -> list[Sample]:
     sampling = SamplingParams(
-        2, 0.7, 0.9, 50, 1234, 64, ["</s>", "\n\n"], [2, 7], False, 0.5, -0.25, 1.1, 0.05, {9: 5.0}
+        2,
+        0.7,
+        0.9,
+        50,
+        1234,
+        64,
+        ["</s>", "\n\n"],
+        [2, 7],
+        False,
+        0.5,
+        -0.25,
+        1.1,
+        0.05,
+        {9: 5.0},
+        2,
     )
-    token_output = EngineCoreOutput("req-1", [11, 12, 13], None, None, [], 1, 58, 16)
+    logprobs = TokenLogprobs(
+        [[11, 4, 11], [12, 12, 3]], [[-0.5, -0.25, -0.5], [-0.125, -0.125, -3.0]], [2, 1]
+    )
+    token_output = EngineCoreOutput(
+        "req-1", [11, 12], None, None, [], 1, 58, 16, None, None, logprobs
+    )
     miss_output = EngineCoreOutput(
         "req-2", [], "error", _error(), ["b2" * 32, "e5" * 32], 0, 0, 0, None, None
     )
@@ -154,6 +174,7 @@ def samples() -> list[Sample]:
         Sample("struct_SamplingParams", "struct", SamplingParams()),
         Sample("struct_PoolingParams", "struct", PoolingParams()),
         Sample("struct_RequestError", "struct", _error()),
+        Sample("struct_TokenLogprobs", "struct", TokenLogprobs([[5]], [[-0.75]], [1])),
         Sample("struct_UtilityResult", "struct", UtilityResult(9, True, [1, "two", 3.0])),
         Sample("struct_EngineCoreOutput", "struct", pooled_output),
     ]

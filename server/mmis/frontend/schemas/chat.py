@@ -4,7 +4,8 @@ Accepted: ``messages`` (at least one; roles system, developer, user, assistant, 
 a string or a list of text / image parts, see :mod:`.common`; images only in user messages;
 content may be omitted only for assistant messages), and the sampling fields of
 :mod:`.sampling`. ``max_completion_tokens`` wins over the older ``max_tokens`` when both are
-given. Tool calling, logprobs, non-text response formats and audio are rejected.
+given. ``logprobs: true`` (with ``top_logprobs`` alternatives, 0-20) returns each generated
+token's log-probability. Tool calling, non-text response formats and audio are rejected.
 
 The JSON schema states the role rules too (:func:`_message_schema`): one branch per role
 group, content required but for assistant messages, image parts only in user messages.
@@ -15,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from mmis.frontend.schemas.common import (
     Content,
@@ -26,15 +27,13 @@ from mmis.frontend.schemas.common import (
     add_unsupported_to_schema,
     reject_unsupported,
 )
-from mmis.frontend.schemas.sampling import MAX_STOP, SamplingRequest
+from mmis.frontend.schemas.sampling import MAX_STOP, MAX_TOP_LOGPROBS, SamplingRequest
 
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tools": (),
     "functions": (),
     "tool_choice": ("none", "auto"),
     "function_call": ("none", "auto"),
-    "logprobs": (),
-    "top_logprobs": (),
     "response_format": ({"type": "text"},),
     "audio": (),
     "modalities": (["text"],),
@@ -114,6 +113,18 @@ class ChatCompletionRequest(SamplingRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs", False):
+            raise ValueError("needs logprobs: true")
+        return value
+
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @model_validator(mode="before")
     @classmethod

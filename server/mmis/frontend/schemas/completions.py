@@ -3,8 +3,9 @@
 Accepted: ``prompt`` as a non-empty string or a non-empty list of token ids (ints in
 [0, 2**31); the engine checks them against the model's vocabulary);
 batched prompts (a list of strings or of token lists) are rejected with a clear 400. Default
-``max_tokens`` is 16 (the OpenAI default for this endpoint). ``echo``, ``suffix``,
-``best_of`` > 1 and logprobs are rejected.
+``max_tokens`` is 16 (the OpenAI default for this endpoint). ``logprobs`` (0-5 alternatives
+per token) is answered in the legacy column layout. ``echo``, ``suffix`` and ``best_of`` > 1
+are rejected.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from mmis.frontend.schemas.common import (
     add_unsupported_to_schema,
     reject_unsupported,
 )
-from mmis.frontend.schemas.sampling import MAX_STOP, SamplingRequest
+from mmis.frontend.schemas.sampling import MAX_COMPLETION_LOGPROBS, MAX_STOP, SamplingRequest
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
@@ -27,7 +28,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (),
     "suffix": ("",),
     "best_of": (1,),
-    "logprobs": (),
 }
 
 
@@ -44,6 +44,10 @@ class CompletionRequest(SamplingRequest):
 
     prompt: Annotated[str, Field(min_length=1)] | TokenIds
     max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
 
     @model_validator(mode="before")
     @classmethod

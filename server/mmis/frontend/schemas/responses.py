@@ -47,11 +47,36 @@ class AssistantMessage(BaseModel):
     content: str | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None  # the token's UTF-8 bytes
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    """``choices[].logprobs`` of chat (``logprobs: true``): one entry per generated token."""
+
+    content: list[TokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """``choices[].logprobs`` of completions (``logprobs: k``), the legacy column layout."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: FinishReason = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -72,7 +97,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     finish_reason: FinishReason = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -88,7 +113,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: FinishReason = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -22,6 +22,8 @@ from mmis.frontend.schemas.common import OpenAIModel
 from mmis.protocol.messages import SamplingParams
 
 DEFAULT_MAX_N = 16
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit; P1 checks the same)
+MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs (OpenAI's limit)
 MAX_STOP = 16
 MAX_LOGIT_BIAS = 300  # = mmis.engine.sampler.MAX_LOGIT_BIAS (P0 does not import the engine)
 
@@ -112,7 +114,13 @@ class SamplingRequest(OpenAIModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             min_p=self.min_p or 0.0,
             logit_bias={int(k): float(v) for k, v in (self.logit_bias or {}).items()},
+            logprobs=self.logprobs_count(),
         )
+
+    def logprobs_count(self) -> int | None:
+        """How many alternatives per token the client wants with its logprobs (``None``: no
+        logprobs); each endpoint spells it its own way."""
+        return None
 
 
 def context_for(max_n: int) -> dict[str, Any]:

@@ -1,0 +1,71 @@
+"""Log-probabilities of sampled tokens, for the requests that ask (``SamplingParams.logprobs``).
+
+Invariants:
+- Computed from the model's logits of the step (``log_softmax`` in float32), before any
+  sampling parameter touches them (bias, penalties, temperature, top-k/p), as vLLM's default
+  ``raw_logprobs`` mode: the values describe the model, whatever sampler settings the
+  request used. :func:`prepare` must therefore run before the sampler, which may change the
+  logits in place.
+- One batched pass over the rows that asked (no per-request device work): a ``log_softmax``
+  of those rows, one ``topk`` of the largest ``k`` asked for, and one host copy after the
+  sampled tokens are known (:func:`finish`); rows that did not ask cost nothing.
+- Row ``i`` of the result is ``[sampled, top_1 .. top_k]`` ids with their log-probabilities
+  and the sampled token's rank (1 = most likely), the layout of
+  :class:`~mmis.protocol.messages.TokenLogprobs`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mmis.protocol.messages import SamplingParams, TokenLogprobs
+
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+
+
+@dataclass
+class Pending:
+    """The rows that asked, their log-softmax and top-k, waiting for the sampled tokens."""
+
+    rows: list[int]
+    ks: list[int]
+    logprobs: torch.Tensor  # [R, V] float32
+    top_values: torch.Tensor  # [R, max k]
+    top_ids: torch.Tensor  # [R, max k]
+
+
+def prepare(logits: torch.Tensor, params: Sequence[SamplingParams | None]) -> Pending | None:
+    """Start the rows of ``logits`` whose params ask for logprobs (``None``: no row asks)."""
+    rows = [i for i, p in enumerate(params) if p is not None and p.logprobs is not None]
+    if not rows:
+        return None
+    ks = [int(params[i].logprobs or 0) for i in rows]  # type: ignore[union-attr]
+    index = torch.tensor(rows, device=logits.device)
+    logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+    k = max(ks)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
+    return Pending(rows, ks, logprobs, top_values, top_ids.long())
+
+
+def finish(pending: Pending, sampled: torch.Tensor) -> dict[int, TokenLogprobs]:
+    """Row index -> the logprobs of its sampled token (``sampled``: ``[S]`` token ids)."""
+    index = torch.tensor(pending.rows, device=sampled.device)
+    chosen = sampled.index_select(0, index).long().view(-1, 1)
+    chosen_lp = pending.logprobs.gather(1, chosen.to(pending.logprobs.device))
+    ranks = (pending.logprobs > chosen_lp).sum(dim=-1) + 1
+    chosen_ids = chosen.view(-1).tolist()
+    chosen_values = chosen_lp.view(-1).tolist()
+    rank_list = ranks.tolist()
+    top_ids = pending.top_ids.tolist()
+    top_values = pending.top_values.tolist()
+    out: dict[int, TokenLogprobs] = {}
+    for j, (row, k) in enumerate(zip(pending.rows, pending.ks, strict=True)):
+        out[row] = TokenLogprobs(
+            token_ids=[[chosen_ids[j], *top_ids[j][:k]]],
+            logprobs=[[chosen_values[j], *top_values[j][:k]]],
+            ranks=[int(rank_list[j])],
+        )
+    return out

@@ -1,0 +1,122 @@
+"""``logprobs`` through the openai SDK against a real ``mmis serve`` (tiny LLaVA).
+
+Chat (``logprobs`` / ``top_logprobs``) and completions (``logprobs: k``), whole and streamed:
+one entry per generated token, alternatives sorted and as many as asked, the greedy pick is
+the most likely token, a stream carries the same numbers as the whole answer, completions'
+``text_offset`` runs over the token texts; out-of-range values are 400s naming the field.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from procs import Proc, image_url
+
+pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
+
+TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    proc = Proc(
+        "serve-logprobs", ["serve", "--port", "0"], tmp_path_factory.mktemp("lp"), announces=True
+    )
+    try:
+        proc.wait_http("/ready", 300)
+        yield openai.OpenAI(base_url=proc.root_url + "/v1", api_key="x", max_retries=0, timeout=120)
+    finally:
+        proc.stop()
+
+
+def _messages() -> list[dict[str, object]]:
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": image_url((200, 40, 90))}},
+                {"type": "text", "text": "What is in the picture?"},
+            ],
+        }
+    ]
+
+
+def _chat(client: openai.OpenAI, **kw: object):  # type: ignore[no-untyped-def]
+    return client.chat.completions.create(
+        model="mmis-tiny",
+        messages=_messages(),  # type: ignore[arg-type]
+        max_tokens=TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+        **kw,
+    )
+
+
+def test_chat_logprobs_whole_and_streamed(client: openai.OpenAI) -> None:
+    whole = _chat(client, logprobs=True, top_logprobs=3)
+    (choice,) = whole.choices
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    entries = choice.logprobs.content
+    assert whole.usage is not None and len(entries) == whole.usage.completion_tokens == TOKENS
+    for entry in entries:
+        assert entry.logprob <= 0
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+        top = entry.top_logprobs
+        assert len(top) == 3
+        assert [t.logprob for t in top] == sorted((t.logprob for t in top), reverse=True)
+        assert top[0].token == entry.token and top[0].logprob == pytest.approx(entry.logprob)
+    streamed = []
+    for chunk in _chat(client, logprobs=True, top_logprobs=3, stream=True):
+        for c in chunk.choices:
+            if c.logprobs is not None and c.logprobs.content:
+                streamed.extend(c.logprobs.content)
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [
+        (e.token, round(e.logprob, 4)) for e in entries
+    ]
+    assert _chat(client).choices[0].logprobs is None  # not asked: none
+    bare = _chat(client, logprobs=True).choices[0].logprobs
+    assert bare is not None and bare.content and all(e.top_logprobs == [] for e in bare.content)
+
+
+def test_completions_logprobs_whole_and_streamed(client: openai.OpenAI) -> None:
+    kw = {"model": "mmis-tiny", "prompt": "Hello there", "max_tokens": TOKENS, "temperature": 0}
+    whole = client.completions.create(logprobs=2, extra_body={"ignore_eos": True}, **kw)  # type: ignore[arg-type]
+    lp = whole.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.text_offset is not None
+    assert len(lp.tokens) == TOKENS and lp.token_logprobs is not None
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(TOKENS)]
+    assert lp.top_logprobs is not None
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert value is not None and value <= 0
+        assert 1 <= len(top) <= 2 and max(top.values()) == pytest.approx(value)  # greedy
+        assert token in top
+    streamed: list[str] = []
+    offsets: list[int] = []
+    stream = client.completions.create(  # type: ignore[call-overload]
+        logprobs=2, stream=True, extra_body={"ignore_eos": True}, **kw
+    )
+    for chunk in stream:
+        for c in chunk.choices:
+            if c.logprobs is not None and c.logprobs.tokens:
+                streamed.extend(c.logprobs.tokens)
+                offsets.extend(c.logprobs.text_offset or [])
+    assert streamed == lp.tokens and offsets == lp.text_offset
+
+
+def test_out_of_range_values_are_400_naming_the_field(client: openai.OpenAI) -> None:
+    for kw, param in (
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ):
+        with pytest.raises(openai.BadRequestError) as bad:
+            _chat(client, **kw)
+        assert param in str(bad.value)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="mmis-tiny", prompt="hi", logprobs=6)
+    assert "logprobs" in str(bad.value)
