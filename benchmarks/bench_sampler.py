@@ -22,11 +22,11 @@ median of the per-round ratios to ``before``. Sides:
 Each of the two param mixes is measured: ``greedy`` (temperature 0) and ``sampled``
 (temperature 1, top-p 0.9).
 
-Part 2, the whole engine core (``--no-engine`` skips it): the ``bench_engine.py`` workload
-(tiny LLaVA, one 64x64 image per request, ``--tokens`` greedy tokens, EOS ignored) at
-``--engine-concurrency``, plain vs every request with ``frequency_penalty=0.5,
-presence_penalty=0.5, repetition_penalty=1.1``; median output tokens/s and the median of the
-per-round ratios.
+Part 2, the whole engine core (``--no-engine`` skips it, ``--no-sampler`` skips part 1): the
+``bench_engine.py`` workload (tiny LLaVA, one 64x64 image per request, ``--tokens`` greedy
+tokens, EOS ignored) at ``--engine-concurrency``, plain vs every request with
+``frequency_penalty=0.5, presence_penalty=0.5, repetition_penalty=1.1`` vs every request with
+``logprobs=5``; median output tokens/s and the median of the per-round ratios.
 
 The last line is ``SUMMARY bench_sampler: ...``.
 """
@@ -215,7 +215,7 @@ def _time_sides(
 
 def _engine_part(
     concurrency: int, tokens: int, repeat: int, device: str
-) -> tuple[float, float, float]:
+) -> dict[str, tuple[float, float]]:
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -238,20 +238,22 @@ def _engine_part(
     runner = engine_runner(adapter)
     items = build_workload(processor, adapter, concurrency)
 
-    def requests(penalties: bool) -> list[Any]:
+    def requests(side: str) -> list[Any]:
         reqs = engine_requests(items, tokens)
-        if penalties:
-            for r in reqs:
-                assert r.sampling_params is not None
+        for r in reqs:
+            assert r.sampling_params is not None
+            if side == "penalties":
                 r.sampling_params.frequency_penalty = 0.5
                 r.sampling_params.presence_penalty = 0.5
                 r.sampling_params.repetition_penalty = 1.1
+            elif side == "logprobs":  # each token's logprob and its 5 likeliest alternatives
+                r.sampling_params.logprobs = 5
         return reqs
 
-    times: dict[str, list[float]] = {"plain": [], "penalties": []}
+    times: dict[str, list[float]] = {"plain": [], "penalties": [], "logprobs": []}
     for _ in range(repeat):
         for name, seconds in times.items():
-            core, reqs = engine_core(runner), requests(name == "penalties")
+            core, reqs = engine_core(runner), requests(name)
             _sync(adapter.device)
             start = time.perf_counter()
             with torch.inference_mode():
@@ -261,14 +263,13 @@ def _engine_part(
             if sum(len(o) for o in out) != concurrency * tokens:
                 raise RuntimeError(f"{name}: wrong number of tokens")
     total = concurrency * tokens
-    ratio = statistics.median(
-        p / q for p, q in zip(times["plain"], times["penalties"], strict=True)
-    )  # penalties tok/s over plain tok/s, per round
-    return (
-        total / statistics.median(times["plain"]),
-        total / statistics.median(times["penalties"]),
-        ratio,
-    )
+    return {  # side -> (median tok/s, median per-round ratio of its tok/s over plain's)
+        name: (
+            total / statistics.median(seconds),
+            statistics.median(p / q for p, q in zip(times["plain"], seconds, strict=True)),
+        )
+        for name, seconds in times.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-concurrency", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--no-engine", dest="engine", action="store_false")
+    parser.add_argument("--no-sampler", dest="sampler", action="store_false", help="part 2 only")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")
@@ -298,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'fast-before':>11} {'incremental':>16} {'rebuilt':>16}"
     )
     figures: list[str] = []
-    for mix in ("greedy", "sampled"):
+    for mix in ("greedy", "sampled") if args.sampler else ():
         for vocab in args.vocab:
             for history in args.history:
                 sides = _sampler_sides(args.rows, vocab, history, mix, device)
@@ -321,14 +323,18 @@ def main(argv: list[str] | None = None) -> int:
                 )
     engine = ""
     if args.engine:
-        plain, penal, ratio = _engine_part(
+        sides = _engine_part(
             args.engine_concurrency, args.tokens, max(3, args.repeat // 2), args.device
         )
         print(
-            f"engine c={args.engine_concurrency}: plain {plain:.1f} tok/s, with penalties "
-            f"{penal:.1f} tok/s (median per-round ratio {ratio:.2f}x)"
+            f"engine c={args.engine_concurrency}: "
+            + ", ".join(f"{n} {tps:.1f} tok/s ({r:.2f}x)" for n, (tps, r) in sides.items())
+            + " (ratios: median per-round tok/s over plain's)"
         )
-        engine = f"; engine c={args.engine_concurrency} penalties/plain {ratio:.2f}x"
+        engine = (
+            f"; engine c={args.engine_concurrency} penalties/plain {sides['penalties'][1]:.2f}x"
+            f" logprobs/plain {sides['logprobs'][1]:.2f}x"
+        )
     print(f"SUMMARY bench_sampler: {device} rows={args.rows}; " + "; ".join(figures) + engine)
     return 0
 
