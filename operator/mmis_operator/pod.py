@@ -113,6 +113,7 @@ def engine_args(spec: ServiceSpec) -> list[str]:
     if spec.cache.engine_size_bytes is not None:
         receiver = spec.cache.engine_size_bytes
     args = ["engine", "--model", spec.model.name, *revision_args(spec), *address_args()]
+    args += ["--health-port", str(r.ENGINE_HEALTH_PORT)]
     args += ["--mm-cache-type", spec.cache.type, "--engine-mm-cache-gb", quantity.gib(receiver)]
     args += _shm_args(spec)
     if spec.max_num_seqs is not None:
@@ -144,9 +145,11 @@ def common_env(spec: ServiceSpec, name: str) -> list[dict[str, Any]]:
     ]
 
 
-def _probe(path: str, period: int, failures: int, timeout: int) -> dict[str, Any]:
+def _probe(
+    path: str, period: int, failures: int, timeout: int, port: str = r.HTTP_PORT_NAME
+) -> dict[str, Any]:
     return {
-        "httpGet": {"path": path, "port": r.HTTP_PORT_NAME},
+        "httpGet": {"path": path, "port": port},
         "periodSeconds": period,
         "failureThreshold": failures,
         "timeoutSeconds": timeout,
@@ -253,11 +256,13 @@ def frontend_container(spec: ServiceSpec, name: str) -> dict[str, Any]:
             "requests": {"cpu": spec.frontend_cpu, "memory": memory},
             "limits": {"memory": memory},
         },
+        # one probe per container: the front end's liveness is about this process only
+        # (/live); /ready also needs the engine link, so the pod is ready when both are
         "startupProbe": _probe(
-            "/health", STARTUP_PERIOD, math.ceil(spec.startup_timeout_seconds / STARTUP_PERIOD), 5
+            "/live", STARTUP_PERIOD, math.ceil(spec.startup_timeout_seconds / STARTUP_PERIOD), 5
         ),
         "readinessProbe": _probe("/ready", 5, 3, 3),
-        "livenessProbe": _probe("/health", 10, 3, 5),
+        "livenessProbe": _probe("/live", 10, 3, 5),
         "securityContext": _security(),
         "volumeMounts": _mounts(),
     }
@@ -280,8 +285,26 @@ def engine_container(spec: ServiceSpec, name: str) -> dict[str, Any]:
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["mmis"],
         "args": engine_args(spec),
+        "ports": [
+            {
+                "name": r.ENGINE_HEALTH_PORT_NAME,
+                "containerPort": r.ENGINE_HEALTH_PORT,
+                "protocol": "TCP",
+            }
+        ],
         "env": common_env(spec, name),
         "resources": {"requests": requests, "limits": limits},
+        # the engine answers its own probe (mmis engine --health-port) once its model is
+        # loaded: a hung or stopped engine is restarted, not the front end
+        "startupProbe": _probe(
+            "/health",
+            STARTUP_PERIOD,
+            math.ceil(spec.startup_timeout_seconds / STARTUP_PERIOD),
+            5,
+            r.ENGINE_HEALTH_PORT_NAME,
+        ),
+        "readinessProbe": _probe("/health", 5, 3, 3, r.ENGINE_HEALTH_PORT_NAME),
+        "livenessProbe": _probe("/health", 10, 3, 5, r.ENGINE_HEALTH_PORT_NAME),
         "securityContext": _security(),
         "volumeMounts": _mounts(),
     }

@@ -39,6 +39,9 @@ HTTP_PORT_NAME = "http"
 # /metrics and /stats/cache (front end's --ops-port): pod to pod only, never on the Service
 OPS_PORT = 8001
 OPS_PORT_NAME = "ops"
+# the engine's own probe endpoint (mmis engine --health-port): kubelet only
+ENGINE_HEALTH_PORT = 8002
+ENGINE_HEALTH_PORT_NAME = "engine-health"
 ENGINE_INPUT_ADDRESS = "tcp://127.0.0.1:5570"
 ENGINE_OUTPUT_ADDRESS = "tcp://127.0.0.1:5571"
 SHM_VOLUME = "dshm"

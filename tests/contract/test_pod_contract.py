@@ -257,8 +257,16 @@ def test_probe_and_scrape_paths_are_front_end_routes(monkeypatch: pytest.MonkeyP
         front_c[kind]["httpGet"]["path"]
         for kind in ("startupProbe", "readinessProbe", "livenessProbe")
     }
-    assert probes == {"/health", "/ready"}
+    assert probes == {"/live", "/ready"}
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert front_c[kind]["httpGet"]["port"] == r.HTTP_PORT_NAME
     # /stats/cache: the operator's drift probe; /metrics: Prometheus
     assert probes | {"/stats/cache", "/metrics"} <= routes
+    # the engine container's probes hit the port its own --health-port opens
+    engine_c = dep["spec"]["template"]["spec"]["containers"][1]
+    with monkeypatch.context() as patch:
+        engine_cfg = _parse(engine_c, patch)
+    (port,) = engine_c["ports"]
+    assert engine_cfg.health_port == port["containerPort"]
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert engine_c[kind]["httpGet"]["port"] == port["name"]

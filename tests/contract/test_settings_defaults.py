@@ -47,7 +47,7 @@ MINIMAL = {
 POD_WIRING = {
     "frontend": {"model", "served_model_name", "host", "port", "ops_port"}
     | {"engine_input_address", "engine_output_address"},
-    "engine": {"model", "input_address", "output_address"},
+    "engine": {"model", "input_address", "output_address", "health_port"},
 }
 # server settings the operator needs the value of itself (volume and memory sizing)
 OPERATOR_NEEDS = {

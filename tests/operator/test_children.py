@@ -92,12 +92,24 @@ def test_optional_flags(sample: dict[str, Any]) -> None:
 def test_probes_and_drain(sample: dict[str, Any]) -> None:
     sample["spec"]["probes"] = {"startupTimeoutSeconds": 1200, "drainSeconds": 20}
     dep = children.deployment(sample, parse_spec(sample["spec"]))
-    front = _containers(dep)[r.FRONTEND]
+    front, engine = _containers(dep)[r.FRONTEND], _containers(dep)[r.ENGINE]
+    # a probe per container: the front end's liveness is about the front end only
     assert front["readinessProbe"]["httpGet"]["path"] == "/ready"
-    assert front["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert front["livenessProbe"]["httpGet"]["path"] == "/live"
     startup = front["startupProbe"]
-    assert startup["httpGet"]["path"] == "/health"
+    assert startup["httpGet"]["path"] == "/live"
     assert startup["periodSeconds"] * startup["failureThreshold"] == 1200
+    # the engine answers its own probes on its health port (mmis engine --health-port)
+    assert _args(engine, "--health-port") == str(r.ENGINE_HEALTH_PORT)
+    (port,) = engine["ports"]
+    assert (port["name"], port["containerPort"]) == (
+        r.ENGINE_HEALTH_PORT_NAME,
+        r.ENGINE_HEALTH_PORT,
+    )
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert engine[kind]["httpGet"] == {"path": "/health", "port": r.ENGINE_HEALTH_PORT_NAME}
+    engine_startup = engine["startupProbe"]
+    assert engine_startup["periodSeconds"] * engine_startup["failureThreshold"] == 1200
     assert front["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "20"]
     engine_wait = _containers(dep)[r.ENGINE]["lifecycle"]["preStop"]["exec"]["command"]
     assert int(engine_wait[1]) > 20  # the engine outlives the front end's drain

@@ -63,6 +63,12 @@ class EngineConfig:
         "max_model_len", rule=(lambda v: v is None or v >= 2, "must be at least 2")
     )
     device: str | None = setting(None, help="torch device (default: cuda if available, else cpu)")
+    health_port: int | None = setting(
+        None,
+        rule=(lambda v: v is None or 0 <= v <= 65535, "must be a port number"),
+        help="serve GET /health on this port once the model is loaded (the engine "
+        "container's probes); none by default",
+    )
     seed: int | None = setting(None, help="seed of P1's fault-injection random numbers")
     otlp_traces_endpoint: str | None = shared("otlp_traces_endpoint")
     log_level: str = shared("log_level")

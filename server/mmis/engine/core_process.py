@@ -148,6 +148,7 @@ class EngineCoreProc:
         self._stop = threading.Event()
         self._in_codec = Codec()  # input thread only
         self._threads: list[threading.Thread] = []
+        self._loop_thread: threading.Thread | None = None
         self.ready = threading.Event()
         if fault_evict_rate > 0:
             log.warning(
@@ -271,6 +272,7 @@ class EngineCoreProc:
     # ---------------------------------------------------------------- busy loop
     def run(self) -> None:
         """Start the I/O threads and run the busy loop until :meth:`shutdown`."""
+        self._loop_thread = threading.current_thread()
         threads = {
             "input": threading.Thread(target=self._input_loop),
             "output": threading.Thread(target=self._out.run, args=(self._ctx, self.output_address)),
@@ -292,6 +294,14 @@ class EngineCoreProc:
 
     def shutdown(self) -> None:
         self._stop.set()
+
+    def threads_alive(self) -> bool:
+        """Whether the busy loop and the I/O threads all still run (the engine's probe,
+        ``engine/health_server.py``); true before :meth:`run` started them."""
+        loop = self._loop_thread
+        if loop is not None and not loop.is_alive():
+            return False
+        return all(thread.is_alive() for thread in self._threads)
 
     def _drain_core_queue(self, block: bool) -> None:
         try:

@@ -12,6 +12,8 @@ Invariants:
   images, only to size its encoder cache for the largest photo (``engine/encoder_sizing.py``;
   ``--encoder-cache-tokens`` skips that).
 - SIGTERM/SIGINT stop the busy loop; the sockets close; the process exits 0.
+- With ``--health-port``, ``GET /health`` answers there once the model is loaded
+  (``engine/health_server.py``): the engine container's own probe.
 """
 
 from __future__ import annotations
@@ -188,9 +190,16 @@ def run(args: argparse.Namespace) -> int:
     # full collection (pauses of tens of ms in the busy loop otherwise)
     gc.collect()
     gc.freeze()
+    health = None
+    if cfg.health_port is not None:
+        from mmis.engine.health_server import HealthServer
+
+        health = HealthServer("0.0.0.0", cfg.health_port, proc.threads_alive).start()
     try:
         proc.run()
     finally:
+        if health is not None:
+            health.close()
         spans = getattr(proc.core, "spans", None)
         if spans is not None:
             spans.close()  # the spans of requests that finished last, before the exporter's exit

@@ -1,8 +1,10 @@
 """The FastAPI application of P0: OpenAI routes, probes, metrics, the HTTP gate.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``,
-``GET /v1/models`` (every served name), ``GET /version``, ``GET /health`` (process up and
-engine answering pings), ``GET /ready`` (a synthetic image request completed since start),
+``GET /v1/models`` (every served name), ``GET /version``, ``GET /live`` (this process
+answers: the front-end container's liveness, whatever the engine does), ``GET /health``
+(process up and engine answering pings), ``GET /ready`` (a synthetic image request completed
+since start, and the engine link up),
 and the operations routes ``GET /metrics`` (the process' one metrics registry: P0's series,
 P1's polled figures, the drift gauge and P0's level gauges; P1 is polled first when its
 snapshot is stale) and ``GET /stats/cache`` — on ``--ops-port`` when it is set.
@@ -189,6 +191,10 @@ def create_app(
     @app.get("/version")
     async def get_version() -> Response:
         return JSONResponse({"version": version()})
+
+    @app.get("/live")
+    async def live() -> Response:  # the front-end container's liveness: this process only
+        return JSONResponse({"status": "ok"})
 
     @app.get("/health")
     async def health(request: Request) -> Response:

@@ -169,6 +169,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         errors=BODY_ERRORS,
     ),
     ("GET", "/v1/models"): Operation(summary="The served model", ok=_json(ModelList, "models")),
+    ("GET", "/live"): _probe("Live: this front-end process answers (whatever the engine does)"),
     ("GET", "/health"): _probe("Alive: the process is up and the engine answers pings"),
     ("GET", "/ready"): _probe("Ready: a synthetic image request completed since start"),
     ("GET", "/metrics"): Operation(
