@@ -140,7 +140,9 @@ def test_fresh_install_serves_then_drains_on_sigterm(
     serve_env: Path, started: list[Serve], record_property: Callable[[str, object], None]
 ) -> None:
     assert not (serve_env / "models").exists()
-    serve = Serve(serve_env)
+    # no model arguments; a drain bound that two LONG decodes fit even on a crowded machine
+    # (the default 30 s is not what this test is about: that in-flight requests complete)
+    serve = Serve(serve_env, "--graceful-shutdown-s", "300")
     started.append(serve)
     text, _ = serve.chat(COLORS[0])  # waits in the accept queue until P0 and P1 are up
     elapsed = time.monotonic() - serve.started_at
