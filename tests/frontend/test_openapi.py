@@ -37,6 +37,7 @@ BODIES = {
     "/v1/chat/completions": "ChatCompletionRequest",
     "/v1/completions": "CompletionRequest",
     "/v1/embeddings": "EmbeddingRequest",
+    "/v1/responses": "ResponsesRequest",
 }
 LIMITS = Limits(max_n=3, max_model_len=64, model_names=("tiny", "alias"), api_key=True)
 

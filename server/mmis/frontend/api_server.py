@@ -1,6 +1,7 @@
 """The FastAPI application of P0: OpenAI routes, probes, metrics, the HTTP gate.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``,
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``,
+``POST /v1/embeddings``,
 ``GET /v1/models`` (every served name), ``GET /version``, ``GET /live`` (this process
 answers: the front-end container's liveness, whatever the engine does), ``GET /health``
 (process up and engine answering pings), ``GET /ready`` (a synthetic image request completed
@@ -67,11 +68,13 @@ from mmis.frontend.schemas import (
     install_exception_handlers,
     parse_request,
 )
+from mmis.frontend.schemas.responses_api import ResponsesRequest
 from mmis.frontend.schemas.sampling import SamplingRequest
 from mmis.frontend.serving_chat import ChatServing
 from mmis.frontend.serving_common import ClientGoneError
 from mmis.frontend.serving_completions import CompletionServing
 from mmis.frontend.serving_embeddings import EmbeddingServing
+from mmis.frontend.serving_responses import ResponsesServing
 from mmis.frontend.state import FrontendState
 from mmis.telemetry.tracing import Tracing
 
@@ -108,6 +111,7 @@ def create_app(
         app.state.chat = ChatServing(state)
         app.state.completions = CompletionServing(state)
         app.state.embeddings = EmbeddingServing(state)
+        app.state.responses = ResponsesServing(state)
         if on_state is not None:
             on_state(state)
         try:
@@ -171,6 +175,12 @@ def create_app(
     async def completions(request: Request) -> Response:
         req = await parse(request, CompletionRequest)
         serving: CompletionServing = request.app.state.completions
+        return await serving.create(request, req)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        req = await parse(request, ResponsesRequest)
+        serving: ResponsesServing = request.app.state.responses
         return await serving.create(request, req)
 
     @app.post("/v1/embeddings")

@@ -56,6 +56,7 @@ from mmis.frontend.schemas import (
     ProbeStatus,
     VersionInfo,
 )
+from mmis.frontend.schemas.responses_api import ResponseObject, ResponsesRequest
 
 REF = "#/components/schemas/{model}"
 JSON = "application/json"
@@ -168,6 +169,20 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         ok=_json(EmbeddingResponse, "one embedding per input"),
         errors=BODY_ERRORS,
     ),
+    ("POST", "/v1/responses"): Operation(
+        summary="A response (the Responses API: text and images in, text out), whole or streamed",
+        request=ResponsesRequest,
+        ok={
+            "description": "`stream: false`: one ResponseObject; `stream: true`: Server-Sent "
+            "Events `event: <type>` + `data: <StreamEvent JSON>`, from `response.created` to "
+            "`response.completed` (or `response.incomplete`)",
+            "content": {
+                JSON: {"schema": _ref(ResponseObject)},
+                SSE: {"schema": {"type": "object", "description": "one StreamEvent"}},
+            },
+        },
+        errors=BODY_ERRORS,
+    ),
     ("GET", "/v1/models"): Operation(summary="The served model", ok=_json(ModelList, "models")),
     ("GET", "/live"): _probe("Live: this front-end process answers (whatever the engine does)"),
     ("GET", "/health"): _probe("Alive: the process is up and the engine answers pings"),
@@ -191,9 +206,10 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ),
 }
 
-_REQUESTS = (ChatCompletionRequest, CompletionRequest, EmbeddingRequest)
+_REQUESTS = (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ResponsesRequest)
 _RESPONSES = (
     ChatCompletionResponse,
+    ResponseObject,
     ChatCompletionChunk,
     CompletionResponse,
     EmbeddingResponse,

@@ -114,6 +114,7 @@ ENDPOINT_ROUTES = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
     "embeddings": "/v1/embeddings",
+    "responses": "/v1/responses",
 }
 RETRY_OUTCOMES = {
     "success": "success",

@@ -38,6 +38,7 @@ ROUTES = {
     "/v1/chat/completions": genai.OP_CHAT,
     "/v1/completions": genai.OP_TEXT_COMPLETION,
     "/v1/embeddings": genai.OP_EMBEDDINGS,
+    "/v1/responses": genai.OP_CHAT,
 }
 HTTP_STATUS = "http.response.status_code"
 

@@ -34,7 +34,7 @@ from mmis.frontend.schemas import (
     Usage,
 )
 from mmis.frontend.serving_common import new_request_id
-from mmis.frontend.serving_generate import Choice, TextGenerator
+from mmis.frontend.serving_generate import Choice, ChunkStream, TextGenerator
 
 if TYPE_CHECKING:
     from mmis.frontend.state import FrontendState
@@ -60,7 +60,7 @@ def template_messages(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]],
     return messages, images
 
 
-class ChatFormat:
+class ChatFormat(ChunkStream):
     def __init__(self, model: str) -> None:
         self.model = model
 

@@ -21,13 +21,13 @@ from mmis.frontend.schemas import (
     Usage,
 )
 from mmis.frontend.serving_common import new_request_id
-from mmis.frontend.serving_generate import Choice, TextGenerator
+from mmis.frontend.serving_generate import Choice, ChunkStream, TextGenerator
 
 if TYPE_CHECKING:
     from mmis.frontend.state import FrontendState
 
 
-class CompletionFormat:
+class CompletionFormat(ChunkStream):
     def __init__(self, model: str) -> None:
         self.model = model
 

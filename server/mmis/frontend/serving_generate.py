@@ -53,9 +53,28 @@ Choice = tuple[str, str | None, list[TokenLogprob] | None]
 
 
 class ResponseFormat(Protocol):
-    """An endpoint's response shapes."""
+    """An endpoint's response shapes: the whole answer, and a stream as SSE bytes."""
 
     def whole(self, request_id: str, choices: Sequence[Choice], usage: Usage) -> BaseModel: ...
+
+    def stream_start(self, request_id: str) -> list[bytes]: ...
+
+    def stream_delta(
+        self,
+        request_id: str,
+        index: int,
+        text: str | None,
+        finish: str | None,
+        first: bool,
+        logprobs: list[TokenLogprob] | None,
+    ) -> list[bytes]: ...
+
+    def stream_end(self, request_id: str, usage: Usage, include_usage: bool) -> list[bytes]: ...
+
+
+class ChunkStream:
+    """Chat's and completions' stream: one chunk per delta, the usage chunk when asked, then
+    ``data: [DONE]``. A format using it defines ``chunk`` and ``usage_chunk``."""
 
     def chunk(
         self,
@@ -64,10 +83,30 @@ class ResponseFormat(Protocol):
         text: str | None,
         finish: str | None,
         first: bool,
-        logprobs: list[TokenLogprob] | None = None,
-    ) -> BaseModel: ...
+        rows: list[TokenLogprob] | None = None,
+    ) -> BaseModel:
+        raise NotImplementedError
 
-    def usage_chunk(self, request_id: str, usage: Usage) -> BaseModel: ...
+    def usage_chunk(self, request_id: str, usage: Usage) -> BaseModel:
+        raise NotImplementedError
+
+    def stream_start(self, request_id: str) -> list[bytes]:
+        return []
+
+    def stream_delta(
+        self,
+        request_id: str,
+        index: int,
+        text: str | None,
+        finish: str | None,
+        first: bool,
+        logprobs: list[TokenLogprob] | None,
+    ) -> list[bytes]:
+        return [sse_chunk(self.chunk(request_id, index, text, finish, first, logprobs))]
+
+    def stream_end(self, request_id: str, usage: Usage, include_usage: bool) -> list[bytes]:
+        tail = [sse_chunk(self.usage_chunk(request_id, usage))] if include_usage else []
+        return [*tail, SSE_DONE]
 
 
 def note_usage(prompt: int, completion: int, cached: int) -> None:
@@ -197,6 +236,8 @@ class TextGenerator:
         wants_logprobs = req.logprobs_count() is not None
         started = [False] * gen.n
         cached = 0
+        for event in fmt.stream_start(request_id):
+            yield event
         try:
             async for choice, out in gen.outputs():
                 detok = detoks[choice]
@@ -214,7 +255,8 @@ class TextGenerator:
                     rows = builders[choice].rows[kept_before : len(detok.token_ids)]
                 if delta or finish or rows or not started[choice]:
                     first = not started[choice]
-                    yield sse_chunk(fmt.chunk(request_id, choice, delta, finish, first, rows))
+                    for event in fmt.stream_delta(request_id, choice, delta, finish, first, rows):
+                        yield event
                     started[choice] = True
         except RetryableFailure as failure:
             raise failure.error() from None
@@ -224,6 +266,6 @@ class TextGenerator:
         prompt = rendered.num_tokens if rendered is not None else 0
         completion = sum(len(d.token_ids) for d in detoks)
         note_usage(prompt, completion, cached)
-        if req.include_usage:
-            yield sse_chunk(fmt.usage_chunk(request_id, make_usage(prompt, completion, cached)))
-        yield SSE_DONE
+        usage = make_usage(prompt, completion, cached)
+        for event in fmt.stream_end(request_id, usage, req.include_usage):
+            yield event

@@ -36,7 +36,9 @@ class Owner(enum.StrEnum):
 
 # The label names a metric may carry, each with its closed set of values ("model" is fixed per
 # process, so it is bounded by deployment, not by traffic).
-ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+ENDPOINTS = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"}
+)
 # success: the retry healed it; failed: missed again (503); error: the retry failed otherwise;
 # hash_only: the missing items were sent by uuid only, so no retry: refused with a 422.
 RETRY_OUTCOMES = frozenset({"success", "failed", "error", "hash_only"})
