@@ -257,12 +257,12 @@ def frontend_container(spec: ServiceSpec, name: str) -> dict[str, Any]:
             "limits": {"memory": memory},
         },
         # one probe per container: the front end's liveness is about this process only
-        # (/live); /ready also needs the engine link, so the pod is ready when both are
+        # (/health); /ready also needs the engine link, so the pod is ready when both are
         "startupProbe": _probe(
-            "/live", STARTUP_PERIOD, math.ceil(spec.startup_timeout_seconds / STARTUP_PERIOD), 5
+            "/health", STARTUP_PERIOD, math.ceil(spec.startup_timeout_seconds / STARTUP_PERIOD), 5
         ),
         "readinessProbe": _probe("/ready", 5, 3, 3),
-        "livenessProbe": _probe("/live", 10, 3, 5),
+        "livenessProbe": _probe("/health", 10, 3, 5),
         "securityContext": _security(),
         "volumeMounts": _mounts(),
     }

@@ -257,7 +257,7 @@ def test_probe_and_scrape_paths_are_front_end_routes(monkeypatch: pytest.MonkeyP
         front_c[kind]["httpGet"]["path"]
         for kind in ("startupProbe", "readinessProbe", "livenessProbe")
     }
-    assert probes == {"/live", "/ready"}
+    assert probes == {"/health", "/ready"}
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert front_c[kind]["httpGet"]["port"] == r.HTTP_PORT_NAME
     # /stats/cache: the operator's drift probe; /metrics: Prometheus

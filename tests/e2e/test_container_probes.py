@@ -2,7 +2,7 @@
 liveness passes (real ``mmis engine`` and ``mmis frontend`` processes, the tiny model).
 
 The operator points the engine container's probes at ``mmis engine --health-port`` and the
-front end's liveness at ``/live`` (``operator/mmis_operator/pod.py``), so kubelet restarts
+front end's liveness at its ``/health`` (``operator/mmis_operator/pod.py``), so kubelet restarts
 the hung container, not the healthy one.
 """
 
@@ -59,7 +59,7 @@ def test_a_stopped_engine_fails_its_probe_while_the_front_end_lives(
     engine_health = f"http://127.0.0.1:{port}/health"
     assert _status(engine_health) == 200
     assert _status(f"http://127.0.0.1:{port}/other") == 404
-    assert _status(frontend.root_url + "/live") == 200
+    assert _status(frontend.root_url + "/health") == 200
 
     os.kill(engine.popen.pid, signal.SIGSTOP)  # hung, as far as anyone can tell
     try:
@@ -69,7 +69,7 @@ def test_a_stopped_engine_fails_its_probe_while_the_front_end_lives(
             assert time.monotonic() < deadline, "/ready stayed 200 with the engine stopped"
             time.sleep(0.2)  # polling another process's state; not a synchronisation
         for _ in range(3):  # the front end's liveness passes throughout
-            assert _status(frontend.root_url + "/live") == 200
+            assert _status(frontend.root_url + "/health") == 200
     finally:
         os.kill(engine.popen.pid, signal.SIGCONT)
     assert _status(engine_health) == 200

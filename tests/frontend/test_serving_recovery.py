@@ -217,19 +217,23 @@ def test_client_disconnect_aborts_the_request_in_p1(stack: Stack) -> None:
     assert stack.frontend.state.client.num_in_flight == 0
 
 
-def test_health_follows_the_engine(tmp_path: Path) -> None:
+def test_ready_follows_the_engine_health_is_the_front_end(tmp_path: Path) -> None:
+    """/ready (readiness) goes false while the engine is gone and back after it; /health
+    (the front-end container's liveness) stays 200: kubelet must not restart P0 for P1."""
     stack = Stack(tmp_path, liveness_timeout_s=1.0)
     try:
         health = stack.frontend.root_url + "/health"
+        ready = stack.frontend.root_url + "/ready"
         with httpx.Client(timeout=10) as http:
-            assert http.get(health).status_code == 200
+            assert http.get(ready).status_code == http.get(health).status_code == 200
             stack.engine.stop()
             deadline = time.monotonic() + 30
-            while http.get(health).status_code == 200:  # pings go unanswered from now on
-                assert time.monotonic() < deadline, "/health never noticed the dead engine"
-            assert http.get(stack.frontend.root_url + "/ready").status_code == 503
+            while http.get(ready).status_code == 200:  # pings go unanswered from now on
+                assert time.monotonic() < deadline, "/ready never noticed the dead engine"
+            assert http.get(health).status_code == 200
             stack.engine = FakeEngine(str(tmp_path), epoch="epoch-2").start()
-            while http.get(health).status_code != 200:
-                assert time.monotonic() < deadline + 30, "/health never saw the engine again"
+            while http.get(ready).status_code != 200:
+                assert time.monotonic() < deadline + 30, "/ready never saw the engine again"
+            assert http.get(health).status_code == 200
     finally:
         stack.close()

@@ -95,9 +95,9 @@ def test_probes_and_drain(sample: dict[str, Any]) -> None:
     front, engine = _containers(dep)[r.FRONTEND], _containers(dep)[r.ENGINE]
     # a probe per container: the front end's liveness is about the front end only
     assert front["readinessProbe"]["httpGet"]["path"] == "/ready"
-    assert front["livenessProbe"]["httpGet"]["path"] == "/live"
+    assert front["livenessProbe"]["httpGet"]["path"] == "/health"
     startup = front["startupProbe"]
-    assert startup["httpGet"]["path"] == "/live"
+    assert startup["httpGet"]["path"] == "/health"
     assert startup["periodSeconds"] * startup["failureThreshold"] == 1200
     # the engine answers its own probes on its health port (mmis engine --health-port)
     assert _args(engine, "--health-port") == str(r.ENGINE_HEALTH_PORT)

@@ -2,7 +2,7 @@
 
 Kubelet probes each container of a pod on its own (``operator/mmis_operator/pod.py``): the
 engine container's startup, readiness and liveness probes hit this endpoint, so a hung or
-stopped engine is restarted itself, and the front end's liveness (``GET /live``) is about
+stopped engine is restarted itself, and the front end's liveness (its ``GET /health``) is about
 the front end only.
 
 Invariants:

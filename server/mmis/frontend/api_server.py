@@ -2,10 +2,9 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``,
 ``POST /v1/embeddings``,
-``GET /v1/models`` (every served name), ``GET /version``, ``GET /live`` (this process
-answers: the front-end container's liveness, whatever the engine does), ``GET /health``
-(process up and engine answering pings), ``GET /ready`` (a synthetic image request completed
-since start, and the engine link up),
+``GET /v1/models`` (every served name), ``GET /version``, ``GET /health`` (this process
+answers: the front-end container's liveness, whatever the engine does), ``GET /ready`` (a
+synthetic image request completed since start, and the engine link up: readiness),
 and the operations routes ``GET /metrics`` (the process' one metrics registry: P0's series,
 P1's polled figures, the drift gauge and P0's level gauges; P1 is polled first when its
 snapshot is stale) and ``GET /stats/cache`` — on ``--ops-port`` when it is set.
@@ -202,16 +201,9 @@ def create_app(
     async def get_version() -> Response:
         return JSONResponse({"version": version()})
 
-    @app.get("/live")
-    async def live() -> Response:  # the front-end container's liveness: this process only
-        return JSONResponse({"status": "ok"})
-
     @app.get("/health")
-    async def health(request: Request) -> Response:
-        state = state_of(request)
-        if state.healthy:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "engine not answering"}, status_code=503)
+    async def health() -> Response:  # the front end's liveness: this process only
+        return JSONResponse({"status": "ok"})
 
     @app.get("/ready")
     async def ready(request: Request) -> Response:

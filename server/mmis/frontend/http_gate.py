@@ -11,7 +11,7 @@ in this order:
    coherence probe reach the operations port pod to pod, without a key. Without
    ``--ops-port`` both live on the serving port.
 2. **API key.** With ``--api-key``, every path of the serving port but :data:`OPEN_PATHS`
-   (``/live``, ``/health``, ``/ready``: kubelet carries no key) needs
+   (``/health``, ``/ready``: kubelet carries no key) needs
    ``Authorization: Bearer <key>``: API docs, ``/v1/models`` and unknown paths included.
    The scheme is case-insensitive (as HTTP allows), the key is compared in constant time;
    a failure is 401 ``invalid_api_key``. Checked before any body byte is read, so an
@@ -53,7 +53,7 @@ from mmis.frontend.errors import (
 )
 
 OPS_PATHS = frozenset({"/metrics", "/stats/cache"})
-OPEN_PATHS = frozenset({"/live", "/health", "/ready"})  # kubelet's probes carry no key
+OPEN_PATHS = frozenset({"/health", "/ready"})  # kubelet's probes carry no key
 DRAIN_FACTOR = 4
 DRAIN_SECONDS = 5.0
 MiB = 1 << 20

@@ -184,9 +184,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         errors=BODY_ERRORS,
     ),
     ("GET", "/v1/models"): Operation(summary="The served model", ok=_json(ModelList, "models")),
-    ("GET", "/live"): _probe("Live: this front-end process answers (whatever the engine does)"),
-    ("GET", "/health"): _probe("Alive: the process is up and the engine answers pings"),
-    ("GET", "/ready"): _probe("Ready: a synthetic image request completed since start"),
+    ("GET", "/health"): _probe("Alive: this front-end process answers (whatever the engine does)"),
+    ("GET", "/ready"): _probe("Ready: a synthetic image request completed, the engine link is up"),
     ("GET", "/metrics"): Operation(
         summary="Prometheus metrics (text exposition, or OpenMetrics by Accept)",
         ok={
