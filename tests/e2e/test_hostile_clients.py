@@ -44,7 +44,7 @@ KEY = "sk-hostile"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 JSON = {**AUTH, "Content-Type": "application/json"}
 MiB = 1 << 20
-POSTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+POSTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 
 
 class Running:
