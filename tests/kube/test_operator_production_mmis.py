@@ -379,3 +379,20 @@ def test_delete_needs_no_operator(cluster: Cluster, crd: None, namespace: str) -
     assert time.monotonic() - started < 60
     for kind in ("deployment", "service", "pdb"):
         _wait(cluster, namespace, f"{kind}/vlm", "--for=delete", timeout_s=120)
+
+
+def test_test_namespaces_enforce_pod_security_restricted(cluster: Cluster, namespace: str) -> None:
+    """So every pod the other tests get admitted (the operator's, the inference pods) passed
+    the ``restricted`` profile for real."""
+    root_pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "root"},
+        "spec": {"containers": [{"name": "c", "image": "busybox"}]},
+    }
+    proc = cluster.kubectl(
+        "create", "--dry-run=server", "-n", namespace, "-f", "-",
+        input=json.dumps(root_pod), check=False,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert 'violates PodSecurity "restricted:latest"' in proc.stderr
