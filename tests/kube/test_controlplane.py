@@ -21,6 +21,14 @@ def _deployment(name: str, replicas: int, gpus: int) -> str:
         "name": "main",
         "image": "example.invalid/fake:1",
         "resources": {"limits": {"nvidia.com/gpu": str(gpus)}},
+        # the test namespaces enforce Pod Security "restricted" (conftest.namespace)
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
     }
     return json.dumps(
         {
