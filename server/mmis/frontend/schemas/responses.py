@@ -3,7 +3,9 @@ the model list. ``created`` is a Unix time in seconds.
 
 Streams are Server-Sent Events: each chunk is ``data: <json>\\n\\n`` (:func:`sse_chunk`), the
 stream ends with ``data: [DONE]``. With ``stream_options.include_usage`` every chunk carries
-``"usage": null`` and one last chunk has ``"choices": []`` and the usage.
+``"usage": null`` and one last chunk has ``"choices": []`` and the usage. Chat answers to a
+request with tools may carry ``tool_calls`` (finish reason ``tool_calls``; shapes in
+:mod:`.tools`).
 
 Errors are :class:`ErrorResponse` (the shape :func:`mmis.frontend.errors.error_body` writes);
 the probes answer :class:`ProbeStatus`, ``GET /stats/cache`` :class:`CacheStats`,
@@ -19,7 +21,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-FinishReason = Literal["stop", "length", "abort", "error"] | None
+from mmis.frontend.schemas.tools import ToolCall, ToolCallDelta
+
+FinishReason = Literal["stop", "length", "tool_calls", "abort", "error"] | None
 
 
 class PromptTokensDetails(BaseModel):
@@ -45,6 +49,7 @@ def _now() -> int:
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None  # chat with tools (mmis.frontend.tool_calls)
 
 
 class TopLogprob(BaseModel):
@@ -91,6 +96,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
