@@ -16,6 +16,13 @@ Invariants:
   thread only. Text calls (:meth:`tokenize`, :meth:`decode`, :meth:`chat_prompt`) may run
   on any thread: they pass the tokenizer's default arguments, so they never change its
   truncation or padding state (the one mutation a fast tokenizer refuses concurrently).
+- ``detail`` (an image part's ``image_url.detail``): ``low`` renders the image at the
+  processor's *minimum* pixel budget (:meth:`ModelProcessor.image_kwargs`): for processors with a
+  pixel budget (Qwen2-VL family: ``size`` with ``shortest_edge``/``longest_edge`` in pixels)
+  both bounds become the minimum; processors with a fixed input size (LLaVA's CLIP/SigLIP) have
+  one rendering, so ``low`` changes nothing there. ``auto``/``high``/absent use the processor's
+  own limits (and ``--processor-kwargs``). The kwargs of the chosen rendering are hashed into
+  the item's mm_hash, so the two renderings of one image are two cache items.
 - :attr:`ModelProcessor.max_token_chars` is the longest token of the vocabulary in
   characters: a text of ``c`` characters has at least ``c / max_token_chars`` tokens, which
   bounds a prompt from its length before it is tokenized.
@@ -54,6 +61,7 @@ class ModelProcessor:
         self.image_token: str = token
         self.image_token_id: int = int(self.tokenizer.convert_tokens_to_ids(token))
         self.processor_kwargs: dict[str, Any] = dict(processor_kwargs or {})
+        self._low_detail = _low_detail_kwargs(processor, self.processor_kwargs)
         vocab = self.tokenizer.get_vocab()
         self.max_token_chars: int = max((len(t) for t in vocab), default=1) or 1
 
@@ -96,12 +104,19 @@ class ModelProcessor:
         return None if eos is None else int(eos)
 
     # ------------------------------------------------------------------ images
-    def process_image(self, image: Any) -> ProcessedImage:
+    def image_kwargs(self, detail: str | None = None) -> dict[str, Any]:
+        """The processor kwargs of one image part with this ``detail`` (see the docstring)."""
+        if detail == "low":
+            return dict(self._low_detail)
+        return dict(self.processor_kwargs)
+
+    def process_image(self, image: Any, kwargs: Mapping[str, Any] | None = None) -> ProcessedImage:
+        """Run the processor on one image, with ``kwargs`` (default: ``processor_kwargs``)."""
         out = self.processor(
             text=[self.image_token],
             images=[image],
             return_tensors="np",
-            **self.processor_kwargs,
+            **(self.processor_kwargs if kwargs is None else kwargs),
         )
         num = int(np.count_nonzero(np.asarray(out["input_ids"]) == self.image_token_id))
         tensors = {
@@ -132,3 +147,15 @@ class ModelProcessor:
             prev = slot + 1
         ids.extend(token_ids[prev:])
         return ids, ranges
+
+
+def _low_detail_kwargs(processor: Any, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with the pixel budget pinned to its minimum, for processors that have one."""
+    image_processor = getattr(processor, "image_processor", None)
+    size = kwargs.get("size", getattr(image_processor, "size", None))
+    get = size.get if isinstance(size, Mapping) else lambda key: getattr(size, key, None)
+    low, high = get("shortest_edge"), get("longest_edge")
+    pixel_budget = getattr(image_processor, "merge_size", None) is not None
+    if not pixel_budget or not isinstance(low, int) or not isinstance(high, int):
+        return dict(kwargs)  # a fixed input size: one rendering
+    return {**kwargs, "size": {"shortest_edge": low, "longest_edge": low}}

@@ -59,6 +59,7 @@ class ImageRef:
     url: str | None
     uuid: str | None
     param: str | None = None
+    detail: str | None = None  # image_url.detail: "low" = the processor's minimum budget
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +68,7 @@ class SourceItem:
     uuid: str | None
     image: Image.Image | None  # None: hash-only, the engine must still hold it
     param: str | None
+    processor_kwargs: dict[str, Any] | None = None  # None: the processor's own (--processor-kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,8 +151,9 @@ class Renderer:
         items: list[SourceItem] = []
         for ref in images:
             image = next(pictures).image if ref.url is not None else None
-            mm_hash = await loop.run_in_executor(None, self.hash_image, image, ref.uuid)
-            items.append(SourceItem(mm_hash, ref.uuid, image, ref.param))
+            kwargs = self.processor.image_kwargs(ref.detail)
+            mm_hash = await loop.run_in_executor(None, self.hash_image, image, ref.uuid, kwargs)
+            items.append(SourceItem(mm_hash, ref.uuid, image, ref.param, kwargs))
         if isinstance(prompt, str):
             self._check_prompt_chars(len(prompt), param)
             token_ids = await loop.run_in_executor(None, self.processor.tokenize, prompt)
@@ -165,12 +168,18 @@ class Renderer:
             )
         return SourcePrompt(token_ids=token_ids, items=items, param=param)
 
-    def hash_image(self, image: Image.Image | None, uuid: str | None) -> str:
+    def hash_image(
+        self,
+        image: Image.Image | None,
+        uuid: str | None,
+        processor_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        kwargs = self.processor.processor_kwargs if processor_kwargs is None else processor_kwargs
         return item_mm_hash(
             model_id=self.model_id,
             modality=MODALITY,
             item=image,
-            processor_kwargs=self.processor.processor_kwargs,
+            processor_kwargs=kwargs,
             uuid=uuid,
             algorithm=self.hash_algorithm,
         )
@@ -204,7 +213,7 @@ class Renderer:
                 continue
             if item.image is None:  # unreachable: hash-only misses were rejected above
                 raise HashOnlyCacheMissError([item.uuid or item.mm_hash])
-            processed = self.processor.process_image(item.image)
+            processed = self.processor.process_image(item.image, item.processor_kwargs)
             nbytes = item_nbytes(processed.tensors)
             plan.append(
                 _Planned(item, ShadowEntry(nbytes, processed.num_tokens), processed.tensors)

@@ -75,7 +75,7 @@ class EmbeddingServing:
         for j, part in enumerate(item):
             if isinstance(part, ImagePart):
                 texts.append(self.state.processor.image_token)
-                images.append(ImageRef(part.url, part.item_uuid, f"input[{j}]"))
+                images.append(ImageRef(part.url, part.item_uuid, f"input[{j}]", part.detail))
             else:
                 texts.append(part.text)
         return await renderer.prepare("\n".join(texts), images, param="input")

@@ -60,7 +60,8 @@ def template_messages(req: ResponsesRequest) -> tuple[list[dict[str, Any]], list
         for j, part in enumerate(turn.content):
             if isinstance(part, InputImage):
                 parts.append({"type": "image"})
-                images.append(ImageRef(part.image_url, None, f"input[{i}].content[{j}]"))
+                param = f"input[{i}].content[{j}]"
+                images.append(ImageRef(part.image_url, None, param, part.detail))
             else:
                 parts.append({"type": "text", "text": part.text})
         messages.append({"role": role, "content": parts})

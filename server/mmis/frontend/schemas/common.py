@@ -216,6 +216,10 @@ class ImagePart(OpenAIModel):
         return self.uuid
 
     @property
+    def detail(self) -> str | None:
+        return self.image_url.detail if self.image_url is not None else None
+
+    @property
     def hash_only(self) -> bool:
         """True when the part names an earlier item by uuid and carries no data."""
         return self.url is None
