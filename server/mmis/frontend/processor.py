@@ -81,10 +81,18 @@ class ModelProcessor:
         return cls(processor, processor_kwargs)
 
     # ------------------------------------------------------------------ text
-    def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        """Render OpenAI-style messages (images as ``{"type": "image"}`` parts) to text."""
+    def chat_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """Render OpenAI-style messages (images as ``{"type": "image"}`` parts) to text; the
+        template writes ``tools`` (OpenAI tool definitions) where it supports them."""
         text = self.processor.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=False
+            list(messages),
+            tools=list(tools) if tools else None,
+            add_generation_prompt=True,
+            tokenize=False,
         )
         return str(text)
 
