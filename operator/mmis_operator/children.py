@@ -1,5 +1,6 @@
 """The objects one MMInferenceService owns: a Deployment, a Service and, optionally, an
-Ingress, a PodDisruptionBudget and the model cache's PersistentVolumeClaim.
+Ingress, a PodDisruptionBudget, the model cache's PersistentVolumeClaim, an autoscaler (HPA or
+KEDA ScaledObject, autoscaling.py) and a PodMonitor (monitoring.py).
 
 Invariants:
 - Pure functions: (owner metadata, parsed spec) in, manifest dicts out; no API calls.
@@ -13,6 +14,8 @@ Invariants:
   Service exposes only the ``http`` port, never ``ops``.
 - The rollout strategy comes from ``spec.rollout`` (default surge 0, unavailable 1: a rollout
   never waits for a GPU the node does not have); the PDB from ``spec.disruption``.
+- With ``spec.autoscaling`` on, the autoscaler owns the resource's ``spec.replicas`` (through
+  its scale subresource) and the Deployment runs that number clamped into [min, max].
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mmis_operator import overrides, quantity
+from mmis_operator import autoscaling, monitoring, overrides, quantity
 from mmis_operator import resource as r
 from mmis_operator.pod import MODEL_CACHE_VOLUME, claim_name, pod_spec
 from mmis_operator.spec import ServiceSpec
@@ -65,13 +68,21 @@ def pod_template(spec: ServiceSpec, name: str) -> dict[str, Any]:
     generated = {
         "metadata": {
             "labels": r.child_labels(name),
-            "annotations": {"kubectl.kubernetes.io/default-container": r.FRONTEND},
+            "annotations": {
+                "kubectl.kubernetes.io/default-container": r.FRONTEND,
+                **monitoring.scrape_annotations(spec.monitoring),
+            },
         },
         "spec": pod_spec(spec, name),
     }
     merged = overrides.merge(generated, spec.pod_template) if spec.pod_template else generated
     merged.setdefault("metadata", {}).setdefault("labels", {}).update(r.selector_labels(name))
     return merged
+
+
+def replicas(spec: ServiceSpec) -> int:
+    """The Deployment's replicas: ``spec.replicas``, within the autoscaler's bounds if any."""
+    return spec.autoscaling.clamp(spec.replicas) if spec.autoscaling else spec.replicas
 
 
 def deployment(owner: Mapping[str, Any], spec: ServiceSpec) -> dict[str, Any]:
@@ -81,7 +92,7 @@ def deployment(owner: Mapping[str, Any], spec: ServiceSpec) -> dict[str, Any]:
         "kind": "Deployment",
         "metadata": _metadata(owner, name),
         "spec": {
-            "replicas": spec.replicas,
+            "replicas": replicas(spec),
             "selector": {"matchLabels": r.selector_labels(name)},
             "strategy": {
                 "type": "RollingUpdate",
@@ -180,6 +191,28 @@ def model_claim(owner: Mapping[str, Any], spec: ServiceSpec) -> dict[str, Any] |
     if storage.storage_class:
         body["storageClassName"] = storage.storage_class
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": body}
+
+
+AUTOSCALER_KINDS = ("HorizontalPodAutoscaler", "ScaledObject")
+
+
+def autoscaler(owner: Mapping[str, Any], spec: ServiceSpec, kind: str) -> dict[str, Any] | None:
+    """The autoscaler of ``kind`` (one of :data:`AUTOSCALER_KINDS`), or None when
+    ``spec.autoscaling`` is not enabled."""
+    if spec.autoscaling is None:
+        return None
+    meta = _metadata(owner, owner["metadata"]["name"])
+    if kind == "ScaledObject":
+        return autoscaling.scaled_object(owner, meta, spec.autoscaling)
+    return autoscaling.horizontal_pod_autoscaler(owner, meta, spec.autoscaling)
+
+
+def pod_monitor(owner: Mapping[str, Any], spec: ServiceSpec) -> dict[str, Any] | None:
+    """The PodMonitor, or None when ``spec.monitoring.podMonitor`` is false."""
+    if not spec.monitoring.pod_monitor:
+        return None
+    meta = _metadata(owner, owner["metadata"]["name"])
+    return monitoring.pod_monitor(owner, meta, spec.monitoring)
 
 
 def endpoint(owner: Mapping[str, Any], spec: ServiceSpec) -> str:

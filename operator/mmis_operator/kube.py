@@ -34,6 +34,9 @@ _PLURALS = {
     "PersistentVolumeClaim": "persistentvolumeclaims",
     "Pod": "pods",
     "Event": "events",
+    "HorizontalPodAutoscaler": "horizontalpodautoscalers",
+    "ScaledObject": "scaledobjects",  # keda.sh
+    "PodMonitor": "podmonitors",  # monitoring.coreos.com
     r.KIND: r.PLURAL,
 }
 JSON = "application/json"

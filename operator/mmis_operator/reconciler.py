@@ -18,6 +18,12 @@ Invariants:
   last status had one (``_pod_problem_owners``, an in-memory hint; the resync repairs it).
 - Optional children (Ingress, PodDisruptionBudget, the model claim) that the spec no longer
   asks for are deleted, only when this resource owns them.
+- The integrations (an HPA or a KEDA ScaledObject for ``spec.autoscaling``, a PodMonitor) are
+  chosen by API discovery and the operator's :class:`~integrations.Integrations` setting; one
+  that is no longer wanted (autoscaling off, HPA replaced by a ScaledObject) is deleted. Their
+  absence is checked on a resource's first reconcile in this process, afterwards only for the
+  kinds this process applied to it (``_integrations``, an in-memory hint), so a steady
+  reconcile costs no extra request.
 """
 
 from __future__ import annotations
@@ -28,9 +34,15 @@ from typing import Any
 
 from mmis_operator import children, status, status_writer
 from mmis_operator import resource as r
+from mmis_operator.integrations import (
+    Discovery,
+    Integrations,
+    autoscaler_kind,
+    pod_monitors_wanted,
+)
 from mmis_operator.kube import Kube, KubeError, object_path, service_path
 from mmis_operator.pod import created_claim_name
-from mmis_operator.spec import InvalidSpecError, parse_spec, refused_by_policy
+from mmis_operator.spec import InvalidSpecError, ServiceSpec, parse_spec, refused_by_policy
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +60,9 @@ _API_VERSIONS = {
     "PodDisruptionBudget": "policy/v1",
     "Service": "v1",
     "Deployment": "apps/v1",
+    "HorizontalPodAutoscaler": "autoscaling/v2",
+    "ScaledObject": "keda.sh/v1alpha1",
+    "PodMonitor": "monitoring.coreos.com/v1",
 }
 
 
@@ -79,10 +94,48 @@ def rejected(exc: KubeError) -> bool:
 
 
 class Reconciler:
-    def __init__(self, kube: Kube, allow_fault_injection: bool = False) -> None:
+    def __init__(
+        self,
+        kube: Kube,
+        allow_fault_injection: bool = False,
+        integrations: Integrations | None = None,
+        discovery: Discovery | None = None,
+    ) -> None:
         self.kube = kube
         self.allow_fault_injection = allow_fault_injection
+        self.integrations = Integrations.from_env() if integrations is None else integrations
+        self.discovery = Discovery(kube) if discovery is None else discovery
         self._pod_problem_owners: set[tuple[str, str]] = set()
+        # per resource: the integration kinds this process applied (None: not looked yet)
+        self._integrations: dict[tuple[str, str], set[str]] = {}
+
+    def _wanted_integrations(
+        self, body: Mapping[str, Any], spec: ServiceSpec
+    ) -> dict[str, dict[str, Any] | None]:
+        """Integration kind -> manifest (None: must not exist), for the kinds the cluster
+        serves (an HPA always; a ScaledObject or PodMonitor when discovery finds its CRD)."""
+        wanted: dict[str, dict[str, Any] | None] = {}
+        kind = autoscaler_kind(self.integrations, self.discovery) if spec.autoscaling else None
+        for candidate in children.AUTOSCALER_KINDS:
+            if candidate == "ScaledObject" and kind != candidate and not self.discovery.keda():
+                continue  # KEDA is not installed: there can be no ScaledObject to delete
+            wanted[candidate] = (
+                children.autoscaler(body, spec, candidate) if candidate == kind else None
+            )
+        if self.discovery.pod_monitors():
+            monitors = pod_monitors_wanted(self.integrations, self.discovery)
+            wanted["PodMonitor"] = children.pod_monitor(body, spec) if monitors else None
+        return wanted
+
+    def _drop_unwanted(
+        self, meta: Mapping[str, Any], wanted: Mapping[str, dict[str, Any] | None]
+    ) -> None:
+        key = (meta["namespace"], meta["name"])
+        applied = self._integrations.get(key)
+        for kind, manifest in wanted.items():
+            if manifest is None and (applied is None or kind in applied):
+                self._delete_owned(_child_path(kind, meta["namespace"], meta["name"]), meta)
+        self._integrations[key] = {k for k, m in wanted.items() if m is not None}
 
     def _pods(self, namespace: str, name: str) -> list[dict[str, Any]]:
         path = f"/api/v1/namespaces/{namespace}/pods"
@@ -141,6 +194,8 @@ class Reconciler:
             "PodDisruptionBudget": children.disruption_budget(body, spec),
         }
         manifests += [m for m in optional.values() if m is not None]
+        integrations = self._wanted_integrations(body, spec)
+        manifests += [m for m in integrations.values() if m is not None]
         applied: dict[str, dict[str, Any]] = {}
         try:
             for manifest in manifests:
@@ -153,6 +208,7 @@ class Reconciler:
                     "v1", "PersistentVolumeClaim", namespace, created_claim_name(name)
                 )
                 self._delete_owned(claim_path, meta)
+            self._drop_unwanted(meta, integrations)
         except KubeError as exc:
             permanent = rejected(exc)
             reason = "InvalidPodTemplate" if permanent else "ApplyFailed"  # Strict: names field

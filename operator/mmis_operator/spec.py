@@ -26,7 +26,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from mmis_operator import quantity
+from mmis_operator import autoscaling, monitoring, quantity
+from mmis_operator.autoscaling import AutoscalingSpec, parse_autoscaling
+from mmis_operator.monitoring import MonitoringSpec, parse_monitoring
+from mmis_operator.spec_errors import InvalidSpecError as InvalidSpecError
 
 MiB = 1 << 20
 SHM_HEADROOM_MIN = 512 * MiB  # /dev/shm space beyond the store: torch, tokenizers, IPC
@@ -61,17 +64,11 @@ DEFAULTS: dict[str, Any] = {
     "rollout.maxUnavailable": 1,
     "disruption.enabled": True,
     "disruption.maxUnavailable": 1,
+    **autoscaling.DEFAULTS,  # spec.autoscaling (autoscaling.py)
+    **monitoring.DEFAULTS,  # spec.monitoring (monitoring.py)
 }
 STORAGE_TYPES = ("EmptyDir", "PersistentVolumeClaim")
 ACCESS_MODES = ("ReadWriteOnce", "ReadWriteOncePod", "ReadWriteMany")
-
-
-class InvalidSpecError(ValueError):
-    """The spec cannot be turned into pods; ``field`` says where, the message says how to fix."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +152,8 @@ class ServiceSpec:
     disruption: DisruptionSpec
     scheduling: Mapping[str, Any]
     pod_template: Mapping[str, Any]
+    autoscaling: AutoscalingSpec | None  # None: not enabled
+    monitoring: MonitoringSpec
 
 
 def _section(spec: Mapping[str, Any], key: str) -> Mapping[str, Any]:
@@ -412,6 +411,8 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
         disruption=_disruption(spec),
         scheduling=dict(_section(spec, "scheduling")),
         pod_template=dict(_section(spec, "podTemplate")),
+        autoscaling=parse_autoscaling(spec),
+        monitoring=parse_monitoring(spec),
     )
     if parsed.engine_memory_bytes <= 0 or parsed.frontend_memory_bytes <= 0:
         raise InvalidSpecError("spec.resources", "memory and frontendMemory must be positive")

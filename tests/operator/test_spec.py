@@ -28,6 +28,9 @@ def test_python_defaults_match_the_crd_defaults() -> None:
     defaults = _crd_defaults(schema)
     parsed = parse_spec({"model": {"id": "m"}})
     gi = 2**30
+    on = {"enabled": True, "maxReplicas": 2, "target": 1}  # the defaults of an enabled one
+    auto = parse_spec({"model": {"id": "m"}, "autoscaling": on}).autoscaling
+    assert auto is not None
     observed = {
         "replicas": parsed.replicas,
         "image": parsed.image,
@@ -53,6 +56,15 @@ def test_python_defaults_match_the_crd_defaults() -> None:
         "rollout.maxUnavailable": parsed.rollout.max_unavailable,
         "disruption.enabled": parsed.disruption.enabled,
         "disruption.maxUnavailable": parsed.disruption.max_unavailable,
+        "autoscaling.enabled": parsed.autoscaling is not None,
+        "autoscaling.minReplicas": auto.min_replicas,
+        "autoscaling.metric": auto.metric,
+        "autoscaling.scaleUpStabilizationSeconds": auto.scale_up_window_seconds,
+        "autoscaling.scaleDownStabilizationSeconds": auto.scale_down_window_seconds,
+        "autoscaling.prometheusAddress": auto.prometheus_address,
+        "monitoring.podMonitor": parsed.monitoring.pod_monitor,
+        "monitoring.scrapeAnnotations": parsed.monitoring.scrape_annotations,
+        "monitoring.interval": parsed.monitoring.interval,
     }
     # the CRD writes quantities as strings; compare in GiB
     crd_values = {
