@@ -120,7 +120,10 @@ class Kube:
             raise KubeError(0, f"{method} {path}: {exc}", "NoResponse") from exc
         except kubernetes.client.ApiException as exc:
             raise KubeError(int(exc.status or 0), str(exc.reason or exc), "ClientError") from exc
-        parsed: dict[str, Any] = json.loads(data) if data else {}
+        try:
+            parsed: dict[str, Any] = json.loads(data) if data else {}
+        except ValueError:  # e.g. a plain-text "404 page not found" for an unserved API group
+            parsed = {"message": data.decode(errors="replace")[:200]}
         if not 200 <= resp.status <= 299:
             raise KubeError(
                 resp.status, str(parsed.get("message") or data), parsed.get("reason", "")
