@@ -118,7 +118,8 @@ def test_string_content_is_one_text_part_and_defaults_apply() -> None:
         ({"tools": [{"type": "function"}]}, "tools", "not supported"),
         ({"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "needs a json_schema"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs", "non-empty list"),
     ],
 )
 def test_chat_range_and_shape_errors_name_the_param(

@@ -227,13 +227,15 @@ def from_request_error(
 
     A ``multimodal_cache_miss`` becomes :class:`MultiModalCacheMissError` (the endpoint retries
     it once; if it reaches :func:`error_body` it is the 503). Unknown codes are internal errors.
+    An ``invalid_request`` error keeps the ``param`` P1 named (e.g. the field that carried a
+    structured-output constraint that did not compile).
     """
     if error.code == ErrorCode.MULTIMODAL_CACHE_MISS.value:
         return MultiModalCacheMissError(missing_mm_hashes)
     if error.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED.value:
         return ContextLengthExceededError(error.message, param="messages")
     if error.code == ErrorCode.INVALID_REQUEST.value:
-        return InvalidRequestError(error.message)
+        return InvalidRequestError(error.message, param=error.param)
     internal = MMISError(error.message)
     internal.code = ErrorCode.INTERNAL.value
     return internal

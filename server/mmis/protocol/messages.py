@@ -88,6 +88,31 @@ class MultiModalFeature(msgspec.Struct, array_like=True):
     data: dict[str, Any] | ShmAddress | None = None
 
 
+class StructuredOutputs(msgspec.Struct, array_like=True):
+    """A constraint on a request's output text, enforced token by token in P1.
+
+    ``kind`` names what ``spec`` holds (P1 compiles it once per distinct pair and caches it,
+    ``engine/structured.py``; P0 builds it, ``frontend/structured_outputs.py``):
+
+    - ``"json"``: ``spec`` is a JSON Schema, as JSON text; the output is one JSON value that
+      validates against it;
+    - ``"json_object"``: any JSON object (``spec`` is ignored);
+    - ``"regex"``: ``spec`` is a regular expression the whole output must match;
+    - ``"choice"``: ``spec`` is a JSON array of strings; the output is exactly one of them;
+    - ``"grammar"``: ``spec`` is an EBNF (GBNF) grammar whose ``root`` rule the output matches.
+
+    ``param`` is the request parameter that carried the constraint (``response_format``,
+    ``structured_outputs``, ``tool_choice``, ...): a spec that does not compile is the
+    request's error (``invalid_request``) with ``RequestError.param`` set to it, which P0
+    answers as a 400 naming it. Generation ends (``stop``) when the constraint is complete:
+    only end-of-sequence tokens are allowed then.
+    """
+
+    kind: str
+    spec: str = ""
+    param: str = ""
+
+
 class SamplingParams(msgspec.Struct, array_like=True):
     """How to pick each output token (P1 checks the ranges: ``engine/sampler.py`` ``validate``).
 
@@ -96,6 +121,8 @@ class SamplingParams(msgspec.Struct, array_like=True):
     ``min_p`` ([0, 1], 0 off); ``logit_bias`` maps token id -> bias in [-100, 100].
     ``logprobs``: ``None`` off; else each sampled token's log-probability and that many of
     the most likely alternatives ([0, 20]) come back in ``EngineCoreOutput.logprobs``.
+    ``structured``: ``None`` unconstrained; else the :class:`StructuredOutputs` the output
+    must follow (P1 masks every token the constraint does not allow before sampling).
     """
 
     n: int = 1
@@ -113,6 +140,7 @@ class SamplingParams(msgspec.Struct, array_like=True):
     min_p: float = 0.0
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
     logprobs: int | None = None
+    structured: StructuredOutputs | None = None
 
 
 class PoolingParams(msgspec.Struct, array_like=True):
@@ -138,11 +166,13 @@ class AbortRequests(msgspec.Struct, array_like=True):
 
 
 class RequestError(msgspec.Struct, array_like=True):
-    """A structured, typed error. ``retryable`` tells the client whether resending helps."""
+    """A structured, typed error. ``retryable`` tells the client whether resending helps;
+    ``param``, when set, names the request parameter at fault (P0's 400 names it)."""
 
     code: str
     message: str
     retryable: bool = False
+    param: str | None = None
 
 
 class UtilityCall(msgspec.Struct, array_like=True):

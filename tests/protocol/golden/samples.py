@@ -33,6 +33,7 @@ from mmis.protocol import (
     RequestError,
     SamplingParams,
     ShmAddress,
+    StructuredOutputs,
     TensorHeader,
     TokenLogprobs,
     UtilityCall,
@@ -41,7 +42,7 @@ from mmis.protocol import (
 )
 
 GOLDEN_DIR = Path(__file__).resolve().parent
-CURRENT_VERSION = "v3"
+CURRENT_VERSION = "v4"
 SUFFIX = ".msgpack"
 
 
@@ -89,6 +90,12 @@ def _error() -> RequestError:
     return RequestError("multimodal_cache_miss", "2 multimodal item(s) not in the cache", True)
 
 
+def _param_error() -> RequestError:
+    return RequestError(
+        "invalid_request", "regex: unbalanced parenthesis", False, "response_format"
+    )
+
+
 def samples() -> list[Sample]:
     sampling = SamplingParams(
         2,
@@ -106,6 +113,7 @@ def samples() -> list[Sample]:
         0.05,
         {9: 5.0},
         2,
+        StructuredOutputs("json", '{"type": "object"}', "response_format"),
     )
     logprobs = TokenLogprobs(
         [[11, 4, 11], [12, 12, 3]], [[-0.5, -0.25, -0.5], [-0.125, -0.125, -3.0]], [2, 1]
@@ -172,8 +180,10 @@ def samples() -> list[Sample]:
         Sample("struct_TensorHeader", "struct", TensorHeader("float32", (2,), b"\0" * 8)),
         Sample("struct_MultiModalFeature", "struct", _features()[3]),
         Sample("struct_SamplingParams", "struct", SamplingParams()),
+        Sample("struct_StructuredOutputs", "struct", StructuredOutputs("regex", "[0-9]{3}")),
         Sample("struct_PoolingParams", "struct", PoolingParams()),
         Sample("struct_RequestError", "struct", _error()),
+        Sample("struct_RequestError_param", "struct", _param_error()),
         Sample("struct_TokenLogprobs", "struct", TokenLogprobs([[5]], [[-0.75]], [1])),
         Sample("struct_UtilityResult", "struct", UtilityResult(9, True, [1, "two", 3.0])),
         Sample("struct_EngineCoreOutput", "struct", pooled_output),

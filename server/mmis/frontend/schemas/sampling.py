@@ -10,16 +10,26 @@ validation context, default :data:`DEFAULT_MAX_N`), ``temperature`` in [0, 2], `
 JSON objects need) -> bias in [-100, 100]. Every float must be finite. Token ids beyond the
 model's vocabulary are refused by the engine (also a 400 that names ``logit_bias``).
 The limits are the engine's (``mmis.engine.sampler``); the two sides check them alike.
+
+Structured outputs (``mmis.frontend.structured_outputs`` turns them into the wire constraint):
+``response_format`` is ``{"type": "text"}``, ``{"type": "json_object"}`` or
+``{"type": "json_schema", "json_schema": {"name", "description"?, "schema"?, "strict"?}}``
+(``name``: 1-64 of ``[a-zA-Z0-9_-]``, as OpenAI requires); ``structured_outputs`` (vLLM's
+extra_body field) sets exactly one of ``json``, ``json_object``, ``regex``, ``choice``,
+``grammar`` (any other key, e.g. ``structural_tag``, is a 400 naming it). The two fields
+together are a 400. A schema, regex or grammar the engine cannot compile is a 400 naming the
+field that carried it.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from mmis.frontend import structured_outputs
 from mmis.frontend.schemas.common import OpenAIModel
-from mmis.protocol.messages import SamplingParams
+from mmis.protocol.messages import SamplingParams, StructuredOutputs
 
 DEFAULT_MAX_N = 16
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit; P1 checks the same)
@@ -35,6 +45,54 @@ LogitBias = Annotated[dict[TokenIdKey, Bias], Field(max_length=MAX_LOGIT_BIAS)]
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(OpenAIModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object")
+        return self
+
+    def constraint(self) -> StructuredOutputs | None:
+        if self.type == "json_schema" and self.json_schema is not None:
+            if self.json_schema.schema_ is None:
+                return structured_outputs.json_object(param="response_format")
+            return structured_outputs.json_schema(self.json_schema.schema_, param="response_format")
+        return structured_outputs.from_response_format({"type": self.type})
+
+
+class VllmStructuredOutputs(OpenAIModel):
+    """vLLM's ``structured_outputs`` extra_body object (exactly one key set)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def constraint(self) -> StructuredOutputs:
+        return structured_outputs.from_vllm_fields(
+            {
+                "json": self.json_,
+                "json_object": self.json_object,
+                "regex": self.regex,
+                "choice": self.choice,
+                "grammar": self.grammar,
+            }
+        )
 
 
 class SamplingRequest(OpenAIModel):
@@ -55,6 +113,26 @@ class SamplingRequest(OpenAIModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
     logit_bias: LogitBias | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: VllmStructuredOutputs | None = None  # extension (vLLM's extra_body)
+
+    @field_validator("response_format", "structured_outputs")
+    @classmethod
+    def _constraint_checks(cls, value: Any) -> Any:
+        if value is not None:
+            try:
+                value.constraint()
+            except structured_outputs.StructuredOutputsError as exc:
+                raise ValueError(str(exc)) from exc
+        return value
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _one_constraint(cls, value: Any, info: ValidationInfo) -> Any:
+        other = info.data.get("response_format")
+        if value is not None and other is not None and other.type != "text":
+            raise ValueError("cannot be combined with a response_format other than text")
+        return value
 
     @field_validator("n")
     @classmethod
@@ -115,7 +193,16 @@ class SamplingRequest(OpenAIModel):
             min_p=self.min_p or 0.0,
             logit_bias={int(k): float(v) for k, v in (self.logit_bias or {}).items()},
             logprobs=self.logprobs_count(),
+            structured=self.structured_constraint(),
         )
+
+    def structured_constraint(self) -> StructuredOutputs | None:
+        """The output constraint the request asked for (``None``: unconstrained)."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.constraint()
+        if self.response_format is not None:
+            return self.response_format.constraint()
+        return None
 
     def logprobs_count(self) -> int | None:
         """How many alternatives per token the client wants with its logprobs (``None``: no
