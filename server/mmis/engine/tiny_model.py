@@ -8,10 +8,15 @@ Invariants:
 - Small: a few MB of weights at most.
 - Atomic: a model directory is written under a temporary name and renamed into place, so a
   concurrent first use never sees (or leaves) a half-written model.
+- Fingerprinted: each build writes :data:`FINGERPRINT_FILE` (a hash of its family's chat
+  template and :data:`BUILD_REVISION`); a cached model whose fingerprint differs is moved
+  aside and rebuilt on first use, so a template change reaches every cache.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import shutil
 import tempfile
@@ -31,6 +36,17 @@ from mmis.engine.model.tiny_tokenizer import (
 # qwen2.5-vl: Qwen2.5-VL's windowed vision tower in front of the Qwen2-VL language model
 FAMILIES = ("llava", "qwen2-vl", "qwen2.5-vl", "llava-siglip")
 DEFAULT_FAMILY = "llava"
+
+
+# bump when a builder changes what it writes (the templates are hashed in already)
+BUILD_REVISION = 1
+FINGERPRINT_FILE = "mmis-tiny-fingerprint.txt"
+
+
+def fingerprint(family: str) -> str:
+    """What a cached build of ``family`` must have been built with (its chat template)."""
+    template = QWEN_TEMPLATE if family.startswith("qwen") else LLAVA_TEMPLATE
+    return hashlib.sha256(f"{BUILD_REVISION}\0{template}".encode()).hexdigest()[:16]
 
 
 class TinyModelError(ValueError):
@@ -270,6 +286,7 @@ def build_tiny_model(
     tmp.chmod(0o755)
     try:
         BUILDERS[family](tmp, seed)
+        (tmp / FINGERPRINT_FILE).write_text(fingerprint(family) + "\n")
         os.rename(tmp, target)  # atomic; replaces an empty directory, fails on a full one
     except OSError:
         if not (target / "config.json").exists():
@@ -290,6 +307,11 @@ def tiny_model_dir(family: str = DEFAULT_FAMILY) -> Path:
     if family not in BUILDERS:
         raise TinyModelError(f"unknown model family {family!r}; expected one of {MODELS}")
     target = model_cache_dir() / f"mmis-tiny-{family}"
+    stamp = target / FINGERPRINT_FILE
+    if (target / "config.json").exists() and not (
+        stamp.exists() and stamp.read_text().strip() == fingerprint(family)
+    ):
+        _move_aside(target)  # built by other code: rebuild
     if not (target / "config.json").exists():
         try:
             build_tiny_model(target, family)
@@ -297,6 +319,15 @@ def tiny_model_dir(family: str = DEFAULT_FAMILY) -> Path:
             if not (target / "config.json").exists():
                 raise
     return target
+
+
+def _move_aside(target: Path) -> None:
+    """Rename a stale cached model out of the way (atomic) and delete it; a concurrent
+    caller doing the same loses the rename harmlessly."""
+    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale.", dir=target.parent))
+    with contextlib.suppress(OSError):  # already moved by a concurrent caller
+        os.rename(target, aside / "model")
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def default_model_dir() -> Path:
