@@ -48,14 +48,57 @@ LLAVA_TEMPLATE = (
     "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
 
-QWEN_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-    "{% for part in message['content'] %}"
+_QWEN_CONTENT = (
+    "{% macro content(c) %}{% if c is string %}{{ c }}{% elif c %}"
+    "{% for part in c %}"
     "{% if part['type'] in ('image', 'image_url') %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% endif %}{% endmacro %}"
+)
+# Qwen2.5's tool format: the tool signatures in a <tools> system block, calls as
+# <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>, results as <tool_response>
+# in a user turn (consecutive tool messages share one). Without tools: as before.
+_QWEN_TOOLS = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ content(messages[0]['content']) }}"
+    "{{ '\n\n' }}{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\n' }}</tools>\n\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{% endif %}"
+)
+_QWEN_CALLS = (
+    "<|im_start|>assistant{% if message['content'] %}{{ '\n' }}"
+    "{{ content(message['content']) }}{% endif %}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set f = call['function'] if call['function'] is defined else call %}"
+    '{{ \'\\n<tool_call>\\n{"name": "\' }}{{ f[\'name\'] }}{{ \'", "arguments": \' }}'
+    "{% if f['arguments'] is string %}{{ f['arguments'] }}{% else %}"
+    "{{ f['arguments'] | tojson }}{% endif %}{{ '}\\n</tool_call>' }}"
+    "{% endfor %}<|im_end|>{{ '\\n' }}"
+)
+_QWEN_TOOL_RESULT = (
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user"
+    "{% endif %}{{ '\\n<tool_response>\\n' }}{{ content(message['content']) }}"
+    "{{ '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>{{ '\\n' }}"
+    "{% endif %}"
+)
+QWEN_TEMPLATE = (
+    _QWEN_CONTENT
+    + _QWEN_TOOLS
+    + "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    + _QWEN_CALLS
+    + "{% elif message['role'] == 'tool' %}"
+    + _QWEN_TOOL_RESULT
+    + "{% else %}<|im_start|>{{ message['role'] }}\n{{ content(message['content']) }}"
+    "<|im_end|>\n{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
