@@ -12,6 +12,8 @@ from __future__ import annotations
 import base64
 import io
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +139,37 @@ def chat_body(color: tuple[int, int, int], max_tokens: int = 6) -> dict[str, Any
             }
         ],
     }
+
+
+# ---------------------------------------------------------------- /proc helpers (Linux)
+def running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def children(pid: int) -> list[int]:
+    """The live (non-zombie) child processes of ``pid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float = 120.0) -> None:
+    """Poll ``check`` (another process's state) until true; TimeoutError after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout:.0f}s")
+        time.sleep(0.02)  # polling another process's state; not a synchronisation

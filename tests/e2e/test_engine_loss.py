@@ -42,7 +42,7 @@ import openai
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from procs import Proc, Serve, image_url
+from procs import Proc, Serve, children, image_url, wait_for
 
 from mmis.config import default_of, flag_of
 from mmis.engine.config import EngineConfig
@@ -59,28 +59,6 @@ DEADLINE_S = 2.0  # from the kill to each stream's error event / each fail-fast 
 LIVENESS_S = default_of(FrontendConfig, "liveness_timeout_s")  # what the servers run with
 PING_S = default_of(FrontendConfig, "ping_interval_s")
 COLORS = [(200, 10, 10), (10, 200, 10), (10, 10, 200)]
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(entry.name))
-    return found
-
-
-def _wait_for(what: str, check: Callable[[], bool], timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout:.0f}s")
-        time.sleep(0.02)  # polling another process's state; not a synchronisation
 
 
 def _flag(cmdline: list[str], name: str) -> str:
@@ -225,10 +203,10 @@ class Pod:
         found: list[int] = []
 
         def one() -> bool:
-            found[:] = [p for p in _children(self.serve.popen.pid) if p != not_pid]
+            found[:] = [p for p in children(self.serve.popen.pid) if p != not_pid]
             return len(found) == 1
 
-        _wait_for("the engine child of serve", one, timeout)
+        wait_for("the engine child of serve", one, timeout)
         self.engines.add(found[0])
         return found[0]
 
@@ -264,7 +242,7 @@ class ReadyWatch:
 
     def _run(self, pod: Pod, front: Front, old: int) -> None:
         while not self._stop.is_set():
-            new_p1 = any(p != old for p in _children(pod.serve.popen.pid))
+            new_p1 = any(p != old for p in children(pod.serve.popen.pid))
             self.samples.append((time.monotonic(), front.ready(), new_p1))
             time.sleep(0.05)  # sampling a probe; not a synchronisation
 
@@ -314,8 +292,8 @@ def test_sigkill_streams_end_at_once_whole_requests_heal_or_fail_fast(
     streams, stream_threads = heal.start_streams(STREAMS)
     healed = heal.start_whole(WHOLE)
     failed = fast.start_whole(WHOLE)
-    _wait_for("every request in P1", lambda: heal.in_flight() == STREAMS + WHOLE)
-    _wait_for("every fail-fast request in P1", lambda: fast.in_flight() == WHOLE)
+    wait_for("every request in P1", lambda: heal.in_flight() == STREAMS + WHOLE)
+    wait_for("every fail-fast request in P1", lambda: fast.in_flight() == WHOLE)
     watches = [ReadyWatch(pod, front, engine) for front in (heal, fast)]
     killed = time.monotonic()
     os.kill(engine, signal.SIGKILL)
@@ -334,7 +312,7 @@ def test_sigkill_streams_end_at_once_whole_requests_heal_or_fail_fast(
     for response in healed():
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["message"]["content"] == long_expected
-    _wait_for("the fail-fast /ready after the restart", lambda: fast.ready() == 200, 60)
+    wait_for("the fail-fast /ready after the restart", lambda: fast.ready() == 200, 60)
     for watch in watches:
         watch.stop()
     not_ready = [watch.not_ready_after(killed) for watch in watches]
@@ -362,7 +340,7 @@ def test_sigstop_is_seen_after_the_liveness_timeout_and_sigcont_heals(
     engine = pod.engine_pid()
     streams, stream_threads = heal.start_streams(8)
     waiting = heal.start_whole(1)
-    _wait_for("every request in P1", lambda: heal.in_flight() == 8 + 1)
+    wait_for("every request in P1", lambda: heal.in_flight() == 8 + 1)
     stopped = time.monotonic()
     os.kill(engine, signal.SIGSTOP)
     try:
@@ -371,14 +349,14 @@ def test_sigstop_is_seen_after_the_liveness_timeout_and_sigcont_heals(
         delays = _stream_errors(streams, stopped, LIVENESS_S + PING_S + 1.0)
         assert min(delays) >= LIVENESS_S - PING_S, f"declared hung after {min(delays):.2f}s"
         assert heal.ready() == 503
-        _wait_for("the fail-fast front end to see it", lambda: fast.ready() == 503, 10)
+        wait_for("the fail-fast front end to see it", lambda: fast.ready() == 503, 10)
         _unavailable(fast.whole(COLORS[1]))
     finally:
         os.kill(engine, signal.SIGCONT)
     (response,) = waiting()
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"] == long_expected
-    _wait_for("/ready after SIGCONT", lambda: heal.ready() == 200 == fast.ready(), 60)
+    wait_for("/ready after SIGCONT", lambda: heal.ready() == 200 == fast.ready(), 60)
     assert pod.engine_pid() == engine  # resumed, not replaced
     print(f"\nSIGSTOP: {len(delays)} stream errors {min(delays):.3f}-{max(delays):.3f}s after it")
     record_property("stop_to_stream_error_max_s", round(max(delays), 3))

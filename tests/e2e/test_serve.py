@@ -29,43 +29,12 @@ import openai
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from procs import MMIS, Proc, image_url
+from procs import MMIS, Proc, children, image_url, running, wait_for
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
 
 COLORS = [(200, 10, 10), (10, 200, 10), (10, 10, 200), (120, 120, 0)]
 LONG = 2000  # tokens, EOS ignored: seconds of decoding, so both are still in P1 at the signal
-
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` exists and is not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(entry.name))
-    return found
-
-
-def _wait_for(what: str, check: Callable[[], bool], timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout:.0f}s")
-        time.sleep(0.05)  # polling another process's state; not a synchronisation
 
 
 class Serve(Proc):
@@ -94,10 +63,10 @@ class Serve(Proc):
         found: list[int] = []
 
         def one() -> bool:
-            found[:] = [p for p in _children(self.popen.pid) if p != not_pid]
+            found[:] = [p for p in children(self.popen.pid) if p != not_pid]
             return len(found) == 1
 
-        _wait_for("the engine child of serve", one, timeout)
+        wait_for("the engine child of serve", one, timeout)
         self.engines.add(found[0])
         return found[0]
 
@@ -132,7 +101,7 @@ def started(serve_env: Path) -> Iterator[list[Serve]]:
     for proc in procs:
         proc.stop(signal.SIGKILL)
         for pid in proc.engines:
-            if _running(pid):  # only after a failure: never leave an engine behind
+            if running(pid):  # only after a failure: never leave an engine behind
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -169,7 +138,7 @@ def test_fresh_install_serves_then_drains_on_sigterm(
     )
     chunks = iter(stream)
     first = next(chunks)
-    _wait_for("both requests in P1", lambda: serve.gauge("engine_requests_in_flight") == 2)
+    wait_for("both requests in P1", lambda: serve.gauge("engine_requests_in_flight") == 2)
     serve.popen.send_signal(signal.SIGTERM)
 
     streamed, finish = "", None
@@ -181,7 +150,7 @@ def test_fresh_install_serves_then_drains_on_sigterm(
     assert (streamed, str(finish)) == expected
     assert results == [expected]
     assert serve.popen.wait(120) == 0, serve.log_tail()
-    assert not _running(engine), f"engine child {engine} outlived serve"
+    assert not running(engine), f"engine child {engine} outlived serve"
     assert not ipc_dir.exists(), f"{ipc_dir} was not removed"
 
 
@@ -192,7 +161,7 @@ def test_engine_killed_under_serve_is_restarted(serve_env: Path, started: list[S
     engine = serve.engine_pid()
 
     os.kill(engine, signal.SIGKILL)
-    _wait_for("the killed engine reaped", lambda: not _running(engine))
+    wait_for("the killed engine reaped", lambda: not running(engine))
     restarted = serve.engine_pid(not_pid=engine)
     for color in COLORS:
         assert serve.chat(color) == expected[color]
@@ -202,7 +171,7 @@ def test_engine_killed_under_serve_is_restarted(serve_env: Path, started: list[S
     # serve killed without any chance to clean up: the kernel stops its engine for it
     serve.popen.kill()
     serve.popen.wait(30)
-    _wait_for("the engine of a SIGKILLed serve to exit", lambda: not _running(restarted), 60)
+    wait_for("the engine of a SIGKILLed serve to exit", lambda: not running(restarted), 60)
 
 
 @pytest.mark.parametrize(
