@@ -1,4 +1,6 @@
-"""Paged attention alone: packed sequences over a block pool equal per-sequence causal SDPA."""
+"""Paged attention alone: packed sequences over a block pool equal per-sequence dense SDPA
+(causal, sliding window, bidirectional spans), on the CPU backend and, when CUDA is present,
+the varlen flash backend."""
 
 from __future__ import annotations
 
@@ -8,8 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mmis.engine.attn_backends import TorchBackend, select_backend
 from mmis.engine.paged_attention import (
     STEP_KWARG,
+    AttentionMetadata,
     KVCacheSpec,
     PagedAttentionError,
     PagedAttentionMetadata,
@@ -26,14 +30,26 @@ class _Layer(torch.nn.Module):
     layer_idx = 0
 
 
-def _spec() -> KVCacheSpec:
-    return KVCacheSpec(1, KV_HEADS, DIM, torch.float32, torch.device("cpu"), block_size=BLOCK)
+def _spec(device: torch.device | None = None) -> KVCacheSpec:
+    return KVCacheSpec(1, KV_HEADS, DIM, torch.float32, device or torch.device("cpu"), BLOCK)
 
 
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+def _reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    window: int | None = None,
+    spans: tuple[tuple[int, int], ...] = (),
+) -> torch.Tensor:
     """q [H, n, D] for positions start..; k, v [KVH, start + n, D] -> [n, H, D]."""
     n, total = q.shape[1], k.shape[1]
-    mask = torch.arange(total)[None, :] <= (torch.arange(n)[:, None] + start)
+    rows, cols = torch.arange(n)[:, None] + start, torch.arange(total)[None, :]
+    mask = cols <= rows
+    if window is not None:
+        mask &= cols > rows - window
+    for lo, hi in spans:
+        mask |= (rows >= lo) & (rows < hi) & (cols >= lo) & (cols < hi)
     rep = HEADS // KV_HEADS
     out = F.scaled_dot_product_attention(
         q, k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0), attn_mask=mask
@@ -41,48 +57,77 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) ->
     return out.transpose(0, 1)
 
 
-def test_packed_prefill_and_decode_match_per_sequence_attention():
+CASES = {
+    "causal": (None, ()),
+    "sliding window": (3, ()),
+    "bidirectional spans": (None, ((1, 4), (7, 11))),
+}
+
+
+# (device, block size, dtype): the CPU path; on CUDA the varlen flash kernel over a packed
+# gather (block size not a multiple of 256) and reading the pool in place (256)
+BACKENDS = {
+    "torch": ("cpu", BLOCK, torch.float32),
+    "cuda-packed": ("cuda", BLOCK, torch.bfloat16),
+    "cuda-paged": ("cuda", 256, torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_packed_prefill_and_decode_match_per_sequence_attention(case, backend):
+    window, spans = CASES[case]
+    where, block, dtype = BACKENDS[backend]
+    if where == "cuda" and not torch.cuda.is_available():
+        pytest.skip("the varlen flash backend needs a CUDA device; none here")
+    device = torch.device(where)
     gen = torch.Generator().manual_seed(0)
-    pool = PagedKVPool(_spec(), num_blocks=32)
-    # three sequences: fresh prefill, chunk on top of cached context, single-token decode
-    starts, lens = [0, 6, 9], [5, 7, 1]
-    free = list(range(32))
+    spec = KVCacheSpec(1, KV_HEADS, DIM, dtype, device, block)
+    pool = PagedKVPool(spec, num_blocks=32)
+    # four sequences: fresh prefill, chunk on top of cached context, two single-token decodes
+    # of different lengths
+    starts, lens = [0, 6, 9, 3], [5, 7, 1, 1]
+    seq_spans = [spans, spans, (), ()]
+    free = list(range(1, 32))
     random.Random(0).shuffle(free)  # non-contiguous block tables
     tables = [
-        [free.pop() for _ in range((s + n + BLOCK - 1) // BLOCK)]
+        [free.pop() for _ in range((s + n + block - 1) // block)]
         for s, n in zip(starts, lens, strict=True)
     ]
-    full_k = [
-        torch.randn(KV_HEADS, s + n, DIM, generator=gen) for s, n in zip(starts, lens, strict=True)
-    ]
-    full_v = [
-        torch.randn(KV_HEADS, s + n, DIM, generator=gen) for s, n in zip(starts, lens, strict=True)
-    ]
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    full_k = [rand(KV_HEADS, s + n, DIM) for s, n in zip(starts, lens, strict=True)]
+    full_v = [rand(KV_HEADS, s + n, DIM) for s, n in zip(starts, lens, strict=True)]
     # the cached context was written by earlier steps
     for table, s, k, v in zip(tables, starts, full_k, full_v, strict=True):
         if s:
-            slots = torch.tensor(slots_for(table, 0, s, BLOCK))
-            pool.flat_keys(0)[slots] = k[:, :s].transpose(0, 1)
-            pool.flat_values(0)[slots] = v[:, :s].transpose(0, 1)
-    queries = [torch.randn(HEADS, n, DIM, generator=gen) for n in lens]
-    meta = PagedAttentionMetadata.build(
-        lens, starts, tables, BLOCK, pool.num_slots, torch.device("cpu")
+            slots = torch.tensor(slots_for(table, 0, s, block), device=device)
+            pool.flat_keys(0)[slots] = k[:, :s].transpose(0, 1).to(device)
+            pool.flat_values(0)[slots] = v[:, :s].transpose(0, 1).to(device)
+    queries = [rand(HEADS, n, DIM) for n in lens]
+    meta = AttentionMetadata.build(
+        lens, starts, tables, block, pool.num_slots, device, bidirectional_spans=seq_spans
     )
-    q = torch.cat(queries, dim=1).unsqueeze(0)
+    q = torch.cat(queries, dim=1).unsqueeze(0).to(device)
     k = torch.cat([k[:, s:] for k, s in zip(full_k, starts, strict=True)], dim=1).unsqueeze(0)
     v = torch.cat([v[:, s:] for v, s in zip(full_v, starts, strict=True)], dim=1).unsqueeze(0)
-    out, _ = paged_attention_forward(_Layer(), q, k, v, None, **{STEP_KWARG: PagedStep(pool, meta)})
+    step = PagedStep(pool, meta, select_backend(device, block))
+    kwargs = {STEP_KWARG: step, "sliding_window": window}
+    out, _ = paged_attention_forward(_Layer(), q, k.to(device), v.to(device), None, **kwargs)
     expected = torch.cat(
         [
-            _reference(qi, ki, vi, s)
-            for qi, ki, vi, s in zip(queries, full_k, full_v, starts, strict=True)
+            _reference(qi.float(), ki.float(), vi.float(), s, window, sp)
+            for qi, ki, vi, s, sp in zip(queries, full_k, full_v, starts, seq_spans, strict=True)
         ]
     )
-    torch.testing.assert_close(out[0], expected)
+    tol = {} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    torch.testing.assert_close(out[0].float().cpu(), expected, **tol)
     # the new keys landed in the right slots
     for table, s, n, kk in zip(tables, starts, lens, full_k, strict=True):
-        slots = torch.tensor(slots_for(table, s, s + n, BLOCK))
-        torch.testing.assert_close(pool.flat_keys(0)[slots], kk[:, s:].transpose(0, 1))
+        slots = torch.tensor(slots_for(table, s, s + n, block), device=device)
+        torch.testing.assert_close(pool.flat_keys(0)[slots].cpu(), kk[:, s:].transpose(0, 1))
 
 
 def test_metadata_rejects_inconsistent_steps():
@@ -113,3 +158,10 @@ def test_attention_without_step_metadata_is_refused():
     kv = torch.zeros(1, KV_HEADS, 2, DIM)
     with pytest.raises(PagedAttentionError, match="only inside the mmis runner"):
         paged_attention_forward(_Layer(), q, kv, kv, None)
+
+
+def test_backend_selection():
+    assert isinstance(select_backend(torch.device("cpu"), BLOCK), TorchBackend)
+    assert isinstance(select_backend(torch.device("cuda"), BLOCK, "torch"), TorchBackend)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        select_backend(torch.device("cpu"), BLOCK, "magic")

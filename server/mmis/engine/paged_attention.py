@@ -2,22 +2,21 @@
 
 The KV memory is a pool of ``num_blocks`` blocks of ``block_size`` tokens per layer,
 preallocated once (``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer, keys and
-values). A sequence's token at position ``p`` lives in slot
-``block_table[p // block_size] * block_size + p % block_size``.
+values: the paged layout FlashAttention reads in place). A sequence's token at position ``p``
+lives in slot ``block_table[p // block_size] * block_size + p % block_size``.
 
 :func:`paged_attention_forward` is registered with transformers' ``AttentionInterface`` under
 :data:`ATTENTION_NAME`, so the *unmodified* Hugging Face language model calls it from every
 attention layer. The step's :class:`PagedStep` travels in the forward kwargs under
-:data:`STEP_KWARG`. Per layer it (1) writes the new keys/values at the step's slot mapping and
-(2) attends each sequence's new queries over that sequence's whole context, gathered through
-its block table: causal inside the new tokens, full over the cached ones. GQA is handled by
-SDPA's ``enable_gqa``.
+:data:`STEP_KWARG`. Per layer it (1) writes the new keys/values in place at the step's slot
+mapping and (2) hands the queries to the step's attention backend (``attn_backends.py``),
+which reads the context through the block tables of the step's
+:class:`~mmis.engine.attn_metadata.AttentionMetadata`. The layer's ``sliding_window`` (as
+transformers passes it) is the backend's ``window`` argument.
 
 Invariants:
 - All scheduled sequences are packed as batch size 1, in :class:`SchedulerOutput` order.
-- Index tensors are built once per step (:meth:`PagedAttentionMetadata.build`), not per layer.
-- Decode rows of a step share one SDPA call; each longer chunk gets its own (no padding of a
-  long prefill to the batch size).
+- Index tensors are built once per step (:meth:`AttentionMetadata.build`), not per layer.
 - The function never runs without step metadata: it raises :class:`PagedAttentionError`.
 """
 
@@ -28,16 +27,28 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
+
+from mmis.engine.attn_backends import AttentionBackend, TorchBackend
+from mmis.engine.attn_metadata import AttentionMetadata, PagedAttentionError
 
 ATTENTION_NAME = "mmis_paged"
 STEP_KWARG = "mmis_paged_step"
 DEFAULT_BLOCK_SIZE = 16
 
-
-class PagedAttentionError(ValueError):
-    """Inconsistent KV pool sizing or step metadata."""
+__all__ = [
+    "ATTENTION_NAME",
+    "DEFAULT_BLOCK_SIZE",
+    "STEP_KWARG",
+    "AttentionMetadata",
+    "KVCacheSpec",
+    "PagedAttentionError",
+    "PagedAttentionMetadata",
+    "PagedKVPool",
+    "PagedStep",
+    "paged_attention_forward",
+    "slots_for",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,101 +122,12 @@ class PagedKVPool:
 
 
 def slots_for(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
-    """Slot ids of positions ``start .. end - 1`` through ``block_table``."""
+    """Slot ids of positions ``start .. end - 1`` through ``block_table`` (a reference for
+    tests and benchmarks; the runner's step uses :class:`AttentionMetadata`)."""
     return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
-@dataclasses.dataclass(frozen=True)
-class AttentionGroup:
-    """Sequences attended in one SDPA call, padded to ``Q`` query rows and ``C`` context slots.
-
-    Decode rows (one new token each) share one group; every longer chunk gets its own, so
-    padding never multiplies a long prefill by the batch size.
-    """
-
-    token_index: torch.Tensor  # [T] packed index of each valid query row, row-major order
-    query_index: torch.Tensor  # [G, Q] packed index of each (sequence, query row); pads -> 0
-    query_valid: torch.Tensor  # [G, Q] bool
-    context_slots: torch.Tensor  # [G, C] slot of each context position; pads -> 0
-    mask: torch.Tensor  # [G, 1, Q, C] bool, True = attend
-
-    @classmethod
-    def build(
-        cls,
-        members: Sequence[tuple[int, int, int, list[int]]],  # (packed offset, n, start, slots)
-        device: torch.device,
-    ) -> AttentionGroup:
-        size, max_q = len(members), max(m[1] for m in members)
-        max_c = max(len(m[3]) for m in members)
-        query_index = torch.zeros(size, max_q, dtype=torch.long)
-        query_valid = torch.zeros(size, max_q, dtype=torch.bool)
-        context = torch.zeros(size, max_c, dtype=torch.long)
-        mask = torch.zeros(size, 1, max_q, max_c, dtype=torch.bool)
-        for i, (offset, n, start, slots) in enumerate(members):
-            query_index[i, :n] = torch.arange(offset, offset + n)
-            query_valid[i, :n] = True
-            context[i, : start + n] = torch.tensor(slots, dtype=torch.long)
-            rows = torch.arange(n).unsqueeze(1) + start  # absolute position of each query
-            mask[i, 0, :n, : start + n] = torch.arange(start + n).unsqueeze(0) <= rows
-            mask[i, 0, n:, 0] = True  # padded rows attend somewhere, so SDPA yields no NaN
-        return cls(
-            token_index=query_index[query_valid].to(device),
-            query_index=query_index.to(device),
-            query_valid=query_valid.to(device),
-            context_slots=context.to(device),
-            mask=mask.to(device),
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class PagedAttentionMetadata:
-    """Per-step index tensors shared by every layer (``N`` packed new tokens)."""
-
-    slot_mapping: torch.Tensor  # [N] slot of each new token
-    groups: tuple[AttentionGroup, ...]
-
-    @classmethod
-    def build(
-        cls,
-        query_lens: Sequence[int],
-        start_positions: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
-        block_size: int,
-        num_slots: int,
-        device: torch.device,
-    ) -> PagedAttentionMetadata:
-        if not (len(query_lens) == len(start_positions) == len(block_tables)) or not query_lens:
-            raise PagedAttentionError("a step needs one query length, start and block table each")
-        new_slots: list[int] = []
-        decodes: list[tuple[int, int, int, list[int]]] = []
-        chunks: list[tuple[int, int, int, list[int]]] = []
-        offset = 0
-        for n, start, table in zip(query_lens, start_positions, block_tables, strict=True):
-            if n < 1 or start < 0:
-                raise PagedAttentionError(f"bad chunk: {n} tokens at start {start}")
-            if len(table) * block_size < start + n:
-                raise PagedAttentionError(
-                    f"block table of {len(table)} blocks cannot hold {start + n} tokens"
-                )
-            if table and (min(table) < 0 or (max(table) + 1) * block_size > num_slots):
-                raise PagedAttentionError(
-                    f"a block table points outside the pool ({num_slots} slots)"
-                )
-            slots = slots_for(table, 0, start + n, block_size)
-            new_slots.extend(slots[start:])
-            (decodes if n == 1 else chunks).append((offset, n, start, slots))
-            offset += n
-        groups = [AttentionGroup.build([c], device) for c in chunks]
-        if decodes:
-            groups.append(AttentionGroup.build(decodes, device))
-        return cls(
-            slot_mapping=torch.tensor(new_slots, dtype=torch.long, device=device),
-            groups=tuple(groups),
-        )
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.slot_mapping.shape[0])
+PagedAttentionMetadata = AttentionMetadata  # the name the runner's callers knew
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +135,8 @@ class PagedStep:
     """What the attention layers receive through the forward kwargs."""
 
     pool: PagedKVPool
-    metadata: PagedAttentionMetadata
+    metadata: AttentionMetadata
+    backend: AttentionBackend = dataclasses.field(default_factory=TorchBackend)
 
 
 def paged_attention_forward(
@@ -237,25 +160,22 @@ def paged_attention_forward(
         raise PagedAttentionError(
             f"expected a packed batch of {meta.num_tokens} tokens, got {tuple(query.shape)}"
         )
-    keys, values = step.pool.flat_keys(layer), step.pool.flat_values(layer)
-    keys.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(keys.dtype))
-    values.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(values.dtype))
-    packed_q = query[0].transpose(0, 1)  # [N, H, D]
-    out = torch.empty_like(packed_q)
-    for group in meta.groups:
-        # [G, C, KVH, D] -> [G, KVH, C, D];  [G, Q, H, D] -> [G, H, Q, D]
-        ctx_k = keys[group.context_slots].transpose(1, 2).to(query.dtype)
-        ctx_v = values[group.context_slots].transpose(1, 2).to(query.dtype)
-        q = packed_q[group.query_index].transpose(1, 2)
-        attended = F.scaled_dot_product_attention(
-            q,
-            ctx_k,
-            ctx_v,
-            attn_mask=group.mask,
-            scale=scaling,
-            enable_gqa=q.shape[1] != ctx_k.shape[1],
-        )
-        out[group.token_index] = attended.transpose(1, 2)[group.query_valid]
+    key_cache, value_cache = step.pool.key_cache[layer], step.pool.value_cache[layer]
+    new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [N, KVH, D]
+    flat = (step.pool.num_slots, key_cache.shape[2], key_cache.shape[3])
+    key_cache.view(flat).index_copy_(0, meta.slot_mapping, new_k.to(key_cache.dtype))
+    value_cache.view(flat).index_copy_(0, meta.slot_mapping, new_v.to(value_cache.dtype))
+    window = kwargs.get("sliding_window")
+    out = step.backend.attend(
+        query[0].transpose(0, 1),  # [N, H, D]
+        key_cache,
+        value_cache,
+        new_k,
+        new_v,
+        meta,
+        scaling,
+        int(window) if window else None,
+    )
     return out.unsqueeze(0), None
 
 

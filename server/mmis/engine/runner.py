@@ -12,6 +12,11 @@ only, through the sampler's :class:`TokenHistoryCache`.
 
 Invariants:
 - Exactly one language-model forward per step, whatever the number of sequences.
+- The step's attention metadata (block tables, cumulative lengths, new-token slots,
+  positions: ``attn_metadata.py``) is built once, vectorised, before the forward; the
+  attention backend (``attn_backends.py``, chosen per device at construction) reads it in
+  every layer. ``hidden`` keeps every packed row, so logits at any prompt position (prompt
+  logprobs) are one ``compute_logits`` away.
 - The encoder runs at most once per mm_hash while it stays in the store (the scheduler frees
   it through ``freed_encoder_hashes``).
 - It reads the scheduler's :class:`SchedulerOutput` as is (``sched_output.py``).
@@ -30,13 +35,10 @@ import numpy as np
 import torch
 
 from mmis.engine import logprobs
+from mmis.engine.attn_backends import AttentionBackend, select_backend
+from mmis.engine.attn_metadata import AttentionMetadata
 from mmis.engine.model.adapter import ModelAdapter
-from mmis.engine.paged_attention import (
-    DEFAULT_BLOCK_SIZE,
-    PagedAttentionMetadata,
-    PagedKVPool,
-    PagedStep,
-)
+from mmis.engine.paged_attention import DEFAULT_BLOCK_SIZE, PagedKVPool, PagedStep
 from mmis.engine.sampler import Sampler, TokenCounts, TokenHistory, TokenHistoryCache, needs_history
 from mmis.engine.sched_output import ScheduledRequest, SchedulerOutput, StepOutput
 from mmis.protocol.errors import MMISError
@@ -56,9 +58,16 @@ class EncoderOutputMissingError(StepInputError):
 
 
 class ModelRunner:
-    def __init__(self, adapter: ModelAdapter, pool: PagedKVPool, sampler: Sampler | None = None):
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        pool: PagedKVPool,
+        sampler: Sampler | None = None,
+        backend: AttentionBackend | None = None,
+    ):
         self.adapter = adapter
         self.pool = pool
+        self.backend = backend or select_backend(adapter.device, pool.block_size)
         self.sampler = sampler or Sampler()
         self.encoder_outputs: dict[str, torch.Tensor] = {}
         self._pool_sums: dict[str, tuple[torch.Tensor, int]] = {}
@@ -74,10 +83,12 @@ class ModelRunner:
         block_size: int = DEFAULT_BLOCK_SIZE,
         num_blocks: int | None = None,
         kv_budget_bytes: int | None = None,
+        attention_backend: str = "auto",
     ) -> ModelRunner:
         spec = adapter.kv_cache_spec(block_size)
         pool = PagedKVPool.from_budget(spec, num_blocks=num_blocks, budget_bytes=kv_budget_bytes)
-        return cls(adapter, pool)
+        backend = select_backend(adapter.device, block_size, attention_backend)
+        return cls(adapter, pool, backend=backend)
 
     @property
     def block_size(self) -> int:
@@ -98,22 +109,21 @@ class ModelRunner:
         if not seqs:
             return out
         self._validate(seqs)
-        meta = PagedAttentionMetadata.build(
+        meta = AttentionMetadata.build(
             [s.num_tokens for s in seqs],
             [s.start_position for s in seqs],
             [s.block_table for s in seqs],
             self.block_size,
             self.pool.num_slots,
             self.adapter.device,
+            bidirectional_spans=self.adapter.bidirectional_spans(seqs),
         )
         out.encoded_mm_hashes = self._encode(seqs)
         token_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long)
         embeds = self.adapter.embed_tokens(token_ids)
         self._scatter(embeds, seqs)
-        positions = self.adapter.pack_positions(
-            [self.adapter.positions(s.start_position, s.num_tokens, s.mm_items) for s in seqs]
-        )
-        hidden = self.adapter.forward(embeds, positions, PagedStep(self.pool, meta))
+        positions = self.adapter.step_positions(seqs, meta)
+        hidden = self.adapter.forward(embeds, positions, PagedStep(self.pool, meta, self.backend))
         self.num_forwards += 1
         self._sample(hidden, seqs, out, histories)
         self._pool(hidden, seqs, out)

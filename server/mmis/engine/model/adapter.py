@@ -27,8 +27,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from mmis.engine.attn_metadata import AttentionMetadata
 from mmis.engine.paged_attention import ATTENTION_NAME, STEP_KWARG, KVCacheSpec, PagedStep
-from mmis.engine.sched_output import MultiModalInput
+from mmis.engine.sched_output import MultiModalInput, ScheduledRequest
 from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import ErrorCode
 
@@ -91,6 +92,8 @@ class ModelAdapter(abc.ABC):
 
     family: ClassVar[str]
     model_types: ClassVar[tuple[str, ...]]
+    # image tokens attend to their whole image (Gemma 3): passed as mask spans, not tensors
+    bidirectional_images: ClassVar[bool] = False
 
     def __init__(self, model: Any, device: torch.device, dtype: torch.dtype) -> None:
         self.model = model
@@ -175,6 +178,22 @@ class ModelAdapter(abc.ABC):
     @abc.abstractmethod
     def split_processor_output(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
         """Split a processor output holding k images into k per-item tensor dicts."""
+
+    def step_positions(
+        self, seqs: Sequence[ScheduledRequest], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The step's ``position_ids``; 1-D RoPE families use the metadata's as they are."""
+        return self.pack_positions(
+            [self.positions(s.start_position, s.num_tokens, s.mm_items) for s in seqs]
+        )
+
+    def bidirectional_spans(
+        self, seqs: Sequence[ScheduledRequest]
+    ) -> list[list[tuple[int, int]]] | None:
+        """Per sequence, the image ranges attended bidirectionally (None: causal only)."""
+        if not self.bidirectional_images:
+            return None
+        return [[(item.offset, item.end) for item in s.mm_items] for s in seqs]
 
     def pack_positions(self, per_sequence: Sequence[torch.Tensor]) -> torch.Tensor:
         """Concatenate per-sequence positions into the language model's ``position_ids``."""

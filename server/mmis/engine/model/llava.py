@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+from mmis.engine.attn_metadata import AttentionMetadata
 from mmis.engine.model.adapter import ModelAdapter, ModelInputError, as_tensor
-from mmis.engine.sched_output import MultiModalInput
+from mmis.engine.sched_output import MultiModalInput, ScheduledRequest
 
 
 class LlavaAdapter(ModelAdapter):
@@ -69,6 +70,11 @@ class LlavaAdapter(ModelAdapter):
         self, start: int, num_tokens: int, items: Sequence[MultiModalInput]
     ) -> torch.Tensor:
         return torch.arange(start, start + num_tokens, dtype=torch.long)
+
+    def step_positions(
+        self, seqs: Sequence[ScheduledRequest], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return meta.positions.unsqueeze(0)  # [1, N], built with the step's metadata
 
     def split_processor_output(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
         pixels = batch.get("pixel_values")

@@ -11,6 +11,9 @@ Invariants:
   position, after which the position advances by max(h, w) // merge. Decode positions continue
   the text rule. They are a pure function of (start, n, item layout), so chunked prefill,
   prefix hits and decode agree with a whole-prompt computation.
+- A chunk past all of its items (every decode row) is the 1-D positions of the step's
+  metadata plus one per-request shift (sum of max(h, w) // merge - placeholder length over its
+  items), vectorised; only chunks that overlap an item take the per-token rule.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
+from mmis.engine.attn_metadata import AttentionMetadata
 from mmis.engine.model.adapter import ModelAdapter, ModelInputError, as_tensor
-from mmis.engine.sched_output import MultiModalInput
+from mmis.engine.sched_output import MultiModalInput, ScheduledRequest
 
 
 class Qwen2VLAdapter(ModelAdapter):
@@ -101,6 +106,43 @@ class Qwen2VLAdapter(ModelAdapter):
             index = item.end
         self._fill_text(out, start, end, index, max(index, end), cursor)
         return out
+
+    def step_positions(
+        self, seqs: Sequence[ScheduledRequest], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        shifts = np.zeros(len(seqs), dtype=np.int64)
+        overlapping = []
+        for i, s in enumerate(seqs):
+            start, end = s.start_position, s.end_position
+            items = sorted((it for it in s.mm_items if it.offset < end), key=lambda it: it.offset)
+            if any(it.end > start for it in items):
+                overlapping.append(i)
+                continue
+            index = 0
+            for item in items:
+                if item.offset < index:
+                    raise ModelInputError(f"item {item.mm_hash} overlaps the previous item")
+                shifts[i] += self._advance(item) - item.length
+                index = item.end
+        shift = torch.from_numpy(np.repeat(shifts, meta.query_lens_host)).to(self.device)
+        out = (meta.positions + shift).unsqueeze(0).repeat(3, 1)
+        offsets = np.concatenate([[0], np.cumsum(meta.query_lens_host)])
+        for i in overlapping:
+            s = seqs[i]
+            rows = self.positions(s.start_position, s.num_tokens, s.mm_items)
+            out[:, int(offsets[i]) : int(offsets[i + 1])] = rows.to(self.device)
+        return out.unsqueeze(1)  # [3, 1, N]
+
+    def _advance(self, item: MultiModalInput) -> int:
+        """How far an item moves the text position (validating its grid)."""
+        t, h, w = self._item_grid(item)
+        gh, gw = h // self.merge_size, w // self.merge_size
+        if t * gh * gw != item.length:
+            raise ModelInputError(
+                f"item {item.mm_hash}: grid {(t, h, w)} gives {t * gh * gw} tokens, "
+                f"placeholder has {item.length}"
+            )
+        return max(gh, gw)
 
     @staticmethod
     def _fill_text(out: torch.Tensor, start: int, end: int, a: int, b: int, base: int) -> None:
