@@ -32,6 +32,8 @@ SAMPLE: dict[str, Any] = {
         "model": {"id": "llava-hf/llava-1.5-7b-hf"},
         "resources": {"gpus": 1, "memory": "8Gi", "cpu": "1", "frontendCpu": "500m"},
         "cache": {"size": "1Gi"},
+        # an HPA too, created with the chart's RBAC (KEDA and prometheus-operator absent)
+        "autoscaling": {"enabled": True, "maxReplicas": 2, "target": 4},
     },
 }
 
@@ -204,6 +206,8 @@ def test_operator_works_with_the_chart_service_account_and_nothing_more(
         assert proc.returncode == 0, cluster.kubectl(
             "get", "-n", namespace, "mmis/rbac-check", "-o", "yaml", check=False
         ).stdout
+        hpa = kubectl_wait(cluster, "-n", namespace, "hpa/rbac-check", "--for=create")
+        assert hpa.returncode == 0, hpa.stderr  # the chart's RBAC lets the operator make it
         cluster.kubectl(
             "delete", "-n", namespace, "mmis/rbac-check", "--timeout=180s", timeout=200
         )  # kubectl's own bound first
@@ -212,6 +216,8 @@ def test_operator_works_with_the_chart_service_account_and_nothing_more(
     secrets = cluster.kubectl("get", "secrets", "-n", namespace, kubeconfig=kubeconfig, check=False)
     assert secrets.returncode != 0 and "forbidden" in secrets.stderr.lower()
     assert _can(cluster, kubeconfig, "patch", "deployments", "-n", namespace)
+    assert _can(cluster, kubeconfig, "delete", "horizontalpodautoscalers.autoscaling", "-n",
+                namespace)  # fmt: skip
     assert not _can(cluster, kubeconfig, "create", "pods", "-n", namespace)
     assert not _can(cluster, kubeconfig, "delete", "nodes")
     assert not _can(cluster, kubeconfig, "create", "deployments", "-n", "default")
