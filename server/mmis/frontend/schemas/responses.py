@@ -49,7 +49,8 @@ def _now() -> int:
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
-    tool_calls: list[ToolCall] | None = None  # chat with tools (mmis.frontend.tool_calls)
+    # chat with tools (mmis.frontend.tool_calls); left out when there are none, as OpenAI does
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class TopLogprob(BaseModel):
@@ -96,7 +97,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
+    tool_calls: list[ToolCallDelta] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatChunkChoice(BaseModel):
