@@ -5,6 +5,12 @@ Invariants:
   template writes exactly one image token per image; the renderer expands them.
 - ``developer`` messages are rendered as ``system`` (templates rarely know the newer role);
   an assistant message without content is rendered with empty text.
+- Tools reach the template as OpenAI tool definitions, unless ``tool_choice`` is ``none``
+  (then they are neither offered nor parsed); an earlier assistant turn's ``tool_calls`` go
+  with their ``arguments`` as an object (what Hugging Face templates expect; a string that is
+  not JSON stays a string), a tool message with its ``tool_call_id``. Each choice's output
+  is parsed by its own :mod:`~mmis.frontend.tool_calls` parser (``n`` choices, ``n``
+  parsers), so one format object serves exactly one request.
 - A template that fails on the client's messages is a 400 naming ``messages``, not a 500.
 - The template runs on a worker thread (a huge conversation never stalls the event loop).
 """
@@ -12,13 +18,14 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from mmis.frontend import logprobs
+from mmis.frontend import logprobs, tool_calls
 from mmis.frontend.errors import InvalidRequestError
 from mmis.frontend.logprobs import TokenLogprob
 from mmis.frontend.renderer import ImageRef
@@ -32,7 +39,9 @@ from mmis.frontend.schemas import (
     ChatDelta,
     ImagePart,
     Usage,
+    sse_chunk,
 )
+from mmis.frontend.schemas.tools import NamedToolChoice
 from mmis.frontend.serving_common import new_request_id
 from mmis.frontend.serving_generate import Choice, ChunkStream, TextGenerator
 
@@ -46,8 +55,9 @@ def template_messages(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]],
     images: list[ImageRef] = []
     for i, message in enumerate(req.messages):
         role = "system" if message.role == "developer" else message.role
+        extra = _tool_fields(message)
         if isinstance(message.content, str) or message.content is None:
-            messages.append({"role": role, "content": message.content or ""})
+            messages.append({"role": role, "content": message.content or "", **extra})
             continue
         parts: list[dict[str, Any]] = []
         for j, part in enumerate(message.content):
@@ -56,31 +66,113 @@ def template_messages(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]],
                 images.append(ImageRef(part.url, part.item_uuid, f"messages[{i}].content[{j}]"))
             else:
                 parts.append({"type": "text", "text": part.text})
-        messages.append({"role": role, "content": parts})
+        messages.append({"role": role, "content": parts, **extra})
     return messages, images
 
 
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _tool_fields(message: Any) -> dict[str, Any]:
+    extra: dict[str, Any] = {}
+    if message.tool_calls:
+        extra["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {
+                    "name": call.function.name,
+                    "arguments": _arguments(call.function.arguments),
+                },
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        extra["tool_call_id"] = message.tool_call_id
+    return extra
+
+
+def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The tool definitions the template offers (none under ``tool_choice: none``)."""
+    if not req.tools or req.effective_tool_choice() == "none":
+        return None
+    return [tool.model_dump(exclude_none=True) for tool in req.tools]
+
+
 class ChatFormat(ChunkStream):
-    def __init__(self, model: str) -> None:
+    """Chat's shapes for ONE request (its choices' tool-call parsers live here)."""
+
+    def __init__(self, model: str, req: ChatCompletionRequest | None = None) -> None:
         self.model = model
+        self.choice: str | None = None
+        self.function: str | None = None
+        self.parallel = True
+        if req is not None and req.tools:
+            choice = req.effective_tool_choice()
+            if isinstance(choice, NamedToolChoice):
+                self.choice, self.function = "named", choice.function.name
+            else:
+                self.choice = choice
+            self.parallel = req.parallel_tool_calls
+        self.parsers: dict[int, tool_calls.ToolCallParser] = {}
+
+    def _parser(self, index: int) -> tool_calls.ToolCallParser | None:
+        if index not in self.parsers:
+            parser = tool_calls.parser_for(self.choice, self.function, self.parallel)
+            if parser is None:
+                return None
+            self.parsers[index] = parser
+        return self.parsers[index]
+
+    def _message(self, index: int, text: str, finish: str | None) -> tuple[Any, str | None]:
+        parser = self._parser(index)
+        if parser is None:
+            return AssistantMessage(content=text), finish
+        parser.feed(text, final=True)
+        parsed = parser.result()
+        message = AssistantMessage(content=parsed.content, tool_calls=parsed.tool_calls or None)
+        return message, parser.finish(finish)
 
     def whole(
         self, request_id: str, choices: Sequence[Choice], usage: Usage
     ) -> ChatCompletionResponse:
-        return ChatCompletionResponse(
-            id=request_id,
-            model=self.model,
-            choices=[
+        answers = []
+        for i, (text, finish, rows) in enumerate(choices):
+            message, reason = self._message(i, text, finish)
+            answers.append(
                 ChatChoice(
                     index=i,
-                    message=AssistantMessage(content=text),
-                    finish_reason=finish,  # type: ignore[arg-type]
+                    message=message,
+                    finish_reason=reason,  # type: ignore[arg-type]
                     logprobs=None if rows is None else logprobs.chat(rows),
                 )
-                for i, (text, finish, rows) in enumerate(choices)
-            ],
-            usage=usage,
-        )
+            )
+        return ChatCompletionResponse(id=request_id, model=self.model, choices=answers, usage=usage)
+
+    def stream_delta(
+        self,
+        request_id: str,
+        index: int,
+        text: str | None,
+        finish: str | None,
+        first: bool,
+        logprobs: list[TokenLogprob] | None,
+    ) -> list[bytes]:
+        parser = self._parser(index)
+        if parser is None:
+            return super().stream_delta(request_id, index, text, finish, first, logprobs)
+        out = parser.feed(text or "", final=finish is not None)
+        if finish is not None:
+            finish = parser.finish(finish)
+        if not (first or out.content or out.tool_calls or finish or logprobs):
+            return []
+        chunk = self.chunk(request_id, index, out.content, finish, first, logprobs)
+        chunk.choices[0].delta.tool_calls = out.tool_calls or None
+        return [sse_chunk(chunk)]
 
     def chunk(
         self,
@@ -110,18 +202,17 @@ class ChatServing:
     def __init__(self, state: FrontendState) -> None:
         self.state = state
         self.generator = TextGenerator(state, "chat")
-        self.format = ChatFormat(state.model_name)
 
     async def create(self, http: Request, req: ChatCompletionRequest) -> Response:
         messages, images = template_messages(req)
+        tools = template_tools(req)
         try:
             # the template renders the whole conversation: on a worker, not the event loop
-            text = await asyncio.to_thread(self.state.processor.chat_prompt, messages)
+            text = await asyncio.to_thread(self.state.processor.chat_prompt, messages, tools)
         except Exception as exc:  # jinja errors, template-raised exceptions
             raise InvalidRequestError(
                 f"the model's chat template rejected the messages: {exc}", param="messages"
             ) from exc
         source = await self.state.renderer.prepare(text, images)
-        return await self.generator.respond(
-            http, req, source, self.format, new_request_id("chatcmpl")
-        )
+        fmt = ChatFormat(self.state.model_name, req)
+        return await self.generator.respond(http, req, source, fmt, new_request_id("chatcmpl"))

@@ -7,7 +7,10 @@ matches ``^[A-Za-z0-9_-]{1,64}$`` and appears once; ``parameters`` is a JSON Sch
 "function": {"name": N}}`` where ``N`` names one of ``tools`` (else a 400 naming
 ``tool_choice``); any value but ``"none"`` needs ``tools``. Without ``tool_choice`` it is
 ``"auto"`` when tools are given, ``"none"`` otherwise. ``parallel_tool_calls: false`` keeps at
-most one call.
+most one call. ``required`` and a named function are enforced as structured outputs
+(:mod:`mmis.frontend.structured_outputs`): the output must be :func:`required_schema`'s
+array or the named function's parameters (:func:`named_schema`); they cannot be combined
+with ``response_format`` / ``structured_outputs`` (a 400 naming ``tool_choice``).
 
 Assistant messages may carry ``tool_calls`` (``arguments`` a JSON string, as returned) and
 ``tool`` messages name the call they answer by ``tool_call_id``; both go to the chat template
@@ -57,7 +60,7 @@ class FunctionDefinition(OpenAIModel):
             raise ValueError("required must be a list of property names")
         return value
 
-    def schema(self) -> dict[str, Any]:
+    def arguments_schema(self) -> dict[str, Any]:
         """The arguments' JSON Schema (a missing one is any object, as vLLM does)."""
         if not self.parameters:
             return {"type": "object", "properties": {}}
@@ -100,15 +103,50 @@ def check_tools(tools: list[ToolDefinition] | None, choice: ToolChoice | None) -
     names = [tool.function.name for tool in tools or []]
     if len(set(names)) != len(names):
         dup = next(n for n in names if names.count(n) > 1)
-        raise ValueError(f"tools: the function name {dup!r} is defined twice")
+        raise ValueError(f"the function name {dup!r} is defined twice")
     if choice is None or choice == "none":
         return
     if not tools:
-        raise ValueError(f"tool_choice: {_choice_text(choice)} needs tools")
+        raise ValueError(f"{_choice_text(choice)} needs tools")
     if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-        raise ValueError(
-            f"tool_choice: the function {choice.function.name!r} is not among tools ({names})"
+        raise ValueError(f"the function {choice.function.name!r} is not among tools ({names})")
+
+
+def required_schema(tools: list[ToolDefinition], parallel: bool) -> dict[str, Any]:
+    """``tool_choice: "required"``'s output schema (as vLLM's): a non-empty JSON array of
+    ``{"name": N, "parameters": {...}}``, each one of ``tools`` with its own parameters
+    schema; the tools' ``$defs`` are hoisted to the root (their ``$ref`` point there).
+    ``parallel``: false allows one call only."""
+    defs: dict[str, Any] = {}
+    branches = []
+    for tool in tools:
+        params = dict(tool.function.arguments_schema())
+        for name, definition in (params.pop("$defs", None) or {}).items():
+            if name in defs and defs[name] != definition:
+                raise ValueError(f"tools define $defs/{name} differently; rename one")
+            defs[name] = definition
+        branches.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [tool.function.name]},
+                    "parameters": params,
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
         )
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
+    if not parallel:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def named_schema(tools: list[ToolDefinition], name: str) -> dict[str, Any]:
+    """A named ``tool_choice``'s output schema: that function's parameters."""
+    return next(t.function.arguments_schema() for t in tools if t.function.name == name)
 
 
 def _choice_text(choice: ToolChoice) -> str:
@@ -131,16 +169,21 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+def _absent(value: Any) -> bool:
+    return value is None
+
+
 class FunctionCallDelta(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
+    name: str | None = Field(default=None, exclude_if=_absent)
+    arguments: str | None = Field(default=None, exclude_if=_absent)
 
 
 class ToolCallDelta(BaseModel):
     """``choices[].delta.tool_calls[]``: the first delta of a call has ``id``, ``type`` and
-    ``function.name`` (``arguments`` ``""``); later ones only argument fragments."""
+    ``function.name`` (``arguments`` ``""``); later ones only argument fragments (absent
+    keys are left out, as OpenAI streams them)."""
 
     index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
+    id: str | None = Field(default=None, exclude_if=_absent)
+    type: Literal["function"] | None = Field(default=None, exclude_if=_absent)
     function: FunctionCallDelta
