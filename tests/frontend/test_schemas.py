@@ -115,7 +115,7 @@ def test_string_content_is_one_text_part_and_defaults_apply() -> None:
         ({"messages": []}, "messages", "at least 1 item"),
         ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role", "'user'"),
         ({"messages": [{"role": "user"}]}, "messages[0]", "content is required"),
-        ({"tools": [{"type": "function"}]}, "tools", "not supported"),
+        ({"functions": [{"name": "f"}]}, "functions", "not supported"),
         ({"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
         ({"response_format": {"type": "json_schema"}}, "response_format", "needs a json_schema"),
