@@ -5,6 +5,9 @@ Invariants:
   same ids (they come first in the vocabulary).
 - Both chat templates accept a message content that is a string or a list of parts; a part of
   type "image" or "image_url" becomes the family's image marker, which the processor expands.
+- The Qwen template writes tools, assistant tool calls and tool results as Qwen2.5 does (the
+  format ``frontend/tool_calls.py`` parses); the LLaVA one has no tool format.
+- A template change reaches cached models: ``tiny_model.fingerprint`` hashes the template.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ _QWEN_CALLS = (
     "{{ content(message['content']) }}{% endif %}"
     "{% for call in message['tool_calls'] %}"
     "{% set f = call['function'] if call['function'] is defined else call %}"
-    '{{ \'\\n<tool_call>\\n{"name": "\' }}{{ f[\'name\'] }}{{ \'", "arguments": \' }}'
+    "{{ '\\n<tool_call>\\n{\"name\": \"' }}{{ f['name'] }}{{ '\", \"arguments\": ' }}"
     "{% if f['arguments'] is string %}{{ f['arguments'] }}{% else %}"
     "{{ f['arguments'] | tojson }}{% endif %}{{ '}\\n</tool_call>' }}"
     "{% endfor %}<|im_end|>{{ '\\n' }}"
@@ -89,9 +92,7 @@ _QWEN_TOOL_RESULT = (
     "{% endif %}"
 )
 QWEN_TEMPLATE = (
-    _QWEN_CONTENT
-    + _QWEN_TOOLS
-    + "{% for message in messages %}"
+    _QWEN_CONTENT + _QWEN_TOOLS + "{% for message in messages %}"
     "{% if tools and loop.first and message['role'] == 'system' %}"
     "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
     + _QWEN_CALLS

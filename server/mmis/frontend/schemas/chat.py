@@ -52,12 +52,10 @@ from mmis.frontend.schemas.tools import (
 )
 from mmis.protocol.messages import StructuredOutputs
 
+# a name declared as a field is supported (its entry inert): tools and tool_choice are now
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (),
     "functions": (),
-    "tool_choice": ("none", "auto"),
     "function_call": ("none", "auto"),
-    "parallel_tool_calls": (True,),
     "response_format": ({"type": "text"},),
     "audio": (),
     "modalities": (["text"],),
