@@ -7,7 +7,7 @@ context), so the photo becomes ~2.7k placeholder tokens: more than one prefill c
 - mmis: a real ``mmis serve`` process with no tuning flags; TTFT is measured by the client from
   sending a streamed chat request (the JPEG as a data URL) to its first content chunk. Each
   round uses a new photo (no encoder/prefix cache hit) and ``--rounds`` are run after one
-  warm-up request.
+  warm-up request; the two sides alternate request by request, so both see the same load.
 - transformers: in this process, the same decoded image and chat template through the model's
   processor and ``generate(max_new_tokens=1, do_sample=False)``; timed from the JPEG bytes
   (decode + processor + prefill + first token), which is what the server's TTFT covers too
@@ -108,18 +108,17 @@ def main() -> int:
         AutoProcessor.from_pretrained(model),
         AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).eval(),
     )
-    hf_times = [
-        transformers_ttft(model, photo_jpeg(1000 + i), loaded) for i in range(args.rounds + 1)
-    ]
-    del loaded
-
     env = {"OMP_NUM_THREADS": str(args.threads)}
+    hf_times: list[float] = []
+    mmis_times: list[float] = []
     with tempfile.TemporaryDirectory() as logs:
         serve_args = ["--model", str(model), "--served-model-name", "q"]
         server = ServerProcess.mmis_serve("photo-ttft", serve_args, Path(logs), env)
         try:
             server.wait_http("/ready", 600)
-            mmis_times = [mmis_ttft(server.root_url, photo_jpeg(i)) for i in range(args.rounds + 1)]
+            for i in range(args.rounds + 1):  # interleaved: both sides see the same load
+                hf_times.append(transformers_ttft(model, photo_jpeg(1000 + i), loaded))
+                mmis_times.append(mmis_ttft(server.root_url, photo_jpeg(i)))
         finally:
             server.stop()
     mmis_p50 = statistics.median(mmis_times[1:])
