@@ -12,20 +12,28 @@ Invariants:
   uninstalled operator included): children go by garbage collection (owner references), and
   the timers are registered without kopf's finalizer (``_no_finalizer``); a finalizer left by
   an older operator is removed by kopf on its first look at the object.
-- Pod events of managed pods go to :meth:`Reconciler.pod_changed` (status only).
+- Deployment and pod events of managed children never call the API on kopf's event loop nor
+  hold one of kopf's worker threads: they hand the newest body to a per-resource coalescing
+  :class:`~mmis_operator.refresh.Refresher` (``Reconciler.deployment_changed`` /
+  ``pod_changed`` run once per burst, ``refresh_delay`` seconds after its first event).
+  The reconcile runs in a worker thread too (``asyncio.to_thread``) and, once it succeeded,
+  queues a status refresh from the Deployment as it is then (``Refresher.submit_fresh``), so
+  events that overtook the reconcile's own write can never leave a stale status behind.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
 import kopf
 
 from mmis_operator import resource as r
-from mmis_operator.kube import Kube, KubeError
+from mmis_operator.kube import Kube, KubeError, object_path
 from mmis_operator.probe import CoherenceProbe
 from mmis_operator.reconciler import ApplyError, Reconciler
+from mmis_operator.refresh import Refresher
 from mmis_operator.spec import InvalidSpecError, parse_spec
 
 RETRY_DELAY = 5.0
@@ -50,10 +58,12 @@ def build_registry(
     probe: CoherenceProbe | None = None,
     probe_seconds: float = 30.0,
     allow_fault_injection: bool = False,
+    refresh_delay: float = 0.2,
 ) -> kopf.OperatorRegistry:
     """Register every handler of the operator on a new registry bound to ``kube``."""
     registry = kopf.OperatorRegistry()
     reconciler = Reconciler(kube, allow_fault_injection)
+    refresher = Refresher(refresh_delay)
     resource = (r.GROUP, r.VERSION, r.PLURAL)
 
     @kopf.on.login(registry=registry)
@@ -63,8 +73,16 @@ def build_registry(
     @kopf.on.resume(*resource, id="reconcile", registry=registry)
     @kopf.on.create(*resource, id="reconcile", registry=registry)
     @kopf.on.update(*resource, id="reconcile", field="spec", registry=registry)
-    def reconcile(body: kopf.Body, **_: Any) -> None:
-        _run(reconciler.reconcile, _plain(body))
+    async def reconcile(body: kopf.Body, **_: Any) -> None:
+        plain = _plain(body)
+        await asyncio.to_thread(_run, reconciler.reconcile, plain)
+        key = _owner_of(plain)
+        refresher.submit_fresh(key, lambda: refresh_now(*key))
+
+    def refresh_now(namespace: str, name: str) -> None:
+        deployment = kube.get(object_path("apps/v1", "Deployment", namespace, name))
+        if deployment is not None:  # gone: its DELETED event re-creates it
+            reconciler.write_status(namespace, name, deployment)
 
     @kopf.timer(
         *resource,
@@ -104,25 +122,25 @@ def build_registry(
         labels={r.LABEL_MANAGED_BY: r.MANAGED_BY},
         registry=registry,
     )
-    def deployment_event(body: kopf.Body, type: str | None, logger: kopf.Logger, **_: Any) -> None:
+    async def deployment_event(body: kopf.Body, type: str | None, **_: Any) -> None:
         # type None: a (re-)listing. kopf lists again after every broken watch (API server
         # restart, 410 Gone), and changes made while the watch was down arrive only that way,
         # so they refresh the status too (an unchanged status is not rewritten).
-        try:
-            reconciler.deployment_changed(_plain(body), deleted=type == "DELETED")
-        except KubeError as exc:  # the next event or the resync timer will catch up
-            logger.warning("status refresh failed: %s", exc)
+        key = _owner(body)
+        if key is not None:
+            plain, deleted = _plain(body), type == "DELETED"
+            refresher.submit_deployment(
+                key, lambda: reconciler.deployment_changed(plain, deleted=deleted)
+            )
 
     @kopf.on.event(
         "", "v1", "pods", id="pod", labels={r.LABEL_MANAGED_BY: r.MANAGED_BY}, registry=registry
     )
-    def pod_event(body: kopf.Body, type: str | None, logger: kopf.Logger, **_: Any) -> None:
-        if type == "DELETED":
-            return  # the Deployment's events follow
-        try:
-            reconciler.pod_changed(_plain(body))
-        except KubeError as exc:  # the next event or the resync timer will catch up
-            logger.warning("status refresh failed: %s", exc)
+    async def pod_event(body: kopf.Body, type: str | None, **_: Any) -> None:
+        key = _owner(body)
+        if type != "DELETED" and key is not None:  # on DELETED the Deployment's events follow
+            plain = _plain(body)
+            refresher.submit_pod(key, body.metadata.name, lambda: reconciler.pod_changed(plain))
 
     _no_finalizer(registry)
     return registry
@@ -136,6 +154,16 @@ def _no_finalizer(registry: kopf.OperatorRegistry) -> None:
     spawning._handlers = [
         dataclasses.replace(h, requires_finalizer=False) for h in spawning._handlers
     ]
+
+
+def _owner(body: kopf.Body) -> tuple[str, str] | None:
+    """The (namespace, name) of the MMInferenceService a managed child belongs to."""
+    owner = body.metadata.labels.get(r.LABEL_SERVICE)
+    return (body.metadata.namespace, owner) if owner and body.metadata.namespace else None
+
+
+def _owner_of(body: dict[str, Any]) -> tuple[str, str]:
+    return (body["metadata"]["namespace"], body["metadata"]["name"])
 
 
 def _plain(body: kopf.Body) -> dict[str, Any]:

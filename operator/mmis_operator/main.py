@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resync-seconds", type=float)
     parser.add_argument("--probe-seconds", type=float, help="CacheCoherent: probe pods this often")
     parser.add_argument("--probe-timeout", type=float, help="CacheCoherent: per-pod HTTP timeout")
-    parser.add_argument("--workers", type=int, help="sync handler threads")
+    parser.add_argument("--workers", type=int, help="worker threads: reconciles, status refreshes")
     parser.add_argument(
         "--allow-fault-injection",
         action="store_const",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import kopf
@@ -28,6 +29,10 @@ async def serve(
     ready_flag: threading.Event | None = None,
 ) -> None:
     settings = operator_settings.configure(kopf.OperatorSettings(), options)
+    if options.workers is not None:  # the reconciles and status refreshes (asyncio.to_thread)
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(options.workers, thread_name_prefix="mmis-operator")
+        )
     await kopf.operator(
         registry=build_registry(
             kube,

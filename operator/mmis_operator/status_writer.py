@@ -9,7 +9,8 @@ Invariants:
   it with that object's ``resourceVersion``. A 409 (or no answer) re-reads and recomputes, so
   what others stored meanwhile (other fields, other condition types) survives; after
   ``RETRIES`` tries it raises ``KubeError(409)``.
-- An unchanged status is not written; a resource that is gone or being deleted is left alone.
+- An unchanged status is not written; a resource that is gone or being deleted (before the
+  read or between the read and the write: a 404 on the PUT) is left alone.
 - Events follow a successful write only: one per condition transition, typed by
   :func:`event_type`; posting is best effort (the status already says it).
 """
@@ -69,6 +70,8 @@ def write(
         except KubeError as exc:
             if exc.status in (409, 0):
                 continue
+            if exc.status == 404:  # deleted between the read and the write
+                return None
             raise
         for change in conditions.transitions(old.get("conditions"), desired.conditions):
             kind = event_type(change)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import inspect
 import re
 
 import kopf
@@ -41,6 +42,18 @@ def test_handler_ids_are_valid_annotation_names() -> None:
     assert ids == {"reconcile", "reconcile/spec", "resync", "coherence", "deployment", "pod"}
     for handler_id in ids:
         assert re.fullmatch(r"[A-Za-z0-9][-A-Za-z0-9_./]*", handler_id)
+
+
+def test_event_handlers_and_the_reconcile_never_block_kopfs_loop_or_threads() -> None:
+    """Child events only queue a coalesced refresh (mmis_operator/refresh.py) and the reconcile
+    awaits a worker thread: kopf's event loop and executor stay free (bench_operator)."""
+    cfg = kubernetes.client.Configuration()
+    cfg.host = "https://127.0.0.1:1"
+    registry = handlers.build_registry(Kube(cfg))
+    watching = {str(h.id): h.fn for h in registry._watching.get_all_handlers()}
+    changing = {h.id: h.fn for h in registry._changing.get_all_handlers()}
+    for fn in (watching["deployment"], watching["pod"], *changing.values()):
+        assert inspect.iscoroutinefunction(fn), fn
 
 
 def test_no_handler_makes_kopf_add_a_finalizer() -> None:

@@ -66,3 +66,13 @@ def test_other_errors_are_not_retried(store: Any) -> None:
     with pytest.raises(KubeError, match="forbidden"):
         status_writer.write(store, "ml", "llava", _drift)
     assert store.tries == 1
+
+
+def test_a_resource_deleted_between_read_and_write_is_left_alone(store: Any) -> None:
+    def gone(_: Any) -> Any:
+        store.tries += 1
+        raise KubeError(404, 'mminferenceservices.mmis.dev "llava" not found', "NotFound")
+
+    store.replace_status = gone
+    assert status_writer.write(store, "ml", "llava", _drift) is None
+    assert (store.tries, store.events) == (1, [])
