@@ -1,0 +1,318 @@
+"""Engine output tokens/s on a medium random LLaVA with long prompts: this tree vs another
+checkout (the code before a change) vs one ``generate()`` per request.
+
+    .venv/bin/python benchmarks/bench_engine_medium.py --against /tmp/oldtree
+        [--concurrency 32] [--prompt-tokens 2048] [--tokens 16] [--generate-requests 2]
+        [--repeat 1] [--threads 1]
+
+The model (issue 11's "medium LLaVA") is built here, random, into ``--model-dir`` (default a
+fresh temporary folder; never committed): a Llama text model of hidden 896, 14 heads (2 KV
+heads, head_dim 64), 6 layers, intermediate 2432, 4k positions; a CLIP tower 768 wide (2
+layers, 224x224 images, patch 14: 256 image tokens). The tokenizer and chat template are the
+tiny LLaVA's (``mmis.engine.tiny_model``).
+
+Workload: ``--concurrency`` requests, each one image (its own random pixels) and a text padded
+to about ``--prompt-tokens`` prompt tokens, ``--tokens`` greedy output tokens (EOS ignored).
+
+- ``engine``: :class:`EngineCore` built with ``make_core`` and the default
+  :class:`EngineConfig` (KV pool sized to hold every request at once), all requests submitted,
+  then ``step()`` until done, in a child process whose ``PYTHONPATH`` is this tree's
+  ``server/``; ``engine@TREE`` is the same child run with ``TREE/server`` first on the path
+  (``git worktree add /tmp/oldtree <commit>``), so both run the very same workload script;
+- ``generate``: plain transformers, one ``generate(do_sample=False)`` per request, in turn,
+  timed over the first ``--generate-requests`` requests (it is sequential: its tokens/s does
+  not depend on how many requests are timed).
+
+The first output tokens of the engines are compared with ``generate``'s for the requests both
+ran. Ratios are tokens/s over tokens/s; the last line is ``SUMMARY bench_engine_medium: ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+COMPARED = 4
+FILLER = (
+    "The quick brown fox jumps over the lazy dog. A cat sits on a warm mat near the window "
+    "while it rains outside. Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. "
+)
+
+
+def build_medium_llava(out: Path) -> Path:
+    """The medium random LLaVA (see the module docstring), written into ``out``."""
+    import torch
+    from transformers import (
+        AutoModelForImageTextToText,
+        AutoProcessor,
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaProcessor,
+    )
+
+    from mmis.engine.tiny_model import build_tiny_model
+
+    tiny = build_tiny_model(out.parent / f".{out.name}-tiny", "llava")
+    base = AutoProcessor.from_pretrained(tiny)
+    tokenizer = base.tokenizer
+    image_size, patch = 224, 14
+    vision = CLIPVisionConfig(
+        hidden_size=768,
+        intermediate_size=1536,
+        num_hidden_layers=2,
+        num_attention_heads=12,
+        image_size=image_size,
+        patch_size=patch,
+        projection_dim=768,
+    )
+    text = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=896,
+        intermediate_size=2432,
+        num_hidden_layers=6,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=int(tokenizer.convert_tokens_to_ids("<image>")),
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+    )
+    config.bos_token_id, config.eos_token_id = text.bos_token_id, text.eos_token_id
+    config.pad_token_id = text.pad_token_id
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessor(
+            size={"shortest_edge": image_size},
+            crop_size={"height": image_size, "width": image_size},
+        ),
+        tokenizer=tokenizer,
+        patch_size=patch,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=base.chat_template,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config)
+    gen = model.generation_config
+    gen.eos_token_id, gen.pad_token_id = text.eos_token_id, text.pad_token_id
+    gen.do_sample = False
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    return out
+
+
+def workload(processor: Any, count: int, prompt_tokens: int) -> list[dict[str, Any]]:
+    """Per request: prompt ids, the image's processor tensors, and its placeholder range."""
+    from PIL import Image
+
+    image_token = int(processor.tokenizer.convert_tokens_to_ids("<image>"))
+    items = []
+    text = "Describe this image."
+    for k in range(count):
+        pixels = np.random.default_rng(k).integers(0, 255, (224, 224, 3), dtype=np.uint8)
+        body = text
+        while True:
+            messages = [
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": body}]}
+            ]
+            prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+            inputs = processor(text=[prompt], images=[Image.fromarray(pixels)], return_tensors="np")
+            ids = [int(t) for t in inputs["input_ids"][0]]
+            if len(ids) >= prompt_tokens:
+                break
+            body = f"{FILLER * max(1, (prompt_tokens - len(ids)) // 40)}{body}"
+        items.append(
+            {
+                "ids": ids,
+                "pixel_values": np.asarray(inputs["pixel_values"], dtype=np.float32),
+                "offset": ids.index(image_token),
+                "length": ids.count(image_token),
+            }
+        )
+    return items
+
+
+def run_engine_child(args: argparse.Namespace) -> None:
+    """In a child process: the whole engine core over the workload; prints one JSON line."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from transformers import AutoProcessor
+
+    import mmis
+    from mmis.engine.model import load_adapter
+    from mmis.engine.runner import ModelRunner
+    from mmis.entrypoints.engine import EngineConfig, make_core
+    from mmis.protocol.messages import (
+        EngineCoreRequest,
+        FinishReason,
+        MultiModalFeature,
+        PlaceholderRange,
+        SamplingParams,
+    )
+
+    processor = AutoProcessor.from_pretrained(args.model_dir)
+    items = workload(processor, args.concurrency, args.prompt_tokens)
+    adapter = load_adapter(args.model_dir, "cpu", torch.float32)
+    need = sum(-(-(len(it["ids"]) + args.tokens) // 16) for it in items) + 16
+    runner = ModelRunner.create(adapter, block_size=16, num_blocks=need)
+    cfg = EngineConfig()
+    best, outputs = float("inf"), []
+    for _ in range(args.repeat):
+        runner.encoder_outputs.clear()
+        core = make_core(cfg, runner)
+        requests = []
+        for k, it in enumerate(items):
+            digest = f"img-{k}"
+            feature = MultiModalFeature(
+                "image",
+                digest,
+                digest,
+                PlaceholderRange(it["offset"], it["length"]),
+                {"pixel_values": it["pixel_values"]},
+            )
+            requests.append(
+                EngineCoreRequest(
+                    request_id=f"r{k}",
+                    prompt_token_ids=list(it["ids"]),
+                    mm_features=[feature],
+                    sampling_params=SamplingParams(
+                        temperature=0.0, max_tokens=args.tokens, ignore_eos=True
+                    ),
+                )
+            )
+        order = {r.request_id: k for k, r in enumerate(requests)}
+        outputs = [[] for _ in requests]
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for request in requests:
+                core.add_request(request, [f.data for f in request.mm_features])
+            unfinished = set(order)
+            while unfinished:
+                for out in core.step():
+                    if out.finish_reason == FinishReason.ERROR.value:
+                        raise SystemExit(f"engine failed {out.request_id}: {out.error}")
+                    outputs[order[out.request_id]].extend(out.new_token_ids)
+                    if out.finish_reason is not None:
+                        unfinished.discard(out.request_id)
+        best = min(best, time.perf_counter() - start)
+    print(json.dumps({"seconds": best, "outputs": outputs, "mmis": mmis.__file__}))
+
+
+def run_generate(args: argparse.Namespace) -> tuple[float, list[list[int]]]:
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    torch.set_num_threads(args.threads)
+    processor = AutoProcessor.from_pretrained(args.model_dir)
+    items = workload(processor, args.generate_requests, args.prompt_tokens)
+    model = AutoModelForImageTextToText.from_pretrained(args.model_dir, dtype=torch.float32)
+    model = model.eval()
+    outputs = []
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for it in items:
+            gen = model.generate(
+                input_ids=torch.tensor([it["ids"]]),
+                attention_mask=torch.ones(1, len(it["ids"]), dtype=torch.long),
+                pixel_values=torch.from_numpy(it["pixel_values"]),
+                max_new_tokens=args.tokens,
+                do_sample=False,
+                eos_token_id=[],
+            )
+            outputs.append([int(t) for t in gen[0, len(it["ids"]) :]])
+    return time.perf_counter() - start, outputs
+
+
+def child(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
+    env = dict(os.environ, PYTHONPATH=str(tree / "server"), OMP_NUM_THREADS=str(args.threads))
+    cmd = [sys.executable, __file__, "--child", "--model-dir", str(args.model_dir)]
+    cmd += ["--concurrency", str(args.concurrency), "--prompt-tokens", str(args.prompt_tokens)]
+    cmd += ["--tokens", str(args.tokens), "--repeat", str(args.repeat)]
+    cmd += ["--threads", str(args.threads)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"engine child for {tree} failed:\n{done.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--against", type=Path, help="another checkout (the baseline tree)")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=2048)
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--generate-requests", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--model-dir", type=Path)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        run_engine_child(args)
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model_dir is None:
+            args.model_dir = build_medium_llava(Path(tmp) / "medium-llava")
+        elif not (args.model_dir / "config.json").exists():
+            build_medium_llava(args.model_dir)
+        t_gen, ref = run_generate(args)
+        gen_tps = args.generate_requests * args.tokens / t_gen
+        sides = {"engine": REPO}
+        if args.against is not None:
+            sides[f"engine@{args.against}"] = args.against
+        total = args.concurrency * args.tokens
+        print(
+            f"medium LLaVA, c={args.concurrency}, ~{args.prompt_tokens} prompt tokens + 1 image, "
+            f"{args.tokens} tokens each, {args.threads} thread(s)"
+        )
+        print(f"  generate: {gen_tps:8.2f} tok/s ({args.generate_requests} requests timed)")
+        tps: dict[str, float] = {}
+        mismatches = 0
+        for name, tree in sides.items():
+            got = child(tree, args)
+            tps[name] = total / got["seconds"]
+            bad = sum(
+                1 for g, r in zip(got["outputs"], ref, strict=False) if g[:COMPARED] != r[:COMPARED]
+            )
+            mismatches += bad
+            print(
+                f"  {name}: {tps[name]:8.2f} tok/s ({got['seconds']:.1f} s; mmis from "
+                f"{got['mmis']}), {tps[name] / gen_tps:.2f}x generate, first-token "
+                f"mismatches {bad}",
+                flush=True,
+            )
+    figures = [f"engine/generate {tps['engine'] / gen_tps:.2f}x"]
+    if args.against is not None:
+        old = tps[f"engine@{args.against}"]
+        figures.append(f"engine/old tree {tps['engine'] / old:.2f}x")
+        figures.append(f"old tree/generate {old / gen_tps:.2f}x")
+    print(
+        f"SUMMARY bench_engine_medium: c={args.concurrency} prompt~{args.prompt_tokens} "
+        f"tokens={args.tokens}: {', '.join(figures)}; mismatches {mismatches}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
