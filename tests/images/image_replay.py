@@ -312,5 +312,3 @@ def run_in_image(
     return subprocess.run(
         [exe, *argv[1:]], env=env, cwd=cwd, capture_output=True, text=True, timeout=300
     )
-
-
