@@ -70,6 +70,11 @@ class EngineConfig:
         "container's probes); none by default",
     )
     seed: int | None = setting(None, help="seed of P1's fault-injection random numbers")
+    grammar_cache_size: int = setting(
+        64,
+        rule=AT_LEAST_1,
+        help="compiled structured-output grammars P1 keeps (the least recently used goes)",
+    )
     otlp_traces_endpoint: str | None = shared("otlp_traces_endpoint")
     log_level: str = shared("log_level")
 

@@ -15,6 +15,12 @@ Invariants:
   no tokenizer.
 - The runner reads the scheduler's requests (their token lists) for penalties; only the
   scheduler changes them, between steps.
+- Structured outputs (``engine/structured.py``): a request whose params carry ``structured``
+  gets its own params copy and a fresh grammar state at admission (the grammar compiled
+  once per distinct constraint, cached); a constraint that does not compile, or an engine
+  without a grammar engine, is an ``invalid_request`` output naming the request parameter
+  that carried it (``RequestError.param``). The runner's sampler masks with the same
+  grammar engine.
 - :meth:`utilities` is the core's part of the one utility table (``core_process.py``).
 """
 
@@ -48,6 +54,7 @@ from mmis.protocol.messages import (
 from mmis.telemetry.engine_stats import EngineStats
 
 if TYPE_CHECKING:
+    from mmis.engine.structured import GrammarEngine, GrammarState
     from mmis.telemetry.request_spans import RequestSpans
 
 log = logging.getLogger(__name__)
@@ -55,11 +62,13 @@ log = logging.getLogger(__name__)
 __all__ = ["EngineCore"]
 
 
-def _error(request_id: str, code: ErrorCode, message: str) -> EngineCoreOutput:
+def _error(
+    request_id: str, code: ErrorCode, message: str, param: str | None = None
+) -> EngineCoreOutput:
     return EngineCoreOutput(
         request_id=request_id,
         finish_reason=FinishReason.ERROR.value,
-        error=RequestError(code=code.value, message=message, retryable=False),
+        error=RequestError(code=code.value, message=message, retryable=False, param=param),
     )
 
 
@@ -72,6 +81,7 @@ class EngineCore:
         eos_token_ids: Sequence[int] = (),
         max_model_len: int | None = None,
         spans: RequestSpans | None = None,
+        grammar: GrammarEngine | None = None,
     ) -> None:
         self.spans = spans  # P1 tracing (None when off): see telemetry.request_spans
         self.scheduler = scheduler
@@ -82,6 +92,8 @@ class EngineCore:
         self.limits = ModelLimits(self.vocab_size, max_model_len)
         self._immediate: list[EngineCoreOutput] = []
         self.num_steps = 0
+        self.grammar = grammar  # structured outputs; None: such requests are refused
+        runner.sampler.grammar = grammar
 
     # ------------------------------------------------------------------ intake
     def add_request(
@@ -98,6 +110,18 @@ class EngineCore:
         if problem is not None:
             self._immediate.append(_error(request.request_id, problem.code, problem.message))
             return
+        constraint = None
+        if request.sampling_params is not None and request.sampling_params.structured is not None:
+            own = msgspec.structs.replace(request.sampling_params)  # the grammar state's key
+            request = msgspec.structs.replace(request, sampling_params=own)
+            try:
+                constraint = self._start_constraint(own)
+            except MMISError as exc:
+                param = getattr(exc, "param", None)
+                self._immediate.append(
+                    _error(request.request_id, ErrorCode(exc.code), str(exc), param)
+                )
+                return
         features = [
             feature if data is None else msgspec.structs.replace(feature, data=data)
             for feature, data in zip(request.mm_features, mm_inputs, strict=True)
@@ -106,6 +130,7 @@ class EngineCore:
             admitted = Request.from_core_request(
                 msgspec.structs.replace(request, mm_features=features),
                 eos_token_ids=self.eos_token_ids,
+                constraint=constraint,
             )
         except MMISError as exc:  # e.g. overlapping placeholder ranges
             self._immediate.append(_error(request.request_id, ErrorCode(exc.code), str(exc)))
@@ -113,6 +138,18 @@ class EngineCore:
         self.scheduler.add_request(admitted)
         if self.spans is not None:
             self.spans.admit(request.request_id, request.trace_context)
+
+    def _start_constraint(self, params: SamplingParams) -> GrammarState:
+        from mmis.engine.structured import StructuredOutputError
+
+        param = params.structured.param if params.structured is not None else None
+        if self.grammar is None:
+            raise StructuredOutputError(
+                f"{param or 'structured outputs'}: this engine has no grammar engine (it "
+                "could not load the model's tokenizer)",
+                param,
+            )
+        return self.grammar.start(params)
 
     def _check_logit_bias(self, params: SamplingParams) -> Problem | None:
         """``logit_bias`` token ids must be in the vocabulary (``admission`` checks the rest)."""
@@ -197,18 +234,22 @@ class EngineCore:
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
         ).to_dict()
-        return figures | {
-            "num_running": s.num_running,
-            "num_waiting": s.num_waiting,
-            "kv_cache_usage": s.kv_usage,
-            "num_kv_blocks": self.scheduler.kv.num_usable_blocks,
-            "num_free_kv_blocks": self.scheduler.kv.num_free_blocks,
-            "kv_block_bytes": int(self.runner.pool.spec.bytes_per_block),
-            "encoder_cache_usage": s.encoder_cache_usage,
-            "prefix_cache_queries": s.prefix_cache_queries,
-            "prefix_cache_hits": s.prefix_cache_hits,
-            "num_preemptions": s.num_preemptions,
-            "num_rejected": s.num_rejected,
-            "num_steps": self.num_steps,
-            "encoder_calls": self.runner.num_encoder_calls,
-        }
+        return (
+            figures
+            | {
+                "num_running": s.num_running,
+                "num_waiting": s.num_waiting,
+                "kv_cache_usage": s.kv_usage,
+                "num_kv_blocks": self.scheduler.kv.num_usable_blocks,
+                "num_free_kv_blocks": self.scheduler.kv.num_free_blocks,
+                "kv_block_bytes": int(self.runner.pool.spec.bytes_per_block),
+                "encoder_cache_usage": s.encoder_cache_usage,
+                "prefix_cache_queries": s.prefix_cache_queries,
+                "prefix_cache_hits": s.prefix_cache_hits,
+                "num_preemptions": s.num_preemptions,
+                "num_rejected": s.num_rejected,
+                "num_steps": self.num_steps,
+                "encoder_calls": self.runner.num_encoder_calls,
+            }
+            | (self.grammar.stats() if self.grammar is not None else {})
+        )

@@ -13,6 +13,9 @@ Invariants:
   construction, from the features as sent; the features keep their tensors for encoder runs.
 - ``skip_cache``: the request neither reads nor writes the prefix cache (see ``kv_cache``).
 - Status moves WAITING -> RUNNING -> (PREEMPTED -> RUNNING)* -> FINISHED; FINISHED is final.
+- ``constraint`` (structured outputs, ``engine/structured.py``): advanced with every output
+  token appended; the request stops (``stop``) once it is done, and ends with an error if a
+  token it did not allow was appended (the sampler's mask prevents that).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import enum
 import itertools
 from collections.abc import Sequence
+from typing import Protocol
 
 from mmis.engine.sched_output import MultiModalInput, grid_thw_of
 from mmis.protocol.errors import MMISError
@@ -38,6 +42,14 @@ class InvalidRequestError(MMISError):
     """The request cannot be scheduled as sent (empty prompt, bad placeholder ranges, ...)."""
 
     code = ErrorCode.INVALID_REQUEST.value
+
+
+class OutputConstraint(Protocol):
+    """A request's structured-output state (``engine/structured.py`` ``GrammarState``)."""
+
+    def accept(self, token_id: int) -> bool: ...
+
+    def is_done(self) -> bool: ...
 
 
 class RequestStatus(enum.Enum):
@@ -80,6 +92,7 @@ class Request:
         client_index: int = 0,
         eos_token_ids: Sequence[int] = (),
         skip_cache: bool = False,
+        constraint: OutputConstraint | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise InvalidRequestError(f"request {request_id!r} has an empty prompt")
@@ -120,10 +133,16 @@ class Request:
         self.stop_reason: int | str | None = None
         self.error: RequestError | None = None
         self.seq = 0  # admission order tie-breaker, set by the scheduler
+        self.constraint = constraint
+        self.constraint_ok = True  # False once a token the constraint refused was appended
 
     @classmethod
     def from_core_request(
-        cls, message: EngineCoreRequest, *, eos_token_ids: Sequence[int] = ()
+        cls,
+        message: EngineCoreRequest,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        constraint: OutputConstraint | None = None,
     ) -> Request:
         return cls(
             message.request_id,
@@ -135,6 +154,7 @@ class Request:
             client_index=message.client_index,
             eos_token_ids=eos_token_ids,
             skip_cache=message.skip_cache,
+            constraint=constraint,
         )
 
     @property
@@ -165,6 +185,9 @@ class Request:
     def append_output_token_ids(self, token_ids: Sequence[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
+        if self.constraint is not None:
+            for token in token_ids:
+                self.constraint_ok = self.constraint.accept(token) and self.constraint_ok
 
     def finish(
         self,
@@ -189,6 +212,17 @@ class Request:
         if not params.ignore_eos and last_token in self.eos_token_ids:
             self.finish(FinishReason.STOP)
             return True
+        if self.constraint is not None:
+            if not self.constraint_ok:
+                message = f"token {last_token} is outside the output's structured constraint"
+                self.finish(
+                    FinishReason.ERROR,
+                    error=RequestError(ErrorCode.INTERNAL.value, message, False),
+                )
+                return True
+            if self.constraint.is_done():
+                self.finish(FinishReason.STOP)
+                return True
         if last_token in params.stop_token_ids:
             self.finish(FinishReason.STOP, stop_reason=last_token)
             return True

@@ -1,10 +1,12 @@
-"""Batched token sampling: logit bias, penalties, greedy, temperature, min-p, top-k, top-p and
-per-request seeds.
+"""Batched token sampling: logit bias, penalties, structured-output masks, greedy, temperature,
+min-p, top-k, top-p and per-request seeds.
 
 Order per row (vLLM's): ``logit_bias`` is added; then the repetition penalty (prompt and
 output tokens: a positive logit is divided by it, a negative one multiplied), the frequency
 penalty (times each token's count in the output so far) and the presence penalty (once per
-token present in the output) are subtracted, as OpenAI defines them; greedy rows take the
+token present in the output) are subtracted, as OpenAI defines them; a row with a
+structured-output constraint then has every token its grammar disallows set to ``-inf``
+(``engine/structured.py``, :attr:`Sampler.grammar`); greedy rows take the
 argmax of these logits; sampled rows then divide by the temperature, drop tokens below
 ``min_p`` times the best token's probability, then apply top-k and top-p.
 
@@ -36,13 +38,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from mmis.engine.logprobs import MAX_LOGPROBS
 from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import ErrorCode, SamplingParams
+
+if TYPE_CHECKING:
+    from mmis.engine.structured import GrammarEngine
 
 GREEDY_EPSILON = 1e-5
 PENALTY_RANGE = 2.0  # presence / frequency penalty in [-2, 2] (OpenAI)
@@ -78,11 +83,6 @@ def _has_extras(params: SamplingParams) -> bool:
     )
 
 
-def _check_ranges(params: SamplingParams) -> None:
-    _check_basic(params)
-    _check_extras(params)
-
-
 def _check_extras(params: SamplingParams) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(params, name)
@@ -109,7 +109,8 @@ def _check_extras(params: SamplingParams) -> None:
 def validate(params: SamplingParams, vocab_size: int | None = None) -> None:
     """Raise :class:`SamplingParamsError` unless every parameter is in range (and, given the
     vocabulary size, every ``logit_bias`` token id is in the vocabulary)."""
-    _check_ranges(params)
+    _check_basic(params)
+    _check_extras(params)
     for token, bias in params.logit_bias.items():
         if token < 0 or (vocab_size is not None and token >= vocab_size):
             where = f"[0, {vocab_size})" if vocab_size is not None else "[0, vocabulary size)"
@@ -296,7 +297,11 @@ def _index(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 class Sampler:
-    """Turns a ``[S, V]`` logits batch into ``S`` token ids."""
+    """Turns a ``[S, V]`` logits batch into ``S`` token ids; ``grammar`` masks the rows whose
+    params carry ``structured`` (set by the core; without it such a row is an error)."""
+
+    def __init__(self, grammar: GrammarEngine | None = None) -> None:
+        self.grammar = grammar
 
     def __call__(
         self,
@@ -313,11 +318,12 @@ class Sampler:
                 f"{len(positions)} positions"
             )
         vocab = logits.shape[-1]
-        adjusted = False
+        adjusted = constrained = False
         for p in params:
             if p is None:
                 continue
             _check_basic(p)
+            constrained = constrained or p.structured is not None
             if not _has_extras(p):  # the fast path: the checks the sampler always made
                 continue
             _check_extras(p)
@@ -329,6 +335,10 @@ class Sampler:
         logits = logits.float()
         if adjusted:
             logits = self._bias_and_penalize(logits, params, counts)
+        if constrained and self.grammar is None:
+            raise SamplingParamsError("structured: this engine has no grammar engine")
+        if constrained and self.grammar is not None:
+            logits = self.grammar.apply(logits, params)
         greedy_rows = [is_greedy(p) for p in params]
         argmax = logits.argmax(dim=-1)
         if all(greedy_rows):

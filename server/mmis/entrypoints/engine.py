@@ -6,11 +6,13 @@ Invariants:
 - The KV pool is preallocated from ``kv_cache_gb`` (or ``num_kv_blocks``) before the engine
   reports ready; the scheduler's block count is the pool's.
 - ``--revision`` reaches every ``from_pretrained`` of P1 (config and model) through
-  :func:`load_model`; P1 loads no tokenizer (stop strings are P0's). P1 takes no processor
-  kwargs: it receives the tensors P0 made (their shapes carry everything it derives, e.g.
-  placeholder counts). It runs the model's image processor once, at start-up, on synthetic
-  images, only to size its encoder cache for the largest photo (``engine/encoder_sizing.py``;
-  ``--encoder-cache-tokens`` skips that).
+  :func:`load_model` and the tokenizer. P1 reads the tokenizer only for its grammar engine
+  (structured outputs: the vocabulary's token bytes, once, at start-up; without a loadable
+  tokenizer structured requests are refused with a 400); stop strings stay P0's. P1 takes
+  no processor kwargs: it receives the tensors P0 made (their shapes carry everything it
+  derives, e.g. placeholder counts). It runs the model's image processor once, at start-up,
+  on synthetic images, only to size its encoder cache for the largest photo
+  (``engine/encoder_sizing.py``; ``--encoder-cache-tokens`` skips that).
 - SIGTERM/SIGINT stop the busy loop; the sockets close; the process exits 0.
 - With ``--health-port``, ``GET /health`` answers there once the model is loaded
   (``engine/health_server.py``): the engine container's own probe.
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     from mmis.engine.core_process import EngineCoreProc
     from mmis.engine.model import ModelAdapter
     from mmis.engine.runner import ModelRunner
+    from mmis.engine.structured import GrammarEngine
     from mmis.telemetry.request_spans import RequestSpans
     from mmis.telemetry.tracing import Tracing
 
@@ -69,10 +72,13 @@ def make_core(
     spans: RequestSpans | None = None,
     *,
     largest_item: int | None = None,
+    tokenizer_dir: str | None = None,
 ) -> EngineCore:
     """A scheduler sized from ``cfg``, the runner's KV pool and the largest image item
     (:mod:`mmis.engine.encoder_sizing`), and the core around both (what ``mmis engine``
-    runs; benchmarks build theirs here too)."""
+    runs; benchmarks build theirs here too). The structured-output grammar engine is built
+    from the tokenizer in ``tokenizer_dir`` (the runner's model directory); without one the
+    core refuses structured requests."""
     from mmis.engine.core import EngineCore
     from mmis.engine.encoder_sizing import encoder_cache_tokens
     from mmis.engine.sched_config import SchedulerConfig
@@ -99,7 +105,31 @@ def make_core(
         eos_token_ids=adapter.eos_token_ids,
         max_model_len=max_len,
         spans=spans,
+        grammar=None if tokenizer_dir is None else load_grammar(cfg, adapter, tokenizer_dir),
     )
+
+
+def load_grammar(cfg: EngineConfig, adapter: ModelAdapter, path: str) -> GrammarEngine | None:
+    """The structured-output grammar engine for the tokenizer in ``path`` (``None``, logged,
+    when it has no tokenizer that loads)."""
+    import time
+
+    from mmis.engine.structured import GrammarEngine
+
+    started = time.perf_counter()
+    try:
+        grammar = GrammarEngine.from_model_dir(
+            path,
+            vocab_size=int(adapter.vocab_size),
+            eos_token_ids=adapter.eos_token_ids,
+            revision=cfg.revision,
+            cache_size=cfg.grammar_cache_size,
+        )
+    except Exception as exc:  # no usable tokenizer: serve everything else
+        log.warning("structured outputs are off: the tokenizer did not load (%s)", exc)
+        return None
+    log.info("grammar engine ready in %.2f s", time.perf_counter() - started)
+    return grammar
 
 
 def build(cfg: EngineConfig) -> EngineCoreProc:
@@ -132,7 +162,9 @@ def build(cfg: EngineConfig) -> EngineCoreProc:
         image_processor = load_image_processor(str(resolve_model(cfg.model)), cfg.revision)
         if image_processor is not None:
             largest = largest_item_tokens(adapter, image_processor)
-    core = make_core(cfg, runner, spans, largest_item=largest)
+    core = make_core(
+        cfg, runner, spans, largest_item=largest, tokenizer_dir=str(resolve_model(cfg.model))
+    )
     readers = ShmReaderSet(cfg.shm_dir)
     readers.start()  # drops the mappings of removed segments (their memory is then freed)
     receiver = ReceiverCache(int(cfg.mm_cache_gb * GiB), shm_reader=readers.receive)

@@ -1,0 +1,248 @@
+"""Structured outputs in P1: grammars compiled with xgrammar, one matcher per request attempt,
+and the token masks the sampler applies to the logits.
+
+The pieces (``protocol/messages.py`` ``StructuredOutputs`` is what P0 sends):
+
+- :class:`GrammarEngine` holds the model's vocabulary as xgrammar sees it (built once, at
+  start-up, from the tokenizer in the model directory: :meth:`GrammarEngine.from_model_dir`)
+  and an LRU of compiled grammars keyed by ``(kind, spec)``, at most ``cache_size`` of them.
+  :meth:`~GrammarEngine.start` compiles (or finds) a constraint's grammar and returns a fresh
+  :class:`GrammarState` for one request attempt; a spec that does not compile raises
+  :class:`StructuredOutputError` (``invalid_request``) naming the request parameter that
+  carried it, which the core answers at admission.
+- :class:`GrammarState` wraps one xgrammar matcher. The request owns it
+  (``Request.constraint``, ``engine/request.py``) and advances it with every output token it
+  appends; once the grammar is terminated (its stop token accepted) or complete with nothing
+  more allowed, the request stops (``finish_reason`` stop).
+- :meth:`GrammarEngine.apply` is the sampler's step (``engine/sampler.py``): for the rows whose
+  params carry a constraint it fills one bitmask row per request (xgrammar, on the host),
+  copies the ``[rows, ceil(V / 32)]`` int32 masks to the logits' device once and sets every
+  disallowed logit to ``-inf`` (a vectorised unpack there: no device-specific kernel).
+
+Invariants:
+- A row finds its state through its params object: the core gives every constrained request
+  its own ``SamplingParams`` copy and registers the state under that object's identity; the
+  registry holds states weakly and each state holds its params, so an entry lives exactly as
+  long as its request and an identity is never reused while it does.
+- State is per request attempt: a retried request (a healed drift miss, a new P0 attempt) is
+  a new request with a fresh matcher from the cached grammar; preemption keeps the output
+  tokens and so the matcher's state.
+- End of sequence: the matcher's stop tokens are the model's EOS ids; when the grammar is
+  complete it allows only those, so the request ends with ``stop``. ``max_tokens`` may still
+  cut a constrained output short (``length``), as with any output.
+- Rows without a constraint cost nothing here (the sampler checks one attribute per row).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from mmis.protocol.errors import MMISError
+from mmis.protocol.messages import ErrorCode, SamplingParams, StructuredOutputs
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CACHE_SIZE = 64
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+_JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# xgrammar 0.2.9 lets a length-bounded JSON string hold raw control characters (invalid JSON:
+# json.loads refuses them); its unbounded strings exclude them. Same class, minus 0x00-0x1f.
+_LAX_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+
+
+class StructuredOutputError(MMISError, ValueError):
+    """A constraint P1 cannot enforce (does not compile, or no grammar engine); not retryable.
+    ``param`` names the request parameter that carried it."""
+
+    code = ErrorCode.INVALID_REQUEST.value
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param or None
+
+
+class GrammarState:
+    """One request attempt's position in its grammar (an xgrammar matcher)."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, params: SamplingParams | None = None):
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.params = params  # the request's own params object: the sampler's key
+        self.rejected = False  # a token the grammar did not allow was appended
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one output token; ``False`` (and :attr:`rejected`) if not allowed."""
+        if self.rejected or self.matcher.is_terminated():
+            return not self.rejected
+        if not self.matcher.accept_token(int(token_id)):
+            self.rejected = True
+        return not self.rejected
+
+    def is_done(self) -> bool:
+        """Whether the grammar ended (its stop token accepted): nothing more may follow."""
+        return self.matcher.is_terminated()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def _json_grammar(schema: str) -> xgr.Grammar:
+    """The grammar of a JSON schema: compact separators, strict (no unnamed properties)."""
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
+    text = str(grammar)
+    if _LAX_STRING_CHAR not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_LAX_STRING_CHAR, _JSON_STRING_CHAR))
+
+
+def _grammar_source(kind: str, spec: str) -> str:
+    """The EBNF of a ``choice`` constraint: one literal per option."""
+    options = json.loads(spec)
+    if (
+        not isinstance(options, list)
+        or not options
+        or not all(isinstance(o, str) and o for o in options)
+    ):
+        raise ValueError("choice must be a non-empty list of non-empty strings")
+    return "root ::= " + " | ".join(json.dumps(o) for o in options)
+
+
+class GrammarEngine:
+    """Compiles constraints for one vocabulary, keeps their grammars, masks logits."""
+
+    def __init__(self, info: xgr.TokenizerInfo, *, cache_size: int = DEFAULT_CACHE_SIZE):
+        if cache_size < 1:
+            raise ValueError("the grammar cache holds at least one grammar")
+        self.vocab_size = int(info.vocab_size)
+        threads = max(1, min(4, os.cpu_count() or 1))
+        self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
+        self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self.cache_size = cache_size
+        self.num_compiled = 0
+        self.num_cache_hits = 0
+        self._states: weakref.WeakValueDictionary[int, GrammarState] = weakref.WeakValueDictionary()
+        self._bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)  # grows to the batch
+        self._bits = torch.arange(32, dtype=torch.int32)
+
+    @classmethod
+    def from_model_dir(
+        cls,
+        path: str | Path,
+        *,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        revision: str | None = None,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+    ) -> GrammarEngine:
+        """The engine for the tokenizer in ``path`` (its vocabulary padded to the model's
+        ``vocab_size``; the model's EOS ids are the grammar's stop tokens)."""
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path), revision=revision)
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids) or None
+        )
+        return cls(info, cache_size=cache_size)
+
+    # -- compile ------------------------------------------------------------------------------
+    def compile(self, constraint: StructuredOutputs) -> xgr.CompiledGrammar:
+        """The compiled grammar of ``constraint`` (cached); else :class:`StructuredOutputError`."""
+        kind, spec = constraint.kind, constraint.spec
+        key = (kind, "" if kind == "json_object" else spec)
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                self.num_cache_hits += 1
+                return compiled
+        compiled = self._compile(kind, spec, constraint.param)
+        with self._lock:
+            self._cache[key] = compiled
+            self.num_compiled += 1
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, kind: str, spec: str, param: str) -> xgr.CompiledGrammar:
+        what = param or "structured output"
+        try:
+            if kind == "json":
+                return self._compiler.compile_grammar(_json_grammar(spec))
+            if kind == "json_object":
+                return self._compiler.compile_json_schema(
+                    _JSON_OBJECT_SCHEMA, any_whitespace=False, strict_mode=False
+                )
+            if kind == "regex":
+                return self._compiler.compile_regex(spec)
+            if kind == "choice":
+                return self._compiler.compile_grammar(_grammar_source(kind, spec))
+            if kind == "grammar":
+                return self._compiler.compile_grammar(spec)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            detail = re.sub(r"^(\[[^\]]*\] )?\S+\.(cc|h):\d+: ", "", detail)  # xgrammar's where
+            raise StructuredOutputError(
+                f"{what}: the {kind} constraint does not compile: {detail}", param
+            ) from None
+        raise StructuredOutputError(
+            f"{what}: unknown constraint kind {kind!r} (one of {', '.join(KINDS)})", param
+        )
+
+    def start(self, params: SamplingParams) -> GrammarState:
+        """A fresh state for one request attempt whose (own) params are ``params``."""
+        if params.structured is None:
+            raise StructuredOutputError("the request has no structured-output constraint")
+        state = GrammarState(self.compile(params.structured), params)
+        self._states[id(params)] = state
+        return state
+
+    # -- mask ---------------------------------------------------------------------------------
+    def apply(self, logits: torch.Tensor, params: Sequence[SamplingParams | None]) -> torch.Tensor:
+        """``logits`` with every token a row's grammar does not allow set to ``-inf`` (in place
+        for float32 logits); rows without a constraint are untouched."""
+        rows = [i for i, p in enumerate(params) if p is not None and p.structured is not None]
+        if not rows:
+            return logits
+        states = []
+        for i in rows:
+            state = self._states.get(id(params[i]))
+            if state is None or state.params is not params[i]:
+                raise StructuredOutputError(
+                    f"batch row {i} has a constraint but no grammar state (an engine bug)"
+                )
+            states.append(state)
+        if self._bitmask.shape[0] < len(rows):
+            self._bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        bitmask = self._bitmask[: len(rows)]
+        for k, state in enumerate(states):
+            state.fill(self._bitmask, k)
+        device = logits.device
+        words = bitmask.to(device, non_blocking=False)
+        allowed = (words.unsqueeze(-1) >> self._bits.to(device)) & 1
+        allowed = allowed.view(len(rows), -1)[:, : logits.shape[1]].bool()
+        if logits.shape[1] > self.vocab_size:  # ids past the grammar's vocabulary: never
+            pad = torch.zeros(len(rows), logits.shape[1] - allowed.shape[1], dtype=torch.bool)
+            allowed = torch.cat([allowed, pad.to(device)], dim=1)
+        index = torch.tensor(rows, device=device)
+        masked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+        return logits.index_copy_(0, index, masked)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "grammars_cached": len(self._cache),
+            "grammars_compiled": self.num_compiled,
+            "grammar_cache_hits": self.num_cache_hits,
+        }

@@ -1,0 +1,157 @@
+"""The grammar engine (``engine/structured.py``) on the tiny model's real tokenizer: masks that
+only let the grammar's tokens through (so random logits still give schema-valid JSON), the
+bounded compile cache, compile errors naming the parameter, and the request's stop/violation
+handling (``engine/request.py``)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema_rs
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from mmis.engine.request import Request
+from mmis.engine.sampler import Sampler
+from mmis.engine.structured import GrammarEngine, StructuredOutputError
+from mmis.engine.tiny_model import tiny_model_dir
+from mmis.protocol.messages import FinishReason, SamplingParams, StructuredOutputs
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "color": {"enum": ["red", "green", "blue"]},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "color", "ok"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():  # type: ignore[no-untyped-def]
+    return AutoTokenizer.from_pretrained(tiny_model_dir())
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer) -> GrammarEngine:  # type: ignore[no-untyped-def]
+    return GrammarEngine.from_model_dir(
+        tiny_model_dir(), vocab_size=len(tokenizer), eos_token_ids=[tokenizer.eos_token_id]
+    )
+
+
+def _params(kind: str, spec: str = "", **kw: object) -> SamplingParams:
+    return SamplingParams(structured=StructuredOutputs(kind, spec, "response_format"), **kw)  # type: ignore[arg-type]
+
+
+def _walk(engine: GrammarEngine, tokenizer, params: SamplingParams, seed: int, limit: int = 200):  # type: ignore[no-untyped-def]
+    """Sample from random logits under the grammar until it ends: (text, ended)."""
+    state = engine.start(params)
+    sampler = Sampler(engine)
+    gen = torch.Generator().manual_seed(seed)
+    tokens: list[int] = []
+    for position in range(limit):
+        logits = torch.randn(1, engine.vocab_size, generator=gen) * 4
+        (token,) = sampler(logits, [params], [position]).tolist()
+        assert state.accept(token), f"the mask let token {token} through"
+        tokens.append(token)
+        if state.is_done():
+            break
+    assert tokens[-1] == tokenizer.eos_token_id or not state.is_done()
+    return tokenizer.decode(tokens, skip_special_tokens=True), state.is_done()
+
+
+def test_random_logits_under_a_schema_always_give_valid_json(engine, tokenizer) -> None:
+    validator = jsonschema_rs.validator_for(SCHEMA)
+    params = _params("json", json.dumps(SCHEMA), temperature=1.0)
+    for seed in range(6):
+        text, ended = _walk(engine, tokenizer, params, seed)
+        assert ended, text
+        value = json.loads(text)  # strict: no raw control characters in strings either
+        assert validator.is_valid(value), (text, list(validator.iter_errors(value)))
+
+
+def test_json_object_regex_choice_and_grammar(engine, tokenizer) -> None:
+    text, ended = _walk(engine, tokenizer, _params("regex", "[0-9]{3}-[a-z]{2}"), 1)
+    assert ended and re.fullmatch("[0-9]{3}-[a-z]{2}", text), text
+    options = ["yes", "no", "maybe so"]
+    picks = {
+        _walk(engine, tokenizer, _params("choice", json.dumps(options)), s)[0] for s in range(8)
+    }
+    assert picks <= set(options) and len(picks) > 1
+    text, ended = _walk(engine, tokenizer, _params("grammar", 'root ::= "a" [0-9] "b"'), 2)
+    assert ended and re.fullmatch("a[0-9]b", text)
+    text, _ = _walk(engine, tokenizer, _params("json_object"), 3, limit=30)
+    assert text.startswith("{")
+
+
+def test_unconstrained_rows_are_untouched_and_constrained_rows_masked(engine) -> None:
+    constrained = _params("regex", "[0-9]+")
+    state = engine.start(constrained)  # the request owns it; the engine holds it weakly
+    logits = torch.randn(3, engine.vocab_size)
+    before = logits.clone()
+    out = engine.apply(logits, [None, constrained, SamplingParams()])
+    assert torch.equal(out[0], before[0]) and torch.equal(out[2], before[2])
+    allowed = torch.isfinite(out[1]).nonzero().view(-1).tolist()
+    assert 0 < len(allowed) < engine.vocab_size
+    del state
+    with pytest.raises(StructuredOutputError):  # gone with its request
+        engine.apply(logits, [constrained])
+
+
+def test_a_constrained_row_without_grammar_engine_is_an_error(engine) -> None:
+    with pytest.raises(ValueError, match="grammar engine"):
+        Sampler()(torch.zeros(1, engine.vocab_size), [_params("regex", "x")], [0])
+
+
+def test_grammars_are_compiled_once_and_the_cache_is_bounded(tokenizer) -> None:
+    small = GrammarEngine.from_model_dir(
+        tiny_model_dir(), vocab_size=len(tokenizer), eos_token_ids=[2], cache_size=2
+    )
+    for _ in range(3):
+        small.start(_params("regex", "a+"))
+    assert (small.num_compiled, small.num_cache_hits) == (1, 2)
+    small.start(_params("regex", "b+"))
+    small.start(_params("regex", "c+"))  # evicts a+
+    small.start(_params("regex", "a+"))
+    assert small.num_compiled == 4 and small.stats()["grammars_cached"] == 2
+
+
+@pytest.mark.parametrize(
+    ("kind", "spec", "needle"),
+    [
+        ("json", '{"type": "foo"}', "foo"),
+        ("regex", "(ab", "parenthesis"),
+        ("grammar", "root ::= ", "grammar"),
+        ("choice", "[]", "choice"),
+        ("xml", "", "unknown constraint kind"),
+    ],
+)
+def test_a_spec_that_does_not_compile_names_the_param(engine, kind, spec, needle) -> None:
+    with pytest.raises(StructuredOutputError) as info:
+        engine.start(_params(kind, spec))
+    assert info.value.param == "response_format" and info.value.code == "invalid_request"
+    message = str(info.value)
+    assert message.startswith("response_format: ") and needle in message
+    assert ".cc:" not in message  # no C++ source locations for the client
+
+
+def test_the_request_stops_when_the_grammar_ends(engine, tokenizer) -> None:
+    params = _params("choice", '["ab"]', max_tokens=50, ignore_eos=True)
+    state = engine.start(params)
+    request = Request("r", [1, 2], sampling_params=params, constraint=state, eos_token_ids=[7])
+    for token in tokenizer("ab", add_special_tokens=False)["input_ids"]:
+        request.append_output_token_ids([token])
+        assert not request.check_stop(token)
+    request.append_output_token_ids([tokenizer.eos_token_id])
+    assert request.check_stop(tokenizer.eos_token_id)  # ignore_eos: the grammar's end stops it
+    assert request.finish_reason is FinishReason.STOP
+    bad = _params("choice", '["ab"]')
+    wrong = Request("w", [1], sampling_params=bad, constraint=engine.start(bad))
+    token = tokenizer("zz", add_special_tokens=False)["input_ids"][0]
+    wrong.append_output_token_ids([token])
+    assert wrong.check_stop(token) and wrong.finish_reason is FinishReason.ERROR
