@@ -212,3 +212,26 @@ def test_keda_scaled_object_and_pod_monitor_when_their_crds_are_served(
         _wait(cluster, namespace, SCALED_OBJECT, "--for=delete")
         _wait(cluster, namespace, POD_MONITOR, "--for=delete")
     assert running.error is None, f"the operator died: {running.error!r}"
+
+
+@pytest.mark.parametrize(
+    ("auto", "message"),
+    [
+        ({"enabled": True, "target": 4}, "enabled needs maxReplicas and target"),
+        ({**AUTO, "minReplicas": 5}, "minReplicas must not exceed maxReplicas"),
+        ({**AUTO, "metric": "mmis:kv_cache_usage_perc", "target": 80}, "a fraction in [0, 1]"),
+        ({**AUTO, "target": 0}, "target must be positive"),
+        ({**AUTO, "metric": "vllm:num_requests_waiting"}, "Unsupported value"),
+    ],
+)
+def test_the_api_server_refuses_a_bad_autoscaling_spec(
+    cluster: Cluster, crd: None, namespace: str, auto: dict[str, Any], message: str
+) -> None:
+    obj = copy.deepcopy(SAMPLE)
+    obj["spec"]["autoscaling"] = auto
+    proc = cluster.kubectl(
+        "create", "--dry-run=server", "-n", namespace, "-f", "-",
+        input=json.dumps(obj), check=False,
+    )  # fmt: skip
+    assert proc.returncode != 0, proc.stdout
+    assert message in proc.stderr
