@@ -10,7 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmis.engine.attn_backends import TorchBackend, select_backend
+from mmis.engine.attn_backends import (
+    TorchBackend,
+    VarlenBackend,
+    packed_context_slots,
+    select_backend,
+)
 from mmis.engine.paged_attention import (
     STEP_KWARG,
     AttentionMetadata,
@@ -113,7 +118,10 @@ def test_packed_prefill_and_decode_match_per_sequence_attention(case, backend):
     q = torch.cat(queries, dim=1).unsqueeze(0).to(device)
     k = torch.cat([k[:, s:] for k, s in zip(full_k, starts, strict=True)], dim=1).unsqueeze(0)
     v = torch.cat([v[:, s:] for v, s in zip(full_v, starts, strict=True)], dim=1).unsqueeze(0)
-    step = PagedStep(pool, meta, select_backend(device, block))
+    backend = select_backend(device, block)
+    if where == "cuda":  # the flash kernel itself, not a silent fallback
+        assert isinstance(backend, VarlenBackend) and backend.paged == (block % 256 == 0)
+    step = PagedStep(pool, meta, backend)
     kwargs = {STEP_KWARG: step, "sliding_window": window}
     out, _ = paged_attention_forward(_Layer(), q, k.to(device), v.to(device), None, **kwargs)
     expected = torch.cat(
@@ -122,6 +130,8 @@ def test_packed_prefill_and_decode_match_per_sequence_attention(case, backend):
             for qi, ki, vi, s, sp in zip(queries, full_k, full_v, starts, seq_spans, strict=True)
         ]
     )
+    if isinstance(backend, VarlenBackend):
+        assert backend.broken is None, backend.broken
     tol = {} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
     torch.testing.assert_close(out[0].float().cpu(), expected, **tol)
     # the new keys landed in the right slots
@@ -165,3 +175,62 @@ def test_backend_selection():
     assert isinstance(select_backend(torch.device("cuda"), BLOCK, "torch"), TorchBackend)
     with pytest.raises(ValueError, match="unknown attention backend"):
         select_backend(torch.device("cpu"), BLOCK, "magic")
+
+
+def _varlen_reference(q, k, v, **kw):  # type: ignore[no-untyped-def]
+    """A flash varlen kernel's semantics in plain torch (CPU): causal aligned bottom-right,
+    ``window`` keys to the left, K/V packed by ``cu_seqlens_k`` or paged by ``block_table``."""
+    cu_q, cu_k, table = kw["cu_seqlens_q"].tolist(), kw["cu_seqlens_k"].tolist(), kw["block_table"]
+    rows = []
+    for i in range(len(cu_q) - 1):
+        qi = q[cu_q[i] : cu_q[i + 1]].float()
+        n_k = cu_k[i + 1] - cu_k[i]
+        if table is None:
+            ki, vi = k[cu_k[i] : cu_k[i + 1]], v[cu_k[i] : cu_k[i + 1]]
+        else:
+            slots = torch.tensor(slots_for(table[i].tolist(), 0, n_k, k.shape[1]))
+            ki, vi = k.flatten(0, 1)[slots], v.flatten(0, 1)[slots]
+        start = n_k - qi.shape[0]
+        rows.append(
+            _reference(
+                qi.transpose(0, 1),
+                ki.float().transpose(0, 1),
+                vi.float().transpose(0, 1),
+                start,
+                None if kw["window"] < 0 else kw["window"] + 1,
+            )
+        )
+    return torch.cat(rows).to(q.dtype)
+
+
+@pytest.mark.parametrize("block", [BLOCK, 256])
+def test_varlen_backend_plumbing_and_fallback_on_cpu(block):  # type: ignore[no-untyped-def]
+    """The CUDA backend's arguments, checked on CPU with a reference kernel; and a kernel
+    that raises falls back to SDPA for good."""
+    gen = torch.Generator().manual_seed(1)
+    pool = PagedKVPool(KVCacheSpec(1, KV_HEADS, DIM, torch.bfloat16, torch.device("cpu"), block), 8)
+    for cache in (pool.key_cache[0], pool.value_cache[0]):
+        cache.copy_(torch.randn(cache.shape, generator=gen).to(torch.bfloat16))
+    starts, lens, tables = [0, 2 * block - 3, block + 1], [5, 1, 2], [[3, 5], [6, 1], [2, 7]]
+    meta = AttentionMetadata.build(lens, starts, tables, block, pool.num_slots, torch.device("cpu"))
+    slots = packed_context_slots(meta).tolist()
+    assert slots == [
+        x
+        for s, n, t in zip(starts, lens, tables, strict=True)
+        for x in slots_for(t, 0, s + n, block)
+    ]
+    q = torch.randn(sum(lens), HEADS, DIM, generator=gen).to(torch.bfloat16)
+    new = pool.flat_keys(0)[meta.slot_mapping]  # this step's keys, already in the pool
+    new_v = pool.flat_values(0)[meta.slot_mapping]
+    args = (q, pool.key_cache[0], pool.value_cache[0], new, new_v, meta, None)
+    sdpa = TorchBackend().attend(*args, 2)
+    backend = VarlenBackend(_varlen_reference, "reference", block)
+    torch.testing.assert_close(backend.attend(*args, 2), sdpa, atol=2e-2, rtol=2e-2)
+    assert backend.broken is None
+
+    def broken(*_: object, **__: object) -> torch.Tensor:
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    backend = VarlenBackend(broken, "broken", block)
+    torch.testing.assert_close(backend.attend(*args, 2), sdpa)
+    assert backend.broken is not None and "no kernel image" in backend.broken

@@ -31,7 +31,8 @@ Invariants:
 - A backend never writes the pool; :func:`~mmis.engine.paged_attention.paged_attention_forward`
   writes the new keys before calling it.
 - Optional kernels are imported lazily, only when a CUDA device is used; a missing or
-  failing import falls back cleanly to :class:`TorchBackend` (the reason is logged).
+  failing import, or a kernel that raises on first use (no build for this GPU), falls back
+  cleanly to :class:`TorchBackend` (the reason is logged; out-of-memory is re-raised).
 """
 
 from __future__ import annotations
@@ -197,6 +198,7 @@ class VarlenBackend:
         self.name = name
         self.paged = block_size % FLASH_PAGE_MULTIPLE == 0
         self.fallback = TorchBackend()
+        self.broken: str | None = None  # why the kernel failed once (then: always fallback)
 
     def attend(
         self,
@@ -209,10 +211,34 @@ class VarlenBackend:
         scale: float | None,
         window: int | None,
     ) -> torch.Tensor:
-        if meta.has_spans or query.dtype not in (torch.float16, torch.bfloat16):
+        if (
+            self.broken is not None
+            or meta.has_spans
+            or query.dtype not in (torch.float16, torch.bfloat16)
+        ):
             return self.fallback.attend(
                 query, key_cache, value_cache, new_key, new_value, meta, scale, window
             )
+        try:
+            return self._flash(query, key_cache, value_cache, meta, scale, window)
+        except (RuntimeError, NotImplementedError) as exc:  # e.g. no kernel for this GPU
+            if isinstance(exc, torch.OutOfMemoryError):
+                raise
+            self.broken = f"{type(exc).__name__}: {exc}"
+            log.warning("%s failed (%s); attention falls back to torch SDPA", self.name, exc)
+            return self.fallback.attend(
+                query, key_cache, value_cache, new_key, new_value, meta, scale, window
+            )
+
+    def _flash(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float | None,
+        window: int | None,
+    ) -> torch.Tensor:
         if self.paged:
             keys, values, table = key_cache, value_cache, meta.block_tables
         else:  # one packed gather of every context, in cu_seqlens_k order
