@@ -155,3 +155,47 @@ def test_the_request_stops_when_the_grammar_ends(engine, tokenizer) -> None:
     token = tokenizer("zz", add_special_tokens=False)["input_ids"][0]
     wrong.append_output_token_ids([token])
     assert wrong.check_stop(token) and wrong.finish_reason is FinishReason.ERROR
+
+
+def _byte_token(tokenizer, byte: int) -> int:  # type: ignore[no-untyped-def]
+    """The id of the byte-level BPE token of one raw byte (GPT-2's byte -> char map)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars = {b: chr(b) for b in printable}
+    extra = iter(range(256, 512))
+    chars |= {b: chr(next(extra)) for b in range(256) if b not in chars}
+    return int(tokenizer.convert_tokens_to_ids(chars[byte]))
+
+
+@pytest.mark.parametrize(
+    ("kind", "spec", "prefix"),
+    [
+        ("json", '{"type": "string", "maxLength": 8}', '"'),
+        ("json", '{"type": "string"}', '"'),
+        ("json_object", "", '{"'),
+        ("regex", ".{0,8}", ""),
+    ],
+)
+def test_strings_hold_valid_utf8_only(engine, tokenizer, kind, spec, prefix) -> None:
+    """ED 9F BF is U+D7FF; ED A0 80 would be a UTF-16 surrogate (not UTF-8); 0x19 a raw
+    control character (not JSON)."""
+    lead, low, high, cont = (_byte_token(tokenizer, b) for b in (0xED, 0x9F, 0xA0, 0xBF))
+
+    def started():  # type: ignore[no-untyped-def]
+        params = _params(kind, spec)  # one params object per state, as the core makes them
+        state = engine.start(params)
+        for token in tokenizer(prefix, add_special_tokens=False)["input_ids"] if prefix else []:
+            assert state.accept(token)
+        return params, state
+
+    def mask(params):  # type: ignore[no-untyped-def]
+        return engine.apply(torch.zeros(1, engine.vocab_size), [params])[0]
+
+    _kept, ok = started()  # (the engine holds states weakly: keep its params)
+    assert ok.accept(lead) and ok.accept(low) and ok.accept(cont)  # U+D7FF is fine
+    params, state = started()
+    assert mask(params)[lead] == 0 and state.accept(lead)
+    assert mask(params)[high] == float("-inf") and mask(params)[low] == 0
+    assert not state.accept(high)
+    if kind != "regex":
+        params, state = started()
+        assert mask(params)[_byte_token(tokenizer, 0x19)] == float("-inf")

@@ -57,10 +57,15 @@ log = logging.getLogger(__name__)
 DEFAULT_CACHE_SIZE = 64
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 _JSON_OBJECT_SCHEMA = '{"type": "object"}'
-# xgrammar 0.2.9 lets a length-bounded JSON string hold raw control characters (invalid JSON:
-# json.loads refuses them); its unbounded strings exclude them. Same class, minus 0x00-0x1f.
-_LAX_STRING_CHAR = r'[^\"\\\r\n]'
-_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+# xgrammar 0.2.9 (1) lets a length-bounded JSON string hold raw control characters (invalid
+# JSON: json.loads refuses them; its unbounded strings exclude them) and (2) lets negated
+# classes, and "." in a regex, match UTF-16 surrogates (ED A0..BF xx: not UTF-8, decoded as
+# three U+FFFD, which broke maxLength). :func:`_utf8_only` rewrites a grammar without both.
+_LAX_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
+_SURROGATES = r"\uD800-\uDFFF"
+_ANY_CHAR = r"\0-\U0010ffff"
+_ANY_SCALAR = r"\0-\uD7FF\uE000-\U0010ffff"
 
 
 class StructuredOutputError(MMISError, ValueError):
@@ -98,13 +103,29 @@ class GrammarState:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
-def _json_grammar(schema: str) -> xgr.Grammar:
-    """The grammar of a JSON schema: compact separators, strict (no unnamed properties)."""
-    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
-    text = str(grammar)
-    if _LAX_STRING_CHAR not in text:
-        return grammar
-    return xgr.Grammar.from_ebnf(text.replace(_LAX_STRING_CHAR, _JSON_STRING_CHAR))
+def _utf8_only(grammar: xgr.Grammar) -> xgr.Grammar:
+    """``grammar`` with JSON strings free of control characters and every character class
+    free of surrogates (see above); quoted literals are copied untouched."""
+    text = str(grammar).replace(_LAX_STRING_CHAR, _JSON_STRING_CHAR)
+    out: list[str] = []
+    i, n = 0, len(text)
+    while i < n:
+        if text[i] not in '"[':
+            out.append(text[i])
+            i += 1
+            continue
+        close = '"' if text[i] == '"' else "]"
+        j = i + 1
+        while j < n and text[j] != close:
+            j += 2 if text[j] == "\\" else 1
+        body = text[i + 1 : j]
+        if close == "]" and body.startswith("^"):
+            body += _SURROGATES
+        elif close == "]":
+            body = body.replace(_ANY_CHAR, _ANY_SCALAR)
+        out.append(text[i] + body + close)
+        i = j + 1
+    return xgr.Grammar.from_ebnf("".join(out))
 
 
 def _grammar_source(kind: str, spec: str) -> str:
@@ -179,14 +200,14 @@ class GrammarEngine:
     def _compile(self, kind: str, spec: str, param: str) -> xgr.CompiledGrammar:
         what = param or "structured output"
         try:
-            if kind == "json":
-                return self._compiler.compile_grammar(_json_grammar(spec))
-            if kind == "json_object":
-                return self._compiler.compile_json_schema(
-                    _JSON_OBJECT_SCHEMA, any_whitespace=False, strict_mode=False
+            if kind in ("json", "json_object"):  # strict: no properties the schema omits
+                schema, strict = (spec, True) if kind == "json" else (_JSON_OBJECT_SCHEMA, False)
+                grammar = xgr.Grammar.from_json_schema(
+                    schema, any_whitespace=False, strict_mode=strict
                 )
+                return self._compiler.compile_grammar(_utf8_only(grammar))
             if kind == "regex":
-                return self._compiler.compile_regex(spec)
+                return self._compiler.compile_grammar(_utf8_only(xgr.Grammar.from_regex(spec)))
             if kind == "choice":
                 return self._compiler.compile_grammar(_grammar_source(kind, spec))
             if kind == "grammar":
