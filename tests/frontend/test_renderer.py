@@ -46,13 +46,13 @@ class GatedProcessor(ModelProcessor):
         self.release = threading.Event()
         self.calls = 0
 
-    def process_image(self, image: Any) -> ProcessedImage:
+    def process_image(self, image: Any, kwargs: Any = None) -> ProcessedImage:
         self.calls += 1
         if image is self.blocker:
             self.entered.set()
             if not self.release.wait(WAIT):
                 raise TimeoutError("the test never released the blocked render")
-        return super().process_image(image)
+        return super().process_image(image, kwargs)
 
 
 @pytest.fixture(scope="module")
