@@ -18,7 +18,8 @@ Invariants:
 - Wheels are reused between replays from a wheelhouse outside the checkout
   (``MMIS_WHEELHOUSE``, default ~/.cache/mmis/wheels); the Dockerfile's ``PIP_NO_CACHE_DIR``
   only keeps the image small and is not applied. A warm replay downloads no wheel again but
-  still resolves against the index and installs every wheel into the fresh venv.
+  still resolves against the index and installs every wheel into the fresh venv (without
+  byte-compiling: ``PIP_NO_COMPILE``, bytecode changes nothing of what is installed).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import time
 import tomllib
 import venv
 from pathlib import Path
@@ -220,8 +222,9 @@ def replay(
 
     Each ``pip install`` line runs twice: first as ``pip download`` into the wheelhouse (this
     machine's PyPI proxy strips cache headers, so pip's own HTTP cache stores nothing), then
-    exactly as written with the wheelhouse on ``PIP_FIND_LINKS``: pip resolves the line itself
-    and takes each chosen wheel from the local file (find-links candidates win ties)."""
+    exactly as written with the wheelhouse on ``PIP_FIND_LINKS`` and ``PIP_NO_INDEX``: pip
+    resolves the line itself, offline, from the set the download step just resolved from the
+    index. ``Replay.log`` has each step's output and wall time."""
     wheelhouse = wheelhouse or wheelhouse_dir()
     root.mkdir(parents=True, exist_ok=True)
     workdir = root
@@ -231,6 +234,7 @@ def replay(
             env[key] = value
     env.pop("PIP_NO_CACHE_DIR", None)
     env.pop("VIRTUAL_ENV", None)
+    env["PIP_NO_COMPILE"] = "1"  # bytecode changes nothing of what is installed; saves CPU
     wheelhouse.mkdir(parents=True, exist_ok=True)
     env["PIP_FIND_LINKS"] = " ".join(filter(None, [str(wheelhouse), env.get("PIP_FIND_LINKS")]))
     venvs: list[Path] = []
@@ -251,20 +255,26 @@ def replay(
             made = VENV_RE.fullmatch(cmd)
             if made:
                 image_venv = Path(made.group(1))
-                venv.EnvBuilder(with_pip=True, clear=True).create(
-                    root / str(image_venv).lstrip("/")
-                )
+                t0 = time.monotonic()
+                venv.EnvBuilder(with_pip=True, clear=True).create(root / str(image_venv)[1:])
+                log.append(f"$ {cmd}  # {time.monotonic() - t0:.1f} s")
                 venvs.append(image_venv)
             elif "pip install" in cmd:
                 mapped = _map_paths(cmd, venvs, root)
                 if mapped == cmd:
                     raise DockerfileError(f"pip outside the image's venv: {cmd}")
                 download = _as_download(mapped, wheelhouse, _build_requires(mapped, workdir))
-                for step in (download, mapped):
+                # the install resolves again, offline, from the set the download just resolved
+                # from the index (plus older wheels, which lose to those newest ones)
+                offline = {**env, "PIP_NO_INDEX": "1"}
+                for step, step_env in ((download, env), (mapped, offline)):
+                    t0 = time.monotonic()
                     proc = subprocess.run(
-                        step, shell=True, cwd=workdir, env=env, capture_output=True, text=True
+                        step, shell=True, cwd=workdir, env=step_env, capture_output=True, text=True
                     )
-                    log.append(f"$ {step}\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}")
+                    took = time.monotonic() - t0
+                    out = f"{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
+                    log.append(f"$ {step}  # {took:.1f} s\n{out}")
                     if proc.returncode != 0:
                         raise DockerfileError(f"{dockerfile.path.name}: `{cmd}` failed\n{log[-1]}")
                 pip_lines.append(cmd)
