@@ -175,7 +175,9 @@ ACCEPTED: list[tuple[type, dict[str, Any]]] = [
     (CompletionRequest, {"prompt": "x"}),
     (CompletionRequest, {"prompt": "x", "logprobs": 5}),
     (CompletionRequest, {"prompt": [1, 2], "best_of": 1, "echo": False, "suffix": ""}),
-    (CompletionRequest, {"prompt": [0, 2**31 - 1], "echo": 0.0, "suffix": {}}),
+    (CompletionRequest, {"prompt": [0, 2**31 - 1], "echo": True, "suffix": {}}),
+    (CompletionRequest, {"prompt": "x", "structured_outputs": {"choice": ["a", "b"]}}),
+    (CHAT, ask(response_format={"type": "json_schema", "json_schema": {"name": "n"}})),
     (EmbeddingRequest, {"input": ["a", "b"], "encoding_format": "base64"}),
     (EmbeddingRequest, {"input": [3, 4]}),
     (EmbeddingRequest, {"input": [IMAGE, {"type": "text", "text": "t"}], "model": "alias"}),
@@ -200,7 +202,9 @@ REFUSED: list[tuple[type, dict[str, Any]]] = [
     (CompletionRequest, {"prompt": "x", "logprobs": 6}),
     (CompletionRequest, {"prompt": ""}),
     (CompletionRequest, {"prompt": [1, -2]}),
-    (CompletionRequest, {"prompt": "x", "echo": True}),
+    (CompletionRequest, {"prompt": "x", "echo": True, "logprobs": 1}),
+    (CompletionRequest, {"prompt": "x", "echo": 0.0}),
+    (CompletionRequest, {"prompt": "x", "structured_outputs": {"grammar": "g", "regex": "r"}}),
     (CompletionRequest, {"prompt": "x", "max_tokens": 0}),
     (CompletionRequest, {"prompt": "x", "best_of": True}),  # true is not 1 (was accepted)
     (CompletionRequest, {"prompt": [4009, 2**98]}),  # once a 500 (past the wire's 64 bits)

@@ -119,7 +119,7 @@ def test_string_content_is_one_text_part_and_defaults_apply() -> None:
         ({"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
         ({"response_format": {"type": "json_schema"}}, "response_format", "needs a json_schema"),
-        ({"structured_outputs": {"choice": []}}, "structured_outputs", "non-empty list"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "at least 1"),
     ],
 )
 def test_chat_range_and_shape_errors_name_the_param(
@@ -189,7 +189,8 @@ def test_completion_prompts() -> None:
     assert "batched" in bad(CompletionRequest, {"prompt": ["a", "b"]}).message
     for prompt in ("", [], [1, -2], [1, "a"], None):
         assert bad(CompletionRequest, {"prompt": prompt}).param == "prompt"
-    assert bad(CompletionRequest, {"prompt": "x", "echo": True}).param == "echo"
+    assert bad(CompletionRequest, {"prompt": "x", "echo": True, "logprobs": 0}).param == "echo"
+    assert parse_request(CompletionRequest, {"prompt": "x", "echo": True}).echo
     assert bad(CompletionRequest, {"prompt": "x", "best_of": 3}).param == "best_of"
     parse_request(CompletionRequest, {"prompt": "x", "best_of": 1, "echo": False})
 

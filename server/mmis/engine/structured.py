@@ -212,7 +212,7 @@ class GrammarEngine:
                 return self._compiler.compile_grammar(_grammar_source(kind, spec))
             if kind == "grammar":
                 return self._compiler.compile_grammar(spec)
-        except (RuntimeError, ValueError, TypeError) as exc:
+        except Exception as exc:  # xgrammar raises RuntimeError mostly; never crash P1
             detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             detail = re.sub(r"^(\[[^\]]*\] )?\S+\.(cc|h):\d+: ", "", detail)  # xgrammar's where
             raise StructuredOutputError(

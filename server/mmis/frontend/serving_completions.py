@@ -1,7 +1,9 @@
 """``POST /v1/completions``: a text (or token-id) prompt -> generation, whole or streamed.
 
 Invariant: the prompt is used as given (no chat template, no special tokens added); a prompt
-that contains the model's image token is a 400 (this endpoint carries no images).
+that contains the model's image token is a 400 (this endpoint carries no images). With
+``echo: true`` every choice's text starts with the prompt (a token-id prompt decoded): the
+whole answer's ``text`` and a stream's first chunk of each choice.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ if TYPE_CHECKING:
 
 
 class CompletionFormat(ChunkStream):
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, echo: str = "") -> None:
         self.model = model
+        self.echo = echo  # the prompt text each choice starts with (echo: true)
 
     def whole(self, request_id: str, choices: Sequence[Choice], usage: Usage) -> CompletionResponse:
         return CompletionResponse(
@@ -38,7 +41,7 @@ class CompletionFormat(ChunkStream):
             choices=[
                 CompletionChoice(
                     index=i,
-                    text=text,
+                    text=self.echo + text,
                     finish_reason=finish,  # type: ignore[arg-type]
                     logprobs=None if rows is None else logprobs.completion(rows),
                 )
@@ -58,7 +61,7 @@ class CompletionFormat(ChunkStream):
     ) -> CompletionResponse:
         choice = CompletionChoice(
             index=index,
-            text=text or "",
+            text=(self.echo if first else "") + (text or ""),
             finish_reason=finish,  # type: ignore[arg-type]
             logprobs=None if rows is None else logprobs.completion(rows),
         )
@@ -76,4 +79,9 @@ class CompletionServing:
 
     async def create(self, http: Request, req: CompletionRequest) -> Response:
         source = await self.state.renderer.prepare(req.prompt, [], param="prompt")
-        return await self.generator.respond(http, req, source, self.format, new_request_id("cmpl"))
+        fmt = self.format
+        if req.echo:
+            prompt = req.prompt
+            text = prompt if isinstance(prompt, str) else self.state.processor.decode(prompt)
+            fmt = CompletionFormat(self.state.model_name, echo=text)
+        return await self.generator.respond(http, req, source, fmt, new_request_id("cmpl"))

@@ -143,13 +143,6 @@ def from_vllm_fields(value: Mapping[str, Any]) -> StructuredOutputs:
         )
     ((kind, spec),) = given.items()
     if kind == JSON:
-        if isinstance(spec, str):  # vLLM also takes the schema as JSON text
-            try:
-                spec = json.loads(spec)
-            except ValueError as exc:
-                raise StructuredOutputsError(
-                    f"structured_outputs.json is not JSON: {exc}", param=param
-                ) from exc
         return json_schema(spec, param=param)
     if kind == JSON_OBJECT:
         return json_object(param=param)

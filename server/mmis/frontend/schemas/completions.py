@@ -4,15 +4,17 @@ Accepted: ``prompt`` as a non-empty string or a non-empty list of token ids (int
 [0, 2**31); the engine checks them against the model's vocabulary);
 batched prompts (a list of strings or of token lists) are rejected with a clear 400. Default
 ``max_tokens`` is 16 (the OpenAI default for this endpoint). ``logprobs`` (0-5 alternatives
-per token) is answered in the legacy column layout. ``echo``, ``suffix`` and ``best_of`` > 1
-are rejected.
+per token) is answered in the legacy column layout. ``echo: true`` prepends the prompt to each
+choice's text; ``echo`` together with ``logprobs`` (prompt logprobs) is a 400 naming ``echo``
+(not supported yet). ``response_format`` and ``structured_outputs`` constrain the text as on
+chat (``schemas/sampling.py``). ``suffix`` and ``best_of`` > 1 are rejected.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from mmis.frontend.schemas.common import (
     TOKEN_ID_LIMIT,
@@ -25,7 +27,6 @@ from mmis.frontend.schemas.sampling import MAX_COMPLETION_LOGPROBS, MAX_STOP, Sa
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "echo": (),
     "suffix": ("",),
     "best_of": (1,),
 }
@@ -37,6 +38,10 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]], Field
 def _request_schema(schema: dict[str, Any], model: type[Any]) -> None:
     add_unsupported_to_schema(schema, model, _UNSUPPORTED)
     add_sampling_rules(schema, MAX_STOP)
+    schema["not"] = {  # echo with logprobs (prompt logprobs)
+        "required": ["echo", "logprobs"],
+        "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}},
+    }
 
 
 class CompletionRequest(SamplingRequest):
@@ -45,6 +50,14 @@ class CompletionRequest(SamplingRequest):
     prompt: Annotated[str, Field(min_length=1)] | TokenIds
     max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool = False
+
+    @field_validator("echo")
+    @classmethod
+    def _echo_without_logprobs(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("logprobs") is not None:
+            raise ValueError("with logprobs (prompt logprobs) is not supported by this server")
+        return value
 
     def logprobs_count(self) -> int | None:
         return self.logprobs

@@ -72,16 +72,37 @@ class ResponseFormat(OpenAIModel):
         return structured_outputs.from_response_format({"type": self.type})
 
 
+_VLLM_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def _exactly_one_key(schema: dict[str, Any]) -> None:
+    """The document's form of the rule: one key set (not null / false), the rest unset."""
+    unset = {"enum": [None, False]}
+    schema["anyOf"] = [
+        {
+            "required": [key],
+            "properties": {k: ({"not": unset} if k == key else unset) for k in _VLLM_KEYS},
+        }
+        for key in _VLLM_KEYS
+    ]
+
+
+NonEmpty = Annotated[str, Field(min_length=1, max_length=structured_outputs.MAX_SPEC_CHARS)]
+
+
 class VllmStructuredOutputs(OpenAIModel):
     """vLLM's ``structured_outputs`` extra_body object (exactly one key set)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_exactly_one_key)
 
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_: dict[str, Any] | None = Field(default=None, alias="json")
     json_object: bool | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
+    regex: NonEmpty | None = None
+    choice: (
+        Annotated[list[NonEmpty], Field(min_length=1, max_length=structured_outputs.MAX_CHOICES)]
+        | None
+    ) = None
+    grammar: Annotated[NonEmpty, Field(pattern=r"\S")] | None = None
 
     def constraint(self) -> StructuredOutputs:
         return structured_outputs.from_vllm_fields(
