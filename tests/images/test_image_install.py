@@ -141,23 +141,6 @@ def test_every_run_step_is_understood() -> None:
         assert image_venv == "/opt/mmis", name
 
 
-def test_replay_fails_on_a_broken_dockerfile(tmp_path: Path) -> None:
-    """The replay can fail: the operator Dockerfile with its install made ``--no-deps``
-    (the hand-kept-list mistake issue 12 found) gives an operator that cannot import."""
-    text = (DOCKER / "Dockerfile.operator").read_text()
-    broken = text.replace("pip install ./operator", "pip install --no-deps ./operator")
-    assert broken != text, "the operator Dockerfile's pip line changed: update this test"
-    path = tmp_path / "Dockerfile.operator"
-    path.write_text(broken)
-    parsed = df.parse(path)
-    stage, image_venv = df.build_stage(parsed)
-    replay = df.replay(parsed, ROOT, tmp_path / "image", stage)
-    env = df.image_path_env(parsed, image_venv, replay)
-    proc = df.run_in_image([*parsed.entrypoint(), "--help"], env, tmp_path)
-    assert proc.returncode != 0
-    assert "ModuleNotFoundError" in proc.stderr
-
-
 def test_unknown_run_step_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "Dockerfile"
     path.write_text(
