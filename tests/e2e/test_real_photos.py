@@ -6,7 +6,8 @@ DIR``: 640x480, 1920x1080 and 4032x3024 JPEG photos are answered with 200 throug
 SDK (the 12 MP one takes about 15.5k placeholder tokens: more than one prefill chunk, so its
 range is split across chunks, and more than a fixed 8192-slot encoder cache, so the cache is
 sized from the processor at start-up), and the 1920x1080 answer equals plain transformers'
-greedy ``generate()`` on the same decoded image and prompt.
+greedy ``generate()`` on the same decoded image and prompt; the same photo with ``detail:
+"low"`` takes the processor's minimum pixel budget (a handful of tokens).
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[openai.Op
         proc.stop()
 
 
-def _ask(client: openai.OpenAI, jpeg: bytes) -> tuple[str, int, int]:
+def _ask(client: openai.OpenAI, jpeg: bytes, detail: str | None = None) -> tuple[str, int, int]:
     url = "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()
+    image_url = {"url": url} if detail is None else {"url": url, "detail": detail}
     out = client.chat.completions.create(
         model="q",
         max_tokens=MAX_TOKENS,
@@ -67,7 +69,7 @@ def _ask(client: openai.OpenAI, jpeg: bytes) -> tuple[str, int, int]:
             {
                 "role": "user",
                 "content": [
-                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "image_url", "image_url": image_url},
                     {"type": "text", "text": PROMPT},
                 ],
             }
@@ -107,6 +109,10 @@ def test_photos_are_answered_and_full_hd_matches_transformers(
     assert small[1] < full_hd[1]  # more pixels, more placeholder tokens
     assert full_hd[1] > 2048  # more than one prefill chunk (the default step budget)
     assert full_hd[0] == _reference(model, full_hd_jpeg)
+    # detail "low": the processor's minimum pixel budget, a handful of placeholder tokens
+    low = _ask(client, full_hd_jpeg, "low")
+    assert low[1] < small[1] < full_hd[1]
+    assert low[1] < 40
 
 
 def test_a_12_mp_phone_photo_is_answered(served: tuple[openai.OpenAI, Path]) -> None:

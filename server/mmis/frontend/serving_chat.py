@@ -63,7 +63,8 @@ def template_messages(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]],
         for j, part in enumerate(message.content):
             if isinstance(part, ImagePart):
                 parts.append({"type": "image"})
-                images.append(ImageRef(part.url, part.item_uuid, f"messages[{i}].content[{j}]"))
+                param = f"messages[{i}].content[{j}]"
+                images.append(ImageRef(part.url, part.item_uuid, param, part.detail))
             else:
                 parts.append({"type": "text", "text": part.text})
         messages.append({"role": role, "content": parts, **extra})
