@@ -4,8 +4,11 @@ What we accept (documented contract):
 - Values must have the JSON type their field states (strict validation: ``"0.5"`` is not a
   number, ``true`` is not an integer).
 - Unknown top-level fields are ignored (clients send many), *except* known OpenAI features we
-  do not implement (``tools``, ``logprobs``, ``response_format`` other than text, penalties,
-  ...): sending one with a non-default value is a 400 naming it, never silently ignored.
+  do not implement (``functions``, ``audio``, ``suffix``, ``best_of`` > 1, ...; each request
+  module lists its own): sending one with a non-default value is a 400 naming it, never
+  silently ignored.
+- ``image_url.detail``: ``low`` renders the image at the processor's minimum pixel budget
+  (:mod:`mmis.frontend.processor`); ``auto``/``high`` use its own limits.
 - Content parts: ``{"type": "text", "text": ...}`` and ``{"type": "image_url", ...}``, where an
   image part is one of
   ``{"image_url": {"url": URL}}``, ``{"image_url": {"url": URL, "uuid": ID}}`` (data plus a
