@@ -77,13 +77,15 @@ def test_chart_lints_strictly_with_the_new_templates() -> None:
 
 
 def test_pod_monitor_scrapes_the_operations_port_of_the_operators_pods() -> None:
-    """The chart's scrape object selects the pods the operator builds, on their ops port."""
+    """The chart's scrape object (opt-in: the operator makes one per resource by default)
+    selects the pods the operator builds, on their ops port."""
     from mmis_operator import children
     from mmis_operator import resource as r
     from mmis_operator.spec import parse_spec
 
     assert _of_kind(_render(), "PodMonitor") == []
-    (monitor,) = _of_kind(_render("--api-versions", PODMONITOR_API), "PodMonitor")
+    assert _of_kind(_render("--api-versions", PODMONITOR_API), "PodMonitor") == []
+    (monitor,) = _of_kind(_render("--set", "podMonitor.enabled=true"), "PodMonitor")
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     assert endpoint["path"] == "/metrics"
     pod = children.pod_template(parse_spec({"model": {"id": "acme/vlm"}}), "m")
@@ -95,7 +97,12 @@ def test_pod_monitor_scrapes_the_operations_port_of_the_operators_pods() -> None
     assert endpoint["port"] == r.OPS_PORT_NAME and ports[r.OPS_PORT_NAME] == r.OPS_PORT
     args = frontend["args"]
     assert args[args.index("--ops-port") + 1] == str(r.OPS_PORT)
-    forced = _of_kind(_render("--set", "podMonitor.enabled=true"), "PodMonitor")
-    assert len(forced) == 1
     off = _render("--api-versions", PODMONITOR_API, "--set", "podMonitor.enabled=false")
     assert _of_kind(off, "PodMonitor") == []
+    # with the chart's PodMonitor on, the operator makes none of its own (no double scrape)
+    (deployment,) = _of_kind(_render("--set", "podMonitor.enabled=true"), "Deployment")
+    env = {
+        e["name"]: e.get("value")
+        for e in deployment["spec"]["template"]["spec"]["containers"][0].get("env", [])
+    }
+    assert env.get("MMIS_OPERATOR_POD_MONITORS") == "off"
