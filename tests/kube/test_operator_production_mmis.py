@@ -278,6 +278,9 @@ def test_rollout_completes_on_full_gpu_nodes(
     """Every GPU of both nodes taken: with surge 1 the new pod would wait forever."""
     full = _sample(replicas=len(cluster.nodes))
     full["spec"]["resources"] = {**SAMPLE["spec"]["resources"], "gpus": 8}
+    # the old pods' grace period (drainSeconds + 35 s by default, kwok honours it) is what the
+    # rollout waits for at each step; 1 s keeps the same order of events in a few seconds
+    full["spec"]["podTemplate"] = {"spec": {"terminationGracePeriodSeconds": 1}}
     _apply(cluster, namespace, full)
     _wait(cluster, namespace, "mmis/vlm", "--for=condition=Ready")
     dep = _get(cluster, namespace, "deployment/vlm")
@@ -286,7 +289,7 @@ def test_rollout_completes_on_full_gpu_nodes(
     changed["spec"]["cache"] = {"size": "2Gi"}
     _apply(cluster, namespace, changed)
     _wait(cluster, namespace, "mmis/vlm", "--for=jsonpath={.status.observedGeneration}=2")
-    # two steps, each an old pod's grace period (35 s, kwok honours it) and a new pod's start
+    # two steps, each an old pod's grace period and a new pod's start
     _wait(cluster, namespace, "mmis/vlm", "--for=condition=Progressing=False", timeout_s=420)
     _wait(cluster, namespace, "mmis/vlm", "--for=condition=Ready")
     for pod in _pods(cluster, namespace, "vlm"):
