@@ -123,6 +123,9 @@ class SamplingParams(msgspec.Struct, array_like=True):
     the most likely alternatives ([0, 20]) come back in ``EngineCoreOutput.logprobs``.
     ``structured``: ``None`` unconstrained; else the :class:`StructuredOutputs` the output
     must follow (P1 masks every token the constraint does not allow before sampling).
+    ``prompt_logprobs``: ``None`` off; else every prompt token's log-probability given the
+    tokens before it, with that many alternatives ([0, 20]), in the request's first output
+    (``EngineCoreOutput.prompt_logprobs``); such a request bypasses the prefix cache.
     """
 
     n: int = 1
@@ -141,6 +144,7 @@ class SamplingParams(msgspec.Struct, array_like=True):
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
     logprobs: int | None = None
     structured: StructuredOutputs | None = None
+    prompt_logprobs: int | None = None
 
 
 class PoolingParams(msgspec.Struct, array_like=True):
@@ -196,6 +200,9 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     alternatives in decreasing order; ``logprobs[i][j]`` belongs to ``token_ids[i][j]``;
     ``ranks[i]`` is the sampled token's rank (1 = the most likely). Computed in P1 from the
     model's logits of that step, before any sampling parameter (``engine/logprobs.py``).
+    As prompt logprobs (``EngineCoreOutput.prompt_logprobs``) there is one row per prompt
+    token, ``token_ids[i][0]`` being prompt token ``i``; row 0 has no value (nothing comes
+    before it): ``token_ids[0] == [first prompt token]``, ``logprobs[0] == []``, rank 0.
     """
 
     token_ids: list[list[int]] = msgspec.field(default_factory=list)
@@ -221,6 +228,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True):
     pooled: Any = None  # a numpy array for pooling requests
     stop_reason: str | int | None = None
     logprobs: TokenLogprobs | None = None  # when the request asked for them
+    prompt_logprobs: TokenLogprobs | None = None  # in the first output, when asked for
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True):

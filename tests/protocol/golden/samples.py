@@ -42,7 +42,7 @@ from mmis.protocol import (
 )
 
 GOLDEN_DIR = Path(__file__).resolve().parent
-CURRENT_VERSION = "v4"
+CURRENT_VERSION = "v5"
 SUFFIX = ".msgpack"
 
 
@@ -114,12 +114,14 @@ def samples() -> list[Sample]:
         {9: 5.0},
         2,
         StructuredOutputs("json", '{"type": "object"}', "response_format"),
+        2,
     )
     logprobs = TokenLogprobs(
         [[11, 4, 11], [12, 12, 3]], [[-0.5, -0.25, -0.5], [-0.125, -0.125, -3.0]], [2, 1]
     )
+    prompt_logprobs = TokenLogprobs([[1], [2, 2, 9]], [[], [-1.5, -1.5, -2.0]], [0, 1])
     token_output = EngineCoreOutput(
-        "req-1", [11, 12], None, None, [], 1, 58, 16, None, None, logprobs
+        "req-1", [11, 12], None, None, [], 1, 58, 16, None, None, logprobs, prompt_logprobs
     )
     miss_output = EngineCoreOutput(
         "req-2", [], "error", _error(), ["b2" * 32, "e5" * 32], 0, 0, 0, None, None
