@@ -21,6 +21,10 @@ Invariants:
   without a grammar engine, is an ``invalid_request`` output naming the request parameter
   that carried it (``RequestError.param``). The runner's sampler masks with the same
   grammar engine.
+- Prompt logprobs (``SamplingParams.prompt_logprobs``): the runner's rows of each prefill
+  chunk are kept per request, by prompt position (a chunk computed again after a preemption
+  overwrites its rows), and sent whole in the request's first output with tokens; dropped
+  when the request ends. Such requests bypass the prefix cache (``Request.skip_cache``).
 - :meth:`utilities` is the core's part of the one utility table (``core_process.py``).
 """
 
@@ -91,6 +95,8 @@ class EngineCore:
         self.vocab_size = int(runner.adapter.vocab_size)
         self.limits = ModelLimits(self.vocab_size, max_model_len)
         self._immediate: list[EngineCoreOutput] = []
+        # prompt logprobs waiting for the first output: request id -> position -> row
+        self._prompt_rows: dict[str, dict[int, tuple[list[int], list[float], int]]] = {}
         self.num_steps = 0
         self.grammar = grammar  # structured outputs; None: such requests are refused
         runner.sampler.grammar = grammar
@@ -161,6 +167,8 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
+        for request_id in request_ids:
+            self._prompt_rows.pop(request_id, None)
         if self.spans is not None:
             self.spans.forget(request_ids)
 
@@ -186,6 +194,7 @@ class EngineCore:
                 sampled = {rid: [tok] for rid, tok in result.sampled_token_ids.items()}
                 pooled = result.pooled
                 logprobs = result.logprobs
+                self._keep_prompt_rows(result.prompt_logprobs)
             self.num_steps += 1
         events = self.scheduler.update_from_output(sched_out, sampled)
         for event in events:
@@ -194,10 +203,32 @@ class EngineCore:
                 out.pooled = np.asarray(pooled[event.request_id], dtype=np.float32)
             if event.new_token_ids and event.request_id in logprobs:
                 out.logprobs = logprobs[event.request_id]
+            if event.request_id in self._prompt_rows and (event.new_token_ids or event.finished):
+                out.prompt_logprobs = self._take_prompt_rows(event.request_id, event.new_token_ids)
             outputs.append(out)
         if self.spans is not None:
             self.spans.on_step(sched_out.scheduled, events, started_ns, time.time_ns())
         return outputs
+
+    def _keep_prompt_rows(self, chunks: Mapping[str, tuple[int, TokenLogprobs]]) -> None:
+        for request_id, (start, lp) in chunks.items():
+            rows = self._prompt_rows.setdefault(request_id, {})
+            for i, row in enumerate(zip(lp.token_ids, lp.logprobs, lp.ranks, strict=True)):
+                rows[start + i] = row
+
+    def _take_prompt_rows(self, request_id: str, new_token_ids: list[int]) -> TokenLogprobs | None:
+        """The request's prompt logprobs, in prompt order (``None`` for an output without
+        tokens: an error or abort before the first token drops them)."""
+        rows = self._prompt_rows.pop(request_id)
+        if not new_token_ids:
+            return None
+        out = TokenLogprobs()
+        for position in sorted(rows):
+            ids, values, rank = rows[position]
+            out.token_ids.append(ids)
+            out.logprobs.append(values)
+            out.ranks.append(rank)
+        return out
 
     def _fail_step(self, sched_out: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
         """Finish every request of a step the runner could not execute with an error output,
@@ -210,6 +241,7 @@ class EngineCore:
         hashes: set[str] = set()
         for item in sched_out.scheduled:
             hashes.update(item.mm_items[i].mm_hash for i in item.encoder_inputs)
+            self._prompt_rows.pop(item.request_id, None)
             if self.scheduler.finish_request(item.request_id, FinishReason.ERROR):
                 outputs.append(_error(item.request_id, code, message))
         encoder_cache = self.scheduler.encoder_cache

@@ -12,6 +12,10 @@ Invariants:
 - Row ``i`` of the result is ``[sampled, top_1 .. top_k]`` ids with their log-probabilities
   and the sampled token's rank (1 = most likely), the layout of
   :class:`~mmis.protocol.messages.TokenLogprobs`.
+- Prompt logprobs (``SamplingParams.prompt_logprobs``, :func:`score`): the same numbers for
+  given tokens instead of sampled ones: logits row ``i`` scores ``targets[i]`` (the NEXT
+  prompt token), in float32, in slices of :data:`SCORE_ROWS` rows to bound the memory of a
+  long prompt chunk. :func:`first_prompt_row` is row 0 (no value: nothing precedes it).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 from mmis.protocol.messages import SamplingParams, TokenLogprobs
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+SCORE_ROWS = 256  # prompt rows log-softmaxed at once
 
 
 @dataclass
@@ -69,3 +74,31 @@ def finish(pending: Pending, sampled: torch.Tensor) -> dict[int, TokenLogprobs]:
             ranks=[int(rank_list[j])],
         )
     return out
+
+
+def score(logits: torch.Tensor, targets: Sequence[int], k: int) -> TokenLogprobs:
+    """Row ``i``: ``targets[i]``'s log-probability under ``logits[i]``, rank and top ``k``."""
+    out = TokenLogprobs()
+    for lo in range(0, len(targets), SCORE_ROWS):
+        chunk = logits[lo : lo + SCORE_ROWS]
+        logprobs = torch.log_softmax(chunk.float(), dim=-1)
+        chosen = torch.tensor(targets[lo : lo + SCORE_ROWS], device=logprobs.device).view(-1, 1)
+        chosen_lp = logprobs.gather(1, chosen)
+        ranks = ((logprobs > chosen_lp).sum(dim=-1) + 1).tolist()
+        if k:
+            top_values, top_ids = logprobs.topk(k, dim=-1)
+            values, ids = top_values.tolist(), top_ids.tolist()
+        else:
+            values, ids = [[] for _ in ranks], [[] for _ in ranks]
+        for token, value, rank, top_v, top_i in zip(
+            chosen.view(-1).tolist(), chosen_lp.view(-1).tolist(), ranks, values, ids, strict=True
+        ):
+            out.token_ids.append([token, *top_i])
+            out.logprobs.append([value, *top_v])
+            out.ranks.append(int(rank))
+    return out
+
+
+def first_prompt_row(token_id: int) -> TokenLogprobs:
+    """Prompt row 0: the first prompt token, without a value (``TokenLogprobs``' layout)."""
+    return TokenLogprobs(token_ids=[[token_id]], logprobs=[[]], ranks=[0])

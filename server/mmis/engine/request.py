@@ -11,7 +11,9 @@ Invariants:
   depend only on tokens and multimodal identifiers, so they survive preemption.
 - ``mm_items`` (what the runner is told about each item: hash, range, grid) is built once, at
   construction, from the features as sent; the features keep their tensors for encoder runs.
-- ``skip_cache``: the request neither reads nor writes the prefix cache (see ``kv_cache``).
+- ``skip_cache``: the request neither reads nor writes the prefix cache (see ``kv_cache``);
+  always set for a request asking for prompt logprobs, whose every prompt row must be
+  computed (a cached prefix would skip rows).
 - Status moves WAITING -> RUNNING -> (PREEMPTED -> RUNNING)* -> FINISHED; FINISHED is final.
 - ``constraint`` (structured outputs, ``engine/structured.py``): advanced with every output
   token appended; the request stops (``stop``) once it is done, and ends with an error if a
@@ -36,6 +38,8 @@ from mmis.protocol.messages import (
     RequestError,
     SamplingParams,
 )
+
+MAX_PROMPT_LOGPROBS = 20  # as ``engine/logprobs.py`` MAX_LOGPROBS (this module has no torch)
 
 
 class InvalidRequestError(MMISError):
@@ -104,6 +108,12 @@ class Request:
                 f"got {sampling_params.max_tokens}"
             )
         _validate_features(mm_features, len(prompt_token_ids))
+        prompt_logprobs = None if sampling_params is None else sampling_params.prompt_logprobs
+        if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_PROMPT_LOGPROBS:
+            raise InvalidRequestError(
+                f"request {request_id!r}: prompt_logprobs must be in [0, {MAX_PROMPT_LOGPROBS}], "
+                f"got {prompt_logprobs}"
+            )
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -118,7 +128,7 @@ class Request:
             )
             for f in self.mm_features
         ]
-        self.skip_cache = skip_cache
+        self.skip_cache = skip_cache or prompt_logprobs is not None
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params
         self.arrival_time = arrival_time

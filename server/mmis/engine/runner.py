@@ -9,6 +9,10 @@ Rows with a presence/frequency/repetition penalty also need the request's token 
 caller passes the requests themselves (``histories``: request id -> an object with
 ``prompt_token_ids`` and ``output_token_ids``, the core passes the scheduler's requests), read
 only, through the sampler's :class:`TokenHistoryCache`.
+Prompt logprobs (``SamplingParams.prompt_logprobs``): for such a request that has no output
+token yet, the logits of every scheduled row before the prompt's last token score the NEXT
+prompt token (read from ``histories``: a chunk's last row scores the first token of the next
+chunk), in ``StepOutput.prompt_logprobs``; the core joins the chunks.
 
 Invariants:
 - Exactly one language-model forward per step, whatever the number of sequences.
@@ -126,6 +130,7 @@ class ModelRunner:
         hidden = self.adapter.forward(embeds, positions, PagedStep(self.pool, meta, self.backend))
         self.num_forwards += 1
         self._sample(hidden, seqs, out, histories)
+        self._prompt_logprobs(hidden, seqs, out, histories)
         self._pool(hidden, seqs, out)
         return out
 
@@ -210,6 +215,44 @@ class ModelRunner:
         if pending is not None:
             for row, lp in logprobs.finish(pending, sampled).items():
                 out.logprobs[chosen[row].request_id] = lp
+
+    def _prompt_logprobs(
+        self,
+        hidden: torch.Tensor,
+        seqs: Sequence[ScheduledRequest],
+        out: StepOutput,
+        histories: Mapping[str, TokenHistory] | None,
+    ) -> None:
+        offset = 0
+        for s in seqs:
+            base, offset = offset, offset + s.num_tokens
+            params = s.sampling_params
+            if params is None or params.prompt_logprobs is None or s.pooling_params is not None:
+                continue
+            request = None if histories is None else histories.get(s.request_id)
+            if request is None:
+                raise StepInputError(f"request {s.request_id}: prompt logprobs need its prompt")
+            if request.output_token_ids:  # sent with the first output already
+                continue
+            prompt = request.prompt_token_ids
+            end = min(s.end_position, len(prompt) - 1)  # rows before the last prompt token
+            lp = logprobs.first_prompt_row(prompt[0]) if s.start_position == 0 else None
+            if end > s.start_position:
+                logits = self.adapter.compute_logits(hidden[base : base + end - s.start_position])
+                rows = logprobs.score(
+                    logits, prompt[s.start_position + 1 : end + 1], params.prompt_logprobs
+                )
+                if lp is None:
+                    lp = rows
+                else:
+                    lp.token_ids.extend(rows.token_ids)
+                    lp.logprobs.extend(rows.logprobs)
+                    lp.ranks.extend(rows.ranks)
+            if lp is not None:
+                out.prompt_logprobs[s.request_id] = (
+                    0 if s.start_position == 0 else s.start_position + 1,
+                    lp,
+                )
 
     def _token_counts(
         self,

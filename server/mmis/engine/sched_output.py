@@ -140,6 +140,9 @@ class StepOutput:
 
     sampled_token_ids: dict[str, int] = dataclasses.field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = dataclasses.field(default_factory=dict)  # who asked
+    # prompt logprobs of this chunk: request id -> (index of the first prompt token scored,
+    # one row per prompt token from there; ``engine/logprobs.py`` ``score``)
+    prompt_logprobs: dict[str, tuple[int, TokenLogprobs]] = dataclasses.field(default_factory=dict)
     pooled: dict[str, Any] = dataclasses.field(default_factory=dict)  # numpy float32 vectors
     encoded_mm_hashes: list[str] = dataclasses.field(default_factory=list)
 
