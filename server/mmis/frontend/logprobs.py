@@ -11,6 +11,12 @@ Invariants:
   a stop string keeps the rows of the tokens before the cut only.
 - ``offset`` is the position of the token's text in the choice's concatenated token texts
   (completions' ``text_offset``), running across the chunks of a stream.
+- Prompt logprobs (completions ``echo`` with ``logprobs``): the rows of the first output's
+  ``prompt_logprobs`` come first, one per prompt token, the first without a value
+  (``TokenLogprob.first``: ``null`` in the layout); the generated rows' offsets continue after
+  them. They are kept apart from :attr:`LogprobsBuilder.rows` (the generated tokens only):
+  :meth:`LogprobsBuilder.kept` and :meth:`LogprobsBuilder.delta` (once, in a stream's first
+  chunk) put them in front.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from mmis.frontend.schemas.responses import (
 from mmis.frontend.schemas.responses import (
     TokenLogprob as ChatTokenLogprob,
 )
-from mmis.protocol.messages import EngineCoreOutput
+from mmis.protocol.messages import EngineCoreOutput, TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +47,7 @@ class TokenLogprob:
     logprob: float
     offset: int
     top: list[Alternative] = field(default_factory=list)
+    first: bool = False  # the prompt's first token: no logprob (nothing precedes it)
 
 
 class LogprobsBuilder:
@@ -50,26 +57,48 @@ class LogprobsBuilder:
         self.token_text = token_text
         self.offset = 0
         self.rows: list[TokenLogprob] = []
+        self.prompt_rows: list[TokenLogprob] = []
+        self._prompt_sent = False
 
     def add(self, out: EngineCoreOutput) -> list[TokenLogprob]:
-        """The rows of ``out``'s new tokens (also kept in :attr:`rows`)."""
+        """The rows of ``out``'s new tokens (also kept in :attr:`rows`); the prompt's rows, if
+        ``out`` carries them, go to :attr:`prompt_rows` first."""
+        if out.prompt_logprobs is not None and not self.prompt_rows:
+            self.prompt_rows = self._rows(out.prompt_logprobs)
         lp = out.logprobs
         if lp is None:
             return []
-        new: list[TokenLogprob] = []
-        for ids, values in zip(lp.token_ids, lp.logprobs, strict=True):
-            text = self.token_text(ids[0])
-            top = [
-                Alternative(self.token_text(t), v) for t, v in zip(ids[1:], values[1:], strict=True)
-            ]
-            new.append(TokenLogprob(text, values[0], self.offset, top))
-            self.offset += len(text)
+        new = self._rows(lp)
         self.rows.extend(new)
         return new
 
+    def _rows(self, lp: TokenLogprobs) -> list[TokenLogprob]:
+        new: list[TokenLogprob] = []
+        for ids, values in zip(lp.token_ids, lp.logprobs, strict=True):
+            text = self.token_text(ids[0])
+            if not values:  # the prompt's first token
+                new.append(TokenLogprob(text, 0.0, self.offset, first=True))
+            else:
+                top = [
+                    Alternative(self.token_text(t), v)
+                    for t, v in zip(ids[1:], values[1:], strict=True)
+                ]
+                new.append(TokenLogprob(text, values[0], self.offset, top))
+            self.offset += len(text)
+        return new
+
+    def delta(self, start: int, end: int) -> list[TokenLogprob]:
+        """Generated rows ``[start, end)``, after the prompt's rows the first time they exist."""
+        rows = self.rows[start:end]
+        if self.prompt_rows and not self._prompt_sent:
+            self._prompt_sent = True
+            return [*self.prompt_rows, *rows]
+        return rows
+
     def kept(self, num_tokens: int) -> list[TokenLogprob]:
-        """The rows of the first ``num_tokens`` tokens (what the answer keeps)."""
-        return self.rows[:num_tokens]
+        """The prompt's rows, then those of the first ``num_tokens`` generated tokens (what
+        the answer keeps)."""
+        return [*self.prompt_rows, *self.rows[:num_tokens]]
 
 
 def _bytes(text: str) -> list[int]:
@@ -97,10 +126,14 @@ def completion(rows: Iterable[TokenLogprob]) -> CompletionLogprobs:
     out = CompletionLogprobs()
     for r in rows:
         out.tokens.append(r.token)
+        out.text_offset.append(r.offset)
+        if r.first:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
         out.token_logprobs.append(r.logprob)
         top: dict[str, float] = {}
         for a in r.top:  # two ids may show as the same text: keep the likelier one
             top.setdefault(a.token, a.logprob)
         out.top_logprobs.append(top)
-        out.text_offset.append(r.offset)
     return out

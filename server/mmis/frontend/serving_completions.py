@@ -3,7 +3,10 @@
 Invariant: the prompt is used as given (no chat template, no special tokens added); a prompt
 that contains the model's image token is a 400 (this endpoint carries no images). With
 ``echo: true`` every choice's text starts with the prompt (a token-id prompt decoded): the
-whole answer's ``text`` and a stream's first chunk of each choice.
+whole answer's ``text`` and a stream's first chunk of each choice. With ``logprobs`` too
+(``SamplingParams.prompt_logprobs``), the choice's ``logprobs`` starts with the prompt
+tokens' rows, the first one ``null`` (``frontend/logprobs.py``): the whole answer's and a
+stream's first chunk of each choice; every choice of ``n`` carries the same prompt rows.
 """
 
 from __future__ import annotations

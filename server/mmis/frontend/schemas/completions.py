@@ -5,16 +5,18 @@ Accepted: ``prompt`` as a non-empty string or a non-empty list of token ids (int
 batched prompts (a list of strings or of token lists) are rejected with a clear 400. Default
 ``max_tokens`` is 16 (the OpenAI default for this endpoint). ``logprobs`` (0-5 alternatives
 per token) is answered in the legacy column layout. ``echo: true`` prepends the prompt to each
-choice's text; ``echo`` together with ``logprobs`` (prompt logprobs) is a 400 naming ``echo``
-(not supported yet). ``response_format`` and ``structured_outputs`` constrain the text as on
-chat (``schemas/sampling.py``). ``suffix`` and ``best_of`` > 1 are rejected.
+choice's text; with ``logprobs`` too, each choice's ``logprobs`` covers the prompt tokens first
+(prompt logprobs, computed in P1; the first prompt token's logprob and top_logprobs are
+``null``), then the generated ones, ``text_offset`` running across. ``response_format`` and
+``structured_outputs`` constrain the text as on chat (``schemas/sampling.py``). ``suffix``
+and ``best_of`` > 1 are rejected.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from mmis.frontend.schemas.common import (
     TOKEN_ID_LIMIT,
@@ -23,6 +25,7 @@ from mmis.frontend.schemas.common import (
     reject_unsupported,
 )
 from mmis.frontend.schemas.sampling import MAX_COMPLETION_LOGPROBS, MAX_STOP, SamplingRequest
+from mmis.protocol.messages import SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
@@ -38,10 +41,6 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]], Field
 def _request_schema(schema: dict[str, Any], model: type[Any]) -> None:
     add_unsupported_to_schema(schema, model, _UNSUPPORTED)
     add_sampling_rules(schema, MAX_STOP)
-    schema["not"] = {  # echo with logprobs (prompt logprobs)
-        "required": ["echo", "logprobs"],
-        "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}},
-    }
 
 
 class CompletionRequest(SamplingRequest):
@@ -50,17 +49,20 @@ class CompletionRequest(SamplingRequest):
     prompt: Annotated[str, Field(min_length=1)] | TokenIds
     max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
-    echo: bool = False
-
-    @field_validator("echo")
-    @classmethod
-    def _echo_without_logprobs(cls, value: bool, info: ValidationInfo) -> bool:
-        if value and info.data.get("logprobs") is not None:
-            raise ValueError("with logprobs (prompt logprobs) is not supported by this server")
-        return value
+    echo: bool = Field(
+        default=False,
+        description="Prepend the prompt to each choice's text; with logprobs, the prompt "
+        "tokens' logprobs come first (the first one null).",
+    )
 
     def logprobs_count(self) -> int | None:
         return self.logprobs
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        params = super().to_sampling_params(default_max_tokens)
+        if self.echo and self.logprobs is not None:
+            params.prompt_logprobs = self.logprobs  # echo with logprobs: prompt logprobs
+        return params
 
     @model_validator(mode="before")
     @classmethod
