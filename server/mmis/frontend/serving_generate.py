@@ -252,7 +252,7 @@ class TextGenerator:
                 rows = None
                 if wants_logprobs:  # the rows of the tokens this output added and the text keeps
                     builders[choice].add(out)
-                    rows = builders[choice].rows[kept_before : len(detok.token_ids)]
+                    rows = builders[choice].delta(kept_before, len(detok.token_ids))
                 if delta or finish or rows or not started[choice]:
                     first = not started[choice]
                     for event in fmt.stream_delta(request_id, choice, delta, finish, first, rows):
