@@ -202,7 +202,6 @@ REFUSED: list[tuple[type, dict[str, Any]]] = [
     (CompletionRequest, {"prompt": "x", "logprobs": 6}),
     (CompletionRequest, {"prompt": ""}),
     (CompletionRequest, {"prompt": [1, -2]}),
-    (CompletionRequest, {"prompt": "x", "echo": True, "logprobs": 1}),
     (CompletionRequest, {"prompt": "x", "echo": 0.0}),
     (CompletionRequest, {"prompt": "x", "structured_outputs": {"grammar": "g", "regex": "r"}}),
     (CompletionRequest, {"prompt": "x", "max_tokens": 0}),

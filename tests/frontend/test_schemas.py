@@ -189,7 +189,8 @@ def test_completion_prompts() -> None:
     assert "batched" in bad(CompletionRequest, {"prompt": ["a", "b"]}).message
     for prompt in ("", [], [1, -2], [1, "a"], None):
         assert bad(CompletionRequest, {"prompt": prompt}).param == "prompt"
-    assert bad(CompletionRequest, {"prompt": "x", "echo": True, "logprobs": 0}).param == "echo"
+    echo = parse_request(CompletionRequest, {"prompt": "x", "echo": True, "logprobs": 0})
+    assert echo.to_sampling_params(16).prompt_logprobs == 0  # prompt logprobs
     assert parse_request(CompletionRequest, {"prompt": "x", "echo": True}).echo
     assert bad(CompletionRequest, {"prompt": "x", "best_of": 3}).param == "best_of"
     parse_request(CompletionRequest, {"prompt": "x", "best_of": 1, "echo": False})
