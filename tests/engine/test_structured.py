@@ -199,3 +199,36 @@ def test_strings_hold_valid_utf8_only(engine, tokenizer, kind, spec, prefix) -> 
     if kind != "regex":
         params, state = started()
         assert mask(params)[_byte_token(tokenizer, 0x19)] == float("-inf")
+
+
+def test_the_batched_mask_matches_one_fill_per_row_on_every_path(engine, tokenizer) -> None:
+    """``apply`` fills all constrained rows in one call and masks with xgrammar's CPU kernel
+    (or the torch unpack off the CPU): the same ``-inf`` set as one matcher fill per row, for
+    a mixed batch whose logits are wider than the grammar's vocabulary."""
+    import xgrammar as xgr
+
+    prefixes = ['{"name": "', '{"name": "ab", "age": 1', ""]
+    kept, params = [], []
+    for k, prefix in enumerate(prefixes):
+        params.append(SamplingParams() if k == 1 else None)  # unconstrained rows in between
+        p = _params("json", json.dumps(SCHEMA))
+        state = engine.start(p)
+        for token in tokenizer(prefix, add_special_tokens=False)["input_ids"] if prefix else []:
+            assert state.accept(token)
+        kept.append(state)
+        params.append(p)
+    rows = [i for i, p in enumerate(params) if p is not None and p.structured is not None]
+    width = engine.vocab_size + 7
+    logits = torch.randn(len(params), width, generator=torch.Generator().manual_seed(0))
+    expected = logits.clone()
+    one = xgr.allocate_token_bitmask(1, engine.vocab_size)
+    for row, state in zip(rows, kept, strict=True):
+        state.fill(one, 0)
+        bits = [(int(one[0, t // 32]) >> (t % 32)) & 1 for t in range(engine.vocab_size)]
+        allowed = torch.tensor(bits + [0] * 7, dtype=torch.bool)
+        assert 0 < int(allowed.sum()) < engine.vocab_size
+        expected[row] = expected[row].masked_fill(~allowed, float("-inf"))
+    assert torch.equal(engine.apply(logits.clone(), params), expected)
+    bitmask = engine._bitmask[: len(params)]  # the device-generic path, on the same masks
+    unpacked = engine._apply_unpacked(logits.clone(), bitmask, rows, engine.vocab_size)
+    assert torch.equal(unpacked, expected)

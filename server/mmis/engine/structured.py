@@ -15,9 +15,18 @@ The pieces (``protocol/messages.py`` ``StructuredOutputs`` is what P0 sends):
   appends; once the grammar is terminated (its stop token accepted) or complete with nothing
   more allowed, the request stops (``finish_reason`` stop).
 - :meth:`GrammarEngine.apply` is the sampler's step (``engine/sampler.py``): for the rows whose
-  params carry a constraint it fills one bitmask row per request (xgrammar, on the host),
-  copies the ``[rows, ceil(V / 32)]`` int32 masks to the logits' device once and sets every
-  disallowed logit to ``-inf`` (a vectorised unpack there: no device-specific kernel).
+  params carry a constraint it fills their bitmask rows in one xgrammar call
+  (``BatchGrammarMatcher``, on the host, the GIL released) and sets every disallowed logit to
+  ``-inf``: on the CPU with xgrammar's kernel in place, elsewhere by copying the
+  ``[rows, ceil(V / 32)]`` int32 masks to the logits' device once and unpacking them there
+  (vectorised torch: no device-specific kernel).
+
+Cost (``benchmarks/bench_structured.py``, ``benchmarks/README.md``): the mask is cheap (a few
+us per row on the tiny vocabulary); what a large counted repetition with no upper bound
+(``X{400,}``, a JSON string's ``minLength``) costs is xgrammar 0.2.9's ``accept_token``
+(~100-300 us per token, growing with the count), paid in :meth:`GrammarState.accept`. The
+same language written ``X{n, n} X*`` is walked in a few us, but xgrammar's masks for it are
+wrong for some classes (a JSON string: multi-character tokens refused), so no rewrite here.
 
 Invariants:
 - A row finds its state through its params object: the core gives every constrained request
@@ -66,6 +75,10 @@ _JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
 _SURROGATES = r"\uD800-\uDFFF"
 _ANY_CHAR = r"\0-\U0010ffff"
 _ANY_SCALAR = r"\0-\uD7FF\uE000-\U0010ffff"
+# Threads of the batched mask fill: one. A fill is a few us per row on the tiny vocabulary;
+# xgrammar's pool costs more than that per call on a shared host (measured: 2 threads made a
+# 32-row fill ~5x slower), and the host's other cores serve torch.
+FILL_THREADS = 1
 
 
 class StructuredOutputError(MMISError, ValueError):
@@ -156,7 +169,8 @@ class GrammarEngine:
         self.num_cache_hits = 0
         self._states: weakref.WeakValueDictionary[int, GrammarState] = weakref.WeakValueDictionary()
         self._bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)  # grows to the batch
-        self._bits = torch.arange(32, dtype=torch.int32)
+        self._filler = xgr.BatchGrammarMatcher(FILL_THREADS)
+        self._bits: dict[torch.device, torch.Tensor] = {}  # 0..31 on each logits device
 
     @classmethod
     def from_model_dir(
@@ -245,18 +259,33 @@ class GrammarEngine:
                     f"batch row {i} has a constraint but no grammar state (an engine bug)"
                 )
             states.append(state)
-        if self._bitmask.shape[0] < len(rows):
-            self._bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
-        bitmask = self._bitmask[: len(rows)]
-        for k, state in enumerate(states):
-            state.fill(self._bitmask, k)
+        if self._bitmask.shape[0] < len(params):
+            self._bitmask = xgr.allocate_token_bitmask(len(params), self.vocab_size)
+        bitmask = self._bitmask[: len(params)]  # row i is batch row i's (constrained rows only)
+        self._filler.batch_fill_next_token_bitmask([s.matcher for s in states], bitmask, rows)
+        width = min(logits.shape[1], self.vocab_size)
+        if logits.device.type == "cpu" and logits.dtype == torch.float32:
+            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width, indices=rows)
+            if logits.shape[1] > width:  # ids past the grammar's vocabulary: never
+                logits[rows, width:] = float("-inf")
+            return logits
+        return self._apply_unpacked(logits, bitmask, rows, width)
+
+    def _apply_unpacked(
+        self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], width: int
+    ) -> torch.Tensor:
+        """The mask on any device: the words copied over once and unpacked with torch."""
         device = logits.device
-        words = bitmask.to(device, non_blocking=False)
-        allowed = (words.unsqueeze(-1) >> self._bits.to(device)) & 1
-        allowed = allowed.view(len(rows), -1)[:, : logits.shape[1]].bool()
-        if logits.shape[1] > self.vocab_size:  # ids past the grammar's vocabulary: never
-            pad = torch.zeros(len(rows), logits.shape[1] - allowed.shape[1], dtype=torch.bool)
-            allowed = torch.cat([allowed, pad.to(device)], dim=1)
+        bits = self._bits.get(device)
+        if bits is None:
+            bits = self._bits[device] = torch.arange(32, dtype=torch.int32, device=device)
+        words = (bitmask if len(rows) == logits.shape[0] else bitmask[rows]).to(device)
+        allowed = ((words.unsqueeze(-1) >> bits) & 1).view(len(rows), -1)[:, :width].bool()
+        if logits.shape[1] > width:  # ids past the grammar's vocabulary: never
+            pad = torch.zeros(len(rows), logits.shape[1] - width, dtype=torch.bool, device=device)
+            allowed = torch.cat([allowed, pad], dim=1)
+        if len(rows) == logits.shape[0]:
+            return logits.masked_fill_(~allowed, float("-inf"))
         index = torch.tensor(rows, device=device)
         masked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
         return logits.index_copy_(0, index, masked)
