@@ -34,9 +34,9 @@ Liveness (the link is *up* or *down*; :attr:`EngineClient.alive` is ``/health`` 
   ``engine_unavailable`` error output (the registration is dropped, so nothing of the dead
   attempt can follow), fails every pending utility call, and refuses new sends
   (:class:`EngineUnavailableError`) until the link is up again; the ids are remembered.
-- A dead P1 drops both sockets; the first disconnect takes the link down and the second is
-  part of the same loss, even when its event is read after a restarted P1 already answered
-  (the two monitors are read independently), so one death is one loss.
+- A dead P1 drops both sockets: after a disconnect, only an answer read once *both* sockets
+  reconnected brings the link up (a dying P1 may still answer a ``hello`` on its way out, and
+  the two monitors are read independently), so one death is one loss and one heal.
 - **Coming back** needs a ``hello`` answered after the sockets reconnected (a restarted P1)
   or after the silence ended (a stopped P1 continued). Its batch runs the epoch-change path
   first (a restarted P1 has a new cache epoch: the shadow is dropped before any new render),
@@ -146,8 +146,8 @@ class EngineClient:
         self._push = self._ctx.socket(zmq.PUSH)
         self._sub = self._ctx.socket(zmq.SUB)
         self._connected = {"input": False, "output": False}
-        # sockets whose disconnect is still due from a loss already taken (P1 died: both go)
-        self._disconnect_due: set[str] = set()
+        # sockets that must reconnect before an answer may bring the link up (P1 died)
+        self._must_reconnect: set[str] = set()
         self._up = asyncio.Event()
         self._wake = asyncio.Event()  # a socket connected: ping now
         self._reconnected = False  # a socket connected again while the link was down
@@ -317,15 +317,15 @@ class EngineClient:
                 event = parse_monitor_message(await monitor.recv_multipart())["event"]
                 if event == zmq.EVENT_CONNECTED:
                     self._connected[name] = True
+                    self._must_reconnect.discard(name)
                     self._reconnected = not self.alive
                     self._wake.set()
                 elif event == zmq.EVENT_DISCONNECTED:
                     self._connected[name] = False
-                    if name in self._disconnect_due:  # the other half of the loss taken
-                        self._disconnect_due.discard(name)  # (late: P1 may be back already)
-                        continue
+                    if self.alive:  # P1's process is gone: both of its sockets go
+                        self._must_reconnect = set(self._connected)
+                    self._must_reconnect.add(name)
                     self._lost(f"the engine's {name} socket disconnected: its process is gone")
-                    self._disconnect_due = {n for n, up in self._connected.items() if up}
         finally:
             monitor.close()
 
@@ -377,6 +377,8 @@ class EngineClient:
 
     def _on_pong(self, fut: asyncio.Future[Any]) -> None:
         if fut.cancelled() or fut.exception() is not None or self._closed or self.alive:
+            return
+        if self._must_reconnect:  # a dying P1's last answer, or P1 not reconnected yet
             return
         if self.down_since is not None:
             self._last_outage_s = time.monotonic() - self.down_since
