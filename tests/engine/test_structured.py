@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from mmis.engine.request import Request
 from mmis.engine.sampler import Sampler
-from mmis.engine.structured import GrammarEngine, StructuredOutputError
+from mmis.engine.structured import WORKER_MIN_SECONDS, GrammarEngine, StructuredOutputError
 from mmis.engine.tiny_model import tiny_model_dir
 from mmis.protocol.messages import FinishReason, SamplingParams, StructuredOutputs
 
@@ -153,8 +153,49 @@ def test_the_request_stops_when_the_grammar_ends(engine, tokenizer) -> None:
     bad = _params("choice", '["ab"]')
     wrong = Request("w", [1], sampling_params=bad, constraint=engine.start(bad))
     token = tokenizer("zz", add_special_tokens=False)["input_ids"][0]
+    wrong.append_output_token_ids([token])  # refused on the accept worker: known one token later
+    assert not wrong.check_stop(token)
+    engine.worker_min_seconds = 0.0  # on the worker thread
+    engine.flush()
+    engine.settle()
+    engine.worker_min_seconds = WORKER_MIN_SECONDS
+    assert engine.stats()["grammar_tokens_refused"] >= 1
     wrong.append_output_token_ids([token])
     assert wrong.check_stop(token) and wrong.finish_reason is FinishReason.ERROR
+
+
+def test_pushed_tokens_accepted_on_the_worker_give_the_masks_of_accepting_now(
+    engine, tokenizer
+) -> None:
+    """The core's path (push, flush after the update, the sampler's apply settles) walks the
+    grammar exactly as accepting each token at once does, step by step, across a batch."""
+    engine.worker_min_seconds = 0.0  # every step's accepts on the worker thread
+    specs = [("regex", "[a-z ]{40,}"), ("json", json.dumps(SCHEMA)), ("choice", '["ab", "cd"]')]
+    gen = torch.Generator().manual_seed(3)
+    pushed, now, requests = [], [], []
+    for n, (kind, spec) in enumerate(specs):
+        p, q = _params(kind, spec, max_tokens=60), _params(kind, spec)
+        state = engine.start(p)
+        pushed.append(p)
+        now.append((q, engine.start(q)))
+        requests.append(Request(f"r{n}", [1], sampling_params=p, constraint=state))
+    for _step in range(60):
+        live = [i for i, r in enumerate(requests) if not r.is_finished]
+        if not live:
+            break
+        logits = torch.randn(len(live), engine.vocab_size, generator=gen) * 4
+        masked = engine.apply(logits.clone(), [pushed[i] for i in live])
+        expected = engine.apply(logits.clone(), [now[i][0] for i in live])
+        assert torch.equal(masked.isinf(), expected.isinf())
+        for row, i in enumerate(live):
+            token = int(masked[row].argmax())
+            assert now[i][1].accept(token)
+            requests[i].append_output_token_ids([token])
+            requests[i].check_stop(token)
+            assert requests[i].constraint.is_done() == now[i][1].is_done()
+        engine.flush()  # the worker accepts while the next step's logits are made
+    engine.worker_min_seconds = WORKER_MIN_SECONDS
+    assert all(r.finish_reason is FinishReason.STOP for r in requests[1:])  # the regex runs on
 
 
 def _byte_token(tokenizer, byte: int) -> int:  # type: ignore[no-untyped-def]

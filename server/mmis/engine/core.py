@@ -20,7 +20,9 @@ Invariants:
   once per distinct constraint, cached); a constraint that does not compile, or an engine
   without a grammar engine, is an ``invalid_request`` output naming the request parameter
   that carried it (``RequestError.param``). The runner's sampler masks with the same
-  grammar engine.
+  grammar engine; after each step's update the core hands the step's tokens to the grammar
+  engine's accept worker (``GrammarEngine.flush``), which accepts them during the next
+  forward.
 - Prompt logprobs (``SamplingParams.prompt_logprobs``): the runner's rows of each prefill
   chunk are kept per request, by prompt position (a chunk computed again after a preemption
   overwrites its rows), and sent whole in the request's first output with tokens; dropped
@@ -197,6 +199,8 @@ class EngineCore:
                 self._keep_prompt_rows(result.prompt_logprobs)
             self.num_steps += 1
         events = self.scheduler.update_from_output(sched_out, sampled)
+        if self.grammar is not None:  # the step's grammar accepts run during the next forward
+            self.grammar.flush()
         for event in events:
             out = event.to_wire()
             if event.request_id in pooled and event.finished:

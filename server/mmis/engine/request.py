@@ -15,9 +15,9 @@ Invariants:
   always set for a request asking for prompt logprobs, whose every prompt row must be
   computed (a cached prefix would skip rows).
 - Status moves WAITING -> RUNNING -> (PREEMPTED -> RUNNING)* -> FINISHED; FINISHED is final.
-- ``constraint`` (structured outputs, ``engine/structured.py``): advanced with every output
-  token appended; the request stops (``stop``) once it is done, and ends with an error if a
-  token it did not allow was appended (the sampler's mask prevents that).
+- ``constraint`` (structured outputs, ``engine/structured.py``): pushed every output token
+  appended; the request stops (``stop``) once it is done, and ends with an error once it
+  knows a token it did not allow was appended (the sampler's mask prevents that).
 """
 
 from __future__ import annotations
@@ -51,7 +51,9 @@ class InvalidRequestError(MMISError):
 class OutputConstraint(Protocol):
     """A request's structured-output state (``engine/structured.py`` ``GrammarState``)."""
 
-    def accept(self, token_id: int) -> bool: ...
+    def push(self, token_id: int) -> bool:
+        """Advance by one token (perhaps applied later); ``False`` once a refusal is known."""
+        ...
 
     def is_done(self) -> bool: ...
 
@@ -197,7 +199,7 @@ class Request:
         self.all_token_ids.extend(token_ids)
         if self.constraint is not None:
             for token in token_ids:
-                self.constraint_ok = self.constraint.accept(token) and self.constraint_ok
+                self.constraint_ok = self.constraint.push(token) and self.constraint_ok
 
     def finish(
         self,
@@ -224,7 +226,7 @@ class Request:
             return True
         if self.constraint is not None:
             if not self.constraint_ok:
-                message = f"token {last_token} is outside the output's structured constraint"
+                message = "a sampled token is outside the output's structured constraint"
                 self.finish(
                     FinishReason.ERROR,
                     error=RequestError(ErrorCode.INTERNAL.value, message, False),

@@ -11,9 +11,14 @@ The pieces (``protocol/messages.py`` ``StructuredOutputs`` is what P0 sends):
   :class:`StructuredOutputError` (``invalid_request``) naming the request parameter that
   carried it, which the core answers at admission.
 - :class:`GrammarState` wraps one xgrammar matcher. The request owns it
-  (``Request.constraint``, ``engine/request.py``) and advances it with every output token it
-  appends; once the grammar is terminated (its stop token accepted) or complete with nothing
-  more allowed, the request stops (``finish_reason`` stop).
+  (``Request.constraint``, ``engine/request.py``) and pushes every output token it appends
+  (:meth:`GrammarState.push`); once a stop token is pushed the request stops
+  (``finish_reason`` stop).
+- The accept worker (:meth:`GrammarEngine.flush`, :meth:`GrammarEngine.settle`): pushed
+  tokens are accepted on one background thread, one batched xgrammar call per step, handed
+  over by the core after each step's update (``engine/core.py``) so that they run while the
+  next forward does; the sampler's :meth:`~GrammarEngine.apply` settles them before it fills
+  a mask.
 - :meth:`GrammarEngine.apply` is the sampler's step (``engine/sampler.py``): for the rows whose
   params carry a constraint it fills their bitmask rows in one xgrammar call
   (``BatchGrammarMatcher``, on the host, the GIL released) and sets every disallowed logit to
@@ -24,9 +29,10 @@ The pieces (``protocol/messages.py`` ``StructuredOutputs`` is what P0 sends):
 Cost (``benchmarks/bench_structured.py``, ``benchmarks/README.md``): the mask is cheap (a few
 us per row on the tiny vocabulary); what a large counted repetition with no upper bound
 (``X{400,}``, a JSON string's ``minLength``) costs is xgrammar 0.2.9's ``accept_token``
-(~100-300 us per token, growing with the count), paid in :meth:`GrammarState.accept`. The
-same language written ``X{n, n} X*`` is walked in a few us, but xgrammar's masks for it are
-wrong for some classes (a JSON string: multi-character tokens refused), so no rewrite here.
+(~100-300 us per token, growing with the count), paid on the accept worker, off the step's
+critical path while the forward takes longer. The same language written ``X{n, n} X*`` is
+walked in a few us, but xgrammar's masks for it are wrong for some classes (a JSON string, a
+negated class between quotes: multi-character tokens refused), so no rewrite here.
 
 Invariants:
 - A row finds its state through its params object: the core gives every constrained request
@@ -36,6 +42,12 @@ Invariants:
 - State is per request attempt: a retried request (a healed drift miss, a new P0 attempt) is
   a new request with a fresh matcher from the cached grammar; preemption keeps the output
   tokens and so the matcher's state.
+- A matcher is read (mask fill, :meth:`GrammarState.accept`) only after :meth:`GrammarEngine.
+  settle`; between a flush and a settle only the worker touches the flushed states.
+- A pushed token's refusal is known at the next settle: the request ends with an error one
+  token later (it cannot happen while the mask is applied, which only allows tokens the
+  grammar accepts); a pushed stop token ends the state at once, since the mask allowed it
+  only where the grammar may end.
 - End of sequence: the matcher's stop tokens are the model's EOS ids; when the grammar is
   complete it allows only those, so the request ends with ``stop``. ``max_tokens`` may still
   cut a constrained output short (``length``), as with any output.
@@ -44,11 +56,13 @@ Invariants:
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import os
 import re
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -79,6 +93,10 @@ _ANY_SCALAR = r"\0-\uD7FF\uE000-\U0010ffff"
 # xgrammar's pool costs more than that per call on a shared host (measured: 2 threads made a
 # 32-row fill ~5x slower), and the host's other cores serve torch.
 FILL_THREADS = 1
+# A step's accepts go to the worker thread only when the last batch took at least this long;
+# cheaper ones run in place at the next settle (a handoff costs GIL traffic: with every batch
+# handed over, bench_structured's JSON sides, ~0.1 ms of accepts a step, lost ~4%).
+WORKER_MIN_SECONDS = 0.0005
 
 
 class StructuredOutputError(MMISError, ValueError):
@@ -93,26 +111,55 @@ class StructuredOutputError(MMISError, ValueError):
 
 
 class GrammarState:
-    """One request attempt's position in its grammar (an xgrammar matcher)."""
+    """One request attempt's position in its grammar (an xgrammar matcher).
 
-    def __init__(self, compiled: xgr.CompiledGrammar, params: SamplingParams | None = None):
+    :meth:`accept` advances it now; :meth:`push` (what the request calls, through the
+    engine that made the state) queues the token for the engine's accept worker and
+    predicts the outcome: see :class:`GrammarEngine` for when the worker runs."""
+
+    def __init__(
+        self,
+        compiled: xgr.CompiledGrammar,
+        params: SamplingParams | None = None,
+        engine: GrammarEngine | None = None,
+    ):
         self.matcher = xgr.GrammarMatcher(compiled)
         self.params = params  # the request's own params object: the sampler's key
         self.rejected = False  # a token the grammar did not allow was appended
+        self.ended = False  # a stop token was accepted (or pushed: see push)
+        self._engine = engine
 
     def accept(self, token_id: int) -> bool:
-        """Advance by one output token; ``False`` (and :attr:`rejected`) if not allowed."""
-        if self.rejected or self.matcher.is_terminated():
+        """Advance by one output token now; ``False`` (and :attr:`rejected`) if not allowed."""
+        if self._engine is not None:
+            self._engine.settle()  # after any pushed tokens
+        if self.rejected or self.ended:
             return not self.rejected
         if not self.matcher.accept_token(int(token_id)):
             self.rejected = True
+        self.ended = self.matcher.is_terminated()
+        return not self.rejected
+
+    def push(self, token_id: int) -> bool:
+        """Advance by one output token, perhaps later (the engine's next :meth:`~GrammarEngine.
+        flush`); ``False`` once a refusal is known. A pushed stop token ends the state at once:
+        the mask allowed it, so the grammar may end there."""
+        if self._engine is None:
+            return self.accept(token_id)
+        if self.rejected or self.ended:
+            return not self.rejected
+        if int(token_id) in self._engine.stop_token_ids:
+            self.ended = True
+        self._engine._queue.append((self, int(token_id)))
         return not self.rejected
 
     def is_done(self) -> bool:
         """Whether the grammar ended (its stop token accepted): nothing more may follow."""
-        return self.matcher.is_terminated()
+        return self.ended
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._engine is not None:
+            self._engine.settle()
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
@@ -170,6 +217,15 @@ class GrammarEngine:
         self._states: weakref.WeakValueDictionary[int, GrammarState] = weakref.WeakValueDictionary()
         self._bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)  # grows to the batch
         self._filler = xgr.BatchGrammarMatcher(FILL_THREADS)
+        self.stop_token_ids = frozenset(int(t) for t in info.stop_token_ids)
+        # the accept worker: pushed (state, token) pairs, and the batches handed to it
+        self._queue: list[tuple[GrammarState, int]] = []
+        self._acceptor = xgr.BatchGrammarMatcher(1)  # the worker's own (never the filler)
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self._in_flight: list[concurrent.futures.Future[None]] = []
+        self.num_refused = 0
+        self.worker_min_seconds = WORKER_MIN_SECONDS
+        self._batch_seconds = WORKER_MIN_SECONDS  # the last batch's accept time
         self._bits: dict[torch.device, torch.Tensor] = {}  # 0..31 on each logits device
 
     @classmethod
@@ -240,9 +296,57 @@ class GrammarEngine:
         """A fresh state for one request attempt whose (own) params are ``params``."""
         if params.structured is None:
             raise StructuredOutputError("the request has no structured-output constraint")
-        state = GrammarState(self.compile(params.structured), params)
+        state = GrammarState(self.compile(params.structured), params, self)
         self._states[id(params)] = state
         return state
+
+    # -- accept -------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Hand the tokens pushed since the last flush to the accept worker (one thread; the
+        core calls this after each step's update, so the accepts run while the next step's
+        forward does: xgrammar releases the GIL), when accepting is costly enough
+        (:data:`WORKER_MIN_SECONDS`)."""
+        if not self._queue or self._batch_seconds < self.worker_min_seconds:
+            return  # cheap accepts: settle does them in place, no thread handoff
+        pairs, self._queue = self._queue, []
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(1, "mmis-grammar-accept")
+        self._in_flight.append(self._worker.submit(self._accept_all, pairs))
+
+    def settle(self) -> None:
+        """Wait until every pushed token is accepted (flushed or not): matchers are read only
+        after this."""
+        in_flight, self._in_flight = self._in_flight, []
+        for future in in_flight:
+            future.result()
+        if self._queue:
+            pairs, self._queue = self._queue, []
+            self._accept_all(pairs)
+
+    def _accept_all(self, pairs: list[tuple[GrammarState, int]]) -> None:
+        """Accept ``pairs`` in order, one batched xgrammar call per round (a state appears at
+        most once per round); a refused token marks its state :attr:`~GrammarState.rejected`."""
+        started = time.perf_counter()
+        while pairs:
+            seen: set[int] = set()
+            now: list[tuple[GrammarState, int]] = []
+            later: list[tuple[GrammarState, int]] = []
+            for pair in pairs:
+                (later if id(pair[0]) in seen else now).append(pair)
+                seen.add(id(pair[0]))
+            try:
+                oks = self._acceptor.batch_accept_token(
+                    [s.matcher for s, _ in now], [t for _, t in now]
+                )
+            except Exception:  # never let the worker die: the states refuse instead
+                log.exception("grammar accept failed for %d state(s)", len(now))
+                oks = [False] * len(now)
+            for (state, _), ok in zip(now, oks, strict=True):
+                if not ok:
+                    state.rejected = True
+                    self.num_refused += 1
+            pairs = later
+        self._batch_seconds = time.perf_counter() - started
 
     # -- mask ---------------------------------------------------------------------------------
     def apply(self, logits: torch.Tensor, params: Sequence[SamplingParams | None]) -> torch.Tensor:
@@ -259,6 +363,7 @@ class GrammarEngine:
                     f"batch row {i} has a constraint but no grammar state (an engine bug)"
                 )
             states.append(state)
+        self.settle()
         if self._bitmask.shape[0] < len(params):
             self._bitmask = xgr.allocate_token_bitmask(len(params), self.vocab_size)
         bitmask = self._bitmask[: len(params)]  # row i is batch row i's (constrained rows only)
@@ -295,4 +400,5 @@ class GrammarEngine:
             "grammars_cached": len(self._cache),
             "grammars_compiled": self.num_compiled,
             "grammar_cache_hits": self.num_cache_hits,
+            "grammar_tokens_refused": self.num_refused,
         }
