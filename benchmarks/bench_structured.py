@@ -1,7 +1,7 @@
 """Structured-output throughput vs unconstrained, through the whole engine core, in one run.
 
     .venv/bin/python benchmarks/bench_structured.py [--concurrency 32] [--tokens 32]
-        [--repeat 5] [--device cpu|cuda] [--threads 1]
+        [--repeat 15] [--device cpu|cuda] [--threads 1]
 
 The ``bench_engine.py`` workload (tiny LLaVA, one 64x64 image per request, ``--tokens`` greedy
 tokens per request, EOS ignored) on an :class:`EngineCore` built as ``mmis engine`` builds it,
@@ -18,9 +18,10 @@ Sides, alternating within each of ``--repeat`` rounds:
 
 Every constraint is long enough that no request ends before ``--tokens`` (each side makes
 exactly ``concurrency * tokens`` tokens; anything else is an error). Figures: median output
-tokens/s and the median of the per-round ratios of each side's tokens/s to ``plain``'s. The
-grammars are compiled before the timed runs (their cache makes every timed request a hit);
-a first, untimed round warms everything up. The last line is ``SUMMARY bench_structured: ...``.
+tokens/s and the median of the per-round ratios of each side's tokens/s to ``plain``'s (each
+round's ratio printed too). The grammars are compiled before the timed runs (their cache
+makes every timed request a hit); a first, untimed round warms everything up. The last line
+is ``SUMMARY bench_structured: ...``.
 """
 
 from __future__ import annotations
@@ -86,7 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=15,
+        help="timed rounds; one round is ~0.3 s, and on a shared host single rounds' ratios "
+        "spread 0.55-1.03, so the median needs many",
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = parser.parse_args(argv)
@@ -142,8 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     summary: list[str] = []
     for side, seconds in times.items():
         rate = total / statistics.median(seconds)
-        ratio = statistics.median(p / q for p, q in zip(times["plain"], seconds, strict=True))
-        print(f"  {side:12s} {rate:9.1f} tok/s   x{ratio:.3f} of plain")
+        ratios = [p / q for p, q in zip(times["plain"], seconds, strict=True)]
+        ratio = statistics.median(ratios)
+        rounds = " ".join(f"{r:.2f}" for r in ratios)
+        print(f"  {side:12s} {rate:9.1f} tok/s   x{ratio:.3f} of plain   (rounds: {rounds})")
         summary.append(f"{side} x{ratio:.3f}")
     print(f"grammar cache: {grammar.stats()}")
     print("SUMMARY bench_structured: " + ", ".join(summary))
