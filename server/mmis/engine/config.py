@@ -5,6 +5,9 @@ Invariants:
   ``mmis engine`` flags, ``MMIS_ENGINE_<FIELD>``, ``mmis serve``'s engine-only flags and
   ``SchedulerConfig``'s defaults derive from it; what P0 must agree on is ``shared``.
 - A value that cannot work raises :class:`~mmis.config.ConfigError`, naming the flag.
+- The KV pool's size: ``--num-kv-blocks`` wins, then ``--kv-cache-gb``, then
+  ``--gpu-memory-utilization`` (CUDA only), else :data:`DEFAULT_KV_BLOCKS`
+  (``engine/kv_sizing.py`` resolves it, and ``--dtype``, once the model's device is known).
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import dataclasses
 from mmis.config import AT_LEAST_1, POSITIVE, GiB, check, setting, shared
 
 DEFAULT_MODEL = "mmis-tiny"
-DEFAULT_KV_BLOCKS = 2048  # the KV pool's size when neither --num-kv-blocks nor --kv-cache-gb
+DEFAULT_KV_BLOCKS = 2048  # the KV pool's size when no KV sizing setting applies
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 MIN_ENCODER_CACHE_TOKENS = 8192  # the encoder cache's floor when sized from the processor
 
 
@@ -40,7 +44,18 @@ class EngineConfig:
         2048, rule=AT_LEAST_1, help="tokens computed per engine step at most"
     )
     kv_cache_gb: float | None = setting(
-        None, rule=(POSITIVE[0], "must be positive"), help="KV cache memory in GiB"
+        None,
+        rule=(POSITIVE[0], "must be positive"),
+        help="KV cache memory in GiB (overrides --gpu-memory-utilization; the way to size "
+        "it on CPU)",
+    )
+    gpu_memory_utilization: float | None = setting(
+        None,
+        metavar="FRACTION",
+        rule=(lambda v: v is None or 0.0 < v <= 1.0, "must be within (0, 1]"),
+        help="CUDA only: the fraction of the GPU's memory P1 may use; the KV cache gets what "
+        "is left after the weights and a profiling step at --max-num-batched-tokens "
+        f"(with no KV sizing flag, {DEFAULT_KV_BLOCKS} blocks)",
     )
     num_kv_blocks: int | None = setting(
         None,
@@ -63,6 +78,14 @@ class EngineConfig:
         "max_model_len", rule=(lambda v: v is None or v >= 2, "must be at least 2")
     )
     device: str | None = setting(None, help="torch device (default: cuda if available, else cpu)")
+    dtype: str = setting(
+        "auto",
+        choices=DTYPE_CHOICES,
+        metavar="{" + ",".join(DTYPE_CHOICES) + "}",
+        rule=(lambda v: v in DTYPE_CHOICES, f"must be one of {', '.join(DTYPE_CHOICES)}"),
+        help="weights and KV cache dtype; auto: the checkpoint's on CUDA, on CPU bfloat16 "
+        "where the CPU has AMX/AVX512-BF16, else float32",
+    )
     health_port: int | None = setting(
         None,
         rule=(lambda v: v is None or 0 <= v <= 65535, "must be a port number"),
@@ -83,7 +106,8 @@ class EngineConfig:
 
     def kv_pool_size(self) -> tuple[int | None, int | None]:
         """``(num_blocks, budget_bytes)`` for the KV pool: the block count wins, then the GiB
-        budget, then :data:`DEFAULT_KV_BLOCKS`."""
+        budget, then :data:`DEFAULT_KV_BLOCKS` (``--gpu-memory-utilization`` comes before the
+        default on CUDA: ``engine/kv_sizing.py``)."""
         if self.num_kv_blocks is None and self.kv_cache_gb is None:
             return DEFAULT_KV_BLOCKS, None
         budget = None if self.kv_cache_gb is None else int(self.kv_cache_gb * GiB)

@@ -3,8 +3,12 @@
 Invariants:
 - Settings come from one frozen :class:`~mmis.engine.config.EngineConfig` (CLI >
   ``MMIS_ENGINE_*`` env > default); the flags are derived from its fields.
-- The KV pool is preallocated from ``kv_cache_gb`` (or ``num_kv_blocks``) before the engine
-  reports ready; the scheduler's block count is the pool's.
+- The KV pool is preallocated before the engine reports ready, sized by ``--num-kv-blocks``,
+  else ``--kv-cache-gb``, else ``--gpu-memory-utilization`` (CUDA: after a profiling step),
+  else the default (``engine/kv_sizing.py``); the scheduler's block count is the pool's, and
+  the start-up log line names the count and the setting that chose it.
+- The model loads in ``--dtype`` (``auto`` resolved per device, ``engine/kv_sizing.py``),
+  straight onto the device; the KV cache has the model's dtype.
 - ``--revision`` reaches every ``from_pretrained`` of P1 (config and model) through
   :func:`load_model` and the tokenizer. P1 reads the tokenizer only for its grammar engine
   (structured outputs: the vocabulary's token bytes, once, at start-up; without a loadable
@@ -56,12 +60,27 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def load_model(cfg: EngineConfig) -> ModelAdapter:
     """The model adapter of ``cfg.model`` at ``cfg.revision``."""
+    import torch
+
+    from mmis.engine.kv_sizing import DtypeError, resolve_dtype
     from mmis.engine.model import UnsupportedModelError, load_adapter
+    from mmis.engine.model.adapter import default_device
 
     path = resolve_model(cfg.model)
-    log.info("loading model %s (revision %s)", path, cfg.revision or "default")
+    device = torch.device(cfg.device) if cfg.device is not None else default_device()
     try:
-        return load_adapter(path, device=cfg.device, revision=cfg.revision)
+        dtype = resolve_dtype(cfg.dtype, device, path)
+    except DtypeError as exc:
+        raise SystemExit(f"mmis engine: {exc}") from None
+    log.info(
+        "loading model %s (revision %s) on %s in %s",
+        path,
+        cfg.revision or "default",
+        device,
+        str(dtype).removeprefix("torch."),
+    )
+    try:
+        return load_adapter(path, device=device, dtype=dtype, revision=cfg.revision)
     except UnsupportedModelError as exc:  # refused before serving anything, saying why
         raise SystemExit(f"mmis engine: cannot serve {cfg.model}: {exc}") from None
 
@@ -136,6 +155,7 @@ def build(cfg: EngineConfig) -> EngineCoreProc:
     """Load the model and wire scheduler, runner, receiver cache and process shell."""
     from mmis.engine.core_process import EngineCoreProc
     from mmis.engine.encoder_sizing import largest_item_tokens, load_image_processor
+    from mmis.engine.kv_sizing import KVSizingError, plan_kv_pool
     from mmis.engine.paged_attention import PagedAttentionError
     from mmis.engine.runner import ModelRunner
     from mmis.multimodal.cache import ReceiverCache
@@ -143,10 +163,17 @@ def build(cfg: EngineConfig) -> EngineCoreProc:
     from mmis.telemetry.request_spans import RequestSpans
 
     adapter = load_model(cfg)
-    num_blocks, kv_bytes = cfg.kv_pool_size()
+    max_len = cfg.max_model_len or getattr(adapter.text_config, "max_position_embeddings", None)
+    try:
+        plan = plan_kv_pool(cfg, adapter, max_len)
+    except KVSizingError as exc:
+        raise SystemExit(f"mmis engine: {exc}") from None
     try:
         runner = ModelRunner.create(
-            adapter, block_size=cfg.block_size, num_blocks=num_blocks, kv_budget_bytes=kv_bytes
+            adapter,
+            block_size=cfg.block_size,
+            num_blocks=plan.num_blocks,
+            kv_budget_bytes=plan.budget_bytes,
         )
     except PagedAttentionError as exc:
         raise SystemExit(f"mmis engine: {exc}; raise --kv-cache-gb") from None
@@ -169,10 +196,12 @@ def build(cfg: EngineConfig) -> EngineCoreProc:
     readers.start()  # drops the mappings of removed segments (their memory is then freed)
     receiver = ReceiverCache(int(cfg.mm_cache_gb * GiB), shm_reader=readers.receive)
     log.info(
-        "engine ready: %d KV blocks of %d tokens, encoder cache %d tokens (largest image %s), "
-        "receiver cache %.2f GiB, epoch %s",
+        "engine ready: %d KV blocks of %d tokens (%s, %s), encoder cache %d tokens (largest "
+        "image %s), receiver cache %.2f GiB, epoch %s",
         runner.pool.num_blocks,
         cfg.block_size,
+        plan.source,
+        str(adapter.dtype).removeprefix("torch."),
         core.scheduler.config.encoder_cache_size,
         largest,
         cfg.mm_cache_gb,

@@ -129,15 +129,15 @@ class ModelAdapter(abc.ABC):
         revision: str | None = None,
     ) -> ModelAdapter:
         """``from_pretrained`` at ``revision`` (CUDA when available, else CPU) with paged text
-        attention."""
+        attention; the weights load straight onto the device (``device_map``)."""
         from transformers import AutoModelForImageTextToText
 
         dev = torch.device(device) if device is not None else default_device()
         dt = dtype if dtype is not None else default_dtype(dev)
         model: Any = AutoModelForImageTextToText.from_pretrained(
-            str(path_or_id), dtype=dt, revision=revision
+            str(path_or_id), dtype=dt, revision=revision, device_map=dev
         )
-        model = model.to(dev).eval()
+        model = model.to(dev).eval()  # a no-op once device_map placed every weight
         model.set_attn_implementation({"text_config": ATTENTION_NAME})
         return cls(model, dev, dt)
 

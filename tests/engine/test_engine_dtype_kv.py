@@ -1,0 +1,182 @@
+"""``--dtype`` and KV pool sizing (``engine/kv_sizing.py``) of a real ``mmis engine``.
+
+- ``auto`` follows ``/proc/cpuinfo`` on CPU and the checkpoint's dtype on CUDA; an explicit
+  ``bfloat16`` loads a bf16 model whose engine still answers, with a KV pool sized by
+  ``--kv-cache-gb`` to exactly the blocks of 2-byte entries that budget holds.
+- A budget below one max-length sequence is refused with a message naming the flag; on a
+  CPU device ``--gpu-memory-utilization`` falls back to the default, logged.
+- The CUDA paths (``--gpu-memory-utilization`` profiling, ``auto`` on CUDA) run only where
+  CUDA is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine_harness import EngineHarness
+
+from mmis.config import ConfigError, GiB
+from mmis.engine.config import DEFAULT_KV_BLOCKS, EngineConfig
+from mmis.engine.kv_sizing import (
+    KVSizingError,
+    blocks_from_budget,
+    checkpoint_dtype,
+    cpu_flags,
+    plan_kv_pool,
+    resolve_dtype,
+)
+from mmis.engine.model import load_adapter
+from mmis.protocol.messages import EngineCoreRequest, SamplingParams
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CPU = torch.device("cpu")
+
+
+def run_engine(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mmis", "engine", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def kv_block_bytes(model_dir: Path, block_size: int, itemsize: int) -> int:
+    text = json.loads((model_dir / "config.json").read_text())["text_config"]
+    heads = text["num_attention_heads"]
+    head_dim = text.get("head_dim") or text["hidden_size"] // heads
+    kv_heads = text.get("num_key_value_heads") or heads
+    return 2 * text["num_hidden_layers"] * block_size * kv_heads * head_dim * itemsize
+
+
+def test_auto_dtype_on_cpu_follows_the_bf16_flags(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16 amx_tile\n")
+    assert "avx512_bf16" in cpu_flags(cpuinfo)
+    assert resolve_dtype("auto", CPU, tmp_path, flags=lambda: cpu_flags(cpuinfo)) is (
+        torch.bfloat16
+    )
+    assert resolve_dtype("auto", CPU, tmp_path, flags=lambda: frozenset({"avx2"})) is (
+        torch.float32
+    )
+    here = cpu_flags()
+    expected = torch.bfloat16 if {"amx_bf16", "avx512_bf16"} & here else torch.float32
+    assert resolve_dtype("auto", CPU, tmp_path) is expected
+    assert resolve_dtype("bfloat16", CPU, tmp_path) is torch.bfloat16
+
+
+def test_checkpoint_dtype_is_what_auto_means_on_cuda(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float16"}))
+    assert checkpoint_dtype(tmp_path) is torch.float16
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"dtype": "bfloat16"}}))
+    assert checkpoint_dtype(tmp_path) is torch.bfloat16
+    (tmp_path / "config.json").write_text("{}")
+    assert checkpoint_dtype(tmp_path) is torch.float32
+
+
+def test_a_bad_dtype_is_refused() -> None:
+    with pytest.raises(ConfigError, match="--dtype must be one of auto, bfloat16"):
+        EngineConfig(dtype="int8")
+    done = run_engine("--dtype", "int8")
+    assert done.returncode != 0
+    assert "invalid choice: 'int8'" in done.stderr
+
+
+def test_a_budget_below_one_max_length_sequence_is_refused() -> None:
+    assert blocks_from_budget(10 * 1024, 1024, max_model_len=64, block_size=16) == 10
+    with pytest.raises(KVSizingError) as refused:
+        blocks_from_budget(4 * 1024, 1024, max_model_len=64, block_size=16)
+    message = str(refused.value)
+    assert "--gpu-memory-utilization leaves" in message
+    assert "4 blocks of 1024 bytes" in message and "needs 5" in message
+    with pytest.raises(KVSizingError, match="0 blocks"):
+        blocks_from_budget(-(1 << 30), 1024, max_model_len=64, block_size=16)
+
+
+@pytest.mark.model
+def test_kv_precedence_and_gpu_utilization_on_cpu(
+    tiny_dirs: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    adapter = load_adapter(tiny_dirs["llava"], "cpu", torch.float32)
+    assert next(adapter.model.parameters()).device.type == "cpu"
+    both = EngineConfig(num_kv_blocks=7, kv_cache_gb=1.0, gpu_memory_utilization=0.5)
+    assert plan_kv_pool(both, adapter, 64).num_blocks == 7
+    by_gb = plan_kv_pool(EngineConfig(kv_cache_gb=0.5, gpu_memory_utilization=0.5), adapter, 64)
+    assert (by_gb.budget_bytes, by_gb.source) == (GiB // 2, "--kv-cache-gb")
+    with caplog.at_level(logging.WARNING, logger="mmis.engine"):
+        plan = plan_kv_pool(EngineConfig(gpu_memory_utilization=0.9), adapter, 64)
+    assert (plan.num_blocks, plan.source) == (DEFAULT_KV_BLOCKS, "default")
+    assert "applies to CUDA only" in caplog.text
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_bfloat16_engine_answers_with_a_pool_sized_by_kv_cache_gb(
+    tiny_dirs: dict[str, Path],
+) -> None:
+    model_dir = tiny_dirs["llava"]
+    per_block = kv_block_bytes(model_dir, 16, 2)
+    budget = 37 * per_block + per_block // 2  # holds 37 blocks of bf16 entries
+    args = ["--dtype", "bfloat16", "--kv-cache-gb", repr(budget / GiB), "--block-size", "16"]
+    with EngineHarness(model_dir, *args) as engine:
+        stats = engine.call("stats")
+        assert stats["kv_block_bytes"] == per_block
+        assert stats["num_kv_blocks"] == 37 - 1  # block 0 is reserved
+        log_text = engine.log_text()
+        assert "in bfloat16" in log_text
+        assert "engine ready: 37 KV blocks of 16 tokens (--kv-cache-gb, bfloat16)" in log_text
+        params = SamplingParams(max_tokens=5, ignore_eos=True)
+        [result] = engine.run(EngineCoreRequest("bf16", list(range(3, 40)), [], params))
+    assert result.error is None
+    assert len(result.token_ids) == 5
+
+
+@CUDA
+@pytest.mark.model
+def test_auto_dtype_on_cuda_is_the_checkpoints(tiny_dirs: dict[str, Path]) -> None:
+    model_dir = tiny_dirs["llava"]
+    cuda = torch.device("cuda")
+    assert resolve_dtype("auto", cuda, model_dir) is checkpoint_dtype(model_dir)
+    adapter = load_adapter(model_dir, cuda, resolve_dtype("bfloat16", cuda, model_dir))
+    assert next(adapter.model.parameters()).device.type == "cuda"
+    assert adapter.kv_cache_spec(16).dtype is torch.bfloat16
+
+
+@CUDA
+@pytest.mark.model
+@pytest.mark.slow
+def test_gpu_memory_utilization_sizes_the_pool_and_fills_it(tiny_dirs: dict[str, Path]) -> None:
+    model_dir = tiny_dirs["llava"]
+    args = ["--device", "cuda", "--gpu-memory-utilization", "0.5", "--max-model-len", "256"]
+    with EngineHarness(model_dir, *args, "--max-num-seqs", "8") as engine:
+        stats = engine.call("stats")
+        total = torch.cuda.mem_get_info()[1]
+        assert 0 < stats["num_kv_blocks"] * stats["kv_block_bytes"] < total * 0.5
+        assert "(--gpu-memory-utilization" in engine.log_text()
+        assert "KV sizing:" in engine.log_text()
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        requests = [EngineCoreRequest(f"g{i}", list(range(3, 50)), [], params) for i in range(8)]
+        results = engine.run(*requests)
+    assert all(r.error is None and len(r.token_ids) == 200 for r in results)
+
+
+@CUDA
+@pytest.mark.model
+def test_gpu_memory_utilization_too_small_is_refused(tiny_dirs: dict[str, Path]) -> None:
+    done = run_engine(
+        "--model", str(tiny_dirs["llava"]), "--device", "cuda", "--gpu-memory-utilization", "1e-6"
+    )
+    assert done.returncode != 0
+    assert "--gpu-memory-utilization leaves" in done.stderr
+    assert "Traceback" not in done.stderr
