@@ -33,6 +33,7 @@ from mmis.engine.kv_sizing import (
     checkpoint_dtype,
     cpu_flags,
     plan_kv_pool,
+    profile_step,
     resolve_dtype,
 )
 from mmis.engine.model import load_adapter
@@ -118,6 +119,18 @@ def test_kv_precedence_and_gpu_utilization_on_cpu(
         plan = plan_kv_pool(EngineConfig(gpu_memory_utilization=0.9), adapter, 64)
     assert (plan.num_blocks, plan.source) == (DEFAULT_KV_BLOCKS, "default")
     assert "applies to CUDA only" in caplog.text
+
+
+@pytest.mark.model
+def test_the_profiling_step_is_the_largest_the_settings_allow(tiny_dirs: dict[str, Path]) -> None:
+    adapter = load_adapter(tiny_dirs["llava"], "cpu", torch.float32)
+    runner, step = profile_step(
+        adapter, num_tokens=100, max_num_seqs=2, block_size=16, max_model_len=30
+    )
+    assert [s.num_tokens for s in step.scheduled] == [25, 25, 25, 25]  # 4 x <= max_model_len
+    assert runner.pool.num_blocks == 1 + 4 * 2
+    out = runner.execute(step)
+    assert sorted(out.sampled_token_ids) == [f"profile-{i}" for i in range(4)]
 
 
 @pytest.mark.model

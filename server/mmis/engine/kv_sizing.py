@@ -32,6 +32,8 @@ from mmis.engine.config import DTYPE_CHOICES, EngineConfig
 
 if TYPE_CHECKING:
     from mmis.engine.model import ModelAdapter
+    from mmis.engine.runner import ModelRunner
+    from mmis.engine.sched_output import SchedulerOutput
 
 log = logging.getLogger("mmis.engine")
 
@@ -144,17 +146,17 @@ def blocks_from_budget(
     return blocks
 
 
-def profile_peak_bytes(
+def profile_step(
     adapter: ModelAdapter,
     *,
     num_tokens: int,
     max_num_seqs: int,
     block_size: int,
     max_model_len: int | None,
-) -> int:
-    """Bytes a step of ``num_tokens`` tokens over up to ``max_num_seqs`` sampled sequences
-    allocates on the adapter's CUDA device beyond what is allocated before it (its own
-    KV pool excluded): one real forward, logits and sampling included."""
+) -> tuple[ModelRunner, SchedulerOutput]:
+    """The largest step the settings allow: ``num_tokens`` tokens over up to ``max_num_seqs``
+    sampled sequences of at most ``max_model_len`` tokens, with a runner whose KV pool holds
+    exactly them."""
     from mmis.engine.paged_attention import PagedKVPool
     from mmis.engine.runner import ModelRunner
     from mmis.engine.sched_output import ScheduledRequest, SchedulerOutput
@@ -169,13 +171,32 @@ def profile_peak_bytes(
         count = math.ceil(n / block_size)
         tables.append(list(range(next_block, next_block + count)))
         next_block += count
-    pool = PagedKVPool(adapter.kv_cache_spec(block_size), next_block)
-    runner = ModelRunner(adapter, pool)
+    runner = ModelRunner(adapter, PagedKVPool(adapter.kv_cache_spec(block_size), next_block))
     step = SchedulerOutput(
         scheduled=[
             ScheduledRequest(f"profile-{i}", [0] * n, 0, table)
             for i, (n, table) in enumerate(zip(lengths, tables, strict=True))
         ]
+    )
+    return runner, step
+
+
+def profile_peak_bytes(
+    adapter: ModelAdapter,
+    *,
+    num_tokens: int,
+    max_num_seqs: int,
+    block_size: int,
+    max_model_len: int | None,
+) -> int:
+    """Bytes the :func:`profile_step` allocates on the adapter's CUDA device beyond what is
+    allocated before it (its own KV pool excluded): one real forward, logits and sampling."""
+    runner, step = profile_step(
+        adapter,
+        num_tokens=num_tokens,
+        max_num_seqs=max_num_seqs,
+        block_size=block_size,
+        max_model_len=max_model_len,
     )
     torch.cuda.synchronize(adapter.device)
     torch.cuda.reset_peak_memory_stats(adapter.device)
@@ -183,7 +204,7 @@ def profile_peak_bytes(
     runner.execute(step)
     torch.cuda.synchronize(adapter.device)
     peak = torch.cuda.max_memory_allocated(adapter.device) - before
-    del runner, pool, step
+    del runner, step
     torch.cuda.empty_cache()
     return int(max(peak, 0))
 
