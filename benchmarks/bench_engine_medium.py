@@ -3,7 +3,7 @@ checkout (the code before a change) vs one ``generate()`` per request.
 
     .venv/bin/python benchmarks/bench_engine_medium.py --against /tmp/oldtree
         [--concurrency 32] [--prompt-tokens 2048] [--tokens 16] [--generate-requests 2]
-        [--repeat 1] [--rounds 1] [--threads 1]
+        [--repeat 1] [--rounds 1] [--threads 1] [--device cpu|cuda]
 
 The model (issue 11's "medium LLaVA") is built here, random, into ``--model-dir`` (default a
 fresh temporary folder; never committed): a Llama text model of hidden 896, 14 heads (2 KV
@@ -25,7 +25,9 @@ to about ``--prompt-tokens`` prompt tokens, ``--tokens`` greedy output tokens (E
 
 With ``--rounds 2`` or more the engine sides alternate (ABBA), best per side. The first
 output tokens of the engines are compared with ``generate``'s for the requests both
-ran. Ratios are tokens/s over tokens/s; the last line is ``SUMMARY bench_engine_medium: ...``.
+ran. ``--device cuda`` runs every side on the GPU in bfloat16 (KV blocks of 256, the flash
+kernel's in-place layout; ``scripts/gpu-check`` runs it so), else the CPU in float32. Ratios are
+tokens/s over tokens/s; the last line is ``SUMMARY bench_engine_medium: ...``.
 """
 
 from __future__ import annotations
@@ -152,6 +154,19 @@ def workload(processor: Any, count: int, prompt_tokens: int) -> list[dict[str, A
     return items
 
 
+def _dtype(device: str) -> Any:
+    import torch
+
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def run_engine_child(args: argparse.Namespace) -> None:
     """In a child process: the whole engine core over the workload; prints one JSON line."""
     import torch
@@ -173,9 +188,10 @@ def run_engine_child(args: argparse.Namespace) -> None:
 
     processor = AutoProcessor.from_pretrained(args.model_dir)
     items = workload(processor, args.concurrency, args.prompt_tokens)
-    adapter = load_adapter(args.model_dir, "cpu", torch.float32)
-    need = sum(-(-(len(it["ids"]) + args.tokens) // 16) for it in items) + 16
-    runner = ModelRunner.create(adapter, block_size=16, num_blocks=need)
+    adapter = load_adapter(args.model_dir, args.device, _dtype(args.device))
+    block = 256 if args.device == "cuda" else 16
+    need = sum(-(-(len(it["ids"]) + args.tokens) // block) for it in items) + 16
+    runner = ModelRunner.create(adapter, block_size=block, num_blocks=need)
     cfg = EngineConfig()
     best, outputs = float("inf"), []
     for _ in range(args.repeat):
@@ -215,6 +231,7 @@ def run_engine_child(args: argparse.Namespace) -> None:
                     outputs[order[out.request_id]].extend(out.new_token_ids)
                     if out.finish_reason is not None:
                         unfinished.discard(out.request_id)
+        _sync(args.device)
         best = min(best, time.perf_counter() - start)
     print(json.dumps({"seconds": best, "outputs": outputs, "mmis": mmis.__file__}))
 
@@ -226,21 +243,25 @@ def run_generate(args: argparse.Namespace) -> tuple[float, list[list[int]]]:
     torch.set_num_threads(args.threads)
     processor = AutoProcessor.from_pretrained(args.model_dir)
     items = workload(processor, args.generate_requests, args.prompt_tokens)
-    model = AutoModelForImageTextToText.from_pretrained(args.model_dir, dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(
+        args.model_dir, dtype=_dtype(args.device), device_map=args.device
+    )
     model = model.eval()
+    device = torch.device(args.device)
     outputs = []
     start = time.perf_counter()
     with torch.inference_mode():
         for it in items:
             gen = model.generate(
-                input_ids=torch.tensor([it["ids"]]),
-                attention_mask=torch.ones(1, len(it["ids"]), dtype=torch.long),
-                pixel_values=torch.from_numpy(it["pixel_values"]),
+                input_ids=torch.tensor([it["ids"]], device=device),
+                attention_mask=torch.ones(1, len(it["ids"]), dtype=torch.long, device=device),
+                pixel_values=torch.from_numpy(it["pixel_values"]).to(device, model.dtype),
                 max_new_tokens=args.tokens,
                 do_sample=False,
                 eos_token_id=[],
             )
             outputs.append([int(t) for t in gen[0, len(it["ids"]) :]])
+    _sync(args.device)
     return time.perf_counter() - start, outputs
 
 
@@ -249,7 +270,7 @@ def child(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", "--model-dir", str(args.model_dir)]
     cmd += ["--concurrency", str(args.concurrency), "--prompt-tokens", str(args.prompt_tokens)]
     cmd += ["--tokens", str(args.tokens), "--repeat", str(args.repeat)]
-    cmd += ["--threads", str(args.threads)]
+    cmd += ["--threads", str(args.threads), "--device", args.device]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"engine child for {tree} failed:\n{done.stderr[-3000:]}")
@@ -268,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1, help="children per side, alternating")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--model-dir", type=Path)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -286,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         total = args.concurrency * args.tokens
         print(
             f"medium LLaVA, c={args.concurrency}, ~{args.prompt_tokens} prompt tokens + 1 image, "
-            f"{args.tokens} tokens each, {args.threads} thread(s)"
+            f"{args.tokens} tokens each, {args.threads} thread(s), {args.device}"
         )
         print(f"  generate: {gen_tps:8.2f} tok/s ({args.generate_requests} requests timed)")
         tps: dict[str, float] = {}

@@ -39,7 +39,7 @@ from mmis.engine.kv_sizing import (
 from mmis.engine.model import load_adapter
 from mmis.protocol.messages import EngineCoreRequest, SamplingParams
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = pytest.mark.cuda  # skipped without a device (tests/conftest.py); scripts/gpu-check runs them
 CPU = torch.device("cpu")
 
 

@@ -1,0 +1,32 @@
+"""Suite-wide collection rules.
+
+- ``@pytest.mark.cuda`` tests need a CUDA device. Without one they are skipped with that
+  reason, unless ``MMIS_REQUIRE_CUDA=1`` (set by ``scripts/gpu-check``, which runs them on a
+  GPU machine): then a missing device is an error, so the device check cannot pass by
+  skipping.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    cuda_items = [item for item in items if item.get_closest_marker("cuda")]
+    if not cuda_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    if os.environ.get("MMIS_REQUIRE_CUDA") == "1":
+        raise pytest.UsageError(
+            f"MMIS_REQUIRE_CUDA=1 but torch sees no CUDA device ({len(cuda_items)} cuda tests)"
+        )
+    skip = pytest.mark.skip(
+        reason="needs a CUDA device (none here); scripts/gpu-check runs these on a GPU machine"
+    )
+    for item in cuda_items:
+        item.add_marker(skip)
