@@ -1,9 +1,11 @@
 """Greedy parity of a real ``mmis engine`` process with plain transformers ``generate()``.
 
 Every request goes over the engine's real ZMQ sockets; "identical" means the same token ids
-as ``generate(do_sample=False)`` on the same prompt and images, for both tiny families:
-single requests, 16 concurrent mixed requests joining while others decode, a prefix-cache
-hit, ``n = 3``, and S7 (a prefix hit over an item sent through the shared-memory store).
+as ``generate(do_sample=False)`` on the same prompt and images, for every tiny family
+(``tiny_model.FAMILIES``): single requests, 16 concurrent mixed requests joining while others
+decode, a prefix-cache hit, ``n = 3``, and S7 (a prefix hit over an item sent through the
+shared-memory store). The references of the single and concurrent requests are computed while
+the engine process starts (``engine_references.py``).
 """
 
 from __future__ import annotations
@@ -28,13 +30,14 @@ from engine_inputs import (
     renamed,
     with_data,
 )
+from engine_references import References, Spec
 
 from mmis.protocol.messages import PoolingParams
 from mmis.shm import ShmWriter
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
-FAMILIES = ("llava", "qwen2-vl")
+FAMILIES = ("llava", "qwen2-vl", "qwen2.5-vl", "llava-siglip")
 TEXTS = [
     "Hello, how are you today?",
     "Describe this image in one short sentence, please.",
@@ -43,6 +46,24 @@ TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
 ]
 LONG_TEXT = " ".join(TEXTS[1:4])  # enough tokens for full prefix blocks after the image
+
+
+def single_specs() -> list[Spec]:
+    """Zero, one and two images."""
+    return [
+        (TEXTS[i], [image(100 + 10 * i + j) for j in range(num_images)], 10)
+        for i, num_images in enumerate((0, 1, 2))
+    ]
+
+
+def concurrent_specs() -> list[Spec]:
+    """16 requests of 0-3 images (some shared); the first 8 decode longer."""
+    specs: list[Spec] = []
+    for i in range(16):
+        images = [image(200 + (i + j) % 7) for j in range(i % 4)]
+        max_tokens = 32 + i % 3 * 8 if i < 8 else 3 + i % 5 * 3
+        specs.append((TEXTS[i % len(TEXTS)], images, max_tokens))
+    return specs
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -56,27 +77,33 @@ def shm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engine(kit: ModelKit, shm_dir: Path) -> Iterator[EngineHarness]:
+def refs(kit: ModelKit) -> Iterator[References]:
+    with References(kit, [*single_specs(), *concurrent_specs()]) as references:
+        yield references
+
+
+@pytest.fixture(scope="module")
+def engine(kit: ModelKit, shm_dir: Path, refs: References) -> Iterator[EngineHarness]:
+    # refs first: its worker computes the references while the engine process starts
     # client 1, not the default 0: every output must reach its own client's topic
     with EngineHarness(kit.path, "--shm-dir", str(shm_dir), client_index=1) as eng:
         yield eng
 
 
-def test_single_requests_match_generate(kit: ModelKit, engine: EngineHarness) -> None:
-    for i, num_images in enumerate((0, 1, 2)):
-        images = [image(100 + 10 * i + j) for j in range(num_images)]
-        [res] = engine.run(kit.request(TEXTS[i], images, max_tokens=10))
+def test_single_requests_match_generate(
+    kit: ModelKit, engine: EngineHarness, refs: References
+) -> None:
+    for text, images, max_tokens in single_specs():
+        [res] = engine.run(kit.request(text, images, max_tokens=max_tokens))
         assert res.error is None, res.error
         assert res.finish_reason == {0: "length"}
-        assert res.token_ids == kit.reference(TEXTS[i], images, 10), (kit.family, num_images)
+        assert res.token_ids == refs(text, images, max_tokens), (kit.family, len(images))
 
 
-def test_concurrent_mixed_requests_match_generate(kit: ModelKit, engine: EngineHarness) -> None:
-    specs = []
-    for i in range(16):
-        images = [image(200 + (i + j) % 7) for j in range(i % 4)]  # 0-3 images, some shared
-        max_tokens = 32 + i % 3 * 8 if i < 8 else 3 + i % 5 * 3
-        specs.append((TEXTS[i % len(TEXTS)], images, max_tokens))
+def test_concurrent_mixed_requests_match_generate(
+    kit: ModelKit, engine: EngineHarness, refs: References
+) -> None:
+    specs = concurrent_specs()
     requests = [kit.request(t, imgs, max_tokens=m) for t, imgs, m in specs]
     first, second = requests[:8], requests[8:]
     engine.send(*first)
@@ -93,7 +120,7 @@ def test_concurrent_mixed_requests_match_generate(kit: ModelKit, engine: EngineH
     for req, (text, images, max_tokens) in zip(requests, specs, strict=True):
         res = results[req.request_id]
         assert res.error is None, res.error
-        assert res.token_ids == kit.reference(text, images, max_tokens), (kit.family, text)
+        assert res.token_ids == refs(text, images, max_tokens), (kit.family, text)
     # continuous batching really happened: one step advanced both waves together
     first_ids = {r.request_id for r in first}
     second_ids = {r.request_id for r in second}
@@ -107,10 +134,10 @@ def test_concurrent_mixed_requests_match_generate(kit: ModelKit, engine: EngineH
 
 
 def test_repeated_prompt_and_image_hits_the_prefix_cache(
-    kit: ModelKit, engine: EngineHarness
+    kit: ModelKit, engine: EngineHarness, refs: References
 ) -> None:
     images = [image(300)]
-    expected = kit.reference(LONG_TEXT, images, 8)
+    expected = refs(LONG_TEXT, images, 8)
     base = kit.request(LONG_TEXT, images, max_tokens=8)
     before = engine.call("stats")
     [first] = engine.run(base)
@@ -127,7 +154,7 @@ def test_repeated_prompt_and_image_hits_the_prefix_cache(
 
 
 def test_n_is_p0s_the_engine_refuses_n_three_and_runs_three_single_choices(
-    kit: ModelKit, engine: EngineHarness
+    kit: ModelKit, engine: EngineHarness, refs: References
 ) -> None:
     """P0 owns the choices (``serving_generate.py``: one request per choice, seed + i); the
     engine refuses ``n != 1`` with a typed error and runs the siblings P0 sends."""
@@ -138,7 +165,7 @@ def test_n_is_p0s_the_engine_refuses_n_three_and_runs_three_single_choices(
     assert refused.finish_reason == {0: "error"} and refused.token_ids == []
     siblings = [kit.request(TEXTS[1], images, max_tokens=6) for _ in range(3)]
     results = engine.run(*siblings)
-    expected = kit.reference(TEXTS[1], images, 6)
+    expected = refs(TEXTS[1], images, 6)
     for res in results:
         assert res.error is None, res.error
         assert res.finish_reason == {0: "length"}
@@ -147,13 +174,13 @@ def test_n_is_p0s_the_engine_refuses_n_three_and_runs_three_single_choices(
 
 
 def test_prefix_hit_over_shm_item_acknowledges_every_descriptor(
-    kit: ModelKit, engine: EngineHarness, shm_dir: Path
+    kit: ModelKit, engine: EngineHarness, shm_dir: Path, refs: References
 ) -> None:
     """S7: the second request's payload is stripped by the prefix hit, yet its descriptor
     reaches the receiver, so the writer sees every descriptor acked and reclaims the space."""
     images = [image(500)]
     base = kit.request(LONG_TEXT, images, max_tokens=6)
-    expected = kit.reference(LONG_TEXT, images, 6)
+    expected = refs(LONG_TEXT, images, 6)
     with ShmWriter(8 << 20, directory=shm_dir) as writer:
         address = base.mm_features[0].data
         assert isinstance(address, dict)
@@ -172,14 +199,14 @@ def test_prefix_hit_over_shm_item_acknowledges_every_descriptor(
 
 
 def test_mean_pooling_matches_transformers_and_never_takes_a_prefix_hit(
-    kit: ModelKit, engine: EngineHarness
+    kit: ModelKit, engine: EngineHarness, refs: References
 ) -> None:
     images = [image(600)]
     base = kit.request(LONG_TEXT, images)
     pooling = msgspec.structs.replace(
         base, sampling_params=None, pooling_params=PoolingParams("mean", normalize=True)
     )
-    expected = kit.reference_embedding(LONG_TEXT, images)
+    expected = refs.embedding(LONG_TEXT, images)
     [warm] = engine.run(renamed(base))  # leaves the prompt's blocks in the prefix cache
     results = engine.run(renamed(pooling), renamed(pooling))
     assert warm.error is None
