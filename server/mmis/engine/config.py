@@ -74,6 +74,12 @@ class EngineConfig:
     enable_prefix_caching: bool = setting(
         True, flags=("--no-prefix-caching",), help="do not reuse the KV blocks of shared prefixes"
     )
+    self_check: bool = setting(
+        True,
+        flags=("--no-self-check",),
+        help="skip the start-up check that one prompt's log-probabilities through the engine "
+        "equal the plain transformers forward's (engine/self_check.py)",
+    )
     max_model_len: int | None = shared(
         "max_model_len", rule=(lambda v: v is None or v >= 2, "must be at least 2")
     )

@@ -182,6 +182,15 @@ def build(cfg: EngineConfig) -> EngineCoreProc:
             f"mmis engine: --kv-cache-gb {cfg.kv_cache_gb} holds {runner.pool.num_blocks} KV "
             f"block(s) of {runner.pool.spec.bytes_per_block} bytes; at least 2 are needed"
         )
+    if cfg.self_check:
+        from mmis.engine.self_check import SelfCheckError, run_self_check
+
+        try:
+            run_self_check(runner)
+        except SelfCheckError as exc:
+            raise SystemExit(
+                f"mmis engine: self-check failed: {exc} (--no-self-check skips it)"
+            ) from None
     tracing = engine_tracing(cfg)
     spans = RequestSpans(tracing, background=True) if tracing.enabled else None
     largest = None

@@ -1,0 +1,130 @@
+"""The start-up self-check: one prompt through the engine's own path (scheduler, runner, paged
+attention, the model adapter, prompt logprobs) against the plain transformers forward of the
+same prompt. The adapters reach into transformers' modules (``engine/model/``,
+``engine/paged_attention.py``); a transformers release that changes those internals then fails
+at start-up, naming the gap, instead of serving wrong tokens.
+
+Invariants:
+- It runs on the runner the serving core will use, before that core exists, with a scheduler
+  of its own; it leaves nothing behind: its one request finishes (its KV blocks freed), and a
+  prompt-logprobs request never reads or writes the prefix cache (``engine/request.py``).
+- Text only, so it needs no image processor (the image path is held to transformers by
+  ``tests/engine/test_engine_parity.py``); the prompt spans several prefill chunks, so the
+  paged read of already-computed context is part of what is compared.
+- What is compared: the log-probability of every next prompt token (rows 1..n-1), the
+  engine's against ``log_softmax`` of the plain forward's logits in the model's dtype; the
+  tolerance is :data:`TOLERANCE` for the dtype (float32: kernel-order noise only).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from mmis.engine.core import EngineCore
+from mmis.engine.paged_attention import ATTENTION_NAME
+from mmis.engine.runner import ModelRunner
+from mmis.engine.sched_config import SchedulerConfig
+from mmis.engine.scheduler import Scheduler
+from mmis.protocol.errors import MMISError
+from mmis.protocol.messages import EngineCoreRequest, ErrorCode, SamplingParams
+
+log = logging.getLogger(__name__)
+
+PROMPT_TOKENS = 40
+CHUNK = 16  # prefill chunk of the check: the prompt crosses two chunk boundaries
+# max |engine - transformers| of a token's log-probability, by the model's dtype
+TOLERANCE = {torch.float32: 2e-3, torch.float16: 0.1, torch.bfloat16: 0.2}
+
+
+class SelfCheckError(MMISError, RuntimeError):
+    """The engine's forward does not match transformers' for this model; not retryable."""
+
+    code = ErrorCode.INTERNAL.value
+
+
+def _special_ids(model: Any) -> set[int]:
+    """Every token id the model's configs name (image, video, BOS/EOS/pad, ...)."""
+    ids: set[int] = set()
+    for config in (model.config, model.config.get_text_config()):
+        for key, value in vars(config).items():
+            if "token_id" in key or "token_index" in key:
+                for v in value if isinstance(value, list | tuple) else [value]:
+                    if isinstance(v, int):
+                        ids.add(v)
+    return ids
+
+
+def check_prompt(model: Any, vocab_size: int) -> list[int]:
+    """A fixed text prompt of :data:`PROMPT_TOKENS` ids, none of them special."""
+    special = _special_ids(model)
+    ids: list[int] = []
+    k = 0
+    while len(ids) < PROMPT_TOKENS:
+        token = (37 * k + 11) % vocab_size
+        k += 1
+        if token not in special and token >= 3:
+            ids.append(token)
+    return ids
+
+
+def _plain_logits(model: Any, ids: list[int], device: torch.device) -> torch.Tensor:
+    """The model's own forward with transformers' SDPA attention (the paged attention the
+    engine installs runs only inside the runner), then the paged attention back."""
+    model.set_attn_implementation({"text_config": "sdpa"})
+    try:
+        logits: torch.Tensor = model(input_ids=torch.tensor([ids], device=device)).logits
+    finally:
+        model.set_attn_implementation({"text_config": ATTENTION_NAME})
+    return logits
+
+
+def run_self_check(runner: ModelRunner) -> float:
+    """Serve :func:`check_prompt` through the engine and compare with transformers; returns
+    the largest difference, raises :class:`SelfCheckError` over :data:`TOLERANCE`."""
+    adapter = runner.adapter
+    ids = check_prompt(adapter.model, adapter.vocab_size)
+    need = -(-(len(ids) + 1) // runner.block_size)
+    if runner.pool.num_blocks < need:
+        raise SelfCheckError(
+            f"the self-check needs {need} KV blocks; the pool has {runner.pool.num_blocks}"
+        )
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=CHUNK,
+            num_blocks=runner.pool.num_blocks,
+            block_size=runner.block_size,
+            enable_prefix_caching=False,
+        )
+    )
+    core = EngineCore(scheduler, runner)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    core.add_request(EngineCoreRequest("mmis-self-check", ids, [], params), [])
+    got = None
+    with torch.inference_mode():
+        for _ in range(4 * PROMPT_TOKENS // CHUNK + 4):
+            for out in core.step():
+                if out.error is not None:
+                    raise SelfCheckError(f"the self-check request failed: {out.error.message}")
+                got = out.prompt_logprobs if out.prompt_logprobs is not None else got
+            if not core.has_work():
+                break
+        reference = _plain_logits(adapter.model, ids, adapter.device)
+    if got is None or len(got.logprobs) != len(ids):
+        raise SelfCheckError("the self-check request returned no prompt logprobs")
+    want = torch.log_softmax(reference[0, :-1].float(), dim=-1)
+    want = want.gather(1, torch.tensor(ids[1:], device=want.device).view(-1, 1)).view(-1).cpu()
+    values = torch.tensor([row[0] for row in got.logprobs[1:]])
+    worst = float((values - want).abs().max())
+    tolerance = TOLERANCE.get(adapter.dtype, 0.2)
+    if not worst <= tolerance:  # NaN fails too
+        raise SelfCheckError(
+            f"the engine's forward differs from transformers' for this model (a prompt "
+            f"token's log-probability off by {worst:.3g}, tolerance {tolerance:g} in "
+            f"{str(adapter.dtype).removeprefix('torch.')}): the installed transformers "
+            "may have changed module internals the adapters rely on (engine/model/)"
+        )
+    log.info("self-check passed: prompt log-probabilities within %.2g of transformers", worst)
+    return worst
