@@ -44,6 +44,16 @@ import torch
 Spans = Sequence[tuple[int, int]]
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (a fresh CPU tensor the caller no longer changes) on ``device``: through pinned
+    memory and a non-blocking copy on CUDA (the copy queues behind the step's kernels instead
+    of stalling the host; torch's pinned-memory cache keeps the buffer until the copy ran),
+    a plain copy elsewhere."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class PagedAttentionError(ValueError):
     """Inconsistent KV pool sizing or step metadata."""
 
@@ -200,13 +210,8 @@ class AttentionMetadata:
         pos = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu_q[:-1] - s, q)
         slots = table[row_seq, pos // block_size] * block_size + pos % block_size
 
-        pin = device.type == "cuda"
-
         def put(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            tensor = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
-            if pin:
-                tensor = tensor.pin_memory()
-            return tensor.to(device, non_blocking=pin)
+            return to_device(torch.from_numpy(np.ascontiguousarray(array)).to(dtype), device)
 
         spans = bidirectional_spans or [()] * count
         is_decode = q == 1

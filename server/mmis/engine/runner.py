@@ -40,7 +40,7 @@ import torch
 
 from mmis.engine import logprobs
 from mmis.engine.attn_backends import AttentionBackend, select_backend
-from mmis.engine.attn_metadata import AttentionMetadata
+from mmis.engine.attn_metadata import AttentionMetadata, to_device
 from mmis.engine.model.adapter import ModelAdapter
 from mmis.engine.paged_attention import DEFAULT_BLOCK_SIZE, PagedKVPool, PagedStep
 from mmis.engine.sampler import Sampler, TokenCounts, TokenHistory, TokenHistoryCache, needs_history
@@ -123,7 +123,10 @@ class ModelRunner:
             bidirectional_spans=self.adapter.bidirectional_spans(seqs),
         )
         out.encoded_mm_hashes = self._encode(seqs)
-        token_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long)
+        token_ids = to_device(
+            torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long),
+            self.adapter.device,
+        )
         embeds = self.adapter.embed_tokens(token_ids)
         self._scatter(embeds, seqs)
         positions = self.adapter.step_positions(seqs, meta)
@@ -205,7 +208,7 @@ class ModelRunner:
                 chosen.append(s)
         if not chosen:
             return
-        logits = self.adapter.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        logits = self.adapter.compute_logits(hidden[to_device(torch.tensor(rows), hidden.device)])
         params = [s.sampling_params for s in chosen]
         counts = self._token_counts(chosen, histories, logits)
         pending = logprobs.prepare(logits, params)  # before the sampler touches the logits
