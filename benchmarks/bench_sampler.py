@@ -45,13 +45,8 @@ from typing import Any
 import msgspec
 import torch
 
-from mmis.engine.sampler import (
-    GREEDY_EPSILON,
-    Sampler,
-    SamplingParamsError,
-    TokenHistoryCache,
-    seed_for,
-)
+from mmis.engine.sampler import GREEDY_EPSILON, Sampler, SamplingParamsError, seed_for
+from mmis.engine.token_history import TokenHistoryCache
 from mmis.protocol.messages import SamplingParams
 
 

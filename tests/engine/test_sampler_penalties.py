@@ -12,14 +12,8 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from mmis.engine.sampler import (
-    Sampler,
-    SamplingParamsError,
-    TokenCounts,
-    TokenHistoryCache,
-    needs_history,
-    validate,
-)
+from mmis.engine.sampler import Sampler, SamplingParamsError, needs_history, validate
+from mmis.engine.token_history import TokenCounts, TokenHistoryCache
 from mmis.protocol.messages import EngineCoreRequest, SamplingParams
 
 VOCAB = 40

@@ -8,7 +8,7 @@ samples after the last token of every chunk that asks for it, and pools for pool
 Rows with a presence/frequency/repetition penalty also need the request's token history: the
 caller passes the requests themselves (``histories``: request id -> an object with
 ``prompt_token_ids`` and ``output_token_ids``, the core passes the scheduler's requests), read
-only, through the sampler's :class:`TokenHistoryCache`.
+only, through its ``TokenHistoryCache`` (``engine/token_history.py``).
 Prompt logprobs (``SamplingParams.prompt_logprobs``): for such a request that has no output
 token yet, the logits of every scheduled row before the prompt's last token score the NEXT
 prompt token (read from ``histories``: a chunk's last row scores the first token of the next
@@ -43,8 +43,9 @@ from mmis.engine.attn_backends import AttentionBackend, select_backend
 from mmis.engine.attn_metadata import AttentionMetadata, to_device
 from mmis.engine.model.adapter import ModelAdapter
 from mmis.engine.paged_attention import DEFAULT_BLOCK_SIZE, PagedKVPool, PagedStep
-from mmis.engine.sampler import Sampler, TokenCounts, TokenHistory, TokenHistoryCache, needs_history
+from mmis.engine.sampler import Sampler, needs_history
 from mmis.engine.sched_output import ScheduledRequest, SchedulerOutput, StepOutput
+from mmis.engine.token_history import TokenCounts, TokenHistory, TokenHistoryCache
 from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import ErrorCode
 
