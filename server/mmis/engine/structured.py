@@ -57,7 +57,6 @@ Invariants:
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import logging
 import os
 import re
@@ -72,6 +71,7 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
+from mmis.engine.grammar_sources import choice_source, utf8_only
 from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import ErrorCode, SamplingParams, StructuredOutputs
 
@@ -80,15 +80,6 @@ log = logging.getLogger(__name__)
 DEFAULT_CACHE_SIZE = 64
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 _JSON_OBJECT_SCHEMA = '{"type": "object"}'
-# xgrammar 0.2.9 (1) lets a length-bounded JSON string hold raw control characters (invalid
-# JSON: json.loads refuses them; its unbounded strings exclude them) and (2) lets negated
-# classes, and "." in a regex, match UTF-16 surrogates (ED A0..BF xx: not UTF-8, decoded as
-# three U+FFFD, which broke maxLength). :func:`_utf8_only` rewrites a grammar without both.
-_LAX_STRING_CHAR = r"[^\"\\\r\n]"
-_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
-_SURROGATES = r"\uD800-\uDFFF"
-_ANY_CHAR = r"\0-\U0010ffff"
-_ANY_SCALAR = r"\0-\uD7FF\uE000-\U0010ffff"
 # Threads of the batched mask fill: one. A fill is a few us per row on the tiny vocabulary;
 # xgrammar's pool costs more than that per call on a shared host (measured: 2 threads made a
 # 32-row fill ~5x slower), and the host's other cores serve torch.
@@ -161,43 +152,6 @@ class GrammarState:
         if self._engine is not None:
             self._engine.settle()
         self.matcher.fill_next_token_bitmask(bitmask, row)
-
-
-def _utf8_only(grammar: xgr.Grammar) -> xgr.Grammar:
-    """``grammar`` with JSON strings free of control characters and every character class
-    free of surrogates (see above); quoted literals are copied untouched."""
-    text = str(grammar).replace(_LAX_STRING_CHAR, _JSON_STRING_CHAR)
-    out: list[str] = []
-    i, n = 0, len(text)
-    while i < n:
-        if text[i] not in '"[':
-            out.append(text[i])
-            i += 1
-            continue
-        close = '"' if text[i] == '"' else "]"
-        j = i + 1
-        while j < n and text[j] != close:
-            j += 2 if text[j] == "\\" else 1
-        body = text[i + 1 : j]
-        if close == "]" and body.startswith("^"):
-            body += _SURROGATES
-        elif close == "]":
-            body = body.replace(_ANY_CHAR, _ANY_SCALAR)
-        out.append(text[i] + body + close)
-        i = j + 1
-    return xgr.Grammar.from_ebnf("".join(out))
-
-
-def _grammar_source(kind: str, spec: str) -> str:
-    """The EBNF of a ``choice`` constraint: one literal per option."""
-    options = json.loads(spec)
-    if (
-        not isinstance(options, list)
-        or not options
-        or not all(isinstance(o, str) and o for o in options)
-    ):
-        raise ValueError("choice must be a non-empty list of non-empty strings")
-    return "root ::= " + " | ".join(json.dumps(o) for o in options)
 
 
 class GrammarEngine:
@@ -275,11 +229,11 @@ class GrammarEngine:
                 grammar = xgr.Grammar.from_json_schema(
                     schema, any_whitespace=False, strict_mode=strict
                 )
-                return self._compiler.compile_grammar(_utf8_only(grammar))
+                return self._compiler.compile_grammar(utf8_only(grammar))
             if kind == "regex":
-                return self._compiler.compile_grammar(_utf8_only(xgr.Grammar.from_regex(spec)))
+                return self._compiler.compile_grammar(utf8_only(xgr.Grammar.from_regex(spec)))
             if kind == "choice":
-                return self._compiler.compile_grammar(_grammar_source(kind, spec))
+                return self._compiler.compile_grammar(choice_source(spec))
             if kind == "grammar":
                 return self._compiler.compile_grammar(spec)
         except Exception as exc:  # xgrammar raises RuntimeError mostly; never crash P1
