@@ -27,15 +27,8 @@ from engine_harness import EngineHarness
 
 from mmis.config import ConfigError, GiB
 from mmis.engine.config import DEFAULT_KV_BLOCKS, EngineConfig
-from mmis.engine.kv_sizing import (
-    KVSizingError,
-    blocks_from_budget,
-    checkpoint_dtype,
-    cpu_flags,
-    plan_kv_pool,
-    profile_step,
-    resolve_dtype,
-)
+from mmis.engine.dtype import checkpoint_dtype, cpu_flags, resolve_dtype
+from mmis.engine.kv_sizing import KVSizingError, blocks_from_budget, plan_kv_pool, profile_step
 from mmis.engine.model import load_adapter
 from mmis.protocol.messages import EngineCoreRequest, SamplingParams
 

@@ -7,7 +7,8 @@ Invariants:
 - A value that cannot work raises :class:`~mmis.config.ConfigError`, naming the flag.
 - The KV pool's size: ``--num-kv-blocks`` wins, then ``--kv-cache-gb``, then
   ``--gpu-memory-utilization`` (CUDA only), else :data:`DEFAULT_KV_BLOCKS`
-  (``engine/kv_sizing.py`` resolves it, and ``--dtype``, once the model's device is known).
+  (``engine/kv_sizing.py`` resolves it, and ``engine/dtype.py`` the ``--dtype``, once the
+  model's device is known).
 """
 
 from __future__ import annotations

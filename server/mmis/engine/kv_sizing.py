@@ -1,11 +1,7 @@
-"""P1's model dtype (``--dtype``) and KV pool size (``--num-kv-blocks`` / ``--kv-cache-gb`` /
-``--gpu-memory-utilization``), resolved once at start-up.
+"""P1's KV pool size (``--num-kv-blocks`` / ``--kv-cache-gb`` / ``--gpu-memory-utilization``),
+resolved once at start-up (the model's dtype: ``engine/dtype.py``).
 
 Invariants:
-- ``--dtype auto``: on CUDA the checkpoint's own dtype (``config.json``'s ``dtype`` /
-  ``torch_dtype``; float32 when it names none); on CPU bfloat16 only where ``/proc/cpuinfo``
-  lists ``amx_bf16`` or ``avx512_bf16``, else float32. An explicit dtype the device cannot
-  compute in raises :class:`DtypeError` naming the flag, before the model is loaded.
 - The KV pool's size, first that applies: ``--num-kv-blocks``; ``--kv-cache-gb`` (its GiB
   divided by the bytes of one block); ``--gpu-memory-utilization`` on CUDA (the fraction of
   the device's total memory, less what is in use after the weights are loaded, less the
@@ -22,13 +18,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from mmis.engine.config import DTYPE_CHOICES, EngineConfig
+from mmis.engine.config import EngineConfig
 
 if TYPE_CHECKING:
     from mmis.engine.model import ModelAdapter
@@ -37,77 +31,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mmis.engine")
 
-DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
-CPU_BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
-
-
-class DtypeError(ValueError):
-    """A ``--dtype`` the device cannot run."""
-
 
 class KVSizingError(ValueError):
     """A KV budget that cannot hold one max-length sequence."""
-
-
-def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str]:
-    """The CPU feature flags of the first ``flags`` line (empty where there is none)."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return frozenset(value.split())
-    return frozenset()
-
-
-def checkpoint_dtype(path: str | Path) -> torch.dtype:
-    """The dtype a local checkpoint's ``config.json`` names (float32 when none)."""
-    import json
-
-    config = Path(path) / "config.json"
-    name = None
-    if config.is_file():
-        data = json.loads(config.read_text())
-        text = data.get("text_config") or {}
-        name = data.get("dtype") or data.get("torch_dtype") or text.get("dtype")
-        name = name or text.get("torch_dtype")
-    return DTYPES.get(str(name), torch.float32)
-
-
-def _compute_check(dtype: torch.dtype, device: torch.device) -> None:
-    x = torch.ones(4, 4, dtype=dtype, device=device)
-    torch.softmax(x @ x, dim=-1).sum().item()
-
-
-def resolve_dtype(
-    name: str,
-    device: torch.device,
-    model_path: str | Path,
-    *,
-    flags: Callable[[], frozenset[str]] = cpu_flags,
-) -> torch.dtype:
-    """The torch dtype ``--dtype name`` means on ``device`` for the checkpoint at
-    ``model_path`` (see the module's invariants)."""
-    if name == "auto":
-        if device.type == "cuda":
-            return checkpoint_dtype(model_path)
-        return torch.bfloat16 if flags() & CPU_BF16_FLAGS else torch.float32
-    if name not in DTYPES:
-        raise DtypeError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {name!r}")
-    dtype = DTYPES[name]
-    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise DtypeError(f"--dtype bfloat16 is not supported on {torch.cuda.get_device_name()}")
-    try:
-        _compute_check(dtype, device)
-    except RuntimeError as exc:
-        raise DtypeError(f"--dtype {name} is not supported on {device.type}: {exc}") from None
-    return dtype
 
 
 @dataclasses.dataclass(frozen=True)

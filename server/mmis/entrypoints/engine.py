@@ -7,7 +7,7 @@ Invariants:
   else ``--kv-cache-gb``, else ``--gpu-memory-utilization`` (CUDA: after a profiling step),
   else the default (``engine/kv_sizing.py``); the scheduler's block count is the pool's, and
   the start-up log line names the count and the setting that chose it.
-- The model loads in ``--dtype`` (``auto`` resolved per device, ``engine/kv_sizing.py``),
+- The model loads in ``--dtype`` (``auto`` resolved per device, ``engine/dtype.py``),
   straight onto the device; the KV cache has the model's dtype.
 - ``--revision`` reaches every ``from_pretrained`` of P1 (config and model) through
   :func:`load_model` and the tokenizer. P1 reads the tokenizer only for its grammar engine
@@ -62,7 +62,7 @@ def load_model(cfg: EngineConfig) -> ModelAdapter:
     """The model adapter of ``cfg.model`` at ``cfg.revision``."""
     import torch
 
-    from mmis.engine.kv_sizing import DtypeError, resolve_dtype
+    from mmis.engine.dtype import DtypeError, resolve_dtype
     from mmis.engine.model import UnsupportedModelError, load_adapter
     from mmis.engine.model.adapter import default_device
 
