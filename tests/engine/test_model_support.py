@@ -73,9 +73,11 @@ def test_an_unknown_family_is_refused_naming_the_known_ones(
     other = tmp_path / "other"
     shutil.copytree(tiny_dirs["llava"], other)
     config = json.loads((other / "config.json").read_text())
-    config["model_type"] = "gemma3"
+    config["model_type"] = "paligemma"
     (other / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match=r"'gemma3' is not supported; known: .*llava"):
+    with pytest.raises(
+        UnsupportedModelError, match=r"'paligemma' is not supported; known: .*llava"
+    ):
         load_adapter(other, "cpu")
 
 

@@ -38,6 +38,10 @@ FAMILIES = ("llava", "qwen2-vl", "qwen2.5-vl", "llava-siglip")
 DEFAULT_FAMILY = "llava"
 
 
+# families whose builder is a module of its own, mmis/engine/tiny_<module>.py: it has
+# ``build(out, seed, family)`` and ``TEMPLATE`` (the chat template, fingerprinted)
+ELSEWHERE = {"llava-next": "llava_next", "llava-onevision": "llava_next", "gemma3": "gemma3"}
+
 # bump when a builder changes what it writes (the templates are hashed in already)
 BUILD_REVISION = 1
 FINGERPRINT_FILE = "mmis-tiny-fingerprint.txt"
@@ -45,7 +49,12 @@ FINGERPRINT_FILE = "mmis-tiny-fingerprint.txt"
 
 def fingerprint(family: str) -> str:
     """What a cached build of ``family`` must have been built with (its chat template)."""
-    template = QWEN_TEMPLATE if family.startswith("qwen") else LLAVA_TEMPLATE
+    if family in ELSEWHERE:  # a builder module of its own names its template
+        import importlib
+
+        template = importlib.import_module(f"mmis.engine.tiny_{ELSEWHERE[family]}").TEMPLATE
+    else:
+        template = QWEN_TEMPLATE if family.startswith("qwen") else LLAVA_TEMPLATE
     return hashlib.sha256(f"{BUILD_REVISION}\0{template}".encode()).hexdigest()[:16]
 
 
@@ -255,6 +264,17 @@ def _save(model: Any, processor: Any, out: Path, eos: int, pad: int, bos: int) -
     processor.save_pretrained(out)
 
 
+def _build_elsewhere(family: str) -> Any:
+    """The builder of a family in :data:`ELSEWHERE`, imported when used."""
+
+    def build(out: Path, seed: int) -> None:
+        import importlib
+
+        importlib.import_module(f"mmis.engine.tiny_{ELSEWHERE[family]}").build(out, seed, family)
+
+    return build
+
+
 BUILDERS = {
     "llava": _build_llava,
     "llava-siglip": lambda out, seed: _build_llava(out, seed, siglip=True),
@@ -262,6 +282,7 @@ BUILDERS = {
     "qwen2.5-vl": lambda out, seed: _build_qwen2_vl(out, seed, v2_5=True),
     # not a family of its own: Qwen2-VL with the hub's image settings and context
     "qwen2-vl-hub": lambda out, seed: _build_qwen2_vl(out, seed, hub=True),
+    **{family: _build_elsewhere(family) for family in ELSEWHERE},
 }
 
 

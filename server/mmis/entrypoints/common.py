@@ -24,6 +24,9 @@ TINY_MODELS = {
     "mmis-tiny-qwen2-vl": "qwen2-vl",
     "mmis-tiny-qwen2.5-vl": "qwen2.5-vl",
     "mmis-tiny-qwen2-vl-hub": "qwen2-vl-hub",
+    "mmis-tiny-llava-next": "llava-next",
+    "mmis-tiny-llava-onevision": "llava-onevision",
+    "mmis-tiny-gemma3": "gemma3",
 }
 
 

@@ -3,12 +3,15 @@
 Invariants:
 - Every adapter implements :class:`ModelAdapter`; the runner never touches a
   family-specific attribute of the Hugging Face model.
+- :data:`ADAPTERS` maps each supported ``model_type`` to its adapter's module and class, imported
+  only when that family is loaded (an adapter's module may import family-specific code).
 - :func:`load_adapter` passes ``revision`` to every ``from_pretrained`` it makes (config and
   model), so the family is chosen from the same revision that is loaded.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -18,15 +21,26 @@ from mmis.engine.model.adapter import ModelAdapter, ModelInputError, Unsupported
 from mmis.engine.model.llava import LlavaAdapter
 from mmis.engine.model.qwen2_vl import Qwen2VLAdapter
 
-ADAPTERS: tuple[type[ModelAdapter], ...] = (LlavaAdapter, Qwen2VLAdapter)
+# model_type -> (module, class) of its adapter, in mmis/engine/model/
+ADAPTERS: dict[str, tuple[str, str]] = {
+    "llava": ("mmis.engine.model.llava", "LlavaAdapter"),
+    "qwen2_vl": ("mmis.engine.model.qwen2_vl", "Qwen2VLAdapter"),
+    "qwen2_5_vl": ("mmis.engine.model.qwen2_vl", "Qwen2VLAdapter"),
+    "llava_next": ("mmis.engine.model.llava_next", "LlavaNextAdapter"),
+    "llava_onevision": ("mmis.engine.model.llava_next", "LlavaOnevisionAdapter"),
+    "gemma3": ("mmis.engine.model.gemma3", "Gemma3Adapter"),
+}
 
 
 def adapter_class(model_type: str) -> type[ModelAdapter]:
-    for cls in ADAPTERS:
-        if model_type in cls.model_types:
-            return cls
-    known = sorted(t for cls in ADAPTERS for t in cls.model_types)
-    raise UnsupportedModelError(f"model_type {model_type!r} is not supported; known: {known}")
+    found = ADAPTERS.get(model_type)
+    if found is None:
+        known = sorted(ADAPTERS)
+        raise UnsupportedModelError(f"model_type {model_type!r} is not supported; known: {known}")
+    cls: type[ModelAdapter] = getattr(importlib.import_module(found[0]), found[1])
+    if model_type not in cls.model_types:  # the table and the class must agree
+        raise UnsupportedModelError(f"{found[1]} does not declare model_type {model_type!r}")
+    return cls
 
 
 def _model_type(path_or_id: str | Path, revision: str | None = None) -> str:
