@@ -5,8 +5,18 @@ Invariants:
   processor on that image alone and counting its image tokens, never computed from a
   per-family formula; the same count is stored in the sender cache so a shadow hit can expand
   the prompt without touching the pixels again.
-- The prompt is tokenized with exactly one image token per image (special tokens are atomic,
-  so this equals tokenizing the fully expanded text) and then expanded in token space.
+- The prompt marker of an image (``processor.image_token``, what the chat template writes) and
+  its placeholder token (the one repeated per embedding row) may differ: Gemma 3's template
+  writes ``<start_of_image>`` and its processor expands it to ``\n\n<start_of_image>`` + N x
+  ``<image_soft_token>`` + ``<end_of_image>\n\n``. The text around the placeholder run
+  (:attr:`ModelProcessor.image_prefix` / ``image_suffix``) is measured once, at construction,
+  from the processor's own output on one small image, and only when marker and placeholder
+  differ. A text prompt gets it in text space (:meth:`ModelProcessor.prompt_token_ids`, so the
+  neighbouring text tokenizes as in the processor's output); a token-id prompt in token space.
+- The prompt is then tokenized with exactly one placeholder token per image (special tokens are
+  atomic, so this equals tokenizing the fully expanded text) and expanded in token space. One
+  image is one contiguous placeholder run: a processor that splits an image into several runs
+  (Gemma 3's pan-and-scan crops) is refused with a :class:`PromptError`.
 - Per-image tensors exclude the text outputs (input_ids, attention_mask, token-type ids):
   what remains is exactly what the engine's vision encoder needs for that item.
 - ``processor_kwargs`` (``--processor-kwargs``) go to every processor call on an image; the
@@ -58,9 +68,15 @@ class ModelProcessor:
         token = getattr(processor, "image_token", None)
         if token is None:
             raise PromptError("the model's processor declares no image token")
-        self.image_token: str = token
-        self.image_token_id: int = int(self.tokenizer.convert_tokens_to_ids(token))
+        self.image_token: str = token  # the prompt marker
+        self.marker_token_id: int = int(self.tokenizer.convert_tokens_to_ids(token))
+        placeholder = getattr(self.tokenizer, "image_token", None) or token
+        self.placeholder_token: str = str(placeholder)
+        self.image_token_id: int = int(self.tokenizer.convert_tokens_to_ids(placeholder))
         self.processor_kwargs: dict[str, Any] = dict(processor_kwargs or {})
+        self.image_prefix, self.image_suffix = ("", "")
+        if self.image_token_id != self.marker_token_id:
+            self.image_prefix, self.image_suffix = self._measure_wrap()
         self._low_detail = _low_detail_kwargs(processor, self.processor_kwargs)
         vocab = self.tokenizer.get_vocab()
         self.max_token_chars: int = max((len(t) for t in vocab), default=1) or 1
@@ -99,6 +115,49 @@ class ModelProcessor:
     def tokenize(self, text: str) -> list[int]:
         return [int(t) for t in self.tokenizer(text)["input_ids"]]
 
+    def prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """A prompt's ids with one placeholder token per image marker (see the docstring)."""
+        if self.image_token_id == self.marker_token_id:
+            return self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        wrapped = self.image_prefix + self.placeholder_token + self.image_suffix
+        if isinstance(prompt, str):
+            return self.tokenize(prompt.replace(self.image_token, wrapped))
+        inner = self.tokenizer(wrapped, add_special_tokens=False)["input_ids"]
+        ids: list[int] = []
+        for t in prompt:
+            if int(t) == self.marker_token_id:
+                ids.extend(int(x) for x in inner)
+            else:
+                ids.append(int(t))
+        return ids
+
+    def _measure_wrap(self) -> tuple[str, str]:
+        """The text the processor writes around one image's placeholder run."""
+        from PIL import Image
+
+        out = self.processor(
+            text=[self.image_token],
+            images=[Image.new("RGB", (64, 64), (128, 128, 128))],
+            return_tensors="np",
+            **self.processor_kwargs,
+        )
+        ids = [int(t) for t in np.asarray(out["input_ids"])[0]]
+        lead = [int(t) for t in self.tokenizer("")["input_ids"]]  # e.g. a BOS it adds
+        if lead and ids[: len(lead)] == lead:
+            ids = ids[len(lead) :]
+        runs = _runs(ids, self.image_token_id)
+        if len(runs) != 1:
+            raise PromptError(
+                f"the processor expands one image into {len(runs)} placeholder runs; "
+                "only one contiguous run per image is supported"
+            )
+        lo, hi = runs[0]
+
+        def text(part: list[int]) -> str:
+            return str(self.tokenizer.decode(part, skip_special_tokens=False))
+
+        return text(ids[:lo]), text(ids[hi:])
+
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
@@ -126,7 +185,13 @@ class ModelProcessor:
             return_tensors="np",
             **(self.processor_kwargs if kwargs is None else kwargs),
         )
-        num = int(np.count_nonzero(np.asarray(out["input_ids"]) == self.image_token_id))
+        ids = np.asarray(out["input_ids"]).reshape(-1)
+        num = int(np.count_nonzero(ids == self.image_token_id))
+        if len(_runs([int(t) for t in ids], self.image_token_id)) > 1:
+            raise PromptError(
+                "the processor split this image into several placeholder runs (e.g. pan-and-scan "
+                "crops); only one contiguous run per image is supported"
+            )
         tensors = {
             k: np.ascontiguousarray(v)
             for k, v in out.items()
@@ -155,6 +220,19 @@ class ModelProcessor:
             prev = slot + 1
         ids.extend(token_ids[prev:])
         return ids, ranges
+
+
+def _runs(ids: Sequence[int], token: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of each maximal run of ``token`` in ``ids``."""
+    runs: list[tuple[int, int]] = []
+    for i, t in enumerate(ids):
+        if t != token:
+            continue
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
 
 
 def _low_detail_kwargs(processor: Any, kwargs: Mapping[str, Any]) -> dict[str, Any]:

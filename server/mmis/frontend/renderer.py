@@ -156,9 +156,7 @@ class Renderer:
             items.append(SourceItem(mm_hash, ref.uuid, image, ref.param, kwargs))
         if isinstance(prompt, str):
             self._check_prompt_chars(len(prompt), param)
-            token_ids = await loop.run_in_executor(None, self.processor.tokenize, prompt)
-        else:
-            token_ids = [int(t) for t in prompt]
+        token_ids = await loop.run_in_executor(None, self.processor.prompt_token_ids, prompt)
         slots = sum(t == self.processor.image_token_id for t in token_ids)
         if slots != len(items):
             raise InvalidRequestError(

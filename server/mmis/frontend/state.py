@@ -217,7 +217,7 @@ class FrontendState:
             None, self.renderer.hash_image, image, None
         )
         source = SourcePrompt(
-            self.processor.tokenize(text), [SourceItem(mm_hash, None, image, "ready")]
+            self.processor.prompt_token_ids(text), [SourceItem(mm_hash, None, image, "ready")]
         )
 
         def build(rid: str, rendered: Any, choice: int) -> EngineCoreRequest:
