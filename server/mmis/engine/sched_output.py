@@ -46,8 +46,13 @@ class EncoderInputError(MMISError):
 
 
 def grid_thw_of(data: object) -> tuple[int, int, int] | None:
-    """The (t, h, w) patch grid in an item's tensors (``image_grid_thw``), if any."""
-    grid = data.get("image_grid_thw") if isinstance(data, Mapping) else None
+    """The (t, h, w) patch grid in an item's tensors (``image_grid_thw`` of an image,
+    ``video_grid_thw`` of a video), if any."""
+    if not isinstance(data, Mapping):
+        return None
+    grid = data.get("image_grid_thw")
+    if grid is None:
+        grid = data.get("video_grid_thw")
     if grid is None:
         return None
     values = [int(v) for v in grid.reshape(-1).tolist()]

@@ -4,13 +4,23 @@ Also Qwen2.5-VL: its vision tower (windowed attention, SwiGLU) sits behind the s
 ``get_image_features`` and its language model and image positions are Qwen2-VL's.
 
 Invariants:
-- An item's tensors are ``{"pixel_values": [t*h*w, C*tp*p*p], "image_grid_thw": [1, 3]}``.
+- An image item's tensors are ``{"pixel_values": [t*h*w, C*tp*p*p], "image_grid_thw": [1, 3]}``;
+  a video item's are ``{"pixel_values_videos": [t*h*w, C*tp*p*p], "video_grid_thw": [1, 3]}``
+  plus, for Qwen2.5-VL, ``second_per_grid_ts`` ``[1]`` (seconds per temporal patch). The
+  tensors alone say which an item is (no protocol field); a video is encoded by the model's
+  own ``get_video_features``, an image by ``get_image_features``.
 - Placeholder count = t*h*w // merge**2 == rows ``encode_images`` returns for the item.
-- M-RoPE positions (``[3, n]``: temporal, height, width) follow the model's own rule: text
-  tokens advance all three by one; an image's tokens sit on a grid starting at the current
-  position, after which the position advances by max(h, w) // merge. Decode positions continue
-  the text rule. They are a pure function of (start, n, item layout), so chunked prefill,
-  prefix hits and decode agree with a whole-prompt computation.
+- M-RoPE positions (``[3, n]``: temporal, height, width) follow the model's own rule
+  (``get_rope_index``): text tokens advance all three by one; an item's tokens sit on a grid
+  starting at the current position, after which the position advances by max(h, w) // merge.
+  The temporal index of temporal patch ``i`` is ``int(i * interval)``: ``interval`` is 1 for
+  images and Qwen2-VL videos, ``tokens_per_second * second_per_grid_ts`` for Qwen2.5-VL videos.
+  Decode positions continue the text rule. They are a pure function of (start, n, item
+  layout), so chunked prefill, prefix hits and decode agree with a whole-prompt computation.
+- A Qwen2.5-VL video's interval is read from its tensors the first time a step carries them
+  (the step that encodes it) and remembered by mm_hash (bounded LRU; the hash covers frames,
+  sampling and processor kwargs, so one hash has one interval); a later chunk of the same
+  item that lacks both raises :class:`ModelInputError` rather than guessing.
 - A chunk past all of its items (every decode row) is the 1-D positions of the step's
   metadata plus one per-request shift (sum of max(h, w) // merge - placeholder length over its
   items), vectorised; only chunks that overlap an item take the per-token rule.
@@ -18,6 +28,7 @@ Invariants:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,19 +39,39 @@ from mmis.engine.attn_metadata import AttentionMetadata
 from mmis.engine.model.adapter import ModelAdapter, ModelInputError, as_tensor
 from mmis.engine.sched_output import MultiModalInput, ScheduledRequest
 
+_INTERVAL_MEMO = 65536  # Qwen2.5-VL video intervals remembered by mm_hash
+
+
+def is_video(item: Mapping[str, Any]) -> bool:
+    """A video item (``video_grid_thw``) rather than an image (``image_grid_thw``)."""
+    return "video_grid_thw" in item
+
 
 class Qwen2VLAdapter(ModelAdapter):
     family = "qwen2-vl"
     model_types = ("qwen2_vl", "qwen2_5_vl")  # same language model, positions and interface
+
+    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(model, device, dtype)
+        vision = model.config.vision_config
+        # Qwen2.5-VL spaces a video's temporal positions by tokens_per_second; Qwen2-VL not
+        self.tokens_per_second: float | None = (
+            float(vision.tokens_per_second)
+            if model.config.model_type == "qwen2_5_vl"
+            and getattr(vision, "tokens_per_second", None) is not None
+            else None
+        )
+        self._intervals: OrderedDict[str, float] = OrderedDict()
 
     @property
     def merge_size(self) -> int:
         return int(self.model.config.vision_config.spatial_merge_size)
 
     def _grid(self, item: Mapping[str, Any]) -> tuple[int, int, int]:
-        grid = as_tensor(item.get("image_grid_thw"), "image_grid_thw").reshape(-1)
+        key = "video_grid_thw" if is_video(item) else "image_grid_thw"
+        grid = as_tensor(item.get(key), key).reshape(-1)
         if grid.numel() != 3 or bool((grid <= 0).any()):
-            raise ModelInputError(f"image_grid_thw must be one positive (t, h, w), got {grid}")
+            raise ModelInputError(f"{key} must be one positive (t, h, w), got {grid}")
         t, h, w = (int(v) for v in grid.tolist())
         if h % self.merge_size or w % self.merge_size:
             raise ModelInputError(f"grid {(t, h, w)} is not divisible by merge {self.merge_size}")
@@ -49,7 +80,7 @@ class Qwen2VLAdapter(ModelAdapter):
     def _item_grid(self, item: MultiModalInput) -> tuple[int, int, int]:
         if item.grid_thw is not None:
             return item.grid_thw
-        if item.data is not None and "image_grid_thw" in item.data:
+        if item.data is not None and ("image_grid_thw" in item.data or is_video(item.data)):
             return self._grid(item.data)
         raise ModelInputError(f"item {item.mm_hash} has no grid_thw (needed for M-RoPE)")
 
@@ -58,23 +89,71 @@ class Qwen2VLAdapter(ModelAdapter):
         return t * h * w // self.merge_size**2
 
     def encode_images(self, items: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:
-        if not items:
-            return []
+        """Images in one ``get_image_features`` call, videos in one ``get_video_features``
+        call; the outputs come back in the items' order."""
+        out: list[torch.Tensor | None] = [None] * len(items)
+        for video in (False, True):
+            chosen = [i for i, item in enumerate(items) if is_video(item) == video]
+            if chosen:
+                encoded = self._encode([items[i] for i in chosen], video)
+                for i, features in zip(chosen, encoded, strict=True):
+                    out[i] = features
+        return [features for features in out if features is not None]
+
+    def _encode(self, items: Sequence[Mapping[str, Any]], video: bool) -> list[torch.Tensor]:
+        name = "pixel_values_videos" if video else "pixel_values"
         pixels, grids = [], []
         for item in items:
             t, h, w = self._grid(item)
-            rows = as_tensor(item.get("pixel_values"), "pixel_values")
+            rows = as_tensor(item.get(name), name)
             if rows.ndim != 2 or rows.shape[0] != t * h * w:
                 raise ModelInputError(
-                    f"pixel_values must be [{t * h * w}, features] for grid {(t, h, w)}, "
+                    f"{name} must be [{t * h * w}, features] for grid {(t, h, w)}, "
                     f"got {tuple(rows.shape)}"
                 )
             pixels.append(rows)
             grids.append((t, h, w))
         grid = torch.tensor(grids, dtype=torch.long, device=self.device)
         values = torch.cat(pixels).to(self.device, self.dtype)
-        out = self.model.model.get_image_features(values, image_grid_thw=grid, return_dict=True)
+        model = self.model.model
+        if video:
+            out = model.get_video_features(values, video_grid_thw=grid, return_dict=True)
+        else:
+            out = model.get_image_features(values, image_grid_thw=grid, return_dict=True)
         return [features.to(self.dtype) for features in out.pooler_output]
+
+    def _interval(self, item: MultiModalInput) -> torch.Tensor | None:
+        """The temporal spacing of a video's patches (float32, as the model computes it),
+        or None for spacing 1 (images, Qwen2-VL videos)."""
+        if self.tokens_per_second is None:
+            return None
+        data = item.data
+        if data is not None:
+            if not is_video(data):
+                return None
+            seconds = data.get("second_per_grid_ts")
+            # transformers' default when the processor gave none: one second per patch
+            per_grid = 1.0 if seconds is None else as_tensor(seconds, "second_per_grid_ts")
+            if isinstance(per_grid, torch.Tensor) and per_grid.numel() != 1:
+                raise ModelInputError(
+                    f"second_per_grid_ts must hold one value per video, got {per_grid.numel()}"
+                )
+            value = self.tokens_per_second * torch.as_tensor(per_grid).reshape(()).float()
+            self._intervals[item.mm_hash] = float(value)
+            self._intervals.move_to_end(item.mm_hash)
+            while len(self._intervals) > _INTERVAL_MEMO:
+                self._intervals.popitem(last=False)
+        elif item.mm_hash not in self._intervals:
+            t, _, _ = self._item_grid(item)
+            if t == 1:
+                return None  # one temporal patch: index 0 whatever the spacing
+            raise ModelInputError(
+                f"item {item.mm_hash}: its temporal spacing (second_per_grid_ts) is unknown; "
+                "its tensors were never seen by this engine"
+            )
+        else:
+            self._intervals.move_to_end(item.mm_hash)
+        return torch.tensor(self._intervals[item.mm_hash], dtype=torch.float32)
 
     def positions(
         self, start: int, num_tokens: int, items: Sequence[MultiModalInput]
@@ -97,9 +176,13 @@ class Qwen2VLAdapter(ModelAdapter):
                     f"placeholder has {item.length}"
                 )
             lo, hi = max(item.offset, start), min(item.end, end)
-            if lo < hi:
+            if lo < hi:  # only an item this chunk covers needs its temporal spacing
                 k = torch.arange(lo - item.offset, hi - item.offset)
-                out[0, lo - start : hi - start] = cursor + k // (gh * gw)
+                frame = k // (gh * gw)
+                interval = self._interval(item)
+                if interval is not None:
+                    frame = (frame * interval).long()
+                out[0, lo - start : hi - start] = cursor + frame
                 out[1, lo - start : hi - start] = cursor + (k // gw) % gh
                 out[2, lo - start : hi - start] = cursor + k % gw
             cursor += max(gh, gw)
@@ -151,15 +234,23 @@ class Qwen2VLAdapter(ModelAdapter):
             out[:, lo - start : hi - start] = torch.arange(lo, hi) - a + base
 
     def split_processor_output(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
-        grids = batch.get("image_grid_thw")
-        if grids is None:
-            return []
-        pixels = batch["pixel_values"]
-        items, row = [], 0
-        for i in range(len(grids)):
-            count = int(as_tensor(grids[i], "image_grid_thw").prod())
-            items.append(
-                {"pixel_values": pixels[row : row + count], "image_grid_thw": grids[i : i + 1]}
-            )
-            row += count
+        """Per-item tensors: the batch's images in order, then its videos in order."""
+        items: list[dict[str, Any]] = []
+        for pixel_key, grid_key in (
+            ("pixel_values", "image_grid_thw"),
+            ("pixel_values_videos", "video_grid_thw"),
+        ):
+            grids = batch.get(grid_key)
+            if grids is None:
+                continue
+            pixels = batch[pixel_key]
+            seconds = batch.get("second_per_grid_ts") if grid_key == "video_grid_thw" else None
+            row = 0
+            for i in range(len(grids)):
+                count = int(as_tensor(grids[i], grid_key).prod())
+                item = {pixel_key: pixels[row : row + count], grid_key: grids[i : i + 1]}
+                if seconds is not None:
+                    item["second_per_grid_ts"] = seconds[i : i + 1]
+                items.append(item)
+                row += count
         return items

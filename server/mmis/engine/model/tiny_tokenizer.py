@@ -56,6 +56,8 @@ _QWEN_CONTENT = (
     "{% for part in c %}"
     "{% if part['type'] in ('image', 'image_url') %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] in ('video', 'video_url') %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}{% endmacro %}"
 )
