@@ -101,6 +101,11 @@ def test_uniform_decode_needs_no_mask_and_spans_widen_a_chunk():
     assert mask is not None
     assert mask.sum(-1).tolist() == [1, 2, 5, 5, 5, 6]  # the image rows see the whole image
     assert meta.has_spans
+    # a window bounds the span too (window AND (causal OR span), as transformers' Gemma 3)
+    windowed = chunk.mask(2)
+    assert windowed is not None
+    assert windowed[2].tolist() == [False, True, True, True, True, False]  # 1 and the image
+    assert windowed[4].tolist() == [False, False, False, True, True, False]  # not 2: too far
 
 
 def test_host_work_does_not_scale_with_context_positions():

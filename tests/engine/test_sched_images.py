@@ -85,3 +85,23 @@ def test_the_encoder_budget_defers_images_to_the_next_step():
     eng.run()
     assert eng.runner.encoded == [(1, "a"), (2, "b")]
     assert eng.outputs["b"] == reference([3, *[IMG] * 8, 4], [image("b", 1, 8)], 1)
+
+
+def test_with_whole_spans_a_chunk_stops_before_an_image_instead_of_inside_it():
+    """Gemma 3's image tokens attend to each other: a chunk may not end inside one."""
+    prompt = [*text(1, 10), *[IMG] * 16, *text(2, 14)]  # image at [10, 26)
+    eng = Engine(block_size=4, num_blocks=64, max_num_batched_tokens=20, whole_mm_spans=True)
+    eng.add(make("img", prompt, image("pic", 10, 16), max_tokens=2))
+    # [0, 20) would end inside the image: it stops at 10; the image goes whole in [10, 30)
+    assert _chunks(eng)[:2] == [(0, 10, []), (10, 20, ["pic"])]
+    assert eng.outputs["img"] == reference(prompt, [image("pic", 10, 16)], 2)
+
+
+def test_with_whole_spans_an_image_larger_than_a_step_is_refused_naming_the_flag():
+    eng = Engine(block_size=4, num_blocks=64, max_num_batched_tokens=8, whole_mm_spans=True)
+    prompt = [*text(1, 3), *[IMG] * 12, 7]
+    eng.add(make("big", prompt, image("big", 3, 12)), make("ok", text(3, 5)))
+    eng.run()
+    assert eng.finished["big"].error is not None
+    assert "--max-num-batched-tokens" in eng.finished["big"].error.message
+    assert eng.finished["ok"].error is None

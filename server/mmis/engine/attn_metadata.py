@@ -20,7 +20,8 @@ step into:
 Masks are arguments, never dense host-built tensors: causal always; a layer's sliding window
 comes from the attention call (``window``, as transformers passes ``sliding_window``);
 bidirectional spans (absolute ``[lo, hi)`` position ranges per sequence, e.g. Gemma 3's image
-tokens) are given to :meth:`build`. A backend that needs a dense mask builds it on the device
+tokens) are given to :meth:`build`; a window bounds a span too (transformers' Gemma 3 mask:
+window AND (causal OR span)). A backend that needs a dense mask builds it on the device
 from these arguments with vectorised ops, once per step and window (:meth:`DecodeRows.mask`,
 :meth:`ChunkRows.mask` cache it), and reuses it across layers.
 
@@ -128,9 +129,11 @@ class ChunkRows:
             device = self.block_index.device
             q_pos = torch.arange(self.start, self.seq_len, device=device)[:, None]
             k_pos = torch.arange(self.seq_len, device=device)[None, :]
-            allowed = _allowed(q_pos, k_pos, self.seq_len, window)
+            allowed = _allowed(q_pos, k_pos, self.seq_len, None)
             for lo, hi in self.spans:  # queries inside a span see the whole span
                 allowed |= (q_pos >= lo) & (q_pos < hi) & (k_pos >= lo) & (k_pos < hi)
+            if window is not None:  # the window bounds the span too, as in transformers
+                allowed &= k_pos > q_pos - window
             self._masks[window] = allowed
         return self._masks[window]
 

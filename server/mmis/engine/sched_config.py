@@ -28,11 +28,13 @@ class SchedulerConfig:
     encoder_cache_size: int = MIN_ENCODER_CACHE_TOKENS  # output slots, one per placeholder token
     encoder_compute_budget: int = MIN_ENCODER_CACHE_TOKENS  # placeholder tokens encoded a step
     max_model_len: int | None = default_of(EngineConfig, "max_model_len")  # prompt + output
+    # an item's tokens attend to each other both ways (Gemma 3): a chunk never ends inside one
+    whole_mm_spans: bool = False
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name == "enable_prefix_caching":
+            if field.name in ("enable_prefix_caching", "whole_mm_spans"):
                 if not isinstance(value, bool):
                     raise ConfigError(f"SchedulerConfig.{field.name} must be a bool, got {value!r}")
                 continue

@@ -22,7 +22,10 @@ Invariants:
   12 MP photo's thousands of placeholder tokens take several chunks). An item that does not
   fit the step's encoder budget or the cache's free slots defers the chunk to stop before
   it. Every encoder-cache change of a chunk that is not scheduled after all is rolled back
-  exactly (:class:`_EncoderPlan`).
+  exactly (:class:`_EncoderPlan`). With ``whole_mm_spans`` (an adapter whose image tokens attend
+  to each other bidirectionally, Gemma 3) a chunk never ends strictly inside an item's range:
+  it stops before the item, or, started inside one (a prefix hit), schedules nothing until the
+  rest of the range fits one step.
 - A prefix-cache hit sets ``num_computed_tokens`` to the hit length at admission: those tokens
   (and the encoder runs of items they cover) are skipped.
 - A request that can never be scheduled (prompt beyond ``max_model_len`` or the KV pool, an
@@ -98,6 +101,13 @@ def never_schedulable(cfg: SchedulerConfig, request: Request) -> tuple[ErrorCode
                 f"multimodal item {feature.identifier!r} needs {feature.placeholder.length} "
                 f"placeholder tokens; this engine's encoder cache holds {limit} "
                 "(raise it with --encoder-cache-tokens)",
+            )
+        if cfg.whole_mm_spans and feature.placeholder.length > cfg.max_num_batched_tokens:
+            return (
+                ErrorCode.INVALID_REQUEST,
+                f"multimodal item {feature.identifier!r} needs {feature.placeholder.length} "
+                "placeholder tokens in one step (its tokens attend to each other); a step "
+                f"holds {cfg.max_num_batched_tokens} (raise it with --max-num-batched-tokens)",
             )
     return None
 
@@ -290,6 +300,11 @@ class Scheduler:
         if not features:
             return plan
         cache, rid, end = self.encoder_cache, request.request_id, start + num_new
+        if self.config.whole_mm_spans:
+            for feature in features:
+                lo, length = feature.placeholder.offset, feature.placeholder.length
+                if lo < end < lo + length:  # would end inside the item
+                    end = lo if lo >= start else start
         for idx in sorted(range(len(features)), key=lambda i: features[i].placeholder.offset):
             feature = features[idx]
             offset, length = feature.placeholder.offset, feature.placeholder.length

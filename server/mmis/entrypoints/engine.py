@@ -116,6 +116,7 @@ def make_core(
             encoder_cache_size=encoder_tokens,
             encoder_compute_budget=encoder_tokens,
             max_model_len=max_len,
+            whole_mm_spans=adapter.bidirectional_images,
         )
     )
     return EngineCore(

@@ -13,9 +13,12 @@ Invariants:
   ``start .. start + n - 1``; it depends only on the item layout, never on runner state.
 - Bad item tensors raise :class:`ModelInputError` with a message that names the problem.
 - A model the paged kernel cannot run exactly is refused when the adapter is built
-  (:class:`UnsupportedModelError`, naming what): attention other than full causal attention
-  (sliding-window layers, ``layer_types`` other than ``full_attention``), or a decoder layer
-  whose attention lacks its own ``layer_idx`` (it would read and write another layer's KV).
+  (:class:`UnsupportedModelError`, naming what): attention other than causal attention
+  (``layer_types`` other than ``full_attention``; ``sliding_attention`` and
+  ``use_sliding_window`` only for an adapter with ``sliding_windows``, whose layers pass their
+  window to the kernel; bidirectional text attention; attention-logit soft-capping), or a
+  decoder layer whose attention lacks its own ``layer_idx`` (it would read and write another
+  layer's KV).
 """
 
 from __future__ import annotations
@@ -38,21 +41,28 @@ class UnsupportedModelError(ValueError):
     """The checkpoint's family has no adapter, or the engine cannot run it exactly."""
 
 
-def check_exact(text_config: Any, language_model: Any) -> None:
+def check_exact(text_config: Any, language_model: Any, *, sliding_windows: bool = False) -> None:
     """Refuse what the paged attention path would silently run differently."""
+    known = {"full_attention", "sliding_attention"} if sliding_windows else {"full_attention"}
     layer_types = getattr(text_config, "layer_types", None)
     if layer_types:
-        other = sorted({str(t) for t in layer_types} - {"full_attention"})
+        other = sorted({str(t) for t in layer_types} - known)
         if other:
             raise UnsupportedModelError(
-                f"attention types {other} in the model's layer_types are not supported yet "
-                "(only full causal attention)"
+                f"attention types {other} in the model's layer_types are not supported for "
+                f"this family (supported: {sorted(known)})"
             )
-    if getattr(text_config, "use_sliding_window", False):
+    if getattr(text_config, "use_sliding_window", False) and not sliding_windows:
         raise UnsupportedModelError(
             f"sliding-window attention (use_sliding_window, window "
-            f"{getattr(text_config, 'sliding_window', None)}) is not supported yet"
+            f"{getattr(text_config, 'sliding_window', None)}) is not supported for this family"
         )
+    if getattr(text_config, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(
+            "bidirectional text attention (use_bidirectional_attention) is not supported"
+        )
+    if getattr(text_config, "attn_logit_softcapping", None) is not None:
+        raise UnsupportedModelError("attention-logit soft-capping is not supported")
     for i, layer in enumerate(getattr(language_model, "layers", ())):
         attention = getattr(layer, "self_attn", None)
         found = getattr(attention, "layer_idx", None)
@@ -94,6 +104,8 @@ class ModelAdapter(abc.ABC):
     model_types: ClassVar[tuple[str, ...]]
     # image tokens attend to their whole image (Gemma 3): passed as mask spans, not tensors
     bidirectional_images: ClassVar[bool] = False
+    # its layers pass their sliding window to the attention call (Gemma 3): allowed
+    sliding_windows: ClassVar[bool] = False
 
     def __init__(self, model: Any, device: torch.device, dtype: torch.dtype) -> None:
         self.model = model
@@ -116,7 +128,7 @@ class ModelAdapter(abc.ABC):
                 if e is not None and int(e) not in found:
                     found.append(int(e))
         self.eos_token_ids: tuple[int, ...] = tuple(found)
-        check_exact(text, self.language_model)
+        check_exact(text, self.language_model, sliding_windows=self.sliding_windows)
 
     # -- construction -------------------------------------------------------------------
     @classmethod
