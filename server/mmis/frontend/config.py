@@ -23,8 +23,11 @@ MiB = 1 << 20
 
 # Formats PIL may open. Deliberately short: no EPS/PS (Ghostscript), no exotic decoders.
 DEFAULT_IMAGE_FORMATS: tuple[str, ...] = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
-# arguments of the processor call that mmis sets itself (ModelProcessor.process_image)
-PROCESSOR_CALL_ARGS = frozenset({"text", "images", "return_tensors"})
+# arguments of the processor call that mmis sets itself (ModelProcessor.process_image and
+# process_video)
+PROCESSOR_CALL_ARGS = frozenset(
+    {"text", "images", "return_tensors", "videos", "video_metadata", "do_sample_frames"}
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +151,31 @@ class FrontendConfig:
         DEFAULT_IMAGE_FORMATS,
         rule=(bool, "must name at least one format"),
         help="formats PIL may open",
+    )
+    max_videos_per_prompt: int = setting(
+        1, rule=NOT_NEGATIVE, help="most videos (video_url parts) in one request; 0 refuses video"
+    )
+    video_fps: float = setting(
+        2.0,
+        rule=POSITIVE,
+        help="frames sampled per second of video (Qwen2-VL's default), evenly over its duration; "
+        "fewer when --video-max-frames caps a long clip",
+    )
+    video_min_frames: int = setting(
+        4, rule=POSITIVE, help="fewest frames sampled from a video (all of them if it has fewer)"
+    )
+    video_max_frames: int = setting(
+        32,
+        rule=POSITIVE,
+        help="most frames sampled from one video: a longer clip is sampled more sparsely",
+    )
+    video_max_duration_s: float = setting(
+        600.0, rule=POSITIVE, help="longest accepted video in seconds (from its header)"
+    )
+    video_max_frame_pixels: int = setting(
+        3840 * 2160,
+        rule=POSITIVE,
+        help="largest video frame in pixels, width x height (from the stream header)",
     )
     max_n: int = setting(16, rule=POSITIVE, help="largest accepted n (choices per request)")
     generation_config: str = setting(

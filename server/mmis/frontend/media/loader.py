@@ -5,6 +5,8 @@ Invariants:
   ``file://`` (only below ``allowed_local_media_path``). Anything else is a 400.
 - The image count is checked *before* any image is fetched or decoded.
 - Every image is size-limited in bytes (all sources) and in pixels (from the header).
+- Videos (:meth:`MediaLoader.load_video`) come from the same sources under the same byte
+  limit; decoding and frame sampling (:mod:`.video`) run in ``executor`` like images.
 - Blocking work (base64 decoding, file reads, image decoding) runs in ``executor``
   (default: asyncio's), never on the event loop.
 - Loading several images is all-or-nothing: the first failure cancels the other loads and is
@@ -28,6 +30,7 @@ from mmis.frontend.media.data_url import parse_data_url
 from mmis.frontend.media.decode import decode_image
 from mmis.frontend.media.fetch import MediaFetcher
 from mmis.frontend.media.local import LocalMediaReader
+from mmis.frontend.media.video import DecodedVideo, VideoLimits, decode_video
 
 T = TypeVar("T")
 
@@ -103,6 +106,25 @@ class MediaLoader:
             )
         )
         return LoadedImage(image=image, data=data, source=source, media_type=media_type)
+
+    @property
+    def video_limits(self) -> VideoLimits:
+        c = self.config
+        return VideoLimits(
+            fps=c.video_fps,
+            min_frames=c.video_min_frames,
+            max_frames=c.video_max_frames,
+            max_duration_s=c.video_max_duration_s,
+            max_frame_pixels=c.video_max_frame_pixels,
+        )
+
+    async def load_video(self, url: str, *, param: str | None = None) -> DecodedVideo:
+        """The sampled frames of the video behind ``url`` (same sources and byte limit as an
+        image; decoded and sampled off the event loop, :mod:`.video`)."""
+        data, _, _ = await self.load_bytes(url, param=param)
+        return await self._blocking(
+            functools.partial(decode_video, data, self.video_limits, param=param)
+        )
 
     async def load_images(
         self, urls: Sequence[str], *, params: Sequence[str | None] | None = None
