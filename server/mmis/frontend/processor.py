@@ -33,6 +33,11 @@ Invariants:
   one rendering, so ``low`` changes nothing there. ``auto``/``high``/absent use the processor's
   own limits (and ``--processor-kwargs``). The kwargs of the chosen rendering are hashed into
   the item's mm_hash, so the two renderings of one image are two cache items.
+- Videos (processors that declare a ``video_token``: the Qwen2-VL family): the template writes
+  one video token per video part; :meth:`ModelProcessor.process_video` runs the processor on
+  one video's already sampled frames (``do_sample_frames=False``, the sampled rate as its
+  metadata, ``processor_kwargs``) and counts its video tokens; :meth:`ModelProcessor.expand`
+  replaces each item's own placeholder token (image or video), in prompt order.
 - :attr:`ModelProcessor.max_token_chars` is the longest token of the vocabulary in
   characters: a text of ``c`` characters has at least ``c / max_token_chars`` tokens, which
   bounds a prompt from its length before it is tokenized.
@@ -73,6 +78,11 @@ class ModelProcessor:
         placeholder = getattr(self.tokenizer, "image_token", None) or token
         self.placeholder_token: str = str(placeholder)
         self.image_token_id: int = int(self.tokenizer.convert_tokens_to_ids(placeholder))
+        video = getattr(processor, "video_token", None)
+        self.video_token: str | None = None if video is None else str(video)
+        self.video_token_id: int | None = (
+            None if video is None else int(self.tokenizer.convert_tokens_to_ids(video))
+        )
         self.processor_kwargs: dict[str, Any] = dict(processor_kwargs or {})
         self.image_prefix, self.image_suffix = ("", "")
         if self.image_token_id != self.marker_token_id:
@@ -201,22 +211,63 @@ class ModelProcessor:
             raise PromptError("the processor produced no image tokens for an image")
         return ProcessedImage(tensors=tensors, num_tokens=num)
 
+    def process_video(self, video: Any, kwargs: Mapping[str, Any] | None = None) -> ProcessedImage:
+        """Run the processor on one video's sampled frames (``video.frames`` ``[T, H, W, 3]``
+        at ``video.fps``), with ``kwargs`` (default: ``processor_kwargs``)."""
+        if self.video_token is None or self.video_token_id is None:
+            raise PromptError("this model's processor takes no video")
+        from transformers.video_utils import VideoMetadata
+
+        count = int(video.frames.shape[0])
+        metadata = VideoMetadata(
+            total_num_frames=count, fps=float(video.fps), frames_indices=list(range(count))
+        )
+        out = self.processor(
+            text=[self.video_token],
+            videos=[video.frames],
+            video_metadata=[metadata],
+            do_sample_frames=False,
+            return_tensors="np",
+            **(self.processor_kwargs if kwargs is None else kwargs),
+        )
+        ids = np.asarray(out["input_ids"]).reshape(-1)
+        num = int(np.count_nonzero(ids == self.video_token_id))
+        tensors = {
+            k: np.ascontiguousarray(v)
+            for k, v in out.items()
+            if k not in _TEXT_KEYS and isinstance(v, np.ndarray)
+        }
+        if num <= 0 or "video_grid_thw" not in tensors:
+            raise PromptError("the processor produced no video tokens for a video")
+        return ProcessedImage(tensors=tensors, num_tokens=num)
+
     def expand(
-        self, token_ids: Sequence[int], counts: Sequence[int]
+        self,
+        token_ids: Sequence[int],
+        counts: Sequence[int],
+        tokens: Sequence[int] | None = None,
     ) -> tuple[list[int], list[PlaceholderRange]]:
-        """Replace the k-th image token by ``counts[k]`` copies; return ids and ranges."""
-        slots = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
-        if len(slots) != len(counts):
+        """Replace the k-th placeholder token by ``counts[k]`` copies of it; return ids and
+        ranges. ``tokens[k]`` is item k's placeholder token (default: all images)."""
+        wanted = [self.image_token_id] * len(counts) if tokens is None else list(tokens)
+        kinds = {self.image_token_id} | (
+            {self.video_token_id} if self.video_token_id is not None else set()
+        )
+        slots = [i for i, t in enumerate(token_ids) if t in kinds]
+        if len(slots) != len(counts) or len(wanted) != len(counts):
             raise PromptError(
-                f"the prompt has {len(slots)} image placeholder(s) for {len(counts)} image(s)"
+                f"the prompt has {len(slots)} media placeholder(s) for {len(counts)} item(s)"
             )
+        for slot, token in zip(slots, wanted, strict=True):
+            if token_ids[slot] != token:
+                raise PromptError("the prompt's image and video placeholders are out of order")
         ids: list[int] = []
         ranges: list[PlaceholderRange] = []
         prev = 0
-        for slot, count in zip(slots, counts, strict=True):
+        for slot, count, token in zip(slots, counts, wanted, strict=True):
             ids.extend(token_ids[prev:slot])
             ranges.append(PlaceholderRange(offset=len(ids), length=int(count)))
-            ids.extend([self.image_token_id] * int(count))
+            ids.extend([token] * int(count))
             prev = slot + 1
         ids.extend(token_ids[prev:])
         return ids, ranges

@@ -21,6 +21,11 @@ Invariants:
   space is taken only after every check passed, as the last steps of the render.
 - With ``bypass`` every item that has data is sent with it; hash-only items (a uuid, no URL)
   can only ever be sent as ``data=None``.
+- Video items (``modality == "video"``, Qwen2-VL family) follow the same path: loaded and
+  sampled in stage 1 (:meth:`MediaLoader.load_video`), hashed as their sampled frames with the
+  processor kwargs and the sampled rate (so one clip sampled differently is another item),
+  processed by :meth:`ModelProcessor.process_video`, cached in the shadow and sent like an
+  image, with the video placeholder token. A model without a video token refuses them (400).
 - ``copies`` renders the features for that many sibling requests (``n`` choices); each SHM
   descriptor is issued once per copy, so the reader's acknowledgements balance.
 """
@@ -39,8 +44,9 @@ from mmis.frontend.errors import (
     ContextLengthExceededError,
     HashOnlyCacheMissError,
     InvalidRequestError,
+    TooManyImagesError,
 )
-from mmis.frontend.media import MediaLoader, check_image_count
+from mmis.frontend.media import DecodedVideo, MediaLoader, check_image_count
 from mmis.frontend.pending_invalidations import PendingInvalidations
 from mmis.frontend.processor import ModelProcessor, PromptError
 from mmis.multimodal.cache import SenderCache, ShadowEntry, ShadowItem, item_nbytes
@@ -50,6 +56,7 @@ from mmis.shm import ShmError, ShmStoreFullError, ShmWriter
 from mmis.telemetry.metrics import MMISMetrics
 
 MODALITY = "image"
+VIDEO = "video"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,15 +67,17 @@ class ImageRef:
     uuid: str | None
     param: str | None = None
     detail: str | None = None  # image_url.detail: "low" = the processor's minimum budget
+    modality: str = MODALITY  # or VIDEO: a video_url part
 
 
 @dataclasses.dataclass(frozen=True)
 class SourceItem:
     mm_hash: str
     uuid: str | None
-    image: Image.Image | None  # None: hash-only, the engine must still hold it
+    image: Image.Image | DecodedVideo | None  # None: hash-only, the engine must still hold it
     param: str | None
     processor_kwargs: dict[str, Any] | None = None  # None: the processor's own (--processor-kwargs)
+    modality: str = MODALITY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,16 +149,27 @@ class Renderer:
     async def prepare(
         self, prompt: str | Sequence[int], images: Sequence[ImageRef], *, param: str = "messages"
     ) -> SourcePrompt:
-        check_image_count(len(images), self.max_images)
-        with_data = [ref for ref in images if ref.url is not None]
+        videos = [ref for ref in images if ref.modality == VIDEO]
+        check_image_count(len(images) - len(videos), self.max_images)
+        self._check_videos(videos)
+        with_data = [ref for ref in images if ref.url is not None and ref.modality != VIDEO]
         loaded = await self.loader.load_images(
             [ref.url for ref in with_data if ref.url is not None],
             params=[ref.param for ref in with_data],
         )
         pictures = iter(loaded)
+        clips = iter(
+            [await self.loader.load_video(ref.url or "", param=ref.param) for ref in videos]
+        )
         loop = asyncio.get_running_loop()
         items: list[SourceItem] = []
         for ref in images:
+            if ref.modality == VIDEO:
+                clip = next(clips)
+                kwargs = dict(self.processor.processor_kwargs)
+                mm_hash = await loop.run_in_executor(None, self.hash_video, clip, ref.uuid, kwargs)
+                items.append(SourceItem(mm_hash, ref.uuid, clip, ref.param, kwargs, VIDEO))
+                continue
             image = next(pictures).image if ref.url is not None else None
             kwargs = self.processor.image_kwargs(ref.detail)
             mm_hash = await loop.run_in_executor(None, self.hash_image, image, ref.uuid, kwargs)
@@ -158,13 +178,52 @@ class Renderer:
             self._check_prompt_chars(len(prompt), param)
         token_ids = await loop.run_in_executor(None, self.processor.prompt_token_ids, prompt)
         slots = sum(t == self.processor.image_token_id for t in token_ids)
-        if slots != len(items):
+        if slots != len(items) - len(videos):
             raise InvalidRequestError(
-                f"the prompt has {slots} image placeholder token(s) for {len(items)} image(s); "
+                f"the prompt has {slots} image placeholder token(s) for "
+                f"{len(items) - len(videos)} image(s); "
                 f"do not write the image token {self.processor.image_token!r} in text",
                 param=param,
             )
+        if self.processor.video_token_id is not None:
+            found = sum(t == self.processor.video_token_id for t in token_ids)
+            if found != len(videos):
+                raise InvalidRequestError(
+                    f"the prompt has {found} video placeholder token(s) for {len(videos)} "
+                    f"video(s); do not write the video token {self.processor.video_token!r} "
+                    "in text",
+                    param=param,
+                )
         return SourcePrompt(token_ids=token_ids, items=items, param=param)
+
+    def _check_videos(self, videos: Sequence[ImageRef]) -> None:
+        if not videos:
+            return
+        if self.processor.video_token_id is None:
+            raise InvalidRequestError(
+                "this model takes no video input (its processor declares no video token)",
+                param=videos[0].param,
+            )
+        limit = self.loader.config.max_videos_per_prompt
+        if len(videos) > limit:
+            raise TooManyImagesError(
+                f"the prompt has {len(videos)} videos, more than the limit of {limit} "
+                "(max_videos_per_prompt)",
+                param="messages",
+            )
+
+    def hash_video(
+        self, video: DecodedVideo, uuid: str | None, processor_kwargs: dict[str, Any]
+    ) -> str:
+        """A video's mm_hash: its sampled frames, the processor kwargs and the sampled rate."""
+        return item_mm_hash(
+            model_id=self.model_id,
+            modality=VIDEO,
+            item=video.frames,
+            processor_kwargs={**processor_kwargs, "mmis_sampled_fps": float(video.fps)},
+            uuid=uuid,
+            algorithm=self.hash_algorithm,
+        )
 
     def hash_image(
         self,
@@ -211,14 +270,19 @@ class Renderer:
                 continue
             if item.image is None:  # unreachable: hash-only misses were rejected above
                 raise HashOnlyCacheMissError([item.uuid or item.mm_hash])
-            processed = self.processor.process_image(item.image, item.processor_kwargs)
+            if isinstance(item.image, DecodedVideo):
+                processed = self.processor.process_video(item.image, item.processor_kwargs)
+            else:
+                processed = self.processor.process_image(item.image, item.processor_kwargs)
             nbytes = item_nbytes(processed.tensors)
             plan.append(
                 _Planned(item, ShadowEntry(nbytes, processed.num_tokens), processed.tensors)
             )
         try:
             token_ids, ranges = self.processor.expand(
-                source.token_ids, [p.entry.placeholder_length for p in plan]
+                source.token_ids,
+                [p.entry.placeholder_length for p in plan],
+                [self._placeholder_token(p.item) for p in plan],
             )
         except PromptError as exc:
             raise InvalidRequestError(str(exc), param=source.param) from exc
@@ -231,13 +295,20 @@ class Renderer:
             recorded.append(ShadowItem(p.item.mm_hash, entry))
             for copy, data in enumerate(datas):
                 features[copy].append(
-                    MultiModalFeature(MODALITY, p.item.mm_hash, p.item.mm_hash, placeholder, data)
+                    MultiModalFeature(
+                        p.item.modality, p.item.mm_hash, p.item.mm_hash, placeholder, data
+                    )
                 )
         self.shadow.record_request(recorded)
         hits = sum(p.tensors is None for p in plan)
         self.metrics.processor_cache(len(plan), hits)
         self.metrics.shadow_hits(hits)
         return RenderedPrompt(token_ids, features, hits, len(plan) - hits)
+
+    def _placeholder_token(self, item: SourceItem) -> int:
+        if item.modality == VIDEO and self.processor.video_token_id is not None:
+            return self.processor.video_token_id
+        return self.processor.image_token_id
 
     def _payloads(
         self, p: _Planned, copies: int

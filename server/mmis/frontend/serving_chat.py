@@ -1,8 +1,9 @@
 """``POST /v1/chat/completions``: messages -> chat template -> generation (whole or streamed).
 
 Invariants:
-- Images reach the chat template as ``{"type": "image"}`` parts, in prompt order, so the
-  template writes exactly one image token per image; the renderer expands them.
+- Images reach the chat template as ``{"type": "image"}`` parts and videos (``video_url``
+  parts) as ``{"type": "video"}`` parts, in prompt order, so the template writes exactly one
+  image (video) token per item; the renderer expands them.
 - ``developer`` messages are rendered as ``system`` (templates rarely know the newer role);
   an assistant message without content is rendered with empty text.
 - Tools reach the template as OpenAI tool definitions, unless ``tool_choice`` is ``none``
@@ -28,7 +29,7 @@ from fastapi.responses import Response
 from mmis.frontend import logprobs, tool_calls
 from mmis.frontend.errors import InvalidRequestError
 from mmis.frontend.logprobs import TokenLogprob
-from mmis.frontend.renderer import ImageRef
+from mmis.frontend.renderer import VIDEO, ImageRef
 from mmis.frontend.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -39,6 +40,7 @@ from mmis.frontend.schemas import (
     ChatDelta,
     ImagePart,
     Usage,
+    VideoPart,
     sse_chunk,
 )
 from mmis.frontend.schemas.tools import NamedToolChoice
@@ -65,6 +67,10 @@ def template_messages(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]],
                 parts.append({"type": "image"})
                 param = f"messages[{i}].content[{j}]"
                 images.append(ImageRef(part.url, part.item_uuid, param, part.detail))
+            elif isinstance(part, VideoPart):
+                parts.append({"type": "video"})
+                param = f"messages[{i}].content[{j}]"
+                images.append(ImageRef(part.url, part.item_uuid, param, modality=VIDEO))
             else:
                 parts.append({"type": "text", "text": part.text})
         messages.append({"role": role, "content": parts, **extra})

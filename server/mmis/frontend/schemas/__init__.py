@@ -7,7 +7,7 @@ turns a raw body into a model or a typed 400 naming the offending ``param``;
 """
 
 from mmis.frontend.schemas.chat import ChatCompletionRequest, ChatMessage
-from mmis.frontend.schemas.common import ImagePart, ImageURL, TextPart
+from mmis.frontend.schemas.common import ImagePart, ImageURL, TextPart, VideoPart, VideoURL
 from mmis.frontend.schemas.completions import CompletionRequest
 from mmis.frontend.schemas.embeddings import EmbeddingRequest
 from mmis.frontend.schemas.responses import (
@@ -66,6 +66,8 @@ __all__ = [
     "TextPart",
     "Usage",
     "VersionInfo",
+    "VideoPart",
+    "VideoURL",
     "install_exception_handlers",
     "parse_request",
     "sse_chunk",

@@ -36,6 +36,7 @@ from mmis.frontend.schemas.common import (
     ImagePart,
     OpenAIModel,
     TextPart,
+    VideoPart,
     add_sampling_rules,
     add_unsupported_to_schema,
     reject_unsupported,
@@ -128,13 +129,15 @@ class ChatMessage(OpenAIModel):
             raise ValueError(f"content is required for a {self.role} message")
         if self.role != "user" and any(isinstance(p, ImagePart) for p in self.parts()):
             raise ValueError(f"image parts are only allowed in user messages, not {self.role}")
+        if self.role != "user" and any(isinstance(p, VideoPart) for p in self.parts()):
+            raise ValueError(f"video parts are only allowed in user messages, not {self.role}")
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError(f"tool_calls are only allowed in assistant messages, not {self.role}")
         if self.role == "tool" and self.tool_call_id is None:
             raise ValueError("a tool message needs tool_call_id (the call it answers)")
         return self
 
-    def parts(self) -> list[TextPart | ImagePart]:
+    def parts(self) -> list[TextPart | ImagePart | VideoPart]:
         """The content as parts (a string content is one text part)."""
         if self.content is None:
             return []

@@ -16,6 +16,10 @@ What we accept (documented contract):
   ``{"uuid": ID}`` (id only: the server must still hold the item, else the documented 422 of
   :mod:`mmis.frontend.errors`), and ``{"image_url": URL}`` (a bare string).
   ``uuid`` may appear in both places only if equal.
+- Chat content may also hold ``{"type": "video_url", "video_url": {"url": URL}}`` parts (or
+  ``"video_url": URL``), with an optional ``uuid`` (``video_url.uuid`` or ``uuid``) that names
+  the item in the caches instead of its content hash; a video part always carries its URL (no
+  hash-only videos). Other inputs (embeddings) take text and image parts only.
 - The JSON schemas of these models (``model_json_schema()``, what ``GET /openapi.json`` serves,
   :mod:`mmis.frontend.openapi`) state the same rules as the validators where JSON Schema can:
   an image part names a url or a uuid, a bare-string ``image_url``, and every unsupported
@@ -228,11 +232,50 @@ class ImagePart(OpenAIModel):
         return self.url is None
 
 
+class VideoURL(OpenAIModel):
+    url: str = Field(min_length=1)
+    uuid: str | None = Field(default=None, min_length=1, max_length=UUID_MAX_LENGTH)
+
+
+class VideoPart(OpenAIModel):
+    type: Literal["video_url"]
+    video_url: VideoURL
+    uuid: str | None = Field(default=None, min_length=1, max_length=UUID_MAX_LENGTH)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_url(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("video_url"), str):
+            return {**data, "video_url": {"url": data["video_url"]}}
+        return data
+
+    @model_validator(mode="after")
+    def _one_uuid(self) -> VideoPart:
+        if self.video_url.uuid and self.uuid and self.video_url.uuid != self.uuid:
+            raise ValueError("uuid and video_url.uuid differ; give one")
+        return self
+
+    @property
+    def url(self) -> str:
+        return self.video_url.url
+
+    @property
+    def item_uuid(self) -> str | None:
+        return self.video_url.uuid or self.uuid
+
+
 def _part_tag(value: Any) -> str | None:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
     if not isinstance(kind, str):  # any JSON value may come here: {} is unhashable
         return None
     return {"text": "part[text]", "image_url": "part[image_url]"}.get(kind)
+
+
+def _chat_part_tag(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    if isinstance(kind, str) and kind == "video_url":
+        return "part[video_url]"
+    return _part_tag(value)
 
 
 ContentPart = Annotated[
@@ -253,8 +296,19 @@ def _content_tag(value: Any) -> str | None:
     return None
 
 
+ChatContentPart = Annotated[
+    Annotated[TextPart, Tag("part[text]")]
+    | Annotated[ImagePart, Tag("part[image_url]")]
+    | Annotated[VideoPart, Tag("part[video_url]")],
+    Discriminator(
+        _chat_part_tag,
+        custom_error_type="invalid_content_part",
+        custom_error_message="part type must be 'text' or 'image_url' or 'video_url'",
+    ),
+]
+
 Content = Annotated[
-    Annotated[str, Tag("[str]")] | Annotated[list[ContentPart], Tag("list[part]")],
+    Annotated[str, Tag("[str]")] | Annotated[list[ChatContentPart], Tag("list[part]")],
     Discriminator(
         _content_tag,
         custom_error_type="invalid_content",
