@@ -1,0 +1,104 @@
+"""Each newer model family behind ``mmis serve``, asked through the openai SDK.
+
+For every family whose P0 path differs from LLaVA's and Qwen2-VL's (Gemma 3: the template's
+``<start_of_image>`` marker becomes ``\\n\\n<start_of_image>`` + soft tokens +
+``<end_of_image>\\n\\n``, ``frontend/processor.py``; LLaVA-NeXT / OneVision: the placeholder
+count depends on the photo's size), a chat request with two photos of different sizes is
+answered with 200, its prompt token count is exactly the length of the model processor's own
+``input_ids``, and its greedy text equals plain transformers ``generate()`` on the same decoded
+images and prompt.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).parent))
+from procs import Proc
+
+from mmis.engine.tiny_model import tiny_model_dir
+
+pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
+
+FAMILIES = ("gemma3",)
+PROMPT = "Compare the two pictures."
+MAX_TOKENS = 8
+SIZES = ((640, 480), (300, 500))
+
+
+def _jpeg(width: int, height: int) -> bytes:
+    rng = np.random.default_rng(width * height)
+    coarse = rng.integers(0, 255, (height // 32 + 1, width // 32 + 1, 3), dtype=np.uint8)
+    image = Image.fromarray(coarse).resize((width, height), Image.Resampling.BILINEAR)
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=85)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def served(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[openai.OpenAI, Path]]:
+    model = tiny_model_dir(request.param)
+    log_dir = tmp_path_factory.mktemp(request.param)
+    args = ["serve", "--port", "0", "--model", str(model), "--served-model-name", "m"]
+    proc = Proc(f"serve-{request.param}", args, log_dir, announces=True)
+    try:
+        proc.wait_http("/ready", 300)
+        client = openai.OpenAI(base_url=proc.root_url + "/v1", api_key="x", max_retries=0)
+        yield client.with_options(timeout=300), model
+    finally:
+        proc.stop()
+
+
+def _reference(model: Path, jpegs: list[bytes]) -> tuple[str, int]:
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model)
+    hf = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).eval()
+    images = [Image.open(io.BytesIO(j)).convert("RGB") for j in jpegs]
+    parts: list[dict[str, str]] = [{"type": "image"} for _ in images]
+    messages = [{"role": "user", "content": [*parts, {"type": "text", "text": PROMPT}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=images, return_tensors="pt")
+    with torch.no_grad():
+        out = hf.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=[])
+    length = int(inputs["input_ids"].shape[1])
+    return str(processor.tokenizer.decode(out[0, length:].tolist(), skip_special_tokens=True)), (
+        length
+    )
+
+
+def test_two_photos_are_answered_as_transformers_answers(
+    served: tuple[openai.OpenAI, Path],
+) -> None:
+    client, model = served
+    jpegs = [_jpeg(w, h) for w, h in SIZES]
+    parts = [
+        {
+            "type": "image_url",
+            "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(j).decode()},
+        }
+        for j in jpegs
+    ]
+    out = client.chat.completions.create(
+        model="m",
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        messages=[{"role": "user", "content": [*parts, {"type": "text", "text": PROMPT}]}],  # type: ignore[list-item]
+        extra_body={"ignore_eos": True},
+    )
+    expected, prompt_tokens = _reference(model, jpegs)
+    assert out.usage is not None
+    assert out.usage.prompt_tokens == prompt_tokens
+    assert out.choices[0].message.content == expected
