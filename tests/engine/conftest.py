@@ -29,16 +29,19 @@ from mmis.engine.sched_output import (
     SchedulerOutput,
     StepOutput,
 )
+from mmis.engine.tiny_model import FAMILIES as ALL_FAMILIES
 from mmis.engine.tiny_model import build_tiny_model
 from mmis.protocol.messages import PoolingParams, SamplingParams
 
-FAMILIES = ("llava", "qwen2-vl", "qwen2.5-vl", "llava-siglip")  # every tiny_model family
+# the families the runner-level tests (``family`` fixture) run; the engine-process tests of
+# the others have files of their own (test_engine_gemma3.py, ...)
+FAMILIES = ("llava", "qwen2-vl", "qwen2.5-vl", "llava-siglip")
 
 
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny-models")
-    return {family: build_tiny_model(root / family, family) for family in FAMILIES}
+    return {family: build_tiny_model(root / family, family) for family in ALL_FAMILIES}
 
 
 @dataclasses.dataclass
