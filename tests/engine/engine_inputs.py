@@ -3,7 +3,8 @@
 Invariants:
 - The prompt and the image tensors come from the model's own Hugging Face processor run once
   on the whole request, exactly as the reference ``generate()`` sees them; each item's tensors
-  are that output split per image (numpy, as on the wire).
+  are that output split per image (numpy, as on the wire); any-resolution items keep only
+  their own tiles (the batch's zero padding dropped) and their ``image_sizes`` row.
 - An item's ``mm_hash`` (and identifier) is a digest of its pixel tensors, so the same image
   always gets the same hash and different images never share one.
 - The reference is plain ``transformers`` ``generate(do_sample=False)`` with no early stop;
@@ -91,6 +92,8 @@ class ModelKit:
 
     def _split(self, inputs: Any, count: int) -> list[dict[str, np.ndarray]]:
         pixels = inputs["pixel_values"].numpy() if count else None
+        if count and inputs.get("image_sizes") is not None:
+            return self._split_tiles(inputs, pixels, count)
         grids = inputs.get("image_grid_thw")
         if grids is None:
             return [{"pixel_values": pixels[i : i + 1]} for i in range(count)]  # type: ignore[index]
@@ -104,6 +107,26 @@ class ModelKit:
                 }
             )
             row += rows
+        return items
+
+    @staticmethod
+    def _split_tiles(inputs: Any, pixels: Any, count: int) -> list[dict[str, np.ndarray]]:
+        """Any-resolution families (LLaVA-NeXT, OneVision): ``pixel_values`` is ``[images,
+        tiles, 3, S, S]``, zero-padded to the request's most tiles; each item keeps its own
+        tiles (the trailing all-zero ones are the padding), its ``image_sizes`` row and, when
+        the processor gives ``batch_num_images``, its prompt's image count."""
+        sizes = inputs["image_sizes"].numpy()
+        found = inputs.get("batch_num_images")
+        per_prompt = None if found is None else [int(n) for n in found for _ in range(int(n))]
+        items = []
+        for i in range(count):
+            keep = pixels.shape[1]
+            while keep > 1 and not pixels[i, keep - 1].any():
+                keep -= 1
+            item = {"pixel_values": pixels[i : i + 1, :keep], "image_sizes": sizes[i : i + 1]}
+            if per_prompt is not None:
+                item["batch_num_images"] = np.asarray([per_prompt[i]], dtype=np.int64)
+            items.append(item)
         return items
 
     def request(

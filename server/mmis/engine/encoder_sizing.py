@@ -7,7 +7,9 @@ computing per family: it runs the model's image processor (no tokenizer) on the 
 image a client may send (:data:`PROBE_SIZES`, past any processor's limit, so it is clamped
 to that limit; skipped when :data:`SMALL_PROBES` show the output does not grow) and counts
 its tokens with the model adapter's own ``num_placeholder_tokens``, the count the engine
-checks every request against.
+checks every request against. An any-resolution processor (``image_grid_pinpoints``) runs
+once, on its largest grid, and that item is counted again under swept ``image_sizes``
+(:data:`GRID_SWEEP`): its largest count is at no single probe size.
 
 Invariants:
 - The encoder cache (and the per-step encoder budget) is at least the largest probed item
@@ -23,6 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,6 +43,10 @@ log = logging.getLogger(__name__)
 # (a square takes the most tokens under a pixel-count limit or a tile grid)
 SMALL_PROBES = ((64, 64), (1024, 1024))
 PROBE_SIZES = ((5000, 5000),)
+# any-resolution grids: sizes swept per grid edge; 32 finds what a search of every size up to
+# the largest grid finds, for the hub's LLaVA-NeXT and OneVision pinpoints (2928 and 8765
+# tokens; a square probe gives OneVision 7371) and for the tiny models' (88 and 198)
+GRID_SWEEP = 32
 
 
 def load_image_processor(model: str, revision: str | None) -> Any | None:
@@ -55,6 +62,8 @@ def load_image_processor(model: str, revision: str | None) -> Any | None:
 def largest_item_tokens(adapter: ModelAdapter, image_processor: Any) -> int | None:
     """The most placeholder tokens one image can take under the processor's limits."""
     try:
+        if getattr(image_processor, "image_grid_pinpoints", None):
+            return _largest_on_a_grid(adapter, image_processor)
         small = [_tokens(adapter, image_processor, size) for size in SMALL_PROBES]
         if small[0] == small[1]:
             return small[1]
@@ -64,14 +73,45 @@ def largest_item_tokens(adapter: ModelAdapter, image_processor: Any) -> int | No
         return None
 
 
-def _tokens(adapter: ModelAdapter, image_processor: Any, size: tuple[int, int]) -> int:
+def _item(adapter: ModelAdapter, image_processor: Any, size: tuple[int, int]) -> Any:
     from PIL import Image
 
     width, height = size
     image = Image.fromarray(np.full((height, width, 3), 128, dtype=np.uint8))
     batch = image_processor(images=[image], return_tensors="np")
     (item,) = adapter.split_processor_output(dict(batch))
-    return int(adapter.num_placeholder_tokens(item))
+    return item
+
+
+def _tokens(adapter: ModelAdapter, image_processor: Any, size: tuple[int, int]) -> int:
+    return int(adapter.num_placeholder_tokens(_item(adapter, image_processor, size)))
+
+
+def _largest_on_a_grid(adapter: ModelAdapter, image_processor: Any) -> int:
+    """Any-resolution processors (``image_grid_pinpoints``: LLaVA-NeXT, OneVision).
+
+    The count depends on the image only through its size (``image_sizes``) and the grid picked
+    for it, and its maximum is not at a square (OneVision's ``anyres_max`` shrinking of large
+    grids lets a smaller, oblong one give more). So the processor runs once, on an image of
+    the largest grid (the most tiles), and that item is counted again with the sizes of
+    :data:`GRID_SWEEP` steps along every grid's edges, at the grid's size and far past it.
+    """
+    pinpoints = [(int(h), int(w)) for h, w in image_processor.image_grid_pinpoints]
+    height, width = max(pinpoints, key=lambda hw: hw[0] * hw[1])
+    item = _item(adapter, image_processor, (width, height))
+    largest = int(adapter.num_placeholder_tokens(item))
+    sizes: set[tuple[int, int]] = set()
+    for h, w in pinpoints:
+        for step in range(1, GRID_SWEEP + 1):
+            for size in (
+                (h, math.ceil(w * step / GRID_SWEEP)),
+                (math.ceil(h * step / GRID_SWEEP), w),
+            ):
+                sizes.update({size, (size[0] * 8, size[1] * 8)})
+    for size in sorted(sizes):
+        swept = {**item, "image_sizes": np.asarray([size], dtype=np.int64)}
+        largest = max(largest, int(adapter.num_placeholder_tokens(swept)))
+    return largest
 
 
 def encoder_cache_tokens(configured: int | None, largest: int | None) -> int:
