@@ -4,7 +4,8 @@ Invariants:
 - The container is recognised from its magic bytes and opened with that demuxer explicitly:
   ffmpeg never probes, so no playlist/concat demuxer can open another URL or file.
 - Limits are checked from the headers before any frame is decoded: a video stream exists,
-  its frame size is at most ``max_frame_pixels``, its duration at most ``max_duration_s``
+  its frame size is at most ``max_frame_pixels`` (checked again on the first decoded frame,
+  for codecs whose header has no size), its duration at most ``max_duration_s``
   (a stream whose frames run past that is refused while decoding, whatever it declared).
 - Sampling (:func:`sample_times`): ``n = clamp(round(duration * fps), min_frames,
   max_frames)`` target times ``k * duration / n`` (k = 0..n-1); each takes the first
@@ -111,13 +112,9 @@ def _decode(container: object, limits: VideoLimits, param: str | None) -> Decode
         raise InvalidVideoError("the file has no video stream", param=param)
     stream = streams.video[0]
     stream.thread_type = "AUTO"
-    width, height = int(stream.codec_context.width or 0), int(stream.codec_context.height or 0)
-    if width * height > limits.max_frame_pixels:
-        raise VideoTooLargeError(
-            f"the video's frames are {width}x{height} = {width * height} pixels, above the "
-            f"limit of {limits.max_frame_pixels} (video_max_frame_pixels)",
-            param=param,
-        )
+    _check_pixels(
+        int(stream.codec_context.width or 0), int(stream.codec_context.height or 0), limits, param
+    )
     duration = _duration(container, stream)
     if duration is None or duration <= 0:
         raise InvalidVideoError("the video declares no duration", param=param)
@@ -137,8 +134,9 @@ def _decode(container: object, limits: VideoLimits, param: str | None) -> Decode
         _check_duration(rel, limits, param)
         if rel + 1e-6 < targets[k]:
             continue
-        if size is None:
+        if size is None:  # a codec may only know the size once a frame is decoded
             size = (int(frame.width), int(frame.height))
+            _check_pixels(size[0], size[1], limits, param)
         frames.append(frame.to_ndarray(width=size[0], height=size[1], format="rgb24"))
         while k < len(targets) and targets[k] <= rel + 1e-6:
             k += 1
@@ -164,6 +162,15 @@ def _duration(container: object, stream: object) -> float | None:
     if count and rate:
         return float(count / rate)
     return None
+
+
+def _check_pixels(width: int, height: int, limits: VideoLimits, param: str | None) -> None:
+    if width * height > limits.max_frame_pixels:
+        raise VideoTooLargeError(
+            f"the video's frames are {width}x{height} = {width * height} pixels, above the "
+            f"limit of {limits.max_frame_pixels} (video_max_frame_pixels)",
+            param=param,
+        )
 
 
 def _check_duration(seconds: float, limits: VideoLimits, param: str | None) -> None:
