@@ -116,6 +116,8 @@ def engine_args(spec: ServiceSpec) -> list[str]:
     args += ["--health-port", str(r.ENGINE_HEALTH_PORT)]
     args += ["--mm-cache-type", spec.cache.type, "--engine-mm-cache-gb", quantity.gib(receiver)]
     args += _shm_args(spec)
+    if spec.gpus > 1:  # every GPU the container gets runs a slice of each layer
+        args += ["--tensor-parallel-size", str(spec.gpus)]
     if spec.max_num_seqs is not None:
         args += ["--max-num-seqs", str(spec.max_num_seqs)]
     if spec.max_num_batched_tokens is not None:

@@ -54,6 +54,15 @@ def test_gpu_limits_only_on_engine(sample: dict[str, Any]) -> None:
     assert "tolerations" not in cpu_only["spec"]["template"]["spec"]
 
 
+def test_tensor_parallel_size_follows_the_gpus(sample: dict[str, Any]) -> None:
+    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    assert _args(_containers(dep)[r.ENGINE], "--tensor-parallel-size") == "2"
+    for gpus in (0, 1):  # one rank: no flag
+        sample["spec"]["resources"]["gpus"] = gpus
+        single = children.deployment(sample, parse_spec(sample["spec"]))
+        assert "--tensor-parallel-size" not in _containers(single)[r.ENGINE]["args"]
+
+
 def test_addresses_and_cache_flags_come_from_one_place(sample: dict[str, Any]) -> None:
     dep = children.deployment(sample, parse_spec(sample["spec"]))
     front, engine = _containers(dep)[r.FRONTEND], _containers(dep)[r.ENGINE]

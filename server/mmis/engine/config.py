@@ -85,6 +85,12 @@ class EngineConfig:
         "max_model_len", rule=(lambda v: v is None or v >= 2, "must be at least 2")
     )
     device: str | None = setting(None, help="torch device (default: cuda if available, else cpu)")
+    tensor_parallel_size: int = setting(
+        1,
+        rule=AT_LEAST_1,
+        help="ranks the language model's layers are split over, one process each (on CUDA "
+        "one GPU each, NCCL; on CPU gloo); not with --gpu-memory-utilization",
+    )
     dtype: str = setting(
         "auto",
         choices=DTYPE_CHOICES,

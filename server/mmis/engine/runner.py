@@ -15,7 +15,9 @@ prompt token (read from ``histories``: a chunk's last row scores the first token
 chunk), in ``StepOutput.prompt_logprobs``; the core joins the chunks.
 
 Invariants:
-- Exactly one language-model forward per step, whatever the number of sequences.
+- Exactly one language-model forward per step, whatever the number of sequences; under
+  tensor parallelism the step's inputs are broadcast right before it, so every rank runs
+  the same forward (``tensor_parallel.py``).
 - The step's attention metadata (block tables, cumulative lengths, new-token slots,
   positions: ``attn_metadata.py``) is built once, vectorised, before the forward; the
   attention backend (``attn_backends.py``, chosen per device at construction) reads it in
@@ -34,6 +36,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -48,6 +51,9 @@ from mmis.engine.sched_output import ScheduledRequest, SchedulerOutput, StepOutp
 from mmis.engine.token_history import TokenCounts, TokenHistory, TokenHistoryCache
 from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import ErrorCode
+
+if TYPE_CHECKING:
+    from mmis.engine.tensor_parallel import TensorParallel
 
 
 class StepInputError(MMISError, ValueError):
@@ -79,6 +85,8 @@ class ModelRunner:
         self.token_history = TokenHistoryCache()
         self.num_forwards = 0
         self.num_encoder_calls = 0
+        # set by ``mmis engine`` under --tensor-parallel-size > 1 (engine/tensor_parallel.py)
+        self.tensor_parallel: TensorParallel | None = None
 
     @classmethod
     def create(
@@ -114,14 +122,16 @@ class ModelRunner:
         if not seqs:
             return out
         self._validate(seqs)
+        sizes, starts = [s.num_tokens for s in seqs], [s.start_position for s in seqs]
+        tables, spans = [s.block_table for s in seqs], self.adapter.bidirectional_spans(seqs)
         meta = AttentionMetadata.build(
-            [s.num_tokens for s in seqs],
-            [s.start_position for s in seqs],
-            [s.block_table for s in seqs],
+            sizes,
+            starts,
+            tables,
             self.block_size,
             self.pool.num_slots,
             self.adapter.device,
-            bidirectional_spans=self.adapter.bidirectional_spans(seqs),
+            bidirectional_spans=spans,
         )
         out.encoded_mm_hashes = self._encode(seqs)
         token_ids = to_device(
@@ -131,6 +141,8 @@ class ModelRunner:
         embeds = self.adapter.embed_tokens(token_ids)
         self._scatter(embeds, seqs)
         positions = self.adapter.step_positions(seqs, meta)
+        if self.tensor_parallel is not None:  # the other ranks run the same forward
+            self.tensor_parallel.broadcast_step(sizes, starts, tables, spans, embeds, positions)
         hidden = self.adapter.forward(embeds, positions, PagedStep(self.pool, meta, self.backend))
         self.num_forwards += 1
         self._sample(hidden, seqs, out, histories)

@@ -163,7 +163,27 @@ def build(cfg: EngineConfig) -> EngineCoreProc:
     from mmis.shm.reader_set import ShmReaderSet
     from mmis.telemetry.request_spans import RequestSpans
 
+    tp = None
+    if cfg.tensor_parallel_size > 1:
+        from mmis.engine.tensor_parallel import start_workers
+
+        if cfg.gpu_memory_utilization is not None:
+            raise SystemExit(
+                "mmis engine: --gpu-memory-utilization does not work with "
+                "--tensor-parallel-size > 1 yet; size the KV cache with --num-kv-blocks"
+            )
+        tp, port = start_workers(cfg)  # they load the model meanwhile
+        tp.watch()
     adapter = load_model(cfg)
+    if tp is not None:
+        from mmis.engine.tensor_parallel import TensorParallelError, init_group, shard_adapter
+
+        try:
+            shard_adapter(adapter, 0, tp.size)
+        except TensorParallelError as exc:
+            raise SystemExit(f"mmis engine: cannot split {cfg.model}: {exc}") from None
+        init_group(adapter.device, 0, tp.size, port)
+        log.info("tensor parallel: %d ranks (%s)", tp.size, adapter.device.type)
     max_len = cfg.max_model_len or getattr(adapter.text_config, "max_position_embeddings", None)
     try:
         plan = plan_kv_pool(cfg, adapter, max_len)
@@ -183,7 +203,12 @@ def build(cfg: EngineConfig) -> EngineCoreProc:
             f"mmis engine: --kv-cache-gb {cfg.kv_cache_gb} holds {runner.pool.num_blocks} KV "
             f"block(s) of {runner.pool.spec.bytes_per_block} bytes; at least 2 are needed"
         )
-    if cfg.self_check:
+    if tp is not None:
+        tp.send_pool_size(runner.pool.num_blocks)
+        runner.tensor_parallel = tp
+        if cfg.self_check:  # its reference forward is not mirrored on the other ranks
+            log.info("self-check skipped under tensor parallelism")
+    elif cfg.self_check:
         from mmis.engine.self_check import SelfCheckError, run_self_check
 
         try:
@@ -271,6 +296,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if health is not None:
             health.close()
+        tp = getattr(getattr(proc.core, "runner", None), "tensor_parallel", None)
+        if tp is not None:
+            tp.shutdown()
         spans = getattr(proc.core, "spans", None)
         if spans is not None:
             spans.close()  # the spans of requests that finished last, before the exporter's exit
