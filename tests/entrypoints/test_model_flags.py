@@ -55,7 +55,8 @@ def mmis(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
         (
             ["frontend", "--model", "m", "--processor-kwargs", '{"images": [], "text": "x"}'],
             {},
-            "--processor-kwargs must not set ['images', 'return_tensors', 'text']",
+            "--processor-kwargs must not set ['do_sample_frames', 'images', 'return_tensors', "
+            "'text', 'video_metadata', 'videos']",
         ),
         (
             ["engine", "--processor-kwargs", "{}"],  # P1 never runs the processor
