@@ -27,7 +27,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Protocol
 
-from mmis.engine.sched_output import MultiModalInput, grid_thw_of
+from mmis.engine.sched_output import MultiModalInput, grid_thw_of, second_per_grid_of
 from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import (
     EngineCoreRequest,
@@ -127,6 +127,7 @@ class Request:
                 f.placeholder.offset,
                 f.placeholder.length,
                 grid_thw=grid_thw_of(f.data),
+                second_per_grid=second_per_grid_of(f.data),
             )
             for f in self.mm_features
         ]

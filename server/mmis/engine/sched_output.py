@@ -59,6 +59,18 @@ def grid_thw_of(data: object) -> tuple[int, int, int] | None:
     return (values[0], values[1], values[2]) if len(values) == 3 else None
 
 
+def second_per_grid_of(data: object) -> float | None:
+    """A video's seconds per temporal patch (Qwen2.5-VL's ``second_per_grid_ts``), if given."""
+    if not isinstance(data, Mapping):
+        return None
+    seconds = data.get("second_per_grid_ts")
+    if seconds is None:
+        return None
+    flat = seconds.reshape(-1).tolist() if hasattr(seconds, "reshape") else seconds
+    values = flat if isinstance(flat, list | tuple) else [flat]
+    return float(values[0]) if len(values) == 1 else None
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class MultiModalInput:
     """One multimodal item of a scheduled request."""
@@ -70,10 +82,14 @@ class MultiModalInput:
     # (t, h, w) patch grid (Qwen2-VL M-RoPE); taken from ``data`` when not given, so
     # ``dataclasses.replace(item, data=None)`` keeps it
     grid_thw: tuple[int, int, int] | None = None
+    # a video's seconds per temporal patch (Qwen2.5-VL M-RoPE), kept the same way
+    second_per_grid: float | None = None
 
     def __post_init__(self) -> None:
         if self.grid_thw is None and self.data is not None:
             object.__setattr__(self, "grid_thw", grid_thw_of(self.data))
+        if self.second_per_grid is None and self.data is not None:
+            object.__setattr__(self, "second_per_grid", second_per_grid_of(self.data))
 
     @property
     def end(self) -> int:

@@ -17,10 +17,9 @@ Invariants:
   images and Qwen2-VL videos, ``tokens_per_second * second_per_grid_ts`` for Qwen2.5-VL videos.
   Decode positions continue the text rule. They are a pure function of (start, n, item
   layout), so chunked prefill, prefix hits and decode agree with a whole-prompt computation.
-- A Qwen2.5-VL video's interval is read from its tensors the first time a step carries them
-  (the step that encodes it) and remembered by mm_hash (bounded LRU; the hash covers frames,
-  sampling and processor kwargs, so one hash has one interval); a later chunk of the same
-  item that lacks both raises :class:`ModelInputError` rather than guessing.
+- A Qwen2.5-VL video's ``second_per_grid_ts`` is read once, when the request is made, into
+  its :class:`MultiModalInput` (``second_per_grid``, kept when the tensors are dropped), so
+  every chunk of the item has it; a video without it gets transformers' default, 1 s.
 - A chunk past all of its items (every decode row) is the 1-D positions of the step's
   metadata plus one per-request shift (sum of max(h, w) // merge - placeholder length over its
   items), vectorised; only chunks that overlap an item take the per-token rule.
@@ -28,7 +27,6 @@ Invariants:
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -38,8 +36,6 @@ import torch
 from mmis.engine.attn_metadata import AttentionMetadata
 from mmis.engine.model.adapter import ModelAdapter, ModelInputError, as_tensor
 from mmis.engine.sched_output import MultiModalInput, ScheduledRequest
-
-_INTERVAL_MEMO = 65536  # Qwen2.5-VL video intervals remembered by mm_hash
 
 
 def is_video(item: Mapping[str, Any]) -> bool:
@@ -61,7 +57,6 @@ class Qwen2VLAdapter(ModelAdapter):
             and getattr(vision, "tokens_per_second", None) is not None
             else None
         )
-        self._intervals: OrderedDict[str, float] = OrderedDict()
 
     @property
     def merge_size(self) -> int:
@@ -123,37 +118,13 @@ class Qwen2VLAdapter(ModelAdapter):
         return [features.to(self.dtype) for features in out.pooler_output]
 
     def _interval(self, item: MultiModalInput) -> torch.Tensor | None:
-        """The temporal spacing of a video's patches (float32, as the model computes it),
-        or None for spacing 1 (images, Qwen2-VL videos)."""
+        """The temporal spacing of an item's patches (float32, as the model computes it), or
+        None for spacing 1 (Qwen2-VL; an image has one temporal patch: index 0 either way)."""
         if self.tokens_per_second is None:
             return None
-        data = item.data
-        if data is not None:
-            if not is_video(data):
-                return None
-            seconds = data.get("second_per_grid_ts")
-            # transformers' default when the processor gave none: one second per patch
-            per_grid = 1.0 if seconds is None else as_tensor(seconds, "second_per_grid_ts")
-            if isinstance(per_grid, torch.Tensor) and per_grid.numel() != 1:
-                raise ModelInputError(
-                    f"second_per_grid_ts must hold one value per video, got {per_grid.numel()}"
-                )
-            value = self.tokens_per_second * torch.as_tensor(per_grid).reshape(()).float()
-            self._intervals[item.mm_hash] = float(value)
-            self._intervals.move_to_end(item.mm_hash)
-            while len(self._intervals) > _INTERVAL_MEMO:
-                self._intervals.popitem(last=False)
-        elif item.mm_hash not in self._intervals:
-            t, _, _ = self._item_grid(item)
-            if t == 1:
-                return None  # one temporal patch: index 0 whatever the spacing
-            raise ModelInputError(
-                f"item {item.mm_hash}: its temporal spacing (second_per_grid_ts) is unknown; "
-                "its tensors were never seen by this engine"
-            )
-        else:
-            self._intervals.move_to_end(item.mm_hash)
-        return torch.tensor(self._intervals[item.mm_hash], dtype=torch.float32)
+        seconds = 1.0 if item.second_per_grid is None else item.second_per_grid
+        spacing = torch.tensor(seconds, dtype=torch.float32)
+        return self.tokens_per_second * spacing
 
     def positions(
         self, start: int, num_tokens: int, items: Sequence[MultiModalInput]
