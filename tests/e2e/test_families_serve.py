@@ -29,7 +29,7 @@ from mmis.engine.tiny_model import tiny_model_dir
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
 
-FAMILIES = ("gemma3",)
+FAMILIES = ("gemma3", "llava-onevision")
 PROMPT = "Compare the two pictures."
 MAX_TOKENS = 8
 SIZES = ((640, 480), (300, 500))

@@ -34,8 +34,17 @@ from mmis.engine.model.tiny_tokenizer import (
 
 # llava-siglip: a LLaVA whose tower has no CLS token (SigLIP, strategy "full");
 # qwen2.5-vl: Qwen2.5-VL's windowed vision tower in front of the Qwen2-VL language model
-# gemma3: sliding-window layers and bidirectional image tokens (tiny_gemma3.py)
-FAMILIES = ("llava", "qwen2-vl", "qwen2.5-vl", "llava-siglip", "gemma3")
+# gemma3: sliding-window layers and bidirectional image tokens (tiny_gemma3.py);
+# llava-next / llava-onevision: any-resolution tiles (tiny_llava_next.py)
+FAMILIES = (
+    "llava",
+    "qwen2-vl",
+    "qwen2.5-vl",
+    "llava-siglip",
+    "gemma3",
+    "llava-next",
+    "llava-onevision",
+)
 DEFAULT_FAMILY = "llava"
 
 
