@@ -1,6 +1,6 @@
 """KV memory at the boundary of a real ``mmis engine`` with a tiny, preallocated KV pool.
 
-The pool is sized from ``--kv-cache-gb`` (LLaVA) or ``--num-kv-blocks`` (Qwen2-VL) to 12
+The pool is sized from ``--kv-cache-gb`` (LLaVA) or ``--num-kv-blocks`` (the other families) to 12
 blocks of 16 tokens (11 usable): requests that do not fit together are queued or preempted
 and still give tokens identical to ``generate()``; a request that can never fit gets an
 error output while the others are served; aborting running requests frees their blocks.
@@ -23,7 +23,7 @@ from mmis.config import GiB
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
-FAMILIES = ("llava", "qwen2-vl")
+FAMILIES = ("llava", "qwen2-vl", "qwen2.5-vl", "llava-siglip")
 NUM_BLOCKS, BLOCK_SIZE = 12, 16
 USABLE_TOKENS = (NUM_BLOCKS - 1) * BLOCK_SIZE
 TEXTS = [
