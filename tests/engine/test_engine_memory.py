@@ -1,9 +1,10 @@
 """KV memory at the boundary of a real ``mmis engine`` with a tiny, preallocated KV pool.
 
-The pool is sized from ``--kv-cache-gb`` (LLaVA) or ``--num-kv-blocks`` (the other families) to 12
-blocks of 16 tokens (11 usable): requests that do not fit together are queued or preempted
-and still give tokens identical to ``generate()``; a request that can never fit gets an
-error output while the others are served; aborting running requests frees their blocks.
+The pool is sized from ``--kv-cache-gb`` (LLaVA) or ``--num-kv-blocks`` (the other
+families) to 12 blocks of 16 tokens (11 usable): requests that do not fit together are queued
+or preempted and still give tokens identical to ``generate()``; a request that can never fit
+gets an error output while the others are served; aborting running requests frees their
+blocks.
 """
 
 from __future__ import annotations
