@@ -25,7 +25,9 @@ to about ``--prompt-tokens`` prompt tokens, ``--tokens`` greedy output tokens (E
 
 With ``--rounds 2`` or more the engine sides alternate (ABBA), best per side. The first
 output tokens of the engines are compared with ``generate``'s for the requests both
-ran. ``--device cuda`` runs every side on the GPU in bfloat16 (KV blocks of 256, the flash
+ran. The engine's model FLOP/s is printed for the whole run and for the steps in which every
+request decodes (``--tokens`` must exceed the prefill steps for such steps to exist).
+``--device cuda`` runs every side on the GPU in bfloat16 (KV blocks of 256, the flash
 kernel's in-place layout; ``scripts/gpu-check`` runs it so), else the CPU in float32. Ratios are
 tokens/s over tokens/s; the last line is ``SUMMARY bench_engine_medium: ...``.
 """
@@ -43,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from model_flops import matmul_peak, model_flops
+from model_flops import decode_flops, matmul_peak, model_flops
 
 REPO = Path(__file__).resolve().parents[1]
 COMPARED = 4
@@ -194,8 +196,25 @@ def run_engine_child(args: argparse.Namespace) -> None:
     need = sum(-(-(len(it["ids"]) + args.tokens) // block) for it in items) + 16
     runner = ModelRunner.create(adapter, block_size=block, num_blocks=need)
     cfg = EngineConfig()
-    best, outputs = float("inf"), []
+    best, decode = float("inf"), {"seconds": 0.0, "contexts": []}
+    outputs: list[list[int]] = []
+    execute = runner.execute
+    steps: dict[str, Any] = {}
+
+    def timed(batch: Any, *rest: Any, **kw: Any) -> Any:
+        """The runner's step, timed when every request of the run decodes in it."""
+        begin = time.perf_counter()
+        result = execute(batch, *rest, **kw)
+        seqs = list(batch.scheduled)
+        if len(seqs) == args.concurrency and all(s.num_tokens == 1 for s in seqs):
+            _sync(args.device)
+            steps["seconds"] += time.perf_counter() - begin
+            steps["contexts"].extend(s.start_position + 1 for s in seqs)
+        return result
+
+    runner.execute = timed  # type: ignore[method-assign]
     for _ in range(args.repeat):
+        steps.update(seconds=0.0, contexts=[])
         runner.encoder_outputs.clear()
         core = make_core(cfg, runner)
         requests = []
@@ -233,8 +252,12 @@ def run_engine_child(args: argparse.Namespace) -> None:
                     if out.finish_reason is not None:
                         unfinished.discard(out.request_id)
         _sync(args.device)
-        best = min(best, time.perf_counter() - start)
-    print(json.dumps({"seconds": best, "outputs": outputs, "mmis": mmis.__file__}))
+        seconds = time.perf_counter() - start
+        if seconds < best:
+            best, decode = seconds, dict(steps)
+    print(
+        json.dumps({"seconds": best, "outputs": outputs, "decode": decode, "mmis": mmis.__file__})
+    )
 
 
 def run_generate(args: argparse.Namespace) -> tuple[float, list[list[int]]]:
@@ -313,12 +336,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"  generate: {gen_tps:8.2f} tok/s ({args.generate_requests} requests timed)")
         tps: dict[str, float] = {}
+        decodes: dict[str, dict[str, Any]] = {}
         mismatches = 0
         order = list(sides)
         for round_ in range(args.rounds):  # ABBA...: drift of a shared machine hits both
             for name in order if round_ % 2 == 0 else order[::-1]:
                 got = child(sides[name], args)
-                tps[name] = max(tps.get(name, 0.0), total / got["seconds"])
+                if total / got["seconds"] > tps.get(name, 0.0):
+                    tps[name], decodes[name] = total / got["seconds"], got["decode"]
                 pairs = zip(got["outputs"], ref, strict=False)  # generate ran the first few
                 bad = sum(1 for g, r in pairs if g[:COMPARED] != r[:COMPARED])
                 mismatches += bad
@@ -343,10 +368,24 @@ def main(argv: list[str] | None = None) -> int:
             f"vs matmul peak {peak / 1e9:.1f} G ({n}^3, {_dtype(args.device)}, "
             f"{args.threads} thread(s)): {achieved / peak:.1%}"
         )
+        dec = decodes["engine"]
+        decode_share = None
+        if dec["contexts"]:
+            rate = decode_flops(args.model_dir, dec["contexts"]) / dec["seconds"]
+            decode_share = rate / peak
+            print(
+                f"  engine model FLOP/s, steps where all {args.concurrency} requests decode "
+                f"({len(dec['contexts']) // args.concurrency} steps, "
+                f"{dec['seconds']:.2f} s): {rate / 1e9:.1f} G, {decode_share:.1%} of peak"
+            )
+        else:
+            print(f"  no step had all {args.concurrency} requests decoding (raise --tokens)")
     figures = [
         f"engine/generate {tps['engine'] / gen_tps:.2f}x",
         f"of matmul peak {achieved / peak:.1%}",
     ]
+    if decode_share is not None:
+        figures.append(f"decode steps {decode_share:.1%} of peak")
     if args.against is not None:
         old = tps[f"engine@{args.against}"]
         figures.append(f"engine/old tree {tps['engine'] / old:.2f}x")

@@ -1,6 +1,7 @@
 """Model FLOPs of a benchmark run and the machine's matmul yardstick (``bench_engine_medium.py``).
 
-``model_flops`` counts from a LLaVA ``config.json`` (2 FLOPs per multiply-add, matmuls only);
+``model_flops`` counts a whole run and ``decode_flops`` the decode rows of single steps, from a
+LLaVA ``config.json`` (2 FLOPs per multiply-add, matmuls only);
 ``matmul_peak`` times a square matmul in the run's dtype, device and threads, so a run's
 model FLOP/s can be read as a share of what the machine reached in the same run.
 """
@@ -16,6 +17,22 @@ from typing import Any
 def _sync(torch: Any, device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def decode_flops(model_dir: Path, contexts: list[int]) -> float:
+    """Matmul FLOPs of decode rows whose contexts (keys attended, the new token included) are
+    ``contexts``: the text layers, attention over each context and the LM head per row."""
+    t = json.loads((model_dir / "config.json").read_text())["text_config"]
+    d, inter, layers, vocab = (
+        t["hidden_size"],
+        t["intermediate_size"],
+        t["num_hidden_layers"],
+        t["vocab_size"],
+    )
+    heads, kv, hd = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
+    per_token = 2 * layers * (d * heads * hd * 2 + d * kv * hd * 2 + 3 * d * inter)
+    per_key = 2 * 2 * layers * heads * hd
+    return float(sum(per_token + per_key * c + 2 * d * vocab for c in contexts))
 
 
 def model_flops(model_dir: Path, prompt_lens: list[int], tokens: int) -> float:

@@ -17,12 +17,12 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import openai
 import pytest
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
+from photos import jpeg as _jpeg
 from procs import Proc
 
 from mmis.engine.tiny_model import tiny_model_dir
@@ -33,15 +33,6 @@ FAMILIES = ("gemma3", "llava-onevision")
 PROMPT = "Compare the two pictures."
 MAX_TOKENS = 8
 SIZES = ((640, 480), (300, 500))
-
-
-def _jpeg(width: int, height: int) -> bytes:
-    rng = np.random.default_rng(width * height)
-    coarse = rng.integers(0, 255, (height // 32 + 1, width // 32 + 1, 3), dtype=np.uint8)
-    image = Image.fromarray(coarse).resize((width, height), Image.Resampling.BILINEAR)
-    buf = io.BytesIO()
-    image.save(buf, format="JPEG", quality=85)
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -18,12 +18,12 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import openai
 import pytest
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
+from photos import jpeg as _jpeg
 from procs import Proc
 
 from mmis.engine.tiny_model import tiny_model_dir
@@ -32,16 +32,6 @@ pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(900)]
 
 PROMPT = "What is in the picture?"
 MAX_TOKENS = 6
-
-
-def _jpeg(width: int, height: int) -> bytes:
-    """A photo-like JPEG: smooth random colour fields, not a flat image."""
-    rng = np.random.default_rng(width * height)
-    coarse = rng.integers(0, 255, (height // 32 + 1, width // 32 + 1, 3), dtype=np.uint8)
-    image = Image.fromarray(coarse).resize((width, height), Image.Resampling.BILINEAR)
-    buf = io.BytesIO()
-    image.save(buf, format="JPEG", quality=85)
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
