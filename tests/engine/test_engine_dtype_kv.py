@@ -16,6 +16,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ from engine_harness import EngineHarness
 
 from mmis.config import ConfigError, GiB
 from mmis.engine.config import DEFAULT_KV_BLOCKS, EngineConfig
-from mmis.engine.dtype import checkpoint_dtype, cpu_flags, resolve_dtype
+from mmis.engine.dtype import bf16_matmul_faster, checkpoint_dtype, cpu_flags, resolve_dtype
 from mmis.engine.kv_sizing import KVSizingError, blocks_from_budget, plan_kv_pool, profile_step
 from mmis.engine.model import load_adapter
 from mmis.protocol.messages import EngineCoreRequest, SamplingParams
@@ -58,15 +59,20 @@ def test_auto_dtype_on_cpu_follows_the_bf16_flags(tmp_path: Path) -> None:
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16 amx_tile\n")
     assert "avx512_bf16" in cpu_flags(cpuinfo)
-    assert resolve_dtype("auto", CPU, tmp_path, flags=lambda: cpu_flags(cpuinfo)) is (
-        torch.bfloat16
-    )
-    assert resolve_dtype("auto", CPU, tmp_path, flags=lambda: frozenset({"avx2"})) is (
-        torch.float32
-    )
-    here = cpu_flags()
-    expected = torch.bfloat16 if {"amx_bf16", "avx512_bf16"} & here else torch.float32
-    assert resolve_dtype("auto", CPU, tmp_path) is expected
+
+    def auto(flags: Callable[[], frozenset[str]], faster: bool) -> torch.dtype:
+        return resolve_dtype("auto", CPU, tmp_path, flags=flags, bf16_faster=lambda: faster)
+
+    # bfloat16 needs both the CPU flags and a measured win
+    assert auto(lambda: cpu_flags(cpuinfo), True) is torch.bfloat16
+    assert auto(lambda: cpu_flags(cpuinfo), False) is torch.float32
+    assert auto(lambda: frozenset({"avx2"}), True) is torch.float32
+    assert isinstance(bf16_matmul_faster(rows=4, width=64, repeat=2), bool)  # the real probe
+    here = resolve_dtype("auto", CPU, tmp_path)
+    if not {"amx_bf16", "avx512_bf16"} & cpu_flags():
+        assert here is torch.float32  # this machine: no bf16 units, nothing measured
+    else:
+        assert here in (torch.bfloat16, torch.float32)
     assert resolve_dtype("bfloat16", CPU, tmp_path) is torch.bfloat16
 
 
