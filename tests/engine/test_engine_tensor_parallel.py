@@ -4,8 +4,8 @@ Rank 0 is the ``mmis engine`` process; it starts rank 1, which loads the same ch
 keeps half of every layer's heads and MLP (``engine/tensor_parallel.py``). Every answer must
 be the token ids of plain ``generate(do_sample=False)``: Qwen2-VL (M-RoPE positions travel with
 the step) with images, chunked prefill and a prefix hit; Gemma 3 (sliding windows and an
-image's bidirectional span travel with the step's metadata). A split that does not divide is
-refused at start-up, naming the numbers.
+image's bidirectional span travel with the step's metadata). The start-up self-check runs on
+both ranks. A split that does not divide is refused at start-up, naming the numbers.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def test_two_ranks_answer_as_transformers(
     kit: ModelKit, engine: EngineHarness, refs: References
 ) -> None:
     assert "tensor parallel: 2 ranks (cpu)" in engine.log_text()
+    assert "self-check passed" in engine.log_text()  # its reference forward ran on both ranks
     requests = [kit.request(t, imgs, max_tokens=m) for t, imgs, m in specs()]
     results = engine.run(*requests)  # together: one step holds several sequences
     for res, (text, images, max_tokens) in zip(results, specs(), strict=True):

@@ -70,7 +70,7 @@ def check_prompt(model: Any, vocab_size: int) -> list[int]:
     return ids
 
 
-def _plain_logits(model: Any, ids: list[int], device: torch.device) -> torch.Tensor:
+def plain_logits(model: Any, ids: list[int], device: torch.device) -> torch.Tensor:
     """The model's own forward with transformers' SDPA attention (the paged attention the
     engine installs runs only inside the runner), then the paged attention back."""
     model.set_attn_implementation({"text_config": "sdpa"})
@@ -111,7 +111,9 @@ def run_self_check(runner: ModelRunner) -> float:
                 got = out.prompt_logprobs if out.prompt_logprobs is not None else got
             if not core.has_work():
                 break
-        reference = _plain_logits(adapter.model, ids, adapter.device)
+        if runner.tensor_parallel is not None:  # the other ranks run the same forward
+            runner.tensor_parallel.broadcast_plain(ids)
+        reference = plain_logits(adapter.model, ids, adapter.device)
     if got is None or len(got.logprobs) != len(ids):
         raise SelfCheckError("the self-check request returned no prompt logprobs")
     want = torch.log_softmax(reference[0, :-1].float(), dim=-1)

@@ -18,9 +18,10 @@ up. ``torch.distributed`` runs NCCL on CUDA (rank ``r`` on ``cuda:r``), gloo on 
 
 Invariants:
 - Every language-model forward of rank 0 goes through :meth:`ModelRunner.execute`, which
-  broadcasts first; a forward that does not (the self-check's plain-transformers reference,
-  the CUDA profiling step of ``--gpu-memory-utilization``) is not run under tensor
-  parallelism: the self-check is skipped (logged) and that flag is refused.
+  broadcasts first, or is the self-check's plain-transformers reference, which broadcasts
+  its prompt first (:meth:`TensorParallel.broadcast_plain`; every rank runs the model's own
+  forward). The CUDA profiling step of ``--gpu-memory-utilization`` is not mirrored, so that
+  flag is refused under tensor parallelism.
 - Heads, KV heads and the MLP width must divide by the size, or the model is refused at
   start-up (:class:`TensorParallelError`) naming the numbers.
 - A worker that exits ends the engine (rank 0 exits 1 rather than wait in a collective),
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 
 _STOP = "stop"
 _STEP = "step"
+_PLAIN = "plain"
 UNSPLITTABLE = 3  # a worker's exit code when the model does not split: rank 0 says why
 
 
@@ -159,6 +161,10 @@ class TensorParallel:
         dist.broadcast(embeds.contiguous(), src=0)
         dist.broadcast(positions.contiguous(), src=0)
 
+    def broadcast_plain(self, ids: Sequence[int]) -> None:
+        """Have every worker run the model's own forward on ``ids`` (the self-check's)."""
+        dist.broadcast_object_list([(_PLAIN, list(ids))], src=0, device=self._comm_device)
+
     def send_pool_size(self, num_blocks: int) -> None:
         dist.broadcast_object_list([num_blocks], src=0, device=self._comm_device)
 
@@ -224,6 +230,7 @@ def worker_main(cfg: Any, rank: int, size: int, port: int, parent: int) -> None:
     from mmis.engine.dtype import resolve_dtype
     from mmis.engine.model import load_adapter
     from mmis.engine.paged_attention import PagedKVPool, PagedStep
+    from mmis.engine.self_check import plain_logits
     from mmis.entrypoints.common import resolve_model, setup_logging
 
     setup_logging(cfg.log_level)
@@ -255,6 +262,9 @@ def worker_main(cfg: Any, rank: int, size: int, port: int, parent: int) -> None:
             dist.broadcast_object_list(header, src=0, device=comm)
             if header[0][0] == _STOP:
                 break
+            if header[0][0] == _PLAIN:
+                plain_logits(adapter.model, header[0][1], device)
+                continue
             _, args, embeds_shape, positions_shape = header[0]
             embeds = torch.empty(embeds_shape, dtype=dtype, device=device)
             positions = torch.empty(positions_shape, dtype=torch.long, device=device)

@@ -206,9 +206,7 @@ def build(cfg: EngineConfig) -> EngineCoreProc:
     if tp is not None:
         tp.send_pool_size(runner.pool.num_blocks)
         runner.tensor_parallel = tp
-        if cfg.self_check:  # its reference forward is not mirrored on the other ranks
-            log.info("self-check skipped under tensor parallelism")
-    elif cfg.self_check:
+    if cfg.self_check:
         from mmis.engine.self_check import SelfCheckError, run_self_check
 
         try:
