@@ -8,14 +8,22 @@ Invariants:
   ``enable_prefix_caching``, ``max_model_len``) default to :class:`EngineConfig`'s, their one
   definition; the rest are internal to the scheduler.
 - ``num_blocks`` counts block 0, the reserved null block, so ``num_blocks - 1`` are usable.
+- :func:`never_schedulable` names what a configuration rules out for good (a prompt beyond
+  ``max_model_len``, an item larger than the encoder cache, or than a step when items are
+  whole); the scheduler refuses such a request instead of queueing it forever.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from mmis.config import ConfigError, default_of
 from mmis.engine.config import MIN_ENCODER_CACHE_TOKENS, EngineConfig
+from mmis.protocol.messages import ErrorCode
+
+if TYPE_CHECKING:
+    from mmis.engine.request import Request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,3 +57,36 @@ class SchedulerConfig:
                 f"SchedulerConfig.num_blocks must be at least 2 (block 0 is reserved), "
                 f"got {self.num_blocks}"
             )
+
+
+def never_schedulable(cfg: SchedulerConfig, request: Request) -> tuple[ErrorCode, str] | None:
+    """Why ``request`` can never be scheduled under ``cfg`` (code, message), or ``None``.
+
+    The KV-pool bound is checked by the scheduler when it allocates (``KVCacheManager``).
+    """
+    if cfg.max_model_len is not None and request.num_tokens >= cfg.max_model_len:
+        return (
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            f"the prompt has {request.num_tokens} tokens; the model's context is "
+            f"{cfg.max_model_len} tokens, including at least one generated token "
+            "(--max-model-len)",
+        )
+    # an uncached item is encoded whole in one step, into the cache (its range may then be
+    # split across chunks): it must fit both
+    limit = min(cfg.encoder_cache_size, cfg.encoder_compute_budget)
+    for feature in request.mm_features:
+        if feature.placeholder.length > limit:
+            return (
+                ErrorCode.INVALID_REQUEST,
+                f"multimodal item {feature.identifier!r} needs {feature.placeholder.length} "
+                f"placeholder tokens; this engine's encoder cache holds {limit} "
+                "(raise it with --encoder-cache-tokens)",
+            )
+        if cfg.whole_mm_spans and feature.placeholder.length > cfg.max_num_batched_tokens:
+            return (
+                ErrorCode.INVALID_REQUEST,
+                f"multimodal item {feature.identifier!r} needs {feature.placeholder.length} "
+                "placeholder tokens in one step (its tokens attend to each other); a step "
+                f"holds {cfg.max_num_batched_tokens} (raise it with --max-num-batched-tokens)",
+            )
+    return None

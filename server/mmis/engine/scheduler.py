@@ -16,16 +16,10 @@ Invariants:
   preempted (recompute: its blocks and encoder references are released, ``num_computed_tokens
   = 0``, output tokens kept, it goes to the front of ``waiting``). No request is admitted in a
   pass that preempted one.
-- An image's encoder run is scheduled only in the chunk that first reaches its placeholder
-  range and only if its output is not cached; it encodes the whole item (its output goes to
-  the encoder cache), so that chunk and the later ones may split the range anywhere (a
-  12 MP photo's thousands of placeholder tokens take several chunks). An item that does not
-  fit the step's encoder budget or the cache's free slots defers the chunk to stop before
-  it. Every encoder-cache change of a chunk that is not scheduled after all is rolled back
-  exactly (:class:`_EncoderPlan`). With ``whole_mm_spans`` (an adapter whose image tokens attend
-  to each other bidirectionally, Gemma 3) a chunk never ends strictly inside an item's range:
-  it stops before the item, or, started inside one (a prefix hit), schedules nothing until the
-  rest of the range fits one step.
+- A chunk's range is trimmed around its request's items and their encoder runs reserved by
+  ``engine/encoder_plan.py`` (an item is encoded whole by the first chunk that reaches it, so
+  a 12 MP photo's placeholder range may be split across chunks; with ``whole_mm_spans`` a
+  chunk never ends inside an item); a chunk not scheduled after all is rolled back exactly.
 - A prefix-cache hit sets ``num_computed_tokens`` to the hit length at admission: those tokens
   (and the encoder runs of items they cover) are skipped.
 - A request that can never be scheduled (prompt beyond ``max_model_len`` or the KV pool, an
@@ -50,9 +44,10 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 
 from mmis.engine.encoder_cache import EncoderCacheManager
+from mmis.engine.encoder_plan import Budget, EncoderPlan, plan_chunk, rollback
 from mmis.engine.kv_cache import KVCacheManager
 from mmis.engine.request import InvalidRequestError, Request, RequestStatus
-from mmis.engine.sched_config import SchedulerConfig
+from mmis.engine.sched_config import SchedulerConfig, never_schedulable
 from mmis.engine.sched_output import (
     MultiModalInput,
     RequestEvent,
@@ -79,39 +74,6 @@ class SchedulerStats:
     num_rejected: int
 
 
-def never_schedulable(cfg: SchedulerConfig, request: Request) -> tuple[ErrorCode, str] | None:
-    """Why ``request`` can never be scheduled under ``cfg`` (code, message), or ``None``.
-
-    The KV-pool bound is checked by the scheduler when it allocates (``KVCacheManager``).
-    """
-    if cfg.max_model_len is not None and request.num_tokens >= cfg.max_model_len:
-        return (
-            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-            f"the prompt has {request.num_tokens} tokens; the model's context is "
-            f"{cfg.max_model_len} tokens, including at least one generated token "
-            "(--max-model-len)",
-        )
-    # an uncached item is encoded whole in one step, into the cache (its range may then be
-    # split across chunks): it must fit both
-    limit = min(cfg.encoder_cache_size, cfg.encoder_compute_budget)
-    for feature in request.mm_features:
-        if feature.placeholder.length > limit:
-            return (
-                ErrorCode.INVALID_REQUEST,
-                f"multimodal item {feature.identifier!r} needs {feature.placeholder.length} "
-                f"placeholder tokens; this engine's encoder cache holds {limit} "
-                "(raise it with --encoder-cache-tokens)",
-            )
-        if cfg.whole_mm_spans and feature.placeholder.length > cfg.max_num_batched_tokens:
-            return (
-                ErrorCode.INVALID_REQUEST,
-                f"multimodal item {feature.identifier!r} needs {feature.placeholder.length} "
-                "placeholder tokens in one step (its tokens attend to each other); a step "
-                f"holds {cfg.max_num_batched_tokens} (raise it with --max-num-batched-tokens)",
-            )
-    return None
-
-
 def _event(request: Request, new_token_ids: list[int]) -> RequestEvent:
     return RequestEvent(
         request_id=request.request_id,
@@ -123,23 +85,6 @@ def _event(request: Request, new_token_ids: list[int]) -> RequestEvent:
         num_prompt_tokens=request.num_prompt_tokens,
         num_cached_tokens=max(request.num_cached_tokens, 0),
     )
-
-
-@dataclasses.dataclass
-class _Budget:
-    tokens: int
-    encoder: int
-
-
-@dataclasses.dataclass
-class _EncoderPlan:
-    """One chunk's encoder runs, and every encoder-cache change made for them this pass."""
-
-    num_new_tokens: int
-    encoder_inputs: list[int] = dataclasses.field(default_factory=list)  # mm_features indexes
-    allocated: list[str] = dataclasses.field(default_factory=list)  # new entries, this pass
-    acquired: list[str] = dataclasses.field(default_factory=list)  # new references, this pass
-    encoder_tokens: int = 0
 
 
 class Scheduler:
@@ -217,7 +162,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self._step += 1
-        budget = _Budget(self.config.max_num_batched_tokens, self.config.encoder_compute_budget)
+        budget = Budget(self.config.max_num_batched_tokens, self.config.encoder_compute_budget)
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         self._schedule_running(budget, scheduled, preempted)
@@ -234,7 +179,7 @@ class Scheduler:
         return out
 
     def _schedule_running(
-        self, budget: _Budget, scheduled: list[ScheduledRequest], preempted: list[str]
+        self, budget: Budget, scheduled: list[ScheduledRequest], preempted: list[str]
     ) -> None:
         i = 0
         while i < len(self.running) and budget.tokens > 0:
@@ -259,7 +204,7 @@ class Scheduler:
             self._preempt(request, preempted)  # it was the latest-arrived: nothing after it
             break
 
-    def _schedule_waiting(self, budget: _Budget, scheduled: list[ScheduledRequest]) -> None:
+    def _schedule_waiting(self, budget: Budget, scheduled: list[ScheduledRequest]) -> None:
         while self.waiting and budget.tokens > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
@@ -292,51 +237,15 @@ class Scheduler:
             scheduled.append(self._commit(request, plan, budget, is_new=True))
 
     def _plan_encoder(
-        self, request: Request, start: int, num_new: int, budget: _Budget
-    ) -> _EncoderPlan:
-        """Trim tokens ``[start, start + num_new)`` of ``request`` and reserve its encoder runs."""
-        plan = _EncoderPlan(num_new)
-        features = request.mm_features
-        if not features:
-            return plan
-        cache, rid, end = self.encoder_cache, request.request_id, start + num_new
-        if self.config.whole_mm_spans:
-            for feature in features:
-                lo, length = feature.placeholder.offset, feature.placeholder.length
-                if lo < end < lo + length:  # would end inside the item
-                    end = lo if lo >= start else start
-        for idx in sorted(range(len(features)), key=lambda i: features[i].placeholder.offset):
-            feature = features[idx]
-            offset, length = feature.placeholder.offset, feature.placeholder.length
-            if offset >= end:
-                break
-            if offset + length <= start:
-                continue
-            held = rid in cache.refs(feature.mm_hash)
-            if cache.acquire(rid, feature.mm_hash):
-                if not held:
-                    plan.acquired.append(feature.mm_hash)
-                continue
-            fits = plan.encoder_tokens + length <= budget.encoder and cache.can_allocate(length)
-            if not fits:
-                end = max(offset, start)  # stop before the item (or schedule nothing)
-                break
-            cache.allocate(rid, feature.mm_hash, length)
-            plan.allocated.append(feature.mm_hash)
-            plan.encoder_inputs.append(idx)
-            plan.encoder_tokens += length
-        plan.num_new_tokens = end - start
-        return plan
+        self, request: Request, start: int, num_new: int, budget: Budget
+    ) -> EncoderPlan:
+        return plan_chunk(self.encoder_cache, self.config, request, start, num_new, budget)
 
-    def _rollback(self, request: Request, plan: _EncoderPlan) -> None:
-        """Undo ``plan`` (its chunk will not be scheduled in this pass)."""
-        for mm_hash in plan.allocated:
-            self.encoder_cache.cancel(request.request_id, mm_hash)
-        for mm_hash in plan.acquired:
-            self.encoder_cache.release(request.request_id, mm_hash)
+    def _rollback(self, request: Request, plan: EncoderPlan) -> None:
+        rollback(self.encoder_cache, request, plan)
 
     def _commit(
-        self, request: Request, plan: _EncoderPlan, budget: _Budget, *, is_new: bool
+        self, request: Request, plan: EncoderPlan, budget: Budget, *, is_new: bool
     ) -> ScheduledRequest:
         start = request.num_computed_tokens
         num_new = plan.num_new_tokens

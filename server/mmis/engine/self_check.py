@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from mmis.engine.core import EngineCore
-from mmis.engine.paged_attention import ATTENTION_NAME
 from mmis.engine.runner import ModelRunner
 from mmis.engine.sched_config import SchedulerConfig
 from mmis.engine.scheduler import Scheduler
@@ -70,17 +69,6 @@ def check_prompt(model: Any, vocab_size: int) -> list[int]:
     return ids
 
 
-def plain_logits(model: Any, ids: list[int], device: torch.device) -> torch.Tensor:
-    """The model's own forward with transformers' SDPA attention (the paged attention the
-    engine installs runs only inside the runner), then the paged attention back."""
-    model.set_attn_implementation({"text_config": "sdpa"})
-    try:
-        logits: torch.Tensor = model(input_ids=torch.tensor([ids], device=device)).logits
-    finally:
-        model.set_attn_implementation({"text_config": ATTENTION_NAME})
-    return logits
-
-
 def run_self_check(runner: ModelRunner) -> float:
     """Serve :func:`check_prompt` through the engine and compare with transformers; returns
     the largest difference, raises :class:`SelfCheckError` over :data:`TOLERANCE`."""
@@ -113,7 +101,7 @@ def run_self_check(runner: ModelRunner) -> float:
                 break
         if runner.tensor_parallel is not None:  # the other ranks run the same forward
             runner.tensor_parallel.broadcast_plain(ids)
-        reference = plain_logits(adapter.model, ids, adapter.device)
+        reference = adapter.reference_logits(ids)
     if got is None or len(got.logprobs) != len(ids):
         raise SelfCheckError("the self-check request returned no prompt logprobs")
     want = torch.log_softmax(reference[0, :-1].float(), dim=-1)

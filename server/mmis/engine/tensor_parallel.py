@@ -230,7 +230,6 @@ def worker_main(cfg: Any, rank: int, size: int, port: int, parent: int) -> None:
     from mmis.engine.dtype import resolve_dtype
     from mmis.engine.model import load_adapter
     from mmis.engine.paged_attention import PagedKVPool, PagedStep
-    from mmis.engine.self_check import plain_logits
     from mmis.entrypoints.common import resolve_model, setup_logging
 
     setup_logging(cfg.log_level)
@@ -263,7 +262,7 @@ def worker_main(cfg: Any, rank: int, size: int, port: int, parent: int) -> None:
             if header[0][0] == _STOP:
                 break
             if header[0][0] == _PLAIN:
-                plain_logits(adapter.model, header[0][1], device)
+                adapter.reference_logits(header[0][1])
                 continue
             _, args, embeds_shape, positions_shape = header[0]
             embeds = torch.empty(embeds_shape, dtype=dtype, device=device)

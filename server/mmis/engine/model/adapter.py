@@ -228,3 +228,15 @@ class ModelAdapter(abc.ABC):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = self.model.lm_head(hidden)
         return logits.float()
+
+    def reference_logits(self, ids: Sequence[int]) -> torch.Tensor:
+        """The model's own forward over a text prompt with transformers' SDPA attention (the
+        paged attention runs only inside the runner), then the paged attention back: the
+        start-up self-check's reference (``engine/self_check.py``)."""
+        self.model.set_attn_implementation({"text_config": "sdpa"})
+        try:
+            out = self.model(input_ids=torch.tensor([list(ids)], device=self.device))
+        finally:
+            self.model.set_attn_implementation({"text_config": ATTENTION_NAME})
+        logits: torch.Tensor = out.logits
+        return logits
