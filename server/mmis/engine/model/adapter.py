@@ -181,20 +181,29 @@ class ModelAdapter(abc.ABC):
     def num_placeholder_tokens(self, item: Mapping[str, Any]) -> int:
         """How many placeholder tokens the item's processor tensors expand to."""
 
-    @abc.abstractmethod
     def positions(
         self, start: int, num_tokens: int, items: Sequence[MultiModalInput]
     ) -> torch.Tensor:
-        """Position ids of ``start .. start + num_tokens - 1``: ``[n]`` or ``[3, n]``."""
+        """Position ids of ``start .. start + num_tokens - 1``: ``[n]`` or ``[3, n]``; plain
+        1-D here (position p is p), M-RoPE families override it."""
+        return torch.arange(start, start + num_tokens, dtype=torch.long)
 
-    @abc.abstractmethod
     def split_processor_output(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """Split a processor output holding k images into k per-item tensor dicts."""
+        """Split a processor output holding k images into k per-item tensor dicts; here one
+        ``pixel_values`` row per image (fixed-size towers), families with more override it."""
+        pixels = batch.get("pixel_values")
+        if pixels is None:
+            return []
+        return [{"pixel_values": pixels[i : i + 1]} for i in range(len(pixels))]
 
     def step_positions(
         self, seqs: Sequence[ScheduledRequest], meta: AttentionMetadata
     ) -> torch.Tensor:
-        """The step's ``position_ids``; 1-D RoPE families use the metadata's as they are."""
+        """The step's ``position_ids``: for 1-D RoPE the metadata's as they are (``[1, N]``,
+        built with the step's metadata); an adapter that overrides :meth:`positions` gets
+        them per sequence."""
+        if type(self).positions is ModelAdapter.positions:
+            return meta.positions.unsqueeze(0)
         return self.pack_positions(
             [self.positions(s.start_position, s.num_tokens, s.mm_items) for s in seqs]
         )

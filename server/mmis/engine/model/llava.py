@@ -15,9 +15,7 @@ from typing import Any
 
 import torch
 
-from mmis.engine.attn_metadata import AttentionMetadata
 from mmis.engine.model.adapter import ModelAdapter, ModelInputError, as_tensor
-from mmis.engine.sched_output import MultiModalInput, ScheduledRequest
 
 
 class LlavaAdapter(ModelAdapter):
@@ -65,19 +63,3 @@ class LlavaAdapter(ModelAdapter):
             )
         out = self.model.model.get_image_features(pixel_values=pixels, return_dict=True)
         return [features.to(self.dtype) for features in out.pooler_output]
-
-    def positions(
-        self, start: int, num_tokens: int, items: Sequence[MultiModalInput]
-    ) -> torch.Tensor:
-        return torch.arange(start, start + num_tokens, dtype=torch.long)
-
-    def step_positions(
-        self, seqs: Sequence[ScheduledRequest], meta: AttentionMetadata
-    ) -> torch.Tensor:
-        return meta.positions.unsqueeze(0)  # [1, N], built with the step's metadata
-
-    def split_processor_output(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
-        pixels = batch.get("pixel_values")
-        if pixels is None:
-            return []
-        return [{"pixel_values": pixels[i : i + 1]} for i in range(len(pixels))]

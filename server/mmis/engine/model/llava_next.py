@@ -30,9 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmis.engine.attn_metadata import AttentionMetadata
 from mmis.engine.model.adapter import ModelAdapter, ModelInputError, as_tensor
-from mmis.engine.sched_output import MultiModalInput, ScheduledRequest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,16 +125,6 @@ class LlavaNextAdapter(ModelAdapter):
         if not items:
             return []
         return self._encode([self._item(item) for item in items])
-
-    def positions(
-        self, start: int, num_tokens: int, items: Sequence[MultiModalInput]
-    ) -> torch.Tensor:
-        return torch.arange(start, start + num_tokens, dtype=torch.long)
-
-    def step_positions(
-        self, seqs: Sequence[ScheduledRequest], meta: AttentionMetadata
-    ) -> torch.Tensor:
-        return meta.positions.unsqueeze(0)  # [1, N], built with the step's metadata
 
     # -- the processor's output --------------------------------------------------------------
     def _images_per_prompt(self, batch: Mapping[str, Any], count: int) -> list[int]:
