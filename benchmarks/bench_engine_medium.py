@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from medium_llava import build_medium_llava
 from model_flops import decode_flops, matmul_peak, model_flops
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,77 +54,6 @@ FILLER = (
     "The quick brown fox jumps over the lazy dog. A cat sits on a warm mat near the window "
     "while it rains outside. Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. "
 )
-
-
-def build_medium_llava(out: Path) -> Path:
-    """The medium random LLaVA (see the module docstring), written into ``out``."""
-    import torch
-    from transformers import (
-        AutoModelForImageTextToText,
-        AutoProcessor,
-        CLIPImageProcessor,
-        CLIPVisionConfig,
-        LlamaConfig,
-        LlavaConfig,
-        LlavaProcessor,
-    )
-
-    from mmis.engine.tiny_model import build_tiny_model
-
-    tiny = build_tiny_model(out.parent / f".{out.name}-tiny", "llava")
-    base = AutoProcessor.from_pretrained(tiny)
-    tokenizer = base.tokenizer
-    image_size, patch = 224, 14
-    vision = CLIPVisionConfig(
-        hidden_size=768,
-        intermediate_size=1536,
-        num_hidden_layers=2,
-        num_attention_heads=12,
-        image_size=image_size,
-        patch_size=patch,
-        projection_dim=768,
-    )
-    text = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=896,
-        intermediate_size=2432,
-        num_hidden_layers=6,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=4096,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    config = LlavaConfig(
-        vision_config=vision,
-        text_config=text,
-        image_token_index=int(tokenizer.convert_tokens_to_ids("<image>")),
-        vision_feature_select_strategy="default",
-        vision_feature_layer=-1,
-    )
-    config.bos_token_id, config.eos_token_id = text.bos_token_id, text.eos_token_id
-    config.pad_token_id = text.pad_token_id
-    processor = LlavaProcessor(
-        image_processor=CLIPImageProcessor(
-            size={"shortest_edge": image_size},
-            crop_size={"height": image_size, "width": image_size},
-        ),
-        tokenizer=tokenizer,
-        patch_size=patch,
-        vision_feature_select_strategy="default",
-        num_additional_image_tokens=1,
-        chat_template=base.chat_template,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(config)
-    gen = model.generation_config
-    gen.eos_token_id, gen.pad_token_id = text.eos_token_id, text.pad_token_id
-    gen.do_sample = False
-    model.save_pretrained(out)
-    processor.save_pretrained(out)
-    return out
 
 
 def workload(processor: Any, count: int, prompt_tokens: int) -> list[dict[str, Any]]:

@@ -19,20 +19,21 @@ def _sync(torch: Any, device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _text_costs(t: dict[str, Any]) -> tuple[int, int, int]:
+    """FLOPs of one token through the text layers, per key it attends to, and of its LM-head
+    row, from a ``text_config``."""
+    d, inter, layers = t["hidden_size"], t["intermediate_size"], t["num_hidden_layers"]
+    heads, kv, hd = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
+    per_token = 2 * layers * (d * heads * hd * 2 + d * kv * hd * 2 + 3 * d * inter)
+    return per_token, 2 * 2 * layers * heads * hd, 2 * d * t["vocab_size"]
+
+
 def decode_flops(model_dir: Path, contexts: list[int]) -> float:
     """Matmul FLOPs of decode rows whose contexts (keys attended, the new token included) are
     ``contexts``: the text layers, attention over each context and the LM head per row."""
     t = json.loads((model_dir / "config.json").read_text())["text_config"]
-    d, inter, layers, vocab = (
-        t["hidden_size"],
-        t["intermediate_size"],
-        t["num_hidden_layers"],
-        t["vocab_size"],
-    )
-    heads, kv, hd = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
-    per_token = 2 * layers * (d * heads * hd * 2 + d * kv * hd * 2 + 3 * d * inter)
-    per_key = 2 * 2 * layers * heads * hd
-    return float(sum(per_token + per_key * c + 2 * d * vocab for c in contexts))
+    per_token, per_key, head = _text_costs(t)
+    return float(sum(per_token + per_key * c + head for c in contexts))
 
 
 def model_flops(model_dir: Path, prompt_lens: list[int], tokens: int) -> float:
@@ -42,15 +43,8 @@ def model_flops(model_dir: Path, prompt_lens: list[int], tokens: int) -> float:
     pass per image (one per request). Elementwise work and norms are not counted."""
     config = json.loads((model_dir / "config.json").read_text())
     t, v = config["text_config"], config["vision_config"]
-    d, inter, layers, vocab = (
-        t["hidden_size"],
-        t["intermediate_size"],
-        t["num_hidden_layers"],
-        t["vocab_size"],
-    )
-    heads, kv, hd = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
-    per_token = 2 * layers * (d * heads * hd * 2 + d * kv * hd * 2 + 3 * d * inter)
-    attn_per_context = 2 * 2 * layers * heads * hd  # QK^T and AV, per key
+    d = t["hidden_size"]
+    per_token, attn_per_context, head = _text_costs(t)  # attention: QK^T and AV, per key
     dv, iv, lv = v["hidden_size"], v["intermediate_size"], v["num_hidden_layers"]
     patches = (v["image_size"] // v["patch_size"]) ** 2 + 1
     vision = 2 * lv * patches * (4 * dv * dv + 2 * dv * iv) + 4 * lv * patches * patches * dv
@@ -59,7 +53,7 @@ def model_flops(model_dir: Path, prompt_lens: list[int], tokens: int) -> float:
     for length in prompt_lens:
         n = length + tokens
         total += n * per_token + attn_per_context * n * (n + 1) / 2
-        total += tokens * 2 * d * vocab + vision
+        total += tokens * head + vision
     return total
 
 
