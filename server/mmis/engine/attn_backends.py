@@ -25,7 +25,9 @@ causal). :func:`select_backend` picks one per device:
   ``block_size % 256 == 0`` (FlashAttention-2's page-size rule); with another block size the
   step's context is gathered once per layer into the packed varlen layout instead.
   Bidirectional spans are not a flash argument, and flash runs only in fp16/bf16: such steps
-  fall back to :class:`TorchBackend`.
+  fall back to :class:`TorchBackend`. So does a static decode step (``meta.static``,
+  ``decode_graphs.py``) without paged reads: the packed gather's length is a host int; with
+  paged reads it runs as any step, ``max_seqlen_k`` being its upper bound.
 
 Invariants:
 - A backend never writes the pool; :func:`~mmis.engine.paged_attention.paged_attention_forward`
@@ -214,6 +216,7 @@ class VarlenBackend:
         if (
             self.broken is not None
             or meta.has_spans
+            or (meta.static and not self.paged)
             or query.dtype not in (torch.float16, torch.bfloat16)
         ):
             return self.fallback.attend(

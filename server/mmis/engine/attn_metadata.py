@@ -16,6 +16,11 @@ step into:
   adapters offset it, see ``model/qwen2_vl.py``);
 - ``decode``: the single-token rows, attended together (one index into the pool's blocks);
   ``chunks``: the longer rows, one entry each (no padding of a long prefill to the batch).
+- ``static``: a fixed-shape decode step (``decode_graphs.py``, made there, not by
+  :meth:`build`): its tensors are views of buffers refilled in place each step (a CUDA graph
+  replays it), ``decode.ctx`` / ``max_seq_len`` are the upper bound, not the step's longest
+  context, and its host arrays give only its padded shape; a backend derives no shape from
+  a per-step value for it.
 
 Masks are arguments, never dense host-built tensors: causal always; a layer's sliding window
 comes from the attention call (``window``, as transformers passes ``sliding_window``);
@@ -156,6 +161,7 @@ class AttentionMetadata:
     decode: DecodeRows | None
     chunks: tuple[ChunkRows, ...]
     has_spans: bool = False
+    static: bool = False  # a fixed-shape decode step (see the module docstring)
 
     @property
     def num_tokens(self) -> int:

@@ -81,6 +81,12 @@ class EngineConfig:
         help="skip the start-up check that one prompt's log-probabilities through the engine "
         "equal the plain transformers forward's (engine/self_check.py)",
     )
+    enforce_eager: bool = setting(
+        False,
+        help="do not capture CUDA graphs: on CUDA, P1 captures one per decode batch size at "
+        "start-up (verified against eager) and replays them for decode-only steps; this runs "
+        "every step eager (CPU never captures)",
+    )
     max_model_len: int | None = shared(
         "max_model_len", rule=(lambda v: v is None or v >= 2, "must be at least 2")
     )

@@ -17,7 +17,9 @@ chunk), in ``StepOutput.prompt_logprobs``; the core joins the chunks.
 Invariants:
 - Exactly one language-model forward per step, whatever the number of sequences; under
   tensor parallelism the step's inputs are broadcast right before it, so every rank runs
-  the same forward (``tensor_parallel.py``).
+  the same forward (``tensor_parallel.py``). With ``decode_graphs`` set (``mmis engine`` on
+  CUDA, not under tensor parallelism) a step of decode rows only runs that forward as a
+  fixed-shape replay of a captured CUDA graph (``decode_graphs.py``); every other step eager.
 - The step's attention metadata (block tables, cumulative lengths, new-token slots,
   positions: ``attn_metadata.py``) is built once, vectorised, before the forward; the
   attention backend (``attn_backends.py``, chosen per device at construction) reads it in
@@ -53,6 +55,7 @@ from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import ErrorCode
 
 if TYPE_CHECKING:
+    from mmis.engine.decode_graphs import DecodeGraphs
     from mmis.engine.tensor_parallel import TensorParallel
 
 
@@ -87,6 +90,8 @@ class ModelRunner:
         self.num_encoder_calls = 0
         # set by ``mmis engine`` under --tensor-parallel-size > 1 (engine/tensor_parallel.py)
         self.tensor_parallel: TensorParallel | None = None
+        # set by ``mmis engine`` on CUDA unless --enforce-eager (engine/decode_graphs.py)
+        self.decode_graphs: DecodeGraphs | None = None
 
     @classmethod
     def create(
@@ -143,7 +148,12 @@ class ModelRunner:
         positions = self.adapter.step_positions(seqs, meta)
         if self.tensor_parallel is not None:  # the other ranks run the same forward
             self.tensor_parallel.broadcast_step(sizes, starts, tables, spans, embeds, positions)
-        hidden = self.adapter.forward(embeds, positions, PagedStep(self.pool, meta, self.backend))
+        graphs = self.decode_graphs
+        if graphs is not None and self.tensor_parallel is None and graphs.usable(seqs, meta):
+            hidden = graphs.forward(embeds, positions, meta)
+        else:
+            step = PagedStep(self.pool, meta, self.backend)
+            hidden = self.adapter.forward(embeds, positions, step)
         self.num_forwards += 1
         self._sample(hidden, seqs, out, histories)
         self._prompt_logprobs(hidden, seqs, out, histories)

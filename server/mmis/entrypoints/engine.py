@@ -20,6 +20,9 @@ Invariants:
 - SIGTERM/SIGINT stop the busy loop; the sockets close; the process exits 0.
 - With ``--health-port``, ``GET /health`` answers there once the model is loaded
   (``engine/health_server.py``): the engine container's own probe.
+- On CUDA, after the KV pool and the self-check, decode steps are captured as CUDA graphs
+  and verified against eager unless ``--enforce-eager`` or tensor parallelism
+  (``engine/decode_graphs.py``); a ``CUDA graphs:`` log line says what was captured or why not.
 """
 
 from __future__ import annotations
@@ -215,6 +218,17 @@ def build(cfg: EngineConfig) -> EngineCoreProc:
             raise SystemExit(
                 f"mmis engine: self-check failed: {exc} (--no-self-check skips it)"
             ) from None
+    from mmis.engine.decode_graphs import setup as setup_decode_graphs
+
+    runner.decode_graphs = setup_decode_graphs(  # logs "CUDA graphs: ..." either way
+        adapter,
+        runner.pool,
+        runner.backend,
+        enforce_eager=cfg.enforce_eager,
+        max_num_seqs=cfg.max_num_seqs,
+        max_model_len=max_len,
+        tensor_parallel=tp is not None,
+    )
     tracing = engine_tracing(cfg)
     spans = RequestSpans(tracing, background=True) if tracing.enabled else None
     largest = None
