@@ -1,4 +1,4 @@
-"""P0's asynchronous client of one P1 engine core, and its view of P1's liveness.
+"""P0's asynchronous client of one P1 engine core.
 
 Invariants:
 - exactly one output-handler task reads P1's outputs and routes them to per-request queues
@@ -15,34 +15,16 @@ Invariants:
 - the client never blocks the event loop on P1: sends are ZMQ sends awaited on the loop,
   receives are awaited. The codec instance is used from the loop thread only.
 
-Liveness (the link is *up* or *down*; :attr:`EngineClient.alive` is ``/health`` and half of
-``/ready``, see ``frontend/state.py``):
-- **A crash is seen at once.** A ZMQ socket monitor on both sockets reports the peer's
-  disconnect the moment the kernel closes P1's end (process gone: SIGKILL, OOM kill, exit);
-  no heartbeat is needed for that, and it takes milliseconds, not a timeout.
-- **A hang is seen within a bound.** Every ``ping_interval_s`` the watchdog sends a ``hello``
-  (answered by P1's *input* thread, ``engine/core_process.py``, so a long prefill on the busy
-  loop never delays it); any batch from P1 counts as an answer. The link goes down when a
-  ping has waited ``liveness_timeout_s`` with nothing heard from P1 since it was sent: between
-  ``liveness_timeout_s - ping_interval_s`` and ``liveness_timeout_s + ping_interval_s`` after
-  P1 fell silent. A loaded P0 is not mistaken for a hung P1: silence is counted from a ping
-  actually sent (a blocked loop sends none), and not while a message from P1 waits unread in
-  our SUB socket (our loop is behind, P1 is not silent). What a ``hello`` cannot see is a busy
-  loop stuck while the input thread runs; the engine container's liveness probe (Kubernetes)
-  owns that case.
-- **Going down** fails every registered request at once with one synthetic retryable
-  ``engine_unavailable`` error output (the registration is dropped, so nothing of the dead
-  attempt can follow), fails every pending utility call, and refuses new sends
-  (:class:`EngineUnavailableError`) until the link is up again; the ids are remembered.
-- A dead P1 drops both sockets: after a disconnect, only an answer read once *both* sockets
-  reconnected brings the link up (a dying P1 may still answer a ``hello`` on its way out, and
-  the two monitors are read independently), so one death is one loss and one heal.
-- **Coming back** needs a ``hello`` answered after the sockets reconnected (a restarted P1)
-  or after the silence ended (a stopped P1 continued). Its batch runs the epoch-change path
-  first (a restarted P1 has a new cache epoch: the shadow is dropped before any new render),
-  then the link is up, waiters of :meth:`EngineClient.wait_up` resume, and one abort of the
-  remembered ids goes out (a P1 that was only stalled, or a request queued in the socket when
-  P1 died, must not run for nobody).
+Liveness (the link is *up* or *down*: socket monitors, the ``hello`` watchdog, when P1 is
+lost and when it is back, :meth:`~EngineLiveness.wait_up`, ``Retry-After``) is the mixin
+:class:`~mmis.frontend.engine_liveness.EngineLiveness` (``frontend/engine_liveness.py``,
+whose docstring states those invariants); this class owns the registrations it acts on:
+- while the link is down nothing is sent but ``hello``: requests and other utility calls get
+  :class:`EngineUnavailableError` at once; ids released with ``abort`` are aborted once P1
+  answers again;
+- when the link goes down (:meth:`EngineClient._fail_in_flight`), every registered request
+  receives one synthetic retryable ``engine_unavailable`` error and is dropped (its id is
+  aborted once P1 answers again), and every pending utility call fails;
 - every request remembers the cache epoch it was sent under; if the epoch changes under it
   anyway (a restart faster than the disconnect was seen), it receives a synthetic retryable
   ``engine_restarted`` error; when the client closes, every one still registered receives an
@@ -56,17 +38,15 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import math
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
 from mmis.config import default_of
 from mmis.frontend.config import FrontendConfig
+from mmis.frontend.engine_liveness import HELLO, EngineLiveness
 from mmis.frontend.errors import EngineUnavailableError
 from mmis.protocol.codec import WireCodec
 from mmis.protocol.errors import MMISError
@@ -86,11 +66,6 @@ log = logging.getLogger(__name__)
 OutputQueue = asyncio.Queue[EngineCoreOutput]
 
 __all__ = ["EngineClient", "EngineUnavailableError", "OutputQueue", "error_output"]
-
-HELLO = "hello"
-RECONNECT_PING_S = 0.1  # ping period while the sockets are connected but P1 has not answered
-MAX_RETRY_AFTER_S = 30.0
-_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
 
 class UtilityCallError(MMISError):
@@ -112,7 +87,10 @@ def error_output(request_id: str, code: str, message: str) -> EngineCoreOutput:
     )
 
 
-class EngineClient:
+class EngineClient(EngineLiveness):
+    """The client of one P1 engine core (the module's invariants); its liveness half is
+    :class:`~mmis.frontend.engine_liveness.EngineLiveness`."""
+
     def __init__(
         self,
         input_address: str,
@@ -131,28 +109,13 @@ class EngineClient:
         self.on_missing = on_missing
         self.on_evicted = on_evicted
         self.on_epoch_change = on_epoch_change
-        self.ping_interval_s = ping_interval_s
-        self.liveness_timeout_s = liveness_timeout_s
         self.cache_epoch = ""
-        self.last_pong = 0.0  # monotonic time of P1's latest batch
-        self._asked_at: float | None = None  # the first ping sent after P1's latest batch
         self.epoch_changes = 0
-        self.losses = 0  # times the link went down after being up
-        self.down_since: float | None = None  # monotonic; None while up (or never up yet)
-        self.down_reason = "the engine has not answered yet"
-        self._last_outage_s = 0.0
+        self._init_liveness(ping_interval_s, liveness_timeout_s)
         self._codec = WireCodec()
         self._ctx = zmq.asyncio.Context()
         self._push = self._ctx.socket(zmq.PUSH)
         self._sub = self._ctx.socket(zmq.SUB)
-        self._connected = {"input": False, "output": False}
-        # sockets that must reconnect before an answer may bring the link up (P1 died)
-        self._must_reconnect: set[str] = set()
-        self._up = asyncio.Event()
-        self._wake = asyncio.Event()  # a socket connected: ping now
-        self._reconnected = False  # a socket connected again while the link was down
-        self._oneshots: set[asyncio.Task[None]] = set()
-        self._orphans: set[str] = set()  # ids failed by a loss; aborted once P1 answers again
         self._inflight: dict[str, _InFlight] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count(1)
@@ -169,40 +132,8 @@ class EngineClient:
         return len(self._inflight)
 
     @property
-    def alive(self) -> bool:
-        """Whether the link is up: P1 handshaked, its sockets are connected and it answered
-        within ``liveness_timeout_s`` (the watchdog keeps this current)."""
-        return not self._closed and self._up.is_set()
-
-    @property
     def closed(self) -> bool:
         return self._closed
-
-    @property
-    def retry_after_s(self) -> int:
-        """Seconds a client should wait before retrying while P1 is down: the previous
-        outage's length minus the time this one has lasted, within [1, 30]."""
-        elapsed = 0.0 if self.down_since is None else time.monotonic() - self.down_since
-        guess = min(max(self._last_outage_s - elapsed, 1.0), MAX_RETRY_AFTER_S)
-        return math.ceil(guess)
-
-    def unavailable(self, message: str | None = None) -> EngineUnavailableError:
-        """The typed 503 for "P1 is down" (message, ``Retry-After``)."""
-        text = message or f"the engine is unavailable ({self.down_reason}); retry the request"
-        return EngineUnavailableError(text, retry_after_s=self.retry_after_s)
-
-    async def wait_up(self, timeout: float) -> None:
-        """Return once the link is up; :class:`EngineUnavailableError` after ``timeout``."""
-        if not self.alive and not self._closed:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._up.wait(), timeout)
-        if self._closed:
-            raise EngineUnavailableError("the server is closing")
-        if not self.alive:
-            raise self.unavailable(
-                f"the engine did not come back within {timeout:.0f}s ({self.down_reason}); "
-                "retry the request"
-            )
 
     async def start(self, timeout: float = 60.0) -> None:
         """Connect and handshake: returns once P1 answered (our subscription is live)."""
@@ -212,11 +143,7 @@ class EngineClient:
         self._sub.setsockopt(zmq.RCVHWM, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         loop = asyncio.get_running_loop()
-        for name, sock in (("input", self._push), ("output", self._sub)):
-            monitor = sock.get_monitor_socket(_MONITORED)  # before connect: sees the first
-            self._tasks.append(
-                loop.create_task(self._monitor(name, monitor), name=f"mmis-engine-{name}-monitor")
-            )
+        self._watch_sockets(loop)  # before connect: sees the first connection
         self._push.connect(self.input_address)
         self._sub.connect(self.output_address)
         self._tasks.append(loop.create_task(self._handle_outputs(), name="mmis-engine-outputs"))
@@ -231,17 +158,14 @@ class EngineClient:
                         f"engine at {self.input_address} did not answer within {timeout:.0f}s"
                     ) from None
         self.cache_epoch = str(hello["cache_epoch"])
-        self.last_pong = time.monotonic()
-        self._up.set()
-        self._tasks.append(loop.create_task(self._watchdog(), name="mmis-engine-watchdog"))
+        self._handshaken(loop)
 
     async def close(self) -> None:
         """Stop the tasks, fail whatever is still in flight, close the sockets (idempotent)."""
         if self._closed:
             return
         self._closed = True
-        self._up.set()  # wakes every wait_up, which then sees the client closed
-        tasks = [*self._tasks, *self._oneshots]
+        tasks = [*self._tasks, *self._stop_liveness()]  # wakes every wait_up
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -252,9 +176,7 @@ class EngineClient:
                 error_output(rid, ErrorCode.ENGINE_UNAVAILABLE.value, "the server is closing")
             )
         self._inflight.clear()
-        for sock in (self._push, self._sub):
-            with contextlib.suppress(zmq.ZMQError):
-                sock.disable_monitor()
+        self._unwatch_sockets()
         self._push.close()
         self._sub.close()
         self._ctx.term()
@@ -290,7 +212,7 @@ class EngineClient:
         ids = [rid for rid in request_ids if self._inflight.pop(rid, None) is not None]
         if abort and ids and not self._closed:
             if not self.alive:  # nothing reaches P1 now: abort them once it answers again
-                self._orphans.update(ids)
+                self._abort_when_up(ids)
                 return
             with contextlib.suppress(Exception):
                 await self._send(AbortRequests(request_ids=ids, client_index=self.client_index))
@@ -300,120 +222,31 @@ class EngineClient:
         fail at once with :class:`EngineUnavailableError`)."""
         if method != HELLO and not self.alive:
             raise self.unavailable()
-        call_id = next(self._call_ids)
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._calls[call_id] = fut
+        call_id, fut = self._new_call()
         try:
             await self._send(UtilityCall(call_id, method, list(args), self.client_index))
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._calls.pop(call_id, None)
 
-    # ------------------------------------------------------------------ liveness
-    async def _monitor(self, name: str, monitor: zmq.asyncio.Socket) -> None:
-        """Track one socket's connection; a disconnect means P1's process is gone."""
-        try:
-            while True:
-                event = parse_monitor_message(await monitor.recv_multipart())["event"]
-                if event == zmq.EVENT_CONNECTED:
-                    self._connected[name] = True
-                    self._must_reconnect.discard(name)
-                    self._reconnected = not self.alive
-                    self._wake.set()
-                elif event == zmq.EVENT_DISCONNECTED:
-                    self._connected[name] = False
-                    if self.alive:  # P1's process is gone: both of its sockets go
-                        self._must_reconnect = set(self._connected)
-                    self._must_reconnect.add(name)
-                    self._lost(f"the engine's {name} socket disconnected: its process is gone")
-        finally:
-            monitor.close()
-
-    def _silent_for(self) -> float:
-        """Seconds a ping has waited with nothing heard from P1 since it was sent; 0 when
-        none waits, or when a message from P1 is waiting unread in our socket."""
-        if self._asked_at is None:
-            return 0.0
-        events = self._sub.get(zmq.EVENTS)  # get(), not getsockopt(): pyzmq re-arms its reader
-        if isinstance(events, int) and events & zmq.POLLIN:
-            return 0.0  # P1 spoke; our own loop has not read it yet
-        return time.monotonic() - self._asked_at
-
-    async def _watchdog(self) -> None:
-        """Ping P1, take the link down when it falls silent, bring it up when it answers."""
-        while True:
-            period = self.ping_interval_s
-            if not self.alive and self._reconnected and all(self._connected.values()):
-                period = min(period, RECONNECT_PING_S)  # a restarted P1 is answering soon
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), period)
-            self._wake.clear()
-            if self.alive:
-                silent = self._silent_for()
-                if silent > self.liveness_timeout_s:
-                    self._lost(f"the engine sent nothing for {silent:.1f}s: it is hung")
-            await self._ping()
-
-    async def _ping(self) -> None:
-        """Send one ``hello`` without waiting for its answer, which may bring the link up."""
+    def _new_call(self) -> tuple[int, asyncio.Future[Any]]:
         call_id = next(self._call_ids)
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Any] = loop.create_future()
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        fut.add_done_callback(self._on_pong)
-        loop.call_later(self.liveness_timeout_s, self._forget_call, call_id)
-        if self._asked_at is None:
-            self._asked_at = time.monotonic()
-        try:  # never waits long: the socket queues without limit (SNDHWM 0)
-            await self._send(UtilityCall(call_id, HELLO, [], self.client_index))
-        except zmq.ZMQError as exc:
-            log.warning("could not ping the engine: %s", exc)
-            self._forget_call(call_id)
+        return call_id, fut
 
     def _forget_call(self, call_id: int) -> None:
         fut = self._calls.pop(call_id, None)
         if fut is not None and not fut.done():
             fut.cancel()
 
-    def _on_pong(self, fut: asyncio.Future[Any]) -> None:
-        if fut.cancelled() or fut.exception() is not None or self._closed or self.alive:
-            return
-        if self._must_reconnect:  # a dying P1's last answer, or P1 not reconnected yet
-            return
-        if self.down_since is not None:
-            self._last_outage_s = time.monotonic() - self.down_since
-            log.warning(
-                "the engine answers again after %.1fs (epoch %s)",
-                self._last_outage_s,
-                self.cache_epoch,
-            )
-        self.down_since = None
-        self._reconnected = False
-        self._up.set()
-        if self._orphans:
-            ids, self._orphans = sorted(self._orphans), set()
-            task = asyncio.get_running_loop().create_task(self.release_orphans(ids))
-            self._oneshots.add(task)
-            task.add_done_callback(self._oneshots.discard)
-
-    async def release_orphans(self, request_ids: list[str]) -> None:
-        """Abort ids a loss failed: P1 may still run them (it only stalled), or receive them
-        from our socket's queue (they were on the way when it died)."""
-        with contextlib.suppress(Exception):
-            await self._send(AbortRequests(request_ids=request_ids, client_index=self.client_index))
-
-    def _lost(self, reason: str) -> None:
-        """Take the link down: fail everything in flight now, refuse sends until P1 is back."""
-        if not self.alive:
-            return  # already down (or never up: the handshake in start() owns that)
-        self._up.clear()
-        self.down_since = time.monotonic()
-        self.down_reason = reason
-        self.losses += 1
+    def _fail_in_flight(self, reason: str) -> None:
+        """The link went down: one ``engine_unavailable`` output per registered request (its
+        id is aborted once P1 answers again), every pending utility call fails."""
         log.error("engine lost (%s): failing %d request(s) in flight", reason, len(self._inflight))
         for rid, entry in self._inflight.items():
             entry.queue.put_nowait(error_output(rid, ErrorCode.ENGINE_UNAVAILABLE.value, reason))
-        self._orphans.update(self._inflight)
+        self._abort_when_up(self._inflight)
         self._inflight.clear()
         for fut in self._calls.values():
             if not fut.done():
@@ -434,8 +267,7 @@ class EngineClient:
                 log.exception("failed to dispatch an engine output batch")
 
     def _dispatch(self, batch: EngineCoreOutputs) -> None:
-        self.last_pong = time.monotonic()
-        self._asked_at = None  # P1 spoke: no ping waits any more
+        self._heard_from_engine()
         if batch.cache_epoch and batch.cache_epoch != self.cache_epoch:
             previous, self.cache_epoch = self.cache_epoch, batch.cache_epoch
             if previous:

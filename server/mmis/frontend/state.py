@@ -15,7 +15,7 @@ Invariants:
   never served for a request that would have processed it another way.
 - ``ready`` becomes true only after a synthetic image request went P0 -> cache -> P1 ->
   output since this process started; :attr:`FrontendState.healthy` is the engine link being
-  up (``frontend/engine_client.py``: false the moment P1's process is gone, and after
+  up (``frontend/engine_liveness.py``: false the moment P1's process is gone, and after
   ``liveness_timeout_s`` of silence; true again once the restarted or resumed P1 answered).
   ``/ready`` is ``ready and healthy``, so it is false while P1 is down or restarting;
   ``/health`` is ``healthy``.
