@@ -1,4 +1,4 @@
-"""P0's view of P1's liveness (``frontend/engine_client.py``) and the recovery rules for an
+"""P0's view of P1's liveness (``frontend/engine_liveness.py``) and the recovery rules for an
 engine loss (``frontend/recovery.py``), against the scripted P1 (the real P1 shell, sockets,
 codec and receiver cache in threads; only the model is scripted).
 

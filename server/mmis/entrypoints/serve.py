@@ -12,7 +12,7 @@ Invariants:
   stdout line is P0's ``mmis frontend listening on http://HOST:PORT`` (also with ``--port 0``):
   P1's stdout goes to our stderr so it can never come first.
 - If P1 exits unexpectedly it is restarted (as a pod's container would be); P0 stays up, sees
-  the loss at once (its socket monitor, ``frontend/engine_client.py``), ends the streams that
+  the loss at once (its socket monitor, ``frontend/engine_liveness.py``), ends the streams that
   sent bytes, holds or fails fast the other requests (``frontend/recovery.py``), reports
   ``/ready`` false until the new P1 answers, and heals the drift through the cache epoch
   change. Restarts back off exponentially (1 s to 30 s); a child that ran for a minute resets

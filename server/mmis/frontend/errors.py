@@ -258,7 +258,8 @@ class EngineUnavailableError(FrontendError):
     The response carries ``Retry-After`` (:attr:`retry_after_s`, whole seconds, at least 1) so
     a gateway or client retries later, on this replica or another one; the body says
     ``"retryable": true``. A stream that already sent bytes gets the same error as its SSE
-    error event. Raised by ``frontend/engine_client.py`` and ``frontend/recovery.py``.
+    error event. Raised by ``frontend/engine_client.py``, ``frontend/engine_liveness.py`` and
+    ``frontend/recovery.py``.
     """
 
     status = 503
