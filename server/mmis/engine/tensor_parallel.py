@@ -228,11 +228,13 @@ def worker_main(cfg: Any, rank: int, size: int, port: int, parent: int) -> None:
     from mmis.engine.attn_backends import select_backend
     from mmis.engine.attn_metadata import AttentionMetadata
     from mmis.engine.dtype import resolve_dtype
+    from mmis.engine.host_memory import keep_freed_memory
     from mmis.engine.model import load_adapter
     from mmis.engine.paged_attention import PagedKVPool, PagedStep
     from mmis.entrypoints.common import resolve_model, setup_logging
 
     setup_logging(cfg.log_level)
+    keep_freed_memory()  # as rank 0 does (entrypoints/engine.py)
     device = rank_device(_base_device(cfg), rank)
 
     path = resolve_model(cfg.model)

@@ -17,6 +17,8 @@ Invariants:
   derives, e.g. placeholder counts). It runs the model's image processor once, at start-up,
   on synthetic images, only to size its encoder cache for the largest photo
   (``engine/encoder_sizing.py``; ``--encoder-cache-tokens`` skips that).
+- Before the model loads, glibc is told to keep freed memory mapped
+  (``engine/host_memory.py``): a step does not fault its activations in anew.
 - SIGTERM/SIGINT stop the busy loop; the sockets close; the process exits 0.
 - With ``--health-port``, ``GET /health`` answers there once the model is loaded
   (``engine/health_server.py``): the engine container's own probe.
@@ -284,8 +286,11 @@ def engine_tracing(cfg: EngineConfig) -> Tracing:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mmis.engine.host_memory import keep_freed_memory
+
     cfg = config_from_args(args)
     setup_logging(cfg.log_level)
+    keep_freed_memory()  # before the model loads: freed step memory stays mapped
     proc = build(cfg)
 
     def _stop(signum: int, _frame: Any) -> None:
