@@ -3,7 +3,7 @@ checkout (the code before a change) vs one ``generate()`` per request.
 
     .venv/bin/python benchmarks/bench_engine_medium.py --against /tmp/oldtree
         [--concurrency 32] [--prompt-tokens 2048] [--tokens 16] [--generate-requests 2]
-        [--repeat 1] [--rounds 1] [--threads 1] [--device cpu|cuda]
+        [--repeat 1] [--rounds 1] [--threads 1] [--device cpu|cuda] [--enforce-eager]
 
 The model (issue 11's "medium LLaVA") is built here, random, into ``--model-dir`` (default a
 fresh temporary folder; never committed): a Llama text model of hidden 896, 14 heads (2 KV
@@ -28,7 +28,10 @@ output tokens of the engines are compared with ``generate``'s for the requests b
 ran. The engine's model FLOP/s is printed for the whole run and for the steps in which every
 request decodes (``--tokens`` must exceed the prefill steps for such steps to exist).
 ``--device cuda`` runs every side on the GPU in bfloat16 (KV blocks of 256, the flash
-kernel's in-place layout; ``scripts/gpu-check`` runs it so), else the CPU in float32. Ratios are
+kernel's in-place layout; ``scripts/gpu-check`` runs it so) with the decode steps replayed as
+CUDA graphs as ``mmis engine`` captures them (``engine/decode_graphs.py``; ``--enforce-eager``:
+none; the count is printed per round), else the CPU in float32. The engine child sets up its
+process as ``mmis engine`` does (``engine/host_memory.py``, where the tree has it). Ratios are
 tokens/s over tokens/s; the last line is ``SUMMARY bench_engine_medium: ...``.
 """
 
@@ -108,6 +111,13 @@ def run_engine_child(args: argparse.Namespace) -> None:
     from transformers import AutoProcessor
 
     import mmis
+
+    try:  # the process setup `mmis engine` does before loading (trees before it had none)
+        from mmis.engine.host_memory import keep_freed_memory
+    except ImportError:
+        pass
+    else:
+        keep_freed_memory()
     from mmis.engine.model import load_adapter
     from mmis.engine.runner import ModelRunner
     from mmis.entrypoints.engine import EngineConfig, make_core
@@ -125,6 +135,24 @@ def run_engine_child(args: argparse.Namespace) -> None:
     block = 256 if args.device == "cuda" else 16
     need = sum(-(-(len(it["ids"]) + args.tokens) // block) for it in items) + 16
     runner = ModelRunner.create(adapter, block_size=block, num_blocks=need)
+    graphs = 0
+    if args.device == "cuda" and not args.enforce_eager:  # as `mmis engine` sets them up
+        try:
+            from mmis.engine.decode_graphs import setup as setup_graphs
+        except ImportError:  # a tree before CUDA graphs
+            pass
+        else:
+            longest = max(len(it["ids"]) for it in items) + args.tokens  # its --max-model-len
+            runner.decode_graphs = setup_graphs(
+                adapter,
+                runner.pool,
+                runner.backend,
+                enforce_eager=False,
+                max_num_seqs=args.concurrency,
+                max_model_len=longest,
+                tensor_parallel=False,
+            )
+            graphs = 0 if runner.decode_graphs is None else len(runner.decode_graphs.graphs)
     cfg = EngineConfig()
     best, decode = float("inf"), {"seconds": 0.0, "contexts": []}
     outputs: list[list[int]] = []
@@ -186,7 +214,15 @@ def run_engine_child(args: argparse.Namespace) -> None:
         if seconds < best:
             best, decode = seconds, dict(steps)
     print(
-        json.dumps({"seconds": best, "outputs": outputs, "decode": decode, "mmis": mmis.__file__})
+        json.dumps(
+            {
+                "seconds": best,
+                "outputs": outputs,
+                "decode": decode,
+                "mmis": mmis.__file__,
+                "graphs": graphs,
+            }
+        )
     )
 
 
@@ -225,6 +261,7 @@ def child(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
     cmd += ["--concurrency", str(args.concurrency), "--prompt-tokens", str(args.prompt_tokens)]
     cmd += ["--tokens", str(args.tokens), "--repeat", str(args.repeat)]
     cmd += ["--threads", str(args.threads), "--device", args.device]
+    cmd += ["--enforce-eager"] if args.enforce_eager else []
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"engine child for {tree} failed:\n{done.stderr[-3000:]}")
@@ -244,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--model-dir", type=Path)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs for the engine's decode steps"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -279,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
                 mismatches += bad
                 print(
                     f"  round {round_ + 1} {name}: {total / got['seconds']:8.2f} tok/s "
-                    f"({got['seconds']:.1f} s; mmis from {got['mmis']}), first-token "
-                    f"mismatches {bad}",
+                    f"({got['seconds']:.1f} s; mmis from {got['mmis']}; CUDA graphs "
+                    f"{got.get('graphs', 0)}), first-token mismatches {bad}",
                     flush=True,
                 )
         for name in order:

