@@ -4,6 +4,11 @@
   reason, unless ``MMIS_REQUIRE_CUDA=1`` (set by ``scripts/gpu-check``, which runs them on a
   GPU machine): then a missing device is an error, so the device check cannot pass by
   skipping.
+- Every engine the suite starts computes in float32 unless its test passes ``--dtype``
+  (``MMIS_ENGINE_DTYPE``, read by every ``mmis engine`` / ``mmis serve`` child): the greedy
+  references are float32 transformers forwards, and on a CPU with AMX/AVX512-BF16 ``--dtype
+  auto`` may pick bfloat16 (``server/mmis/engine/dtype.py``), whose answers differ. The
+  resolution of ``auto`` itself is tested in ``tests/engine/test_engine_dtype_kv.py``.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 import os
 
 import pytest
+
+os.environ.setdefault("MMIS_ENGINE_DTYPE", "float32")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
