@@ -22,6 +22,7 @@ import yaml
 
 from mmis.cli import COMMANDS
 from mmis.config import SHARED_SETTINGS, GiB, default_of, from_env
+from mmis.engine import batch_limits
 from mmis.engine.config import EngineConfig
 from mmis.engine.sched_config import SchedulerConfig
 from mmis.entrypoints import engine as engine_cli
@@ -177,14 +178,15 @@ def test_shared_settings_have_one_definition() -> None:
 
 
 def test_scheduler_defaults_are_the_engine_settings() -> None:
-    for name in (
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "block_size",
-        "enable_prefix_caching",
-        "max_model_len",
-    ):
+    for name in ("block_size", "enable_prefix_caching", "max_model_len"):
         assert default_of(SchedulerConfig, name) == default_of(EngineConfig, name), name
+    # the batch limits default to "chosen at start-up": without a profile, the fixed ones
+    unset = batch_limits.resolve(
+        default_of(EngineConfig, "max_num_seqs"), default_of(EngineConfig, "max_num_batched_tokens")
+    )
+    assert (unset.seqs_source, unset.tokens_source) == ("default", "default")
+    assert default_of(SchedulerConfig, "max_num_seqs") == unset.max_num_seqs
+    assert default_of(SchedulerConfig, "max_num_batched_tokens") == unset.max_num_batched_tokens
 
 
 @pytest.mark.parametrize("crd", CRDS, ids=lambda p: str(p.relative_to(ROOT)))

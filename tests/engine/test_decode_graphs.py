@@ -239,6 +239,9 @@ def test_engine_on_cuda_logs_its_capture(
     requests = [EngineCoreRequest(f"g{i}", list(range(3, 20 + i)), [], params) for i in range(3)]
     with EngineHarness(tiny_dirs["llava"], *args, "--max-num-seqs", "4") as engine:
         assert "CUDA graphs: 3 decode batch sizes captured in" in engine.log_text()
+        # no KV flag on CUDA: sized from memory, the step size from that profile
+        assert "(--gpu-memory-utilization 0.9 (default)," in engine.log_text()
+        assert "tokens a step (profile)" in engine.log_text()
         results = engine.run(*requests)
     assert all(r.error is None and len(r.token_ids) == 12 for r in results)
     adapter = load_adapter(tiny_dirs["llava"], "cuda", torch.float32)  # the eager reference

@@ -148,6 +148,8 @@ def test_bfloat16_engine_answers_with_a_pool_sized_by_kv_cache_gb(
         log_text = engine.log_text()
         assert "in bfloat16" in log_text
         assert "engine ready: 37 KV blocks of 16 tokens (--kv-cache-gb, bfloat16)" in log_text
+        # a flag fixed the pool: no profile, the fixed batch limits
+        assert "batch limits: at most 64 sequences (default) and 2048 tokens a step" in log_text
         params = SamplingParams(max_tokens=5, ignore_eos=True)
         [result] = engine.run(EngineCoreRequest("bf16", list(range(3, 40)), [], params))
     assert result.error is None
@@ -177,6 +179,8 @@ def test_gpu_memory_utilization_sizes_the_pool_and_fills_it(tiny_dirs: dict[str,
         assert 0 < stats["num_kv_blocks"] * stats["kv_block_bytes"] < total * 0.5
         assert "(--gpu-memory-utilization" in engine.log_text()
         assert "KV sizing:" in engine.log_text()
+        assert "at most 8 sequences (set) and" in engine.log_text()
+        assert "tokens a step (profile)" in engine.log_text()
         params = SamplingParams(max_tokens=200, ignore_eos=True)
         requests = [EngineCoreRequest(f"g{i}", list(range(3, 50)), [], params) for i in range(8)]
         results = engine.run(*requests)

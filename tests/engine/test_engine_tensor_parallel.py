@@ -58,6 +58,9 @@ def test_two_ranks_answer_as_transformers(
     kit: ModelKit, engine: EngineHarness, refs: References
 ) -> None:
     assert "tensor parallel: 2 ranks (cpu)" in engine.log_text()
+    assert "batch limits: at most 64 sequences (default) and 20 tokens a step (set)" in (
+        engine.log_text()
+    )
     assert "self-check passed" in engine.log_text()  # its reference forward ran on both ranks
     requests = [kit.request(t, imgs, max_tokens=m) for t, imgs, m in specs()]
     results = engine.run(*requests)  # together: one step holds several sequences

@@ -6,9 +6,11 @@ Invariants:
   ``SchedulerConfig``'s defaults derive from it; what P0 must agree on is ``shared``.
 - A value that cannot work raises :class:`~mmis.config.ConfigError`, naming the flag.
 - The KV pool's size: ``--num-kv-blocks`` wins, then ``--kv-cache-gb``, then
-  ``--gpu-memory-utilization`` (CUDA only), else :data:`DEFAULT_KV_BLOCKS`
-  (``engine/kv_sizing.py`` resolves it, and ``engine/dtype.py`` the ``--dtype``, once the
-  model's device is known).
+  ``--gpu-memory-utilization`` (CUDA only; :data:`DEFAULT_GPU_MEMORY_UTILIZATION` there when
+  no KV flag is given), else :data:`DEFAULT_KV_BLOCKS` (``engine/kv_sizing.py`` resolves it,
+  and ``engine/dtype.py`` the ``--dtype``, once the model's device is known).
+- ``max_num_seqs`` / ``max_num_batched_tokens`` left ``None`` are chosen at start-up
+  (``engine/batch_limits.py``: fixed on CPU, from the KV sizing profile on CUDA).
 """
 
 from __future__ import annotations
@@ -16,9 +18,16 @@ from __future__ import annotations
 import dataclasses
 
 from mmis.config import AT_LEAST_1, POSITIVE, GiB, check, setting, shared
+from mmis.engine.batch_limits import (
+    FIXED_MAX_NUM_BATCHED_TOKENS,
+    FIXED_MAX_NUM_SEQS,
+    MAX_AUTO_SEQS,
+    STEP_TOKEN_CHOICES,
+)
 
 DEFAULT_MODEL = "mmis-tiny"
 DEFAULT_KV_BLOCKS = 2048  # the KV pool's size when no KV sizing setting applies
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # on CUDA when no KV sizing flag is given
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 MIN_ENCODER_CACHE_TOKENS = 8192  # the encoder cache's floor when sized from the processor
 
@@ -40,9 +49,20 @@ class EngineConfig:
         rule=(lambda v: 0.0 <= v <= 1.0, "must be within [0, 1]"),
         help="OPERATOR-ONLY fault injection: P1 evicts this fraction of cached items",
     )
-    max_num_seqs: int = setting(64, rule=AT_LEAST_1, help="most requests running at once in P1")
-    max_num_batched_tokens: int = setting(
-        2048, rule=AT_LEAST_1, help="tokens computed per engine step at most"
+    max_num_seqs: int | None = setting(
+        None,
+        rule=(lambda v: v is None or v >= 1, "must be at least 1"),
+        help=f"most requests running at once in P1; default: {FIXED_MAX_NUM_SEQS}, or on CUDA "
+        f"with the KV cache sized from memory its tokens / 256 within [{FIXED_MAX_NUM_SEQS}, "
+        f"{MAX_AUTO_SEQS}]",
+    )
+    max_num_batched_tokens: int | None = setting(
+        None,
+        rule=(lambda v: v is None or v >= 1, "must be at least 1"),
+        help=f"tokens computed per engine step at most; default: {FIXED_MAX_NUM_BATCHED_TOKENS}, "
+        "or on CUDA with the KV cache sized from memory the largest of "
+        f"{', '.join(map(str, STEP_TOKEN_CHOICES))} whose profiling step's activations take at "
+        "most 1/8 of the memory left for KV and activations",
     )
     kv_cache_gb: float | None = setting(
         None,
@@ -56,13 +76,14 @@ class EngineConfig:
         rule=(lambda v: v is None or 0.0 < v <= 1.0, "must be within (0, 1]"),
         help="CUDA only: the fraction of the GPU's memory P1 may use; the KV cache gets what "
         "is left after the weights and a profiling step at --max-num-batched-tokens "
-        f"(with no KV sizing flag, {DEFAULT_KV_BLOCKS} blocks)",
+        f"(default on CUDA with no other KV sizing flag: {DEFAULT_GPU_MEMORY_UTILIZATION}; "
+        f"on CPU {DEFAULT_KV_BLOCKS} blocks)",
     )
     num_kv_blocks: int | None = setting(
         None,
         rule=(lambda v: v is None or v >= 2, "must be at least 2 (block 0 is reserved)"),
-        help=f"KV cache size in blocks, block 0 included (overrides --kv-cache-gb; "
-        f"with neither, {DEFAULT_KV_BLOCKS})",
+        help="KV cache size in blocks, block 0 included (overrides --kv-cache-gb; with "
+        f"neither, {DEFAULT_KV_BLOCKS} on CPU, --gpu-memory-utilization on CUDA)",
     )
     block_size: int = setting(16, rule=AT_LEAST_1, help="tokens per KV block")
     encoder_cache_tokens: int | None = setting(
@@ -95,7 +116,7 @@ class EngineConfig:
         1,
         rule=AT_LEAST_1,
         help="ranks the language model's layers are split over, one process each (on CUDA "
-        "one GPU each, NCCL; on CPU gloo); not with --gpu-memory-utilization",
+        "one GPU each, NCCL; on CPU gloo)",
     )
     dtype: str = setting(
         "auto",

@@ -1,13 +1,21 @@
 """P1's KV pool size (``--num-kv-blocks`` / ``--kv-cache-gb`` / ``--gpu-memory-utilization``),
-resolved once at start-up (the model's dtype: ``engine/dtype.py``).
+resolved once at start-up (the model's dtype: ``engine/dtype.py``), and on CUDA the step size
+the profile settles on (``engine/batch_limits.py``).
 
 Invariants:
 - The KV pool's size, first that applies: ``--num-kv-blocks``; ``--kv-cache-gb`` (its GiB
-  divided by the bytes of one block); ``--gpu-memory-utilization`` on CUDA (the fraction of
-  the device's total memory, less what is in use after the weights are loaded, less the
-  activation peak of one profiling step at ``max_num_batched_tokens``); else
+  divided by the bytes of one block); on CUDA ``--gpu-memory-utilization``, by default
+  :data:`~mmis.engine.config.DEFAULT_GPU_MEMORY_UTILIZATION` (the fraction of the device's
+  total memory, less what is in use after the weights are loaded, less the activation peak of
+  one profiling step, at most :data:`MAX_SIZED_KV_BLOCKS` blocks); else
   :data:`~mmis.engine.config.DEFAULT_KV_BLOCKS`. ``--gpu-memory-utilization`` on a CPU device
   is ignored (logged): ``--kv-cache-gb`` is the CPU way.
+- The profiling step is the largest the settings allow (:func:`profile_step`) at the user's
+  ``--max-num-batched-tokens``, or at each of ``batch_limits.STEP_TOKEN_CHOICES`` in turn
+  until its activations fit (``batch_limits.step_fits``). Under tensor parallelism every rank
+  runs it over its own pool of the same size and reads its own device (the one rule:
+  ``engine/device_memory.py``); the ranks agree on the minimum (``engine/tensor_parallel.py``),
+  so each one's pool fits its device.
 - A budget from ``--gpu-memory-utilization`` that holds fewer blocks than one max-length
   sequence needs (``ceil(max_model_len / block_size)`` plus the reserved block 0) raises
   :class:`KVSizingError` naming the flag and both counts; the pool is never smaller.
@@ -20,14 +28,19 @@ import logging
 import math
 from typing import TYPE_CHECKING
 
-import torch
-
-from mmis.engine.config import EngineConfig
+from mmis.engine.batch_limits import MAX_AUTO_SEQS, step_token_choices
+from mmis.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
+from mmis.engine.device_memory import CudaMemory, DeviceMemory, rank_fit
 
 if TYPE_CHECKING:
     from mmis.engine.model import ModelAdapter
     from mmis.engine.runner import ModelRunner
     from mmis.engine.sched_output import SchedulerOutput
+    from mmis.engine.tensor_parallel import TensorParallel
+
+# a pool sized from memory holds at most this many blocks: a tiny model on a large GPU would
+# otherwise get tens of millions, whose bookkeeping (engine/block_pool.py) costs host memory
+MAX_SIZED_KV_BLOCKS = 1 << 20
 
 log = logging.getLogger("mmis.engine")
 
@@ -43,6 +56,7 @@ class KVPlan:
     num_blocks: int | None  # None: from budget_bytes
     budget_bytes: int | None
     source: str  # the flag that decided, or "default"
+    step_tokens: int | None = None  # the step size the profile settled on (None: no profile)
 
 
 def min_blocks(max_model_len: int | None, block_size: int) -> int:
@@ -107,90 +121,92 @@ def profile_step(
     return runner, step
 
 
-def profile_peak_bytes(
-    adapter: ModelAdapter,
-    *,
-    num_tokens: int,
-    max_num_seqs: int,
-    block_size: int,
-    max_model_len: int | None,
-) -> int:
-    """Bytes the :func:`profile_step` allocates on the adapter's CUDA device beyond what is
-    allocated before it (its own KV pool excluded): one real forward, logits and sampling."""
-    runner, step = profile_step(
-        adapter,
-        num_tokens=num_tokens,
-        max_num_seqs=max_num_seqs,
-        block_size=block_size,
-        max_model_len=max_model_len,
-    )
-    torch.cuda.synchronize(adapter.device)
-    torch.cuda.reset_peak_memory_stats(adapter.device)
-    before = torch.cuda.memory_allocated(adapter.device)
-    runner.execute(step)
-    torch.cuda.synchronize(adapter.device)
-    peak = torch.cuda.max_memory_allocated(adapter.device) - before
-    del runner, step
-    torch.cuda.empty_cache()
-    return int(max(peak, 0))
-
-
 def gpu_kv_blocks(
     adapter: ModelAdapter,
     fraction: float,
     *,
     block_size: int,
-    max_num_batched_tokens: int,
-    max_num_seqs: int,
+    max_num_batched_tokens: int | None,
+    max_num_seqs: int | None,
     max_model_len: int | None,
-) -> tuple[int, int]:
-    """``(num_blocks, budget_bytes)`` of ``--gpu-memory-utilization fraction`` on the
-    adapter's CUDA device, after one profiling step."""
-    peak = profile_peak_bytes(
-        adapter,
-        num_tokens=max_num_batched_tokens,
-        max_num_seqs=max_num_seqs,
-        block_size=block_size,
-        max_model_len=max_model_len,
-    )
-    free, total = torch.cuda.mem_get_info(adapter.device)
-    used = total - free  # weights, CUDA context, other processes
-    budget = int(total * fraction) - used - peak
+    tp: TensorParallel | None = None,
+    memory: DeviceMemory | None = None,
+) -> tuple[int, int, int]:
+    """``(num_blocks, budget_bytes, step_tokens)`` of ``--gpu-memory-utilization fraction`` on
+    the adapter's device: one profiling step per step size (``batch_limits``: the user's, or
+    the choices largest first until one fits), mirrored by every tensor-parallel rank, whose
+    readings are combined by taking the minimum."""
+    memory = memory if memory is not None else CudaMemory(adapter.device)
     per_block = adapter.kv_cache_spec(block_size).bytes_per_block
-    blocks = blocks_from_budget(
-        budget, per_block, max_model_len=max_model_len, block_size=block_size
+    choices = step_token_choices(max_num_batched_tokens)
+    for tokens in choices:
+        runner, step = profile_step(
+            adapter,
+            num_tokens=tokens,
+            max_num_seqs=max_num_seqs or MAX_AUTO_SEQS,
+            block_size=block_size,
+            max_model_len=max_model_len,
+        )
+        if tp is not None:  # the workers run the same step over a pool of the same size
+            tp.begin_profile(runner.pool.num_blocks, fraction, last=tokens == choices[-1])
+            runner.tensor_parallel = tp
+        peak = memory.peak_of(lambda r=runner, s=step: r.execute(s))  # type: ignore[misc]
+        del runner, step
+        fit = rank_fit(memory, peak, fraction, per_block, last=tokens == choices[-1])
+        fits, blocks = fit.fits, fit.blocks
+        if tp is not None:  # every rank takes the same decision: the minimum of the readings
+            agreed = tp.agree_min([int(fits), blocks])
+            fits, blocks = bool(agreed[0]), agreed[1]
+        log.info(
+            "KV sizing: %.2f GiB total x %.2f, %.2f GiB in use, %.2f GiB profiling peak at %d "
+            "tokens -> %s",
+            fit.total / (1 << 30),
+            fraction,
+            fit.used / (1 << 30),
+            fit.peak / (1 << 30),
+            tokens,
+            f"{blocks} blocks of {per_block} bytes" if fits else "activations too large",
+        )
+        if fits:
+            break
+    blocks_from_budget(
+        blocks * per_block, per_block, max_model_len=max_model_len, block_size=block_size
     )
-    log.info(
-        "KV sizing: %.2f GiB total x %.2f, %.2f GiB in use, %.2f GiB profiling peak at %d "
-        "tokens -> %d blocks of %d bytes",
-        total / (1 << 30),
-        fraction,
-        used / (1 << 30),
-        peak / (1 << 30),
-        max_num_batched_tokens,
-        blocks,
-        per_block,
-    )
-    return blocks, budget
+    if blocks > MAX_SIZED_KV_BLOCKS:
+        log.info("KV sizing: %d blocks capped at %d", blocks, MAX_SIZED_KV_BLOCKS)
+        blocks = MAX_SIZED_KV_BLOCKS
+    return blocks, blocks * per_block, tokens
 
 
-def plan_kv_pool(cfg: EngineConfig, adapter: ModelAdapter, max_model_len: int | None) -> KVPlan:
-    """The KV pool's size for ``cfg`` on the adapter's device (the module's precedence)."""
+def plan_kv_pool(
+    cfg: EngineConfig,
+    adapter: ModelAdapter,
+    max_model_len: int | None,
+    tp: TensorParallel | None = None,
+) -> KVPlan:
+    """The KV pool's size for ``cfg`` on the adapter's device (the module's precedence);
+    ``tp``: rank 0's handle under tensor parallelism (the workers mirror the profile)."""
     if cfg.num_kv_blocks is not None:
         return KVPlan(cfg.num_kv_blocks, None, "--num-kv-blocks")
     if cfg.kv_cache_gb is not None:
         return KVPlan(None, cfg.kv_pool_size()[1], "--kv-cache-gb")
+    if adapter.device.type == "cuda":
+        fraction = cfg.gpu_memory_utilization
+        source = "--gpu-memory-utilization"
+        if fraction is None:
+            fraction = DEFAULT_GPU_MEMORY_UTILIZATION
+            source = f"{source} {fraction} (default)"
+        blocks, budget, tokens = gpu_kv_blocks(
+            adapter,
+            fraction,
+            block_size=cfg.block_size,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=max_model_len,
+            tp=tp,
+        )
+        return KVPlan(blocks, budget, source, tokens)
     if cfg.gpu_memory_utilization is not None:
-        if adapter.device.type == "cuda":
-            blocks, budget = gpu_kv_blocks(
-                adapter,
-                cfg.gpu_memory_utilization,
-                block_size=cfg.block_size,
-                max_num_batched_tokens=cfg.max_num_batched_tokens,
-                max_num_seqs=cfg.max_num_seqs,
-                max_model_len=max_model_len,
-            )
-            return KVPlan(blocks, budget, "--gpu-memory-utilization")
         log.warning(
             "--gpu-memory-utilization applies to CUDA only; on %s use --kv-cache-gb",
             adapter.device.type,

@@ -4,9 +4,10 @@ Invariants:
 - Every limit is a positive integer (``max_model_len`` may be ``None``: no limit beyond the KV
   pool); a bad value raises
   :class:`~mmis.config.ConfigError` naming the field.
-- User settings (``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``,
-  ``enable_prefix_caching``, ``max_model_len``) default to :class:`EngineConfig`'s, their one
-  definition; the rest are internal to the scheduler.
+- User settings (``block_size``, ``enable_prefix_caching``, ``max_model_len``) default to
+  :class:`EngineConfig`'s, their one definition, and the two batch limits to their fixed
+  defaults (``engine/batch_limits.py``, which ``mmis engine`` resolves before building this);
+  the rest are internal to the scheduler.
 - ``num_blocks`` counts block 0, the reserved null block, so ``num_blocks - 1`` are usable.
 - :func:`never_schedulable` names what a configuration rules out for good (a prompt beyond
   ``max_model_len``, an item larger than the encoder cache, or than a step when items are
@@ -19,6 +20,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from mmis.config import ConfigError, default_of
+from mmis.engine.batch_limits import FIXED_MAX_NUM_BATCHED_TOKENS, FIXED_MAX_NUM_SEQS
 from mmis.engine.config import MIN_ENCODER_CACHE_TOKENS, EngineConfig
 from mmis.protocol.messages import ErrorCode
 
@@ -28,8 +30,8 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = default_of(EngineConfig, "max_num_seqs")  # running requests at most
-    max_num_batched_tokens: int = default_of(EngineConfig, "max_num_batched_tokens")
+    max_num_seqs: int = FIXED_MAX_NUM_SEQS  # running requests at most
+    max_num_batched_tokens: int = FIXED_MAX_NUM_BATCHED_TOKENS  # tokens computed a step
     num_blocks: int = 1024  # KV blocks per layer, block 0 included (P1: the pool's count)
     block_size: int = default_of(EngineConfig, "block_size")  # tokens per KV block
     enable_prefix_caching: bool = default_of(EngineConfig, "enable_prefix_caching")

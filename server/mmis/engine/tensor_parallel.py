@@ -20,8 +20,12 @@ Invariants:
 - Every language-model forward of rank 0 goes through :meth:`ModelRunner.execute`, which
   broadcasts first, or is the self-check's plain-transformers reference, which broadcasts
   its prompt first (:meth:`TensorParallel.broadcast_plain`; every rank runs the model's own
-  forward). The CUDA profiling step of ``--gpu-memory-utilization`` is not mirrored, so that
-  flag is refused under tensor parallelism.
+  forward).
+- Before the pool exists, rank 0 sends either its block count or a profiling step of KV
+  sizing (``engine/kv_sizing.py``: :meth:`TensorParallel.begin_profile`, then the step's
+  usual broadcast); a worker runs it over a pool of the same size, reads its own device, and
+  every rank takes the minimum of the readings (:func:`agree_min`), so the count rank 0 then
+  sends fits every device.
 - Heads, KV heads and the MLP width must divide by the size, or the model is refused at
   start-up (:class:`TensorParallelError`) naming the numbers.
 - A worker that exits ends the engine (rank 0 exits 1 rather than wait in a collective),
@@ -49,6 +53,7 @@ log = logging.getLogger(__name__)
 _STOP = "stop"
 _STEP = "step"
 _PLAIN = "plain"
+_PROFILE = "profile"
 UNSPLITTABLE = 3  # a worker's exit code when the model does not split: rank 0 says why
 
 
@@ -168,6 +173,16 @@ class TensorParallel:
     def send_pool_size(self, num_blocks: int) -> None:
         dist.broadcast_object_list([num_blocks], src=0, device=self._comm_device)
 
+    def begin_profile(self, num_blocks: int, fraction: float, *, last: bool) -> None:
+        """Tell the workers the next step is a KV sizing profile over ``num_blocks`` blocks
+        (``fraction``: ``--gpu-memory-utilization``; ``last``: the step size is taken
+        whatever its activations need)."""
+        message = [(_PROFILE, num_blocks, fraction, last)]
+        dist.broadcast_object_list(message, src=0, device=self._comm_device)
+
+    def agree_min(self, values: Sequence[int]) -> list[int]:
+        return agree_min(values, self._comm_device)
+
     @property
     def _comm_device(self) -> torch.device | None:
         return self.device if self.device.type == "cuda" else None
@@ -193,6 +208,14 @@ class TensorParallel:
             w.join(timeout=10)
             if w.is_alive():
                 w.terminate()
+
+
+def agree_min(values: Sequence[int], comm: torch.device | None) -> list[int]:
+    """Every rank's ``values``, element-wise minimum over the ranks (a collective: all call
+    it together)."""
+    tensor = torch.tensor(list(values), dtype=torch.int64, device=comm)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return [int(v) for v in tensor.tolist()]
 
 
 def _base_device(cfg: Any) -> torch.device:
@@ -223,19 +246,91 @@ def start_workers(cfg: Any) -> tuple[TensorParallel, int]:
     return TensorParallel(size, device, workers), port
 
 
+@dataclasses.dataclass
+class WorkerRank:
+    """A worker rank's model and what its forwards need."""
+
+    adapter: Any
+    backend: Any
+    block_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def comm(self) -> torch.device | None:
+        return self.device if self.device.type == "cuda" else None
+
+    def receive(self) -> Any:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, device=self.comm)
+        return box[0]
+
+    def forward(self, header: Any, pool: Any) -> None:
+        """Rank 0's step ``header``: receive its inputs and run the same forward."""
+        from mmis.engine.attn_metadata import AttentionMetadata
+        from mmis.engine.paged_attention import PagedStep
+
+        _, args, embeds_shape, positions_shape = header
+        embeds = torch.empty(embeds_shape, dtype=self.dtype, device=self.device)
+        positions = torch.empty(positions_shape, dtype=torch.long, device=self.device)
+        dist.broadcast(embeds, src=0)
+        dist.broadcast(positions, src=0)
+        meta = AttentionMetadata.build(
+            args["num_tokens"],
+            args["starts"],
+            args["block_tables"],
+            self.block_size,
+            pool.num_slots,
+            self.device,
+            bidirectional_spans=args["spans"],
+        )
+        self.adapter.forward(embeds, positions, PagedStep(pool, meta, self.backend))
+
+
+def worker_pool_size(worker: WorkerRank, memory: Any = None) -> int:
+    """The block count rank 0 sends, after taking part in its KV sizing profiles (each one
+    read through ``memory``, a ``kv_sizing.DeviceMemory``; default: this CUDA device's)."""
+    from mmis.engine.device_memory import CudaMemory, rank_fit
+    from mmis.engine.paged_attention import PagedKVPool
+
+    spec = worker.adapter.kv_cache_spec(worker.block_size)
+    while True:
+        message = worker.receive()
+        if isinstance(message, int):
+            return message
+        if message[0] == _STOP:  # rank 0 stopped before its pool existed
+            raise SystemExit(0)
+        _, num_blocks, fraction, last = message
+        if memory is None:
+            memory = CudaMemory(worker.device)
+        pool = PagedKVPool(spec, num_blocks)
+        header = worker.receive()  # the profiling step's own broadcast
+        with torch.inference_mode():
+            peak = memory.peak_of(lambda h=header, p=pool: worker.forward(h, p))
+        del pool
+        fit = rank_fit(memory, peak, fraction, spec.bytes_per_block, last=last)
+        agree_min([int(fit.fits), fit.blocks], worker.comm)
+
+
 def worker_main(cfg: Any, rank: int, size: int, port: int, parent: int) -> None:
     """A worker rank: load, split, allocate, then mirror rank 0's forwards until told to stop."""
     from mmis.engine.attn_backends import select_backend
-    from mmis.engine.attn_metadata import AttentionMetadata
     from mmis.engine.dtype import resolve_dtype
     from mmis.engine.host_memory import keep_freed_memory
     from mmis.engine.model import load_adapter
-    from mmis.engine.paged_attention import PagedKVPool, PagedStep
+    from mmis.engine.paged_attention import PagedKVPool
     from mmis.entrypoints.common import resolve_model, setup_logging
 
     setup_logging(cfg.log_level)
     keep_freed_memory()  # as rank 0 does (entrypoints/engine.py)
     device = rank_device(_base_device(cfg), rank)
+
+    def orphan_watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)  # the engine is gone
+
+    threading.Thread(target=orphan_watch, name="tp-orphan", daemon=True).start()
 
     path = resolve_model(cfg.model)
     dtype = resolve_dtype(cfg.dtype, device, path)
@@ -245,40 +340,17 @@ def worker_main(cfg: Any, rank: int, size: int, port: int, parent: int) -> None:
     except TensorParallelError:
         raise SystemExit(UNSPLITTABLE) from None  # rank 0 meets the same error and reports it
     init_group(device, rank, size, port)
-    comm = device if device.type == "cuda" else None
-    box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=0, device=comm)
-    pool = PagedKVPool(adapter.kv_cache_spec(cfg.block_size), int(box[0]))
-    backend = select_backend(device, cfg.block_size)
-
-    def orphan_watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)  # the engine is gone
-
-    threading.Thread(target=orphan_watch, name="tp-orphan", daemon=True).start()
+    worker = WorkerRank(
+        adapter, select_backend(device, cfg.block_size), cfg.block_size, dtype, device
+    )
+    pool = PagedKVPool(adapter.kv_cache_spec(cfg.block_size), worker_pool_size(worker))
     with torch.inference_mode():
         while True:
-            header: list[Any] = [None]
-            dist.broadcast_object_list(header, src=0, device=comm)
-            if header[0][0] == _STOP:
+            header = worker.receive()
+            if header[0] == _STOP:
                 break
-            if header[0][0] == _PLAIN:
-                adapter.reference_logits(header[0][1])
+            if header[0] == _PLAIN:
+                adapter.reference_logits(header[1])
                 continue
-            _, args, embeds_shape, positions_shape = header[0]
-            embeds = torch.empty(embeds_shape, dtype=dtype, device=device)
-            positions = torch.empty(positions_shape, dtype=torch.long, device=device)
-            dist.broadcast(embeds, src=0)
-            dist.broadcast(positions, src=0)
-            meta = AttentionMetadata.build(
-                args["num_tokens"],
-                args["starts"],
-                args["block_tables"],
-                cfg.block_size,
-                pool.num_slots,
-                device,
-                bidirectional_spans=args["spans"],
-            )
-            adapter.forward(embeds, positions, PagedStep(pool, meta, backend))
+            worker.forward(header, pool)
     dist.destroy_process_group()

@@ -4,9 +4,11 @@ Invariants:
 - Settings come from one frozen :class:`~mmis.engine.config.EngineConfig` (CLI >
   ``MMIS_ENGINE_*`` env > default); the flags are derived from its fields.
 - The KV pool is preallocated before the engine reports ready, sized by ``--num-kv-blocks``,
-  else ``--kv-cache-gb``, else ``--gpu-memory-utilization`` (CUDA: after a profiling step),
-  else the default (``engine/kv_sizing.py``); the scheduler's block count is the pool's, and
-  the start-up log line names the count and the setting that chose it.
+  else ``--kv-cache-gb``, else ``--gpu-memory-utilization`` (CUDA, 0.9 by default there:
+  after a profiling step on every rank), else the default (``engine/kv_sizing.py``); the
+  scheduler's block count is the pool's, and the start-up log line names the count and the
+  setting that chose it. Batch limits left unset are resolved right after
+  (``engine/batch_limits.py``) and logged (``batch limits: ...``).
 - The model loads in ``--dtype`` (``auto`` resolved per device, ``engine/dtype.py``),
   straight onto the device; the KV cache has the model's dtype.
 - ``--revision`` reaches every ``from_pretrained`` of P1 (config and model) through
@@ -36,6 +38,8 @@ import signal
 from typing import TYPE_CHECKING, Any
 
 from mmis.config import ConfigError, GiB, add_flags, settings_from_args
+from mmis.engine import batch_limits
+from mmis.engine.batch_limits import BatchLimits
 from mmis.engine.config import EngineConfig
 from mmis.entrypoints.common import resolve_model, setup_logging
 
@@ -97,24 +101,28 @@ def make_core(
     *,
     largest_item: int | None = None,
     tokenizer_dir: str | None = None,
+    limits: BatchLimits | None = None,
 ) -> EngineCore:
     """A scheduler sized from ``cfg``, the runner's KV pool and the largest image item
     (:mod:`mmis.engine.encoder_sizing`), and the core around both (what ``mmis engine``
     runs; benchmarks build theirs here too). The structured-output grammar engine is built
     from the tokenizer in ``tokenizer_dir`` (the runner's model directory); without one the
-    core refuses structured requests."""
+    core refuses structured requests. ``limits``: the batch limits ``mmis engine`` resolved
+    (default: ``cfg``'s where set, else the fixed defaults of ``engine/batch_limits.py``)."""
     from mmis.engine.core import EngineCore
     from mmis.engine.encoder_sizing import encoder_cache_tokens
     from mmis.engine.sched_config import SchedulerConfig
     from mmis.engine.scheduler import Scheduler
 
     adapter = runner.adapter
+    if limits is None:
+        limits = batch_limits.resolve(cfg.max_num_seqs, cfg.max_num_batched_tokens)
     max_len = cfg.max_model_len or getattr(adapter.text_config, "max_position_embeddings", None)
     encoder_tokens = encoder_cache_tokens(cfg.encoder_cache_tokens, largest_item)
     scheduler = Scheduler(
         SchedulerConfig(
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_seqs=limits.max_num_seqs,
+            max_num_batched_tokens=limits.max_num_batched_tokens,
             num_blocks=runner.pool.num_blocks,
             block_size=cfg.block_size,
             enable_prefix_caching=cfg.enable_prefix_caching,
@@ -172,11 +180,6 @@ def build(cfg: EngineConfig) -> EngineCoreProc:
     if cfg.tensor_parallel_size > 1:
         from mmis.engine.tensor_parallel import start_workers
 
-        if cfg.gpu_memory_utilization is not None:
-            raise SystemExit(
-                "mmis engine: --gpu-memory-utilization does not work with "
-                "--tensor-parallel-size > 1 yet; size the KV cache with --num-kv-blocks"
-            )
         tp, port = start_workers(cfg)  # they load the model meanwhile
         tp.watch()
     adapter = load_model(cfg)
@@ -191,7 +194,7 @@ def build(cfg: EngineConfig) -> EngineCoreProc:
         log.info("tensor parallel: %d ranks (%s)", tp.size, adapter.device.type)
     max_len = cfg.max_model_len or getattr(adapter.text_config, "max_position_embeddings", None)
     try:
-        plan = plan_kv_pool(cfg, adapter, max_len)
+        plan = plan_kv_pool(cfg, adapter, max_len, tp)
     except KVSizingError as exc:
         raise SystemExit(f"mmis engine: {exc}") from None
     try:
@@ -211,6 +214,14 @@ def build(cfg: EngineConfig) -> EngineCoreProc:
     if tp is not None:
         tp.send_pool_size(runner.pool.num_blocks)
         runner.tensor_parallel = tp
+    limits = batch_limits.resolve(
+        cfg.max_num_seqs,
+        cfg.max_num_batched_tokens,
+        profiled_tokens=plan.step_tokens,
+        pool_blocks=None if plan.step_tokens is None else runner.pool.num_blocks,
+        block_size=cfg.block_size,
+    )
+    log.info("batch limits: %s", limits.describe())
     if cfg.self_check:
         from mmis.engine.self_check import SelfCheckError, run_self_check
 
@@ -227,7 +238,7 @@ def build(cfg: EngineConfig) -> EngineCoreProc:
         runner.pool,
         runner.backend,
         enforce_eager=cfg.enforce_eager,
-        max_num_seqs=cfg.max_num_seqs,
+        max_num_seqs=limits.max_num_seqs,
         max_model_len=max_len,
         tensor_parallel=tp is not None,
     )
@@ -239,7 +250,12 @@ def build(cfg: EngineConfig) -> EngineCoreProc:
         if image_processor is not None:
             largest = largest_item_tokens(adapter, image_processor)
     core = make_core(
-        cfg, runner, spans, largest_item=largest, tokenizer_dir=str(resolve_model(cfg.model))
+        cfg,
+        runner,
+        spans,
+        largest_item=largest,
+        tokenizer_dir=str(resolve_model(cfg.model)),
+        limits=limits,
     )
     readers = ShmReaderSet(cfg.shm_dir)
     readers.start()  # drops the mappings of removed segments (their memory is then freed)
