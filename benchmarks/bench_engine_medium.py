@@ -4,6 +4,7 @@ checkout (the code before a change) vs one ``generate()`` per request.
     .venv/bin/python benchmarks/bench_engine_medium.py --against /tmp/oldtree
         [--concurrency 32] [--prompt-tokens 2048] [--tokens 16] [--generate-requests 2]
         [--repeat 1] [--rounds 1] [--threads 1] [--device cpu|cuda] [--enforce-eager]
+        [--dtype auto|float32|bfloat16]
 
 The model (issue 11's "medium LLaVA") is built here, random, into ``--model-dir`` (default a
 fresh temporary folder; never committed): a Llama text model of hidden 896, 14 heads (2 KV
@@ -30,7 +31,8 @@ request decodes (``--tokens`` must exceed the prefill steps for such steps to ex
 ``--device cuda`` runs every side on the GPU in bfloat16 (KV blocks of 256, the flash
 kernel's in-place layout; ``scripts/gpu-check`` runs it so) with the decode steps replayed as
 CUDA graphs as ``mmis engine`` captures them (``engine/decode_graphs.py``; ``--enforce-eager``:
-none; the count is printed per round), else the CPU in float32. The engine child sets up its
+none; the count is printed per round), else the CPU in float32 (``--dtype`` overrides
+either: ``bfloat16`` on a CPU with AMX). The engine child sets up its
 process as ``mmis engine`` does (``engine/host_memory.py``, where the tree has it). Ratios are
 tokens/s over tokens/s; the last line is ``SUMMARY bench_engine_medium: ...``.
 """
@@ -90,10 +92,12 @@ def workload(processor: Any, count: int, prompt_tokens: int) -> list[dict[str, A
     return items
 
 
-def _dtype(device: str) -> Any:
+def _dtype(args: argparse.Namespace) -> Any:
     import torch
 
-    return torch.bfloat16 if device == "cuda" else torch.float32
+    if args.dtype == "auto":
+        return torch.bfloat16 if args.device == "cuda" else torch.float32
+    return getattr(torch, args.dtype)
 
 
 def _sync(device: str) -> None:
@@ -131,7 +135,7 @@ def run_engine_child(args: argparse.Namespace) -> None:
 
     processor = AutoProcessor.from_pretrained(args.model_dir)
     items = workload(processor, args.concurrency, args.prompt_tokens)
-    adapter = load_adapter(args.model_dir, args.device, _dtype(args.device))
+    adapter = load_adapter(args.model_dir, args.device, _dtype(args))
     block = 256 if args.device == "cuda" else 16
     need = sum(-(-(len(it["ids"]) + args.tokens) // block) for it in items) + 16
     runner = ModelRunner.create(adapter, block_size=block, num_blocks=need)
@@ -234,7 +238,7 @@ def run_generate(args: argparse.Namespace) -> tuple[float, list[list[int]]]:
     processor = AutoProcessor.from_pretrained(args.model_dir)
     items = workload(processor, args.generate_requests, args.prompt_tokens)
     model = AutoModelForImageTextToText.from_pretrained(
-        args.model_dir, dtype=_dtype(args.device), device_map=args.device
+        args.model_dir, dtype=_dtype(args), device_map=args.device
     )
     model = model.eval()
     device = torch.device(args.device)
@@ -260,7 +264,7 @@ def child(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", "--model-dir", str(args.model_dir)]
     cmd += ["--concurrency", str(args.concurrency), "--prompt-tokens", str(args.prompt_tokens)]
     cmd += ["--tokens", str(args.tokens), "--repeat", str(args.repeat)]
-    cmd += ["--threads", str(args.threads), "--device", args.device]
+    cmd += ["--threads", str(args.threads), "--device", args.device, "--dtype", args.dtype]
     cmd += ["--enforce-eager"] if args.enforce_eager else []
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -282,6 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", type=Path)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="every side's dtype (auto: bfloat16 on cuda, float32 on cpu)",
+    )
+    parser.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs for the engine's decode steps"
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -302,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         total = args.concurrency * args.tokens
         print(
             f"medium LLaVA, c={args.concurrency}, ~{args.prompt_tokens} prompt tokens + 1 image, "
-            f"{args.tokens} tokens each, {args.threads} thread(s), {args.device}"
+            f"{args.tokens} tokens each, {args.threads} thread(s), {args.device}, "
+            f"{_dtype(args)}"
         )
         print(f"  generate: {gen_tps:8.2f} tok/s ({args.generate_requests} requests timed)")
         tps: dict[str, float] = {}
@@ -330,12 +341,12 @@ def main(argv: list[str] | None = None) -> int:
         processor = AutoProcessor.from_pretrained(args.model_dir)
         lens = [len(it["ids"]) for it in workload(processor, args.concurrency, args.prompt_tokens)]
         flops = model_flops(args.model_dir, lens, args.tokens)
-        peak, n = matmul_peak(args.device, args.threads, _dtype(args.device))
+        peak, n = matmul_peak(args.device, args.threads, _dtype(args))
         achieved = flops / (total / tps["engine"])
         print(
             f"  engine model FLOP/s, whole run (prefill included): {achieved / 1e9:.1f} G "
             f"({flops / 1e12:.2f} TFLOP in the run) "
-            f"vs matmul peak {peak / 1e9:.1f} G ({n}^3, {_dtype(args.device)}, "
+            f"vs matmul peak {peak / 1e9:.1f} G ({n}^3, {_dtype(args)}, "
             f"{args.threads} thread(s)): {achieved / peak:.1%}"
         )
         dec = decodes["engine"]

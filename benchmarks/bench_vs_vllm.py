@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_vs_vllm.py [--family llava|qwen2vl|medium-llava]
         [--concurrency 16] [--requests 64] [--tokens 16 256] [--rounds 2] [--threads 1]
-        [--peer ../shared/peers/vllm-cpu]
+        [--dtype float32|bfloat16] [--peer ../shared/peers/vllm-cpu]
 
 The peer is installed and its model copies written by ``PEER/recipe.sh install`` and
 ``recipe.sh models`` (``~/.cache/mmis/vllm-peer``: vLLM 0.32 CPU in its own venv; the
@@ -21,6 +21,8 @@ each round, so a burst of load on a shared machine hits both alike).
 Workload: ``--requests`` chat requests, each one distinct 64x64 PNG (a new one for every
 ``--tokens`` value and round: neither server has seen it, no cache hit) and a short text, greedy,
 ``ignore_eos`` (every request makes exactly N tokens), streamed, ``--concurrency`` in flight.
+Both servers compute in ``--dtype`` (default float32, the peer's; ``bfloat16`` where the CPU
+has AMX/AVX512-BF16, which ``mmis serve``'s ``--dtype auto`` would pick there).
 Per server: requests/s (requests over the round's wall time) and p50 time to first token
 (first streamed content chunk) over all rounds. Targets (the issue): mmis >= 1.5x vLLM's
 requests/s and p50 TTFT <= vLLM's. Last line: ``SUMMARY bench_vs_vllm: ...``.
@@ -114,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 256])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="mmis's OMP_NUM_THREADS")
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="both servers' dtype"
+    )
     parser.add_argument("--peer", type=Path, default=REPO.parent / "shared/peers/vllm-cpu")
     args = parser.parse_args(argv)
     recipe = args.peer / "recipe.sh"
@@ -125,12 +130,19 @@ def main(argv: list[str] | None = None) -> int:
     model = "tiny"  # the served model name of both servers (recipe.sh serve)
     work = tempfile.TemporaryDirectory()
     os.chdir(work.name)  # both servers start outside the checkout
-    started = subprocess.run(["bash", str(recipe), "serve", args.family], cwd=work.name)
+    started = subprocess.run(
+        ["bash", str(recipe), "serve", args.family],
+        cwd=work.name,
+        env=dict(os.environ, DTYPE=args.dtype),
+    )
     if started.returncode != 0:
         raise SystemExit("bench_vs_vllm: vllm serve did not start (see the peer's logs)")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     mmis = ServerProcess.mmis_serve(
-        "mmis", ["--model", str(model_dir), "--served-model-name", model], Path(work.name), env
+        "mmis",
+        ["--model", str(model_dir), "--served-model-name", model, "--dtype", args.dtype],
+        Path(work.name),
+        env,
     )
     try:
         servers = {"vllm": f"http://127.0.0.1:{PEER_PORT}", "mmis": mmis.root_url}
@@ -162,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         print(
             f"tiny-{args.family}-vllm, c={args.concurrency}, {args.requests} requests x "
-            f"{args.rounds} rounds, streamed, one 64x64 image each, greedy, ignore_eos"
+            f"{args.rounds} rounds, streamed, one 64x64 image each, greedy, ignore_eos, "
+            f"{args.dtype}"
         )
         print("\n".join(lines))
         print("SUMMARY bench_vs_vllm: mmis/vllm " + "; ".join(summary))
