@@ -289,7 +289,8 @@ class WorkerRank:
 
 def worker_pool_size(worker: WorkerRank, memory: Any = None) -> int:
     """The block count rank 0 sends, after taking part in its KV sizing profiles (each one
-    read through ``memory``, a ``kv_sizing.DeviceMemory``; default: this CUDA device's)."""
+    read through ``memory``, an ``engine/device_memory.py`` ``DeviceMemory``; default: this
+    CUDA device's)."""
     from mmis.engine.device_memory import CudaMemory, rank_fit
     from mmis.engine.paged_attention import PagedKVPool
 
