@@ -140,6 +140,7 @@ def gpu_kv_blocks(
     per_block = adapter.kv_cache_spec(block_size).bytes_per_block
     choices = step_token_choices(max_num_batched_tokens)
     for tokens in choices:
+        last = tokens == choices[-1]  # the smallest: taken whatever its activations need
         runner, step = profile_step(
             adapter,
             num_tokens=tokens,
@@ -148,11 +149,11 @@ def gpu_kv_blocks(
             max_model_len=max_model_len,
         )
         if tp is not None:  # the workers run the same step over a pool of the same size
-            tp.begin_profile(runner.pool.num_blocks, fraction, last=tokens == choices[-1])
+            tp.begin_profile(runner.pool.num_blocks, fraction, last=last)
             runner.tensor_parallel = tp
         peak = memory.peak_of(lambda r=runner, s=step: r.execute(s))  # type: ignore[misc]
         del runner, step
-        fit = rank_fit(memory, peak, fraction, per_block, last=tokens == choices[-1])
+        fit = rank_fit(memory, peak, fraction, per_block, last=last)
         fits, blocks = fit.fits, fit.blocks
         if tp is not None:  # every rank takes the same decision: the minimum of the readings
             agreed = tp.agree_min([int(fits), blocks])

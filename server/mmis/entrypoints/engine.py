@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any
 
 from mmis.config import ConfigError, GiB, add_flags, settings_from_args
 from mmis.engine import batch_limits
-from mmis.engine.batch_limits import BatchLimits
 from mmis.engine.config import EngineConfig
 from mmis.entrypoints.common import resolve_model, setup_logging
 
@@ -101,7 +100,7 @@ def make_core(
     *,
     largest_item: int | None = None,
     tokenizer_dir: str | None = None,
-    limits: BatchLimits | None = None,
+    limits: batch_limits.BatchLimits | None = None,
 ) -> EngineCore:
     """A scheduler sized from ``cfg``, the runner's KV pool and the largest image item
     (:mod:`mmis.engine.encoder_sizing`), and the core around both (what ``mmis engine``
