@@ -5,6 +5,7 @@ checkout (the code before a change) vs one ``generate()`` per request.
         [--concurrency 32] [--prompt-tokens 2048] [--tokens 16] [--generate-requests 2]
         [--repeat 1] [--rounds 1] [--threads 1] [--device cpu|cuda] [--enforce-eager]
         [--dtype auto|float32|bfloat16]
+        [--cpu-linear auto|onednn|torch]
 
 The model (issue 11's "medium LLaVA") is built here, random, into ``--model-dir`` (default a
 fresh temporary folder; never committed): a Llama text model of hidden 896, 14 heads (2 KV
@@ -136,6 +137,13 @@ def run_engine_child(args: argparse.Namespace) -> None:
     processor = AutoProcessor.from_pretrained(args.model_dir)
     items = workload(processor, args.concurrency, args.prompt_tokens)
     adapter = load_adapter(args.model_dir, args.device, _dtype(args))
+    linears = "torch (a tree without engine/cpu_linear.py)"
+    try:  # as `mmis engine` packs the language model's linears (trees before it had none)
+        from mmis.engine.cpu_linear import pack_adapter
+    except ImportError:
+        pass
+    else:
+        linears = pack_adapter(adapter, args.cpu_linear).describe()
     block = 256 if args.device == "cuda" else 16
     need = sum(-(-(len(it["ids"]) + args.tokens) // block) for it in items) + 16
     runner = ModelRunner.create(adapter, block_size=block, num_blocks=need)
@@ -225,6 +233,7 @@ def run_engine_child(args: argparse.Namespace) -> None:
                 "decode": decode,
                 "mmis": mmis.__file__,
                 "graphs": graphs,
+                "cpu_linear": linears,
             }
         )
     )
@@ -265,6 +274,7 @@ def child(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
     cmd += ["--concurrency", str(args.concurrency), "--prompt-tokens", str(args.prompt_tokens)]
     cmd += ["--tokens", str(args.tokens), "--repeat", str(args.repeat)]
     cmd += ["--threads", str(args.threads), "--device", args.device, "--dtype", args.dtype]
+    cmd += ["--cpu-linear", args.cpu_linear]
     cmd += ["--enforce-eager"] if args.enforce_eager else []
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -290,6 +300,12 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         choices=["auto", "float32", "bfloat16"],
         help="every side's dtype (auto: bfloat16 on cuda, float32 on cpu)",
+    )
+    parser.add_argument(
+        "--cpu-linear",
+        default="auto",
+        choices=["auto", "onednn", "torch"],
+        help="the engine sides' --cpu-linear (engine/cpu_linear.py; a tree without it: torch)",
     )
     parser.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs for the engine's decode steps"
@@ -331,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"  round {round_ + 1} {name}: {total / got['seconds']:8.2f} tok/s "
                     f"({got['seconds']:.1f} s; mmis from {got['mmis']}; CUDA graphs "
-                    f"{got.get('graphs', 0)}), first-token mismatches {bad}",
+                    f"{got.get('graphs', 0)}; linears {got.get('cpu_linear', 'torch')}), "
+                    f"first-token mismatches {bad}",
                     flush=True,
                 )
         for name in order:

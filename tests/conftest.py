@@ -9,6 +9,12 @@
   references are float32 transformers forwards, and on a CPU with AMX/AVX512-BF16 ``--dtype
   auto`` may pick bfloat16 (``server/mmis/engine/dtype.py``), whose answers differ. The
   resolution of ``auto`` itself is tested in ``tests/engine/test_engine_dtype_kv.py``.
+- Every engine the suite starts runs its language-model linears on oneDNN
+  (``MMIS_ENGINE_CPU_LINEAR=onednn``, ``server/mmis/engine/cpu_linear.py``), not on what
+  ``auto`` measures faster on the machine of the day, so the engine-process parity tests always
+  hold that path to transformers; the runner-level tests (``tests/engine/test_runner_*.py``)
+  load their adapters unpacked, on torch's ``F.linear``. ``auto``'s rule has its own tests
+  (``tests/engine/test_cpu_linear.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import os
 import pytest
 
 os.environ.setdefault("MMIS_ENGINE_DTYPE", "float32")
+os.environ.setdefault("MMIS_ENGINE_CPU_LINEAR", "onednn")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

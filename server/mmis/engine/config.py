@@ -29,6 +29,7 @@ DEFAULT_MODEL = "mmis-tiny"
 DEFAULT_KV_BLOCKS = 2048  # the KV pool's size when no KV sizing setting applies
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # on CUDA when no KV sizing flag is given
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+CPU_LINEAR_CHOICES = ("auto", "onednn", "torch")  # engine/cpu_linear.py
 MIN_ENCODER_CACHE_TOKENS = 8192  # the encoder cache's floor when sized from the processor
 
 
@@ -126,6 +127,18 @@ class EngineConfig:
         help="weights and KV cache dtype; auto: the checkpoint's on CUDA, on CPU bfloat16 "
         "where the CPU has AMX/AVX512-BF16 and a bfloat16 matmul measures faster at start-up, "
         "else float32",
+    )
+    cpu_linear: str = setting(
+        "auto",
+        choices=CPU_LINEAR_CHOICES,
+        metavar="{" + ",".join(CPU_LINEAR_CHOICES) + "}",
+        rule=(
+            lambda v: v in CPU_LINEAR_CHOICES,
+            f"must be one of {', '.join(CPU_LINEAR_CHOICES)}",
+        ),
+        help="CPU only: the language model's linears on oneDNN with prepacked weights "
+        "(engine/cpu_linear.py); auto: per weight shape, where it measures faster than torch's "
+        "at start-up; onednn: all; torch: none",
     )
     health_port: int | None = setting(
         None,

@@ -341,6 +341,9 @@ def worker_main(cfg: Any, rank: int, size: int, port: int, parent: int) -> None:
     except TensorParallelError:
         raise SystemExit(UNSPLITTABLE) from None  # rank 0 meets the same error and reports it
     init_group(device, rank, size, port)
+    from mmis.engine.cpu_linear import pack_adapter
+
+    pack_adapter(adapter, cfg.cpu_linear)  # as rank 0 does, over this rank's slice
     worker = WorkerRank(
         adapter, select_backend(device, cfg.block_size), cfg.block_size, dtype, device
     )

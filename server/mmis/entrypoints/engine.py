@@ -191,6 +191,9 @@ def build(cfg: EngineConfig) -> EngineCoreProc:
             raise SystemExit(f"mmis engine: cannot split {cfg.model}: {exc}") from None
         init_group(adapter.device, 0, tp.size, port)
         log.info("tensor parallel: %d ranks (%s)", tp.size, adapter.device.type)
+    from mmis.engine.cpu_linear import pack_adapter
+
+    pack_adapter(adapter, cfg.cpu_linear)  # after the split: it packs each rank's own slice
     max_len = cfg.max_model_len or getattr(adapter.text_config, "max_position_embeddings", None)
     try:
         plan = plan_kv_pool(cfg, adapter, max_len, tp)

@@ -1,0 +1,152 @@
+"""``--cpu-linear`` (``server/mmis/engine/cpu_linear.py``): oneDNN's prepacked linears.
+
+A packed module must compute what the linear did, in float32 and bfloat16, for the input
+shapes the model feeds it; packing a real transformers model must leave its greedy answer and
+its logits as they were, touch the decoder layers and the LM head only, and drop the unpacked
+weights; ``auto`` packs exactly the shapes its measurement says are faster; a oneDNN that
+cannot run leaves every module as it was. The engine-process tests run packed throughout
+(``tests/conftest.py``); one of them reads the start-up log line here.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmis.engine import cpu_linear
+from mmis.engine.cpu_linear import PackedLinear, pack_adapter, pack_linears
+from mmis.engine.model import load_adapter
+from mmis.protocol.messages import EngineCoreRequest, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine_harness import EngineHarness
+
+
+def _linear(n_in: int, n_out: int, dtype: torch.dtype, bias: bool) -> torch.nn.Linear:
+    torch.manual_seed(0)
+    return torch.nn.Linear(n_in, n_out, bias=bias).to(dtype).requires_grad_(False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_packed_linear_computes_what_the_linear_did(dtype: torch.dtype, bias: bool) -> None:
+    linear = _linear(96, 300, dtype, bias)
+    packed = PackedLinear(linear)
+    inputs = [
+        torch.randn(5, 96),  # packed rows of a step
+        torch.randn(2, 7, 96),  # [batch, tokens, hidden], as transformers calls it
+        torch.randn(96, 14).t(),  # a transposed view
+        torch.randn(3, 5, 96).transpose(0, 1),  # a non-contiguous 3-D view
+        torch.randn(0, 96),  # no rows
+    ]
+    tolerance = 1e-4 if dtype == torch.float32 else 0.1
+    with torch.inference_mode():
+        for x in inputs:
+            x = x.to(dtype)
+            got, want = packed(x), linear(x)
+            assert got.shape == want.shape and got.dtype == want.dtype
+            if want.numel():
+                assert float((got.float() - want.float()).abs().max()) <= tolerance
+    assert packed.bias is not None if bias else packed.bias is None
+    assert "in_features=96, out_features=300" in repr(packed)
+
+
+@pytest.mark.model
+def test_packing_a_real_model_keeps_its_logits_and_drops_the_weights(
+    tiny_dirs: dict[str, Path],
+) -> None:
+    plain = load_adapter(tiny_dirs["qwen2-vl"], "cpu", torch.float32)
+    packed = load_adapter(tiny_dirs["qwen2-vl"], "cpu", torch.float32)
+    linears = [m for m in packed.language_model.layers.modules() if type(m) is torch.nn.Linear]
+    vision_before = sum(type(m) is torch.nn.Linear for m in packed.model.model.visual.modules())
+    report = pack_linears(packed.model, packed.language_model.layers, "onednn")
+    assert report.error is None
+    assert report.packed == len(linears) + 1 and report.kept == 0  # every one, and the LM head
+    assert isinstance(packed.model.lm_head, PackedLinear)
+    assert not any(type(m) is torch.nn.Linear for m in packed.language_model.layers.modules())
+    vision_after = sum(type(m) is torch.nn.Linear for m in packed.model.model.visual.modules())
+    assert vision_after == vision_before > 0  # the vision tower is not touched
+    # no unpacked copy is left in the decoder layers (their norms keep plain parameters)
+    left = sum(p.numel() for p in packed.language_model.layers.parameters())
+    norms = sum(p.numel() for p in plain.language_model.layers.parameters() if p.dim() == 1)
+    assert left <= norms
+    ids = list(range(5, 45))
+    with torch.inference_mode():  # the plain transformers forward (the self-check's reference)
+        want, got = plain.reference_logits(ids), packed.reference_logits(ids)
+    assert float((got - want).abs().max()) < 1e-4
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.model
+def test_auto_packs_exactly_the_shapes_measured_faster(
+    tiny_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    adapter = load_adapter(tiny_dirs["llava"], "cpu", torch.float32)
+    layers = adapter.language_model.layers
+    mlp = layers[0].mlp
+    faster = {(mlp.down_proj.in_features, mlp.down_proj.out_features)}  # down_proj's shape only
+    measured: list[tuple[int, int]] = []
+
+    def fake(linear: torch.nn.Linear, packed: PackedLinear) -> float:
+        measured.append((linear.in_features, linear.out_features))
+        return 2.0 if measured[-1] in faster else 0.5
+
+    monkeypatch.setattr(cpu_linear, "onednn_faster", fake)
+    report = pack_linears(adapter.model, layers, "auto")
+    assert len(measured) == len(set(measured))  # once per shape, not per module
+    for layer in layers:
+        assert isinstance(layer.mlp.down_proj, PackedLinear)
+        assert type(layer.mlp.gate_proj) is torch.nn.Linear
+    assert report.packed == len(layers)
+    assert set(report.speedups.values()) == {2.0, 0.5}
+    assert "oneDNN prepacked for" in report.describe() and "(auto)" in report.describe()
+
+
+@pytest.mark.model
+def test_the_measurement_is_real_and_torch_packs_nothing(tiny_dirs: dict[str, Path]) -> None:
+    adapter = load_adapter(tiny_dirs["llava"], "cpu", torch.float32)
+    linear = adapter.language_model.layers[0].mlp.up_proj
+    speedup = cpu_linear.onednn_faster(linear, PackedLinear(linear))
+    assert 0.01 < speedup < 100  # a ratio of two real timings
+    report = pack_linears(adapter.model, adapter.language_model.layers, "torch")
+    assert report.packed == 0 and report.kept > 0
+    assert type(adapter.model.lm_head) is torch.nn.Linear
+    with pytest.raises(ValueError, match="--cpu-linear must be one of auto, onednn, torch"):
+        pack_linears(adapter.model, adapter.language_model.layers, "mkl")
+
+
+@pytest.mark.model
+def test_a_onednn_that_cannot_run_leaves_every_module_as_it_was(
+    tiny_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    adapter = load_adapter(tiny_dirs["llava"], "cpu", torch.float32)
+    calls = {"n": 0}
+    real = cpu_linear._reorder
+
+    def broken(weight: torch.Tensor, batch: list[int] | None) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] > 3:  # fails part-way: nothing may have been swapped already
+            raise RuntimeError("no oneDNN kernel for this CPU")
+        return real(weight, batch)
+
+    monkeypatch.setattr(cpu_linear, "_reorder", broken)
+    with caplog.at_level("INFO", logger="mmis.engine.cpu_linear"):
+        report = pack_adapter(adapter, "onednn")
+    assert report.packed == 0 and report.error is not None
+    assert not any(isinstance(m, PackedLinear) for m in adapter.model.modules())
+    assert "oneDNN unusable: RuntimeError: no oneDNN kernel for this CPU" in caplog.text
+
+
+@pytest.mark.model
+def test_the_engine_says_what_it_packed(tiny_dirs: dict[str, Path]) -> None:
+    with EngineHarness(tiny_dirs["llava"], "--cpu-linear", "auto") as engine:
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        [result] = engine.run(EngineCoreRequest("lin", list(range(3, 30)), [], params))
+        log_text = engine.log_text()
+    assert result.error is None and len(result.token_ids) == 3
+    assert "cpu linear: oneDNN prepacked for" in log_text
+    assert "measured oneDNN speed-up by shape:" in log_text
