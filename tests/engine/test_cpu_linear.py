@@ -106,6 +106,14 @@ def test_auto_packs_exactly_the_shapes_measured_faster(
     assert "oneDNN prepacked for" in report.describe() and "(auto)" in report.describe()
 
 
+def test_the_measurement_stays_short_for_a_large_vocabulary() -> None:
+    assert cpu_linear.measured_rows(torch.nn.Linear(896, 2432)) == (16, 246)
+    assert cpu_linear.measured_rows(torch.nn.Linear(64, 64)) == (16, 256)
+    head = torch.nn.Linear(1, 1)
+    head.in_features, head.out_features = 4096, 152064  # no weight of that size is needed
+    assert cpu_linear.measured_rows(head) == (16,)
+
+
 @pytest.mark.model
 def test_the_measurement_is_real_and_torch_packs_nothing(tiny_dirs: dict[str, Path]) -> None:
     adapter = load_adapter(tiny_dirs["llava"], "cpu", torch.float32)

@@ -12,9 +12,12 @@ build, no extra dependency (vLLM's CPU build prepacks its linears into oneDNN th
 Invariants:
 - ``auto`` decides per weight shape, by measurement on this machine at start-up
   (:func:`onednn_faster`: best of a few runs at :data:`DECODE_ROWS` and :data:`PREFILL_ROWS`
-  rows, with the engine's threads); ``onednn`` packs every one, ``torch`` none. A missing or
-  failing oneDNN op leaves every module as it was (logged), so the choice never breaks a
-  start-up. Only CPU models are touched; CUDA keeps ``F.linear``.
+  rows, fewer where one call would exceed :data:`MEASURE_FLOPS`; with the engine's threads);
+  ``onednn`` packs every one, ``torch`` none. Every shape is decided (and, for ``onednn``,
+  run once) before any module is swapped, so a missing or failing oneDNN op leaves every
+  module as it was (logged) and the choice never breaks a start-up. Modules are then swapped
+  one at a time, so packing holds at most one extra weight. Only CPU models are touched;
+  CUDA keeps ``F.linear``.
 - A packed module computes what the linear did (same dtype, bias added by the op) and keeps no
   copy of the unpacked weight; a weight tied to another module (the LM head and the input
   embeddings) stays alive through that module. The vision tower is not touched: it runs large
@@ -41,7 +44,8 @@ from mmis.engine.config import CPU_LINEAR_CHOICES as CHOICES
 log = logging.getLogger(__name__)
 
 DECODE_ROWS = 16  # rows of the decode-sized measurement
-PREFILL_ROWS = 256  # rows of the prefill-sized measurement
+PREFILL_ROWS = 256  # rows of the prefill-sized measurement (at most)
+MEASURE_FLOPS = 2**30  # one timed call's FLOPs at most, so start-up stays short
 REPEAT = 3  # timed runs per variant and row count (best taken), after one warm-up
 
 
@@ -102,12 +106,22 @@ def _best(fn: Callable[[], object]) -> float:
     return min(times)
 
 
+def measured_rows(linear: torch.nn.Linear) -> tuple[int, ...]:
+    """The row counts :func:`onednn_faster` times: :data:`DECODE_ROWS`, and
+    :data:`PREFILL_ROWS` cut so one call stays within :data:`MEASURE_FLOPS` (a large
+    vocabulary's LM head is timed at decode size only)."""
+    cap = MEASURE_FLOPS // (2 * linear.in_features * linear.out_features)
+    prefill = max(DECODE_ROWS, min(PREFILL_ROWS, cap))
+    return (DECODE_ROWS,) if prefill == DECODE_ROWS else (DECODE_ROWS, prefill)
+
+
 def onednn_faster(linear: torch.nn.Linear, packed: PackedLinear) -> float:
     """The measured speed-up of ``packed`` over ``linear`` on this machine: ``F.linear``'s
-    time over oneDNN's, summed over a decode-sized and a prefill-sized batch of rows."""
+    time over oneDNN's, summed over a decode-sized and a prefill-sized batch of rows
+    (:func:`measured_rows`)."""
     plain = packed_time = 0.0
     with torch.inference_mode():
-        for rows in (DECODE_ROWS, PREFILL_ROWS):
+        for rows in measured_rows(linear):
             x = torch.randn(rows, linear.in_features, dtype=linear.weight.dtype)
             plain += _best(functools.partial(linear, x))
             packed_time += _best(functools.partial(packed, x))
@@ -137,31 +151,34 @@ def pack_linears(model: torch.nn.Module, layers: torch.nn.Module, mode: str) -> 
     if mode == "torch" or not targets or not on_cpu:
         report.kept = len(targets)
         return report
+    # 1. decide per shape, on the first module of each (nothing is swapped yet)
     decided: dict[tuple[int, int, torch.dtype], bool] = {}
-    replacements: list[tuple[torch.nn.Module, str, PackedLinear]] = []
     try:
         for parent, name in targets:
             linear = getattr(parent, name)
             key = (linear.in_features, linear.out_features, linear.weight.dtype)
-            if decided.get(key) is False:
+            if key in decided:
                 continue
             packed = PackedLinear(linear)
-            if key not in decided:
-                if mode == "auto":
-                    speedup = onednn_faster(linear, packed)
-                    report.speedups[key[:2]] = speedup
-                    decided[key] = speedup > 1.0
-                else:  # fail here, not in the first step, where oneDNN has no kernel
-                    packed(torch.zeros(1, linear.in_features, dtype=linear.weight.dtype))
-                    decided[key] = True
-            if decided[key]:
-                replacements.append((parent, name, packed))
+            if mode == "auto":
+                speedup = onednn_faster(linear, packed)
+                report.speedups[key[:2]] = speedup
+                decided[key] = speedup > 1.0
+            else:  # fail here, not in the first step, where oneDNN has no kernel
+                packed(torch.zeros(1, linear.in_features, dtype=linear.weight.dtype))
+                decided[key] = True
+            del packed
     except (RuntimeError, AttributeError) as exc:  # no oneDNN in this build, or no kernel
         report.kept, report.error = len(targets), f"{type(exc).__name__}: {exc}"
         return report
-    for parent, name, packed in replacements:
-        setattr(parent, name, packed)
-    report.packed, report.kept = len(replacements), len(targets) - len(replacements)
+    # 2. swap one module at a time: its unpacked weight is freed before the next is packed
+    for parent, name in targets:
+        linear = getattr(parent, name)
+        if decided[(linear.in_features, linear.out_features, linear.weight.dtype)]:
+            setattr(parent, name, PackedLinear(linear))
+            report.packed += 1
+        else:
+            report.kept += 1
     return report
 
 
