@@ -35,6 +35,15 @@ def _linear(n_in: int, n_out: int, dtype: torch.dtype, bias: bool) -> torch.nn.L
 @pytest.mark.parametrize("bias", [True, False])
 def test_a_packed_linear_computes_what_the_linear_did(dtype: torch.dtype, bias: bool) -> None:
     linear = _linear(96, 300, dtype, bias)
+    if not cpu_linear.onednn_supports(dtype):  # e.g. bfloat16 on an AVX2-only CPU
+        with pytest.raises(RuntimeError):
+            PackedLinear(linear)  # oneDNN itself refuses: the check below is not too strict
+        model = torch.nn.Sequential(torch.nn.Sequential(linear))
+        report = pack_linears(model, model[0], "onednn")
+        assert (report.packed, report.kept) == (0, 1) and model[0][0] is linear
+        why = "no bfloat16 path on this CPU"
+        assert report.describe() == f"torch for all 1 (oneDNN unusable: {why})"
+        return
     packed = PackedLinear(linear)
     inputs = [
         torch.randn(5, 96),  # packed rows of a step

@@ -15,7 +15,9 @@ Invariants:
   rows, fewer where one call would exceed :data:`MEASURE_FLOPS`; with the engine's threads);
   ``onednn`` packs every one, ``torch`` none. Every shape is decided (and, for ``onednn``,
   run once) before any module is swapped, so a missing or failing oneDNN op leaves every
-  module as it was (logged) and the choice never breaks a start-up. Modules are then swapped
+  module as it was (logged) and the choice never breaks a start-up. A bfloat16 model on a CPU
+  where oneDNN has no bfloat16 path (:func:`onednn_supports`: it needs AVX512-BW/VL/DQ or
+  AVX-NE-CONVERT) keeps every module, and the log line says so. Modules are then swapped
   one at a time, so packing holds at most one extra weight. Only CPU models are touched;
   CUDA keeps ``F.linear``.
 - A packed module computes what the linear did (same dtype, bias added by the op) and keeps no
@@ -96,6 +98,13 @@ class PackReport:
         return text
 
 
+def onednn_supports(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pack and run linears of ``dtype`` on this CPU."""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
+
+
 def _best(fn: Callable[[], object]) -> float:
     fn()  # warm-up: kernels chosen, caches filled
     times = []
@@ -150,6 +159,12 @@ def pack_linears(model: torch.nn.Module, layers: torch.nn.Module, mode: str) -> 
     on_cpu = all(getattr(p, n).weight.device.type == "cpu" for p, n in targets)
     if mode == "torch" or not targets or not on_cpu:
         report.kept = len(targets)
+        return report
+    dtypes = {getattr(p, n).weight.dtype for p, n in targets}
+    unsupported = sorted(str(d).removeprefix("torch.") for d in dtypes if not onednn_supports(d))
+    if unsupported:
+        report.kept = len(targets)
+        report.error = f"no {'/'.join(unsupported)} path on this CPU"
         return report
     # 1. decide per shape, on the first module of each (nothing is swapped yet)
     decided: dict[tuple[int, int, torch.dtype], bool] = {}
