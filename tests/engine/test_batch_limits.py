@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from mmis.engine.batch_limits import (
     ACTIVATION_SHARE,
+    CPU_MAX_NUM_BATCHED_TOKENS,
     FIXED_MAX_NUM_BATCHED_TOKENS,
     FIXED_MAX_NUM_SEQS,
     MAX_AUTO_SEQS,
@@ -37,6 +38,15 @@ def test_without_a_profile_the_fixed_defaults_apply() -> None:
         FIXED_MAX_NUM_SEQS,
         FIXED_MAX_NUM_BATCHED_TOKENS,
     )
+
+
+def test_on_cpu_the_default_step_is_smaller_and_a_given_one_is_kept() -> None:
+    limits = resolve(None, None, on_cpu=True)
+    assert (limits.max_num_seqs, limits.max_num_batched_tokens) == (64, 512)
+    assert CPU_MAX_NUM_BATCHED_TOKENS == 512 < FIXED_MAX_NUM_BATCHED_TOKENS
+    assert limits.describe() == "at most 64 sequences (default) and 512 tokens a step (default)"
+    given = resolve(None, 4096, on_cpu=True)
+    assert (given.max_num_batched_tokens, given.tokens_source) == (4096, "set")
 
 
 def test_a_profile_sets_the_step_size_and_sequences_from_the_pool() -> None:

@@ -148,8 +148,8 @@ def test_bfloat16_engine_answers_with_a_pool_sized_by_kv_cache_gb(
         log_text = engine.log_text()
         assert "in bfloat16" in log_text
         assert "engine ready: 37 KV blocks of 16 tokens (--kv-cache-gb, bfloat16)" in log_text
-        # a flag fixed the pool: no profile, the fixed batch limits
-        assert "batch limits: at most 64 sequences (default) and 2048 tokens a step" in log_text
+        # on CPU: no profile, the fixed batch limits with the CPU's step
+        assert "batch limits: at most 64 sequences (default) and 512 tokens a step" in log_text
         params = SamplingParams(max_tokens=5, ignore_eos=True)
         [result] = engine.run(EngineCoreRequest("bf16", list(range(3, 40)), [], params))
     assert result.error is None

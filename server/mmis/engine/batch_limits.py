@@ -4,7 +4,12 @@ once) and ``--max-num-batched-tokens`` (tokens computed in one step). No torch h
 Invariants:
 - A value the user gives (flag, ``MMIS_ENGINE_*``, the operator's ``spec.engine``) is used as
   is.
-- On CPU, and on CUDA when a flag fixes the KV pool's size (no profiling step runs):
+- On CPU: :data:`FIXED_MAX_NUM_SEQS` sequences and :data:`CPU_MAX_NUM_BATCHED_TOKENS` tokens.
+  A CPU step takes time in proportion to its tokens, and at 512 rows its matmuls already run
+  near the CPU's peak, so a smaller step costs little throughput and lets each prompt of a
+  burst reach its first token after fewer of the other prompts' tokens (measured on three
+  CPUs: ``benchmarks/README.md``, "A smaller CPU step").
+- On CUDA when a flag fixes the KV pool's size (no profiling step runs):
   :data:`FIXED_MAX_NUM_SEQS` sequences and :data:`FIXED_MAX_NUM_BATCHED_TOKENS` tokens.
 - On CUDA with the KV cache sized from memory (``--gpu-memory-utilization``, the default there:
   ``engine/kv_sizing.py``), both come from the profile:
@@ -24,6 +29,7 @@ import dataclasses
 
 FIXED_MAX_NUM_SEQS = 64
 FIXED_MAX_NUM_BATCHED_TOKENS = 2048
+CPU_MAX_NUM_BATCHED_TOKENS = 512
 STEP_TOKEN_CHOICES = (8192, 4096, FIXED_MAX_NUM_BATCHED_TOKENS)  # tried largest first
 ACTIVATION_SHARE = 8  # a step's activations may take 1/8 of what KV and activations share
 TOKENS_PER_SEQ = 256  # KV tokens per running sequence the auto limit plans for
@@ -70,10 +76,11 @@ def resolve(
     profiled_tokens: int | None = None,
     pool_blocks: int | None = None,
     block_size: int = 16,
+    on_cpu: bool = False,
 ) -> BatchLimits:
     """The limits: the user's where given, else the profile's (``profiled_tokens``, the step
     size the KV sizing profile settled on, and ``pool_blocks``, the pool it sized: both
-    ``None`` when no profile ran), else the fixed defaults."""
+    ``None`` when no profile ran), else the fixed defaults (``on_cpu``: the CPU's step)."""
     if max_num_seqs is not None:
         seqs, seqs_source = max_num_seqs, "set"
     elif pool_blocks is not None:
@@ -85,5 +92,6 @@ def resolve(
     elif profiled_tokens is not None:
         tokens, tokens_source = profiled_tokens, "profile"
     else:
-        tokens, tokens_source = FIXED_MAX_NUM_BATCHED_TOKENS, "default"
+        tokens = CPU_MAX_NUM_BATCHED_TOKENS if on_cpu else FIXED_MAX_NUM_BATCHED_TOKENS
+        tokens_source = "default"
     return BatchLimits(seqs, tokens, seqs_source, tokens_source)

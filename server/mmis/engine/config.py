@@ -19,6 +19,7 @@ import dataclasses
 
 from mmis.config import AT_LEAST_1, POSITIVE, GiB, check, setting, shared
 from mmis.engine.batch_limits import (
+    CPU_MAX_NUM_BATCHED_TOKENS,
     FIXED_MAX_NUM_BATCHED_TOKENS,
     FIXED_MAX_NUM_SEQS,
     MAX_AUTO_SEQS,
@@ -60,8 +61,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = setting(
         None,
         rule=(lambda v: v is None or v >= 1, "must be at least 1"),
-        help=f"tokens computed per engine step at most; default: {FIXED_MAX_NUM_BATCHED_TOKENS}, "
-        "or on CUDA with the KV cache sized from memory the largest of "
+        help=f"tokens computed per engine step at most; default: {CPU_MAX_NUM_BATCHED_TOKENS} on "
+        f"CPU, {FIXED_MAX_NUM_BATCHED_TOKENS} on CUDA with a fixed KV pool, or on CUDA with the "
+        "KV cache sized from memory the largest of "
         f"{', '.join(map(str, STEP_TOKEN_CHOICES))} whose profiling step's activations take at "
         "most 1/8 of the memory left for KV and activations",
     )

@@ -115,7 +115,9 @@ def make_core(
 
     adapter = runner.adapter
     if limits is None:
-        limits = batch_limits.resolve(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        limits = batch_limits.resolve(
+            cfg.max_num_seqs, cfg.max_num_batched_tokens, on_cpu=adapter.device.type == "cpu"
+        )
     max_len = cfg.max_model_len or getattr(adapter.text_config, "max_position_embeddings", None)
     encoder_tokens = encoder_cache_tokens(cfg.encoder_cache_tokens, largest_item)
     scheduler = Scheduler(
@@ -222,6 +224,7 @@ def build(cfg: EngineConfig) -> EngineCoreProc:
         profiled_tokens=plan.step_tokens,
         pool_blocks=None if plan.step_tokens is None else runner.pool.num_blocks,
         block_size=cfg.block_size,
+        on_cpu=adapter.device.type == "cpu",
     )
     log.info("batch limits: %s", limits.describe())
     if cfg.self_check:
