@@ -22,7 +22,11 @@ Workload: ``--requests`` chat requests, each one distinct 64x64 PNG (a new one f
 ``--tokens`` value and round: neither server has seen it, no cache hit) and a short text, greedy,
 ``ignore_eos`` (every request makes exactly N tokens), streamed, ``--concurrency`` in flight.
 Both servers compute in ``--dtype`` (default float32, the peer's; ``bfloat16`` where the CPU
-has AMX/AVX512-BF16, which ``mmis serve``'s ``--dtype auto`` would pick there).
+has AMX/AVX512-BF16, which ``mmis serve``'s ``--dtype auto`` would pick there), each with
+``--threads`` compute threads on the same cores (``mmis``: ``OMP_NUM_THREADS``; vLLM:
+``VLLM_CPU_OMP_THREADS_BIND=0-(N-1)``); ``--threads 0`` leaves both at their own defaults
+(``mmis``: torch's, one thread per core; vLLM: one core per rank bound, one reserved for its
+front end).
 Per server: requests/s (requests over the round's wall time) and p50 time to first token
 (first streamed content chunk) over all rounds. Targets (the issue): mmis >= 1.5x vLLM's
 requests/s and p50 TTFT <= vLLM's. Last line: ``SUMMARY bench_vs_vllm: ...``.
@@ -115,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=64, help="per round and server")
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 256])
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1, help="mmis's OMP_NUM_THREADS")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="both servers' compute threads (0: their defaults)"
+    )
     parser.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="both servers' dtype"
     )
@@ -130,14 +136,17 @@ def main(argv: list[str] | None = None) -> int:
     model = "tiny"  # the served model name of both servers (recipe.sh serve)
     work = tempfile.TemporaryDirectory()
     os.chdir(work.name)  # both servers start outside the checkout
+    peer_env, env = dict(os.environ, DTYPE=args.dtype), dict(os.environ)
+    if args.threads > 0:
+        peer_env["VLLM_CPU_OMP_THREADS_BIND"] = (
+            "0" if args.threads == 1 else f"0-{args.threads - 1}"
+        )
+        env["OMP_NUM_THREADS"] = str(args.threads)
     started = subprocess.run(
-        ["bash", str(recipe), "serve", args.family],
-        cwd=work.name,
-        env=dict(os.environ, DTYPE=args.dtype),
+        ["bash", str(recipe), "serve", args.family], cwd=work.name, env=peer_env
     )
     if started.returncode != 0:
         raise SystemExit("bench_vs_vllm: vllm serve did not start (see the peer's logs)")
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     mmis = ServerProcess.mmis_serve(
         "mmis",
         ["--model", str(model_dir), "--served-model-name", model, "--dtype", args.dtype],
@@ -175,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"tiny-{args.family}-vllm, c={args.concurrency}, {args.requests} requests x "
             f"{args.rounds} rounds, streamed, one 64x64 image each, greedy, ignore_eos, "
-            f"{args.dtype}"
+            f"{args.dtype}, threads {args.threads or 'each default'}"
         )
         print("\n".join(lines))
         print("SUMMARY bench_vs_vllm: mmis/vllm " + "; ".join(summary))
