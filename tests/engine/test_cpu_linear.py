@@ -1,6 +1,6 @@
 """``--cpu-linear`` (``server/mmis/engine/cpu_linear.py``): oneDNN's prepacked linears.
 
-A packed module must compute what the linear did, in float32 and bfloat16, for the input
+A packed module must compute what the linear did, in float32, bfloat16 and float16, for the input
 shapes the model feeds it; packing a real transformers model must leave its greedy answer and
 its logits as they were, touch the decoder layers and the LM head only, and drop the unpacked
 weights; ``auto`` packs exactly the shapes its measurement says are faster; a oneDNN that
@@ -31,17 +31,17 @@ def _linear(n_in: int, n_out: int, dtype: torch.dtype, bias: bool) -> torch.nn.L
     return torch.nn.Linear(n_in, n_out, bias=bias).to(dtype).requires_grad_(False)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias", [True, False])
 def test_a_packed_linear_computes_what_the_linear_did(dtype: torch.dtype, bias: bool) -> None:
     linear = _linear(96, 300, dtype, bias)
-    if not cpu_linear.onednn_supports(dtype):  # e.g. bfloat16 on an AVX2-only CPU
+    if not cpu_linear.onednn_supports(dtype):  # e.g. 16-bit floats on an AVX2-only CPU
         with pytest.raises(RuntimeError):
             PackedLinear(linear)  # oneDNN itself refuses: the check below is not too strict
         model = torch.nn.Sequential(torch.nn.Sequential(linear))
         report = pack_linears(model, model[0], "onednn")
         assert (report.packed, report.kept) == (0, 1) and model[0][0] is linear
-        why = "no bfloat16 path on this CPU"
+        why = f"no {str(dtype).removeprefix('torch.')} path on this CPU"
         assert report.describe() == f"torch for all 1 (oneDNN unusable: {why})"
         return
     packed = PackedLinear(linear)
@@ -52,7 +52,7 @@ def test_a_packed_linear_computes_what_the_linear_did(dtype: torch.dtype, bias: 
         torch.randn(3, 5, 96).transpose(0, 1),  # a non-contiguous 3-D view
         torch.randn(0, 96),  # no rows
     ]
-    tolerance = 1e-4 if dtype == torch.float32 else 0.1
+    tolerance = {torch.float32: 1e-4, torch.float16: 0.02}.get(dtype, 0.1)
     with torch.inference_mode():
         for x in inputs:
             x = x.to(dtype)

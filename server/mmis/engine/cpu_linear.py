@@ -15,9 +15,10 @@ Invariants:
   rows, fewer where one call would exceed :data:`MEASURE_FLOPS`; with the engine's threads);
   ``onednn`` packs every one, ``torch`` none. Every shape is decided (and, for ``onednn``,
   run once) before any module is swapped, so a missing or failing oneDNN op leaves every
-  module as it was (logged) and the choice never breaks a start-up. A bfloat16 model on a CPU
-  where oneDNN has no bfloat16 path (:func:`onednn_supports`: it needs AVX512-BW/VL/DQ or
-  AVX-NE-CONVERT) keeps every module, and the log line says so. Modules are then swapped
+  module as it was (logged) and the choice never breaks a start-up. A bfloat16 or float16
+  model on a CPU where oneDNN has no path for that dtype (:func:`onednn_supports`: bfloat16
+  needs AVX512-BW/VL/DQ or AVX-NE-CONVERT, float16 AVX512-FP16 or AVX-NE-CONVERT) keeps every
+  module, and the log line says so. Modules are then swapped
   one at a time, so packing holds at most one extra weight. Only CPU models are touched;
   CUDA keeps ``F.linear``.
 - A packed module computes what the linear did (same dtype, bias added by the op) and keeps no
@@ -102,6 +103,8 @@ def onednn_supports(dtype: torch.dtype) -> bool:
     """Whether oneDNN can pack and run linears of ``dtype`` on this CPU."""
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
     return dtype == torch.float32
 
 
