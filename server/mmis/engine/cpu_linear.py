@@ -13,14 +13,15 @@ Invariants:
 - ``auto`` decides per weight shape, by measurement on this machine at start-up
   (:func:`onednn_faster`: best of a few runs at :data:`DECODE_ROWS` and :data:`PREFILL_ROWS`
   rows, fewer where one call would exceed :data:`MEASURE_FLOPS`; with the engine's threads);
-  ``onednn`` packs every one, ``torch`` none. Every shape is decided (and, for ``onednn``,
-  run once) before any module is swapped, so a missing or failing oneDNN op leaves every
-  module as it was (logged) and the choice never breaks a start-up. A bfloat16 or float16
-  model on a CPU where oneDNN has no path for that dtype (:func:`onednn_supports`: bfloat16
-  needs AVX512-BW/VL/DQ or AVX-NE-CONVERT, float16 AVX512-FP16 or AVX-NE-CONVERT) keeps every
-  module, and the log line says so. Modules are then swapped
-  one at a time, so packing holds at most one extra weight. Only CPU models are touched;
-  CUDA keeps ``F.linear``.
+  ``onednn`` packs every one, ``torch`` none. Every shape is decided (and, for ``onednn``, run
+  once) before any module is swapped, so a missing or failing oneDNN op leaves every module as
+  it was (logged) and the choice never breaks a start-up. A bfloat16 or float16 model on a CPU
+  where oneDNN has no path for that dtype (:func:`onednn_supports`: bfloat16 needs
+  AVX512-BW/VL/DQ or AVX-NE-CONVERT, float16 AVX512-FP16 or AVX-NE-CONVERT) keeps every
+  module, and the log line says so. Modules are then swapped one at a time, so packing holds
+  at most one extra weight (the first module of each shape is therefore packed twice, once to
+  decide and once to swap: a weight copy per shape, not a weight kept per shape). Only CPU
+  models are touched; CUDA keeps ``F.linear``.
 - A packed module computes what the linear did (same dtype, bias added by the op) and keeps no
   copy of the unpacked weight; a weight tied to another module (the LM head and the input
   embeddings) stays alive through that module. The vision tower is not touched: it runs large
@@ -35,14 +36,14 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from mmis.engine.config import CPU_LINEAR_CHOICES as CHOICES
+from mmis.engine.timing import best_time
 
 log = logging.getLogger(__name__)
 
@@ -108,16 +109,6 @@ def onednn_supports(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def _best(fn: Callable[[], object]) -> float:
-    fn()  # warm-up: kernels chosen, caches filled
-    times = []
-    for _ in range(REPEAT):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def measured_rows(linear: torch.nn.Linear) -> tuple[int, ...]:
     """The row counts :func:`onednn_faster` times: :data:`DECODE_ROWS`, and
     :data:`PREFILL_ROWS` cut so one call stays within :data:`MEASURE_FLOPS` (a large
@@ -135,8 +126,8 @@ def onednn_faster(linear: torch.nn.Linear, packed: PackedLinear) -> float:
     with torch.inference_mode():
         for rows in measured_rows(linear):
             x = torch.randn(rows, linear.in_features, dtype=linear.weight.dtype)
-            plain += _best(functools.partial(linear, x))
-            packed_time += _best(functools.partial(packed, x))
+            plain += best_time(functools.partial(linear, x), REPEAT)
+            packed_time += best_time(functools.partial(packed, x), REPEAT)
     return plain / packed_time
 
 

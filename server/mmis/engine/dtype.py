@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from mmis.engine.config import DTYPE_CHOICES
+from mmis.engine.timing import best_time
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -65,18 +66,11 @@ def _compute_check(dtype: torch.dtype, device: torch.device) -> None:
 def bf16_matmul_faster(rows: int = 64, width: int = 1024, repeat: int = 5) -> bool:
     """Whether ``[rows, width] @ [width, 4 * width]`` (a batch of decode rows through an MLP)
     is faster in bfloat16 than in float32 on this CPU, best of ``repeat`` after a warm-up."""
-    import time
 
     def best(dtype: torch.dtype) -> float:
         a = torch.randn(rows, width, dtype=dtype)
         b = torch.randn(width, 4 * width, dtype=dtype)
-        a @ b  # warm-up: kernels chosen, caches filled
-        times = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            a @ b
-            times.append(time.perf_counter() - start)
-        return min(times)
+        return best_time(lambda: a @ b, repeat)
 
     return best(torch.bfloat16) < best(torch.float32)
 
