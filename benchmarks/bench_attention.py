@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from mmis.engine.attn_backends import TorchBackend
 from mmis.engine.attn_metadata import AttentionMetadata
+from mmis.engine.host_memory import keep_freed_memory
 
 BLOCK = 16
 HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64
@@ -266,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    keep_freed_memory()  # as P1 runs (engine/host_memory.py): freed blocks stay mapped
     print(f"decode steps, block size {BLOCK}, best of {args.repeat}, {args.threads} thread(s)")
     figures, worst = [], 0.0
     for size in args.sizes:

@@ -10,9 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mmis.engine import attn_backends
 from mmis.engine.attn_backends import (
     TorchBackend,
     VarlenBackend,
+    decode_rows_per_call,
     packed_context_slots,
     select_backend,
 )
@@ -139,6 +141,68 @@ def test_packed_prefill_and_decode_match_per_sequence_attention(case, backend):
     for table, s, n, kk in zip(tables, starts, lens, full_k, strict=True):
         slots = torch.tensor(slots_for(table, s, s + n, block), device=device)
         torch.testing.assert_close(pool.flat_keys(0)[slots].cpu(), kk[:, s:].transpose(0, 1))
+
+
+def _decode_step(
+    backend: TorchBackend, lens: list[int], window: int | None, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One all-decode step of ``len(lens)`` rows (contexts ``lens``, query included) over
+    shuffled blocks: (the backend's output, per-sequence dense attention)."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = PagedKVPool(_spec(), num_blocks=64)
+    free = list(range(1, 64))
+    random.Random(seed).shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // BLOCK))] for n in lens]
+    full_k = [torch.randn(KV_HEADS, n, DIM, generator=gen) for n in lens]
+    full_v = [torch.randn(KV_HEADS, n, DIM, generator=gen) for n in lens]
+    for table, n, k, v in zip(tables, lens, full_k, full_v, strict=True):
+        slots = torch.tensor(slots_for(table, 0, n, BLOCK))
+        pool.flat_keys(0)[slots] = k.transpose(0, 1)
+        pool.flat_values(0)[slots] = v.transpose(0, 1)
+    starts = [n - 1 for n in lens]
+    meta = AttentionMetadata.build([1] * len(lens), starts, tables, BLOCK, pool.num_slots, CPU)
+    queries = [torch.randn(HEADS, 1, DIM, generator=gen) for _ in lens]
+    q = torch.cat(queries, dim=1).transpose(0, 1)  # [N, H, D]
+    new_k = pool.flat_keys(0)[meta.slot_mapping]
+    new_v = pool.flat_values(0)[meta.slot_mapping]
+    got = backend.attend(
+        q, pool.key_cache[0], pool.value_cache[0], new_k, new_v, meta, None, window
+    )
+    want = torch.cat(
+        [
+            _reference(qi, ki, vi, s, window)
+            for qi, ki, vi, s in zip(queries, full_k, full_v, starts, strict=True)
+        ]
+    )
+    return got, want
+
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("rows_per_call", [1, 2, 5])
+def test_cpu_decode_rows_attend_in_calls_within_the_gather_budget(
+    monkeypatch: pytest.MonkeyPatch, rows_per_call: int, window: int | None
+) -> None:
+    """On CPU the decode rows attend in calls whose gathered K + V fit
+    ``CPU_GATHER_BYTES``, into buffers reused across calls, layers and steps: any split,
+    mask or window gives per-sequence attention, and a step after a larger or smaller one
+    reads no stale blocks."""
+    lens = [9, 2, 13, 5, 7]  # different lengths: masked rows
+    row_bytes = 2 * 4 * BLOCK * KV_HEADS * DIM * 4  # 4 blocks of the longest row, K + V
+    monkeypatch.setattr(attn_backends, "CPU_GATHER_BYTES", rows_per_call * row_bytes)
+    assert decode_rows_per_call(len(lens), row_bytes, CPU) == rows_per_call
+    backend = TorchBackend()
+    for seed, step_lens in enumerate([lens, lens[:2], [16, 3, 1, 11, 6, 8, 2]]):
+        got, want = _decode_step(backend, step_lens, window, seed)
+        torch.testing.assert_close(got, want)
+
+
+def test_decode_rows_per_call_bounds() -> None:
+    assert decode_rows_per_call(32, attn_backends.CPU_GATHER_BYTES * 2, CPU) == 1  # one row
+    assert decode_rows_per_call(32, 1, CPU) == 32
+    assert decode_rows_per_call(32, 1 << 40, torch.device("cuda")) == 32  # one call on GPU
 
 
 def test_metadata_rejects_inconsistent_steps():

@@ -8,15 +8,22 @@ step's keys; returns ``[N, H, D]``. ``window`` is the layer's sliding window (No
 causal). :func:`select_backend` picks one per device:
 
 - :class:`TorchBackend` (any device, no extra dependency; the CPU path): the decode rows
-  attend in ONE batched SDPA call over their blocks gathered with a single ``index_select``
-  per layer (block granularity: ``block_size`` contiguous slots per index), grouped query
-  heads folded into query rows, masked only when their lengths differ or a window applies
-  (mask built once per step); each ``n > 1`` chunk
-  gets its own SDPA call: a fresh prefill (start 0) attends its own new keys with the kernel's
-  causal flag and never reads the pool, a chunk on cached context gathers its own blocks.
-  Chosen by measurement over FlexAttention (``benchmarks/bench_attention.py``, README):
-  eager ``flex_attention`` materialises the scores; compiled it needs inductor + a C++
-  compiler at run time and recompiles across step shapes.
+  attend in batched SDPA calls over their blocks gathered with one ``index_select`` per tensor
+  and call (block granularity: ``block_size`` contiguous slots per index), grouped query heads
+  folded into query rows, masked only when their lengths differ or a window applies (mask
+  built once per step). On CUDA that is one call for all rows. On CPU a call takes as many
+  whole rows as keep their gathered K + V within :data:`CPU_GATHER_BYTES`
+  (:func:`decode_rows_per_call`), so SDPA reads them from the cache the gather just wrote, and
+  every gather writes into buffers kept across calls, layers and steps (:class:`GatherSpace`):
+  a fresh gather of more than glibc's largest mmap threshold (32 MiB,
+  ``engine/host_memory.py``) is a new mapping each time, its pages faulted in anew. At 32 rows
+  x 2k of context, one layer took 78 ms with one gather of all rows, 19 ms in calls within 4
+  MiB (``benchmarks/README.md``, "Decode attention in cache-sized calls"). Each ``n > 1``
+  chunk gets its own SDPA call: a fresh prefill (start 0) attends its own new keys with the
+  kernel's causal flag and never reads the pool, a chunk on cached context gathers its own
+  blocks. Chosen by measurement over FlexAttention (``benchmarks/bench_attention.py``,
+  README): eager ``flex_attention`` materialises the scores; compiled it needs inductor + a
+  C++ compiler at run time and recompiles across step shapes.
 - :class:`VarlenBackend` (CUDA): one varlen flash-attention call per layer for the whole
   step, reading K/V in place through ``meta.block_tables`` (``seqused_k``), causal and window
   as the kernel's own ``window_size``. The kernel is ``flash_attn.flash_attn_varlen_func``
@@ -30,6 +37,8 @@ causal). :func:`select_backend` picks one per device:
   paged reads it runs as any step, ``max_seqlen_k`` being its upper bound.
 
 Invariants:
+- A gathered K/V view (:meth:`GatherSpace.gather`) is read only before the next gather into
+  its buffer; nothing outside a backend's ``attend`` holds one.
 - A backend never writes the pool; :func:`~mmis.engine.paged_attention.paged_attention_forward`
   writes the new keys before calling it.
 - Optional kernels are imported lazily, only when a CUDA device is used; a missing or
@@ -51,6 +60,7 @@ from mmis.engine.attn_metadata import AttentionMetadata
 log = logging.getLogger(__name__)
 
 FLASH_PAGE_MULTIPLE = 256  # FlashAttention-2 reads a paged KV only in pages of k * 256
+CPU_GATHER_BYTES = 4 << 20  # K + V bytes one CPU SDPA call gathers at most (whole rows)
 
 
 class AttentionBackend(Protocol):
@@ -73,10 +83,45 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+class GatherSpace:
+    """Reused CPU buffers for the K/V blocks one SDPA call reads (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    def gather(self, cache: torch.Tensor, block_index: torch.Tensor, slot: int) -> torch.Tensor:
+        """``cache.index_select(0, block_index)``; on CPU written into buffer ``slot`` (0:
+        keys, 1: values), valid until the next gather into that slot."""
+        if cache.device.type != "cpu":
+            return cache.index_select(0, block_index)
+        need = int(block_index.shape[0])
+        buffer = self._buffers.get(slot)
+        if (
+            buffer is None
+            or buffer.shape[0] < need
+            or buffer.shape[1:] != cache.shape[1:]
+            or buffer.dtype != cache.dtype
+        ):
+            buffer = torch.empty((need, *cache.shape[1:]), dtype=cache.dtype)
+            self._buffers[slot] = buffer
+        return torch.index_select(cache, 0, block_index, out=buffer[:need])
+
+
+def decode_rows_per_call(rows: int, bytes_per_row: int, device: torch.device) -> int:
+    """How many decode rows one SDPA call takes: on CPU as many as keep their gathered K + V
+    within :data:`CPU_GATHER_BYTES` (at least one), elsewhere all of them."""
+    if device.type != "cpu":
+        return rows
+    return max(1, min(rows, CPU_GATHER_BYTES // max(1, bytes_per_row)))
+
+
 class TorchBackend:
     """SDPA over per-step views of the pool (see the module docstring)."""
 
     name = "torch-sdpa"
+
+    def __init__(self) -> None:
+        self.space = GatherSpace()
 
     def attend(
         self,
@@ -94,22 +139,32 @@ class TorchBackend:
         out = torch.empty_like(query)
         rows = meta.decode
         if rows is not None:
-            shape = (rows.num, rows.num_blocks * meta.block_size, kv_heads, dim)
-            # [Bd, ctx, KVH, D] -> [Bd, KVH, ctx, D]: views of ONE gather per tensor
-            keys = key_cache.index_select(0, rows.block_index).view(shape)[:, : rows.ctx]
-            values = value_cache.index_select(0, rows.block_index).view(shape)[:, : rows.ctx]
             # GQA folded into query rows: the rep query heads of a KV head are rows of one
             # [Bd, KVH, rep, D] query (head h = g * rep + r, as repeat_interleave maps them),
             # 2.5x faster than enable_gqa on CPU at 256 x 2k and no K/V repeat
             q = query.index_select(0, rows.token_index)
             q = q.view(rows.num, kv_heads, query.shape[1] // kv_heads, dim)
-            attended = F.scaled_dot_product_attention(
-                q,
-                _as(keys, q.dtype).transpose(1, 2),
-                _as(values, q.dtype).transpose(1, 2),
-                attn_mask=rows.mask(window),
-                scale=scale,
+            attended = torch.empty_like(q)
+            mask = rows.mask(window)
+            slots = rows.num_blocks * meta.block_size
+            blocks = rows.block_index.view(rows.num, rows.num_blocks)
+            per_call = decode_rows_per_call(
+                rows.num, 2 * slots * kv_heads * dim * key_cache.element_size(), query.device
             )
+            for lo in range(0, rows.num, per_call):
+                hi = min(lo + per_call, rows.num)
+                index = blocks[lo:hi].reshape(-1)
+                # [n, ctx, KVH, D] -> [n, KVH, ctx, D]: views of ONE gather per tensor
+                shape = (hi - lo, slots, kv_heads, dim)
+                keys = self.space.gather(key_cache, index, 0).view(shape)[:, : rows.ctx]
+                values = self.space.gather(value_cache, index, 1).view(shape)[:, : rows.ctx]
+                attended[lo:hi] = F.scaled_dot_product_attention(
+                    q[lo:hi],
+                    _as(keys, q.dtype).transpose(1, 2),
+                    _as(values, q.dtype).transpose(1, 2),
+                    attn_mask=None if mask is None else mask[lo:hi],
+                    scale=scale,
+                )
             out.index_copy_(0, rows.token_index, attended.reshape(rows.num, -1, dim))
         for chunk in meta.chunks:
             q = query[chunk.lo : chunk.hi].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
@@ -117,9 +172,9 @@ class TorchBackend:
                 keys, values = new_key[chunk.lo : chunk.hi], new_value[chunk.lo : chunk.hi]
             else:
                 flat = (-1, kv_heads, dim)
-                keys = key_cache.index_select(0, chunk.block_index).view(flat)[: chunk.seq_len]
-                values = value_cache.index_select(0, chunk.block_index).view(flat)
-                values = values[: chunk.seq_len]
+                keys = self.space.gather(key_cache, chunk.block_index, 0).view(flat)
+                values = self.space.gather(value_cache, chunk.block_index, 1).view(flat)
+                keys, values = keys[: chunk.seq_len], values[: chunk.seq_len]
             mask = chunk.mask(window)
             attended = F.scaled_dot_product_attention(
                 q,
