@@ -16,7 +16,9 @@ serve that same copy, both started from outside this checkout (the peer's README
 started from inside it measured 2-3x slower): vLLM by ``recipe.sh serve FAMILY`` (port 8100),
 ``mmis serve --model COPY`` with its working directory in a temporary folder. Both stay up;
 each ``--tokens`` value is run in ``--rounds`` rounds alternating the servers (the order flips
-each round, so a burst of load on a shared machine hits both alike).
+each round, so a burst of load on a shared machine hits both alike). Each round starts on a
+quiet machine (:func:`wait_quiet`): vLLM's worker keeps polling one core for about a second
+after its last request, which otherwise runs through most of the round that follows it.
 
 Workload: ``--requests`` chat requests, each one distinct 64x64 PNG (a new one for every
 ``--tokens`` value and round: neither server has seen it, no cache hit) and a short text, greedy,
@@ -60,17 +62,44 @@ async def _one(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> tuple
     async with http.stream("POST", url, json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            delta = json.loads(line[6:])["choices"]
-            if delta and delta[0].get("delta", {}).get("content"):
-                chunks += 1
-                if first is None:
-                    first = time.perf_counter() - start
+        buffer = b""
+        async for data in response.aiter_bytes():
+            # split on b"\n" only: JSON escapes it, while a decoded-line reader also splits on
+            # U+2028 / U+0085, which a random model's text may hold raw inside a JSON string
+            buffer += data
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                if not line.startswith(b"data: ") or line.rstrip() == b"data: [DONE]":
+                    continue
+                delta = json.loads(line[6:])["choices"]
+                if delta and delta[0].get("delta", {}).get("content"):
+                    chunks += 1
+                    if first is None:
+                        first = time.perf_counter() - start
     if first is None:
         raise RuntimeError("no content streamed")
     return first, chunks
+
+
+def _busy_ticks() -> tuple[int, int]:
+    """(busy, total) CPU ticks of the whole machine so far (``/proc/stat``)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def wait_quiet(limit_s: float = 15.0, window_s: float = 0.25, busy_cores: float = 0.15) -> float:
+    """Wait until the machine used under ``busy_cores`` cores for one ``window_s`` (at most
+    ``limit_s``); returns the seconds waited."""
+    start = time.perf_counter()
+    cores = os.cpu_count() or 1
+    while time.perf_counter() - start < limit_s:
+        b0, t0 = _busy_ticks()
+        time.sleep(window_s)
+        b1, t1 = _busy_ticks()
+        if t1 > t0 and (b1 - b0) / (t1 - t0) * cores < busy_cores:
+            break
+    return time.perf_counter() - start
 
 
 async def load(
@@ -165,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(args.rounds):
                 seed = ti * args.rounds + r
                 for name in order if r % 2 == 0 else order[::-1]:
+                    wait_quiet()
                     wall, t = asyncio.run(
                         # images never sent before (per tokens value and round): no cache hit
                         load(servers[name], model, tokens, args.requests, args.concurrency, seed)
