@@ -5,6 +5,12 @@ Invariants:
   processor on that image alone and counting its image tokens, never computed from a
   per-family formula; the same count is stored in the sender cache so a shadow hit can expand
   the prompt without touching the pixels again.
+- A measured count is reused for a later image with the same size, mode, kwargs and processed
+  tensor shapes (plus the values of small integer outputs such as ``image_grid_thw``): that
+  image runs the image processor alone (:class:`_Placeholders`), skipping the full call's
+  kwargs merging and text expansion. Per kwargs, the first image runs both paths and the fast
+  one is used only if its tensors equal the full call's exactly; otherwise every image of those
+  kwargs takes the full call.
 - The prompt marker of an image (``processor.image_token``, what the chat template writes) and
   its placeholder token (the one repeated per embedding row) may differ: Gemma 3's template
   writes ``<start_of_image>`` and its processor expands it to ``\n\n<start_of_image>`` + N x
@@ -45,6 +51,8 @@ Invariants:
 
 from __future__ import annotations
 
+import json
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -88,6 +96,7 @@ class ModelProcessor:
         if self.image_token_id != self.marker_token_id:
             self.image_prefix, self.image_suffix = self._measure_wrap()
         self._low_detail = _low_detail_kwargs(processor, self.processor_kwargs)
+        self._placeholders = _Placeholders(self)
         vocab = self.tokenizer.get_vocab()
         self.max_token_chars: int = max((len(t) for t in vocab), default=1) or 1
 
@@ -188,13 +197,14 @@ class ModelProcessor:
         return dict(self.processor_kwargs)
 
     def process_image(self, image: Any, kwargs: Mapping[str, Any] | None = None) -> ProcessedImage:
-        """Run the processor on one image, with ``kwargs`` (default: ``processor_kwargs``)."""
-        out = self.processor(
-            text=[self.image_token],
-            images=[image],
-            return_tensors="np",
-            **(self.processor_kwargs if kwargs is None else kwargs),
-        )
+        """Process one image with ``kwargs`` (default: ``processor_kwargs``): the image processor
+        alone where a count measured earlier applies (see the docstring), else the full call."""
+        kwargs = self.processor_kwargs if kwargs is None else kwargs
+        return self._placeholders.process(image, kwargs)
+
+    def process_image_fully(self, image: Any, kwargs: Mapping[str, Any]) -> ProcessedImage:
+        """The processor's full call on one image: tensors and the measured placeholder count."""
+        out = self.processor(text=[self.image_token], images=[image], return_tensors="np", **kwargs)
         ids = np.asarray(out["input_ids"]).reshape(-1)
         num = int(np.count_nonzero(ids == self.image_token_id))
         if len(_runs([int(t) for t in ids], self.image_token_id)) > 1:
@@ -296,3 +306,82 @@ def _low_detail_kwargs(processor: Any, kwargs: Mapping[str, Any]) -> dict[str, A
     if not pixel_budget or not isinstance(low, int) or not isinstance(high, int):
         return dict(kwargs)  # a fixed input size: one rendering
     return {**kwargs, "size": {"shortest_edge": low, "longest_edge": low}}
+
+
+def _image_key(image: Any) -> tuple[Any, ...] | None:
+    """What a processor may read from an image besides its pixels: size and mode."""
+    size, mode = getattr(image, "size", None), getattr(image, "mode", None)
+    if isinstance(size, tuple) and isinstance(mode, str):  # a PIL image
+        return (size, mode)
+    if isinstance(image, np.ndarray):
+        return (image.shape, image.dtype.str)
+    return None
+
+
+def _tensor_key(tensors: Mapping[str, np.ndarray]) -> tuple[Any, ...]:
+    """Shapes and dtypes of processed tensors, with the values of small integer ones
+    (``image_grid_thw``, ``image_sizes``, ``num_crops``): what a text expansion reads."""
+    return tuple(
+        (k, v.shape, v.dtype.str, v.tobytes() if v.dtype.kind in "biu" and v.size <= 64 else None)
+        for k, v in sorted(tensors.items())
+    )
+
+
+def _same_tensors(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]) for k in a
+    )
+
+
+class _Placeholders:
+    """:meth:`ModelProcessor.process_image`'s memo of measured placeholder counts (see the
+    module docstring). Used from the multimodal worker thread only."""
+
+    max_entries = 4096  # least recently used counts beyond this are measured again
+
+    def __init__(self, owner: ModelProcessor) -> None:
+        self.owner = owner
+        self.image_processor = getattr(owner.processor, "image_processor", None)
+        self.direct: dict[str, bool] = {}  # kwargs -> the image processor alone agrees
+        self.counts: OrderedDict[tuple[Any, ...], int] = OrderedDict()
+
+    def process(self, image: Any, kwargs: Mapping[str, Any]) -> ProcessedImage:
+        which, shape = json.dumps(kwargs, sort_keys=True, default=repr), _image_key(image)
+        agrees = self.direct.get(which)
+        if self.image_processor is None or shape is None or agrees is False:
+            return self.owner.process_image_fully(image, kwargs)
+        if agrees is None:  # first image with these kwargs: compare the two paths once
+            full = self.owner.process_image_fully(image, kwargs)
+            alone = self._alone(image, kwargs)
+            self.direct[which] = alone is not None and _same_tensors(alone, full.tensors)
+            self._keep((which, shape, _tensor_key(full.tensors)), full.num_tokens)
+            return full
+        tensors = self._alone(image, kwargs)
+        if tensors is None:
+            self.direct[which] = False
+            return self.owner.process_image_fully(image, kwargs)
+        key = (which, shape, _tensor_key(tensors))
+        count = self.counts.get(key)
+        if count is None:
+            full = self.owner.process_image_fully(image, kwargs)
+            self._keep(key, full.num_tokens)
+            return full
+        self.counts.move_to_end(key)
+        return ProcessedImage(tensors=tensors, num_tokens=count)
+
+    def _alone(self, image: Any, kwargs: Mapping[str, Any]) -> dict[str, np.ndarray] | None:
+        try:
+            out = self.image_processor(images=[image], return_tensors="np", **kwargs)  # type: ignore[misc]
+        except Exception:  # kwargs meant for the processor's text side, a processor quirk
+            return None
+        return {
+            k: np.ascontiguousarray(v)
+            for k, v in out.items()
+            if k not in _TEXT_KEYS and isinstance(v, np.ndarray)
+        }
+
+    def _keep(self, key: tuple[Any, ...], count: int) -> None:
+        self.counts[key] = count
+        self.counts.move_to_end(key)
+        while len(self.counts) > self.max_entries:
+            self.counts.popitem(last=False)
