@@ -1,7 +1,8 @@
 """``ModelProcessor.process_image``'s fast path (``mmis/frontend/processor.py`` states the rule):
 an image whose size, mode, kwargs and processed shapes were measured before runs the image
 processor alone, and gets exactly the tensors and placeholder count of the processor's full
-call; a processor whose full call does more than its image processor keeps the full call.
+call; an image of a size not measured yet costs one full call and no more image processing;
+a processor whose full call does more than its image processor keeps the full call.
 
 Real tiny processors with the hub's image settings (Qwen2-VL's pixel budget: the count
 depends on the size), photos of several sizes, the default and the ``low`` renderings.
@@ -50,21 +51,35 @@ class CountingProcessor(ModelProcessor):
 
 
 @pytest.mark.parametrize("family", ["llava", "qwen2-vl-hub"])
-def test_fast_path_gives_the_full_calls_tensors_and_counts(family: str) -> None:
+def test_fast_path_gives_the_full_calls_tensors_and_counts(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     tuned = ModelProcessor.from_pretrained(str(tiny_model_dir(family)))
     processor = CountingProcessor(tuned.processor)
     reference = ModelProcessor.from_pretrained(str(tiny_model_dir(family)))
+    image_processor = type(processor.processor.image_processor)
+    runs = {"image processor": 0}
+    plain_call = image_processor.__call__
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self is processor.processor.image_processor:
+            runs["image processor"] += 1
+        return plain_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(image_processor, "__call__", counted)
     low = processor.image_kwargs("low")
     renderings = [None] if low == processor.processor_kwargs else [None, low]  # LLaVA: one
     for kwargs in renderings:
         every = pictures(1) + pictures(2)  # the second set: same sizes, other pixels
-        before = processor.full_calls
+        before, ran = processor.full_calls, runs["image processor"]
         for image in every:
             fast = processor.process_image(image, kwargs)
             full = reference.process_image_fully(image, kwargs or {})
             assert same(fast, full), (family, kwargs, image.size)
         # the full call ran once per distinct size; every other image ran the fast path
         assert processor.full_calls - before == len(set(SIZES))
+        # one image processor run per image (in the full call or alone), plus one check
+        assert runs["image processor"] - ran == len(every) + 1
     counts = {image.size: processor.process_image(image).num_tokens for image in pictures(3)}
     if family == "qwen2-vl-hub":  # a pixel budget: the count follows the size
         assert counts[(1280, 720)] > counts[(640, 480)] > counts[(64, 64)]

@@ -5,12 +5,13 @@ Invariants:
   processor on that image alone and counting its image tokens, never computed from a
   per-family formula; the same count is stored in the sender cache so a shadow hit can expand
   the prompt without touching the pixels again.
-- A measured count is reused for a later image with the same size, mode, kwargs and processed
-  tensor shapes (plus the values of small integer outputs such as ``image_grid_thw``): that
-  image runs the image processor alone (:class:`_Placeholders`), skipping the full call's
-  kwargs merging and text expansion. Per kwargs, the first image runs both paths and the fast
-  one is used only if its tensors equal the full call's exactly; otherwise every image of those
-  kwargs takes the full call.
+- A measured count is reused for a later image with the same kwargs, size and mode whose
+  processed tensors have the measured shapes (and values of small integer outputs such as
+  ``image_grid_thw``): that image runs the image processor alone (:class:`_Placeholders`),
+  skipping the full call's kwargs merging and text expansion; an image of a size not measured
+  yet runs the full call only. Per kwargs, the first image also runs the image processor alone
+  once: the fast path is used only if its tensors equal the full call's exactly; otherwise
+  every image of those kwargs takes the full call.
 - The prompt marker of an image (``processor.image_token``, what the chat template writes) and
   its placeholder token (the one repeated per embedding row) may differ: Gemma 3's template
   writes ``<start_of_image>`` and its processor expands it to ``\n\n<start_of_image>`` + N x
@@ -337,36 +338,38 @@ class _Placeholders:
     """:meth:`ModelProcessor.process_image`'s memo of measured placeholder counts (see the
     module docstring). Used from the multimodal worker thread only."""
 
-    max_entries = 4096  # least recently used counts beyond this are measured again
+    max_entries = 4096  # least recently used sizes beyond this are measured again
 
     def __init__(self, owner: ModelProcessor) -> None:
         self.owner = owner
         self.image_processor = getattr(owner.processor, "image_processor", None)
         self.direct: dict[str, bool] = {}  # kwargs -> the image processor alone agrees
-        self.counts: OrderedDict[tuple[Any, ...], int] = OrderedDict()
+        # (kwargs, size and mode) -> (the processed tensors' key, the measured count)
+        self.counts: OrderedDict[tuple[Any, ...], tuple[tuple[Any, ...], int]] = OrderedDict()
 
     def process(self, image: Any, kwargs: Mapping[str, Any]) -> ProcessedImage:
         which, shape = json.dumps(kwargs, sort_keys=True, default=repr), _image_key(image)
         agrees = self.direct.get(which)
         if self.image_processor is None or shape is None or agrees is False:
             return self.owner.process_image_fully(image, kwargs)
-        if agrees is None:  # first image with these kwargs: compare the two paths once
+        known = self.counts.get((which, shape))
+        if known is None or agrees is None:  # a size not measured yet: one full call
             full = self.owner.process_image_fully(image, kwargs)
-            alone = self._alone(image, kwargs)
-            self.direct[which] = alone is not None and _same_tensors(alone, full.tensors)
-            self._keep((which, shape, _tensor_key(full.tensors)), full.num_tokens)
+            if agrees is None:  # the first image with these kwargs: compare the paths once
+                alone = self._alone(image, kwargs)
+                self.direct[which] = alone is not None and _same_tensors(alone, full.tensors)
+            self._keep((which, shape), _tensor_key(full.tensors), full.num_tokens)
             return full
         tensors = self._alone(image, kwargs)
         if tensors is None:
             self.direct[which] = False
             return self.owner.process_image_fully(image, kwargs)
-        key = (which, shape, _tensor_key(tensors))
-        count = self.counts.get(key)
-        if count is None:
+        signature, count = known
+        if _tensor_key(tensors) != signature:  # other shapes than measured: measure again
             full = self.owner.process_image_fully(image, kwargs)
-            self._keep(key, full.num_tokens)
+            self._keep((which, shape), _tensor_key(full.tensors), full.num_tokens)
             return full
-        self.counts.move_to_end(key)
+        self.counts.move_to_end((which, shape))
         return ProcessedImage(tensors=tensors, num_tokens=count)
 
     def _alone(self, image: Any, kwargs: Mapping[str, Any]) -> dict[str, np.ndarray] | None:
@@ -380,8 +383,8 @@ class _Placeholders:
             if k not in _TEXT_KEYS and isinstance(v, np.ndarray)
         }
 
-    def _keep(self, key: tuple[Any, ...], count: int) -> None:
-        self.counts[key] = count
+    def _keep(self, key: tuple[Any, ...], signature: tuple[Any, ...], count: int) -> None:
+        self.counts[key] = (signature, count)
         self.counts.move_to_end(key)
         while len(self.counts) > self.max_entries:
             self.counts.popitem(last=False)
