@@ -213,11 +213,7 @@ class ModelProcessor:
                 "the processor split this image into several placeholder runs (e.g. pan-and-scan "
                 "crops); only one contiguous run per image is supported"
             )
-        tensors = {
-            k: np.ascontiguousarray(v)
-            for k, v in out.items()
-            if k not in _TEXT_KEYS and isinstance(v, np.ndarray)
-        }
+        tensors = _image_tensors(out)
         if num <= 0 or not tensors:
             raise PromptError("the processor produced no image tokens for an image")
         return ProcessedImage(tensors=tensors, num_tokens=num)
@@ -243,11 +239,7 @@ class ModelProcessor:
         )
         ids = np.asarray(out["input_ids"]).reshape(-1)
         num = int(np.count_nonzero(ids == self.video_token_id))
-        tensors = {
-            k: np.ascontiguousarray(v)
-            for k, v in out.items()
-            if k not in _TEXT_KEYS and isinstance(v, np.ndarray)
-        }
+        tensors = _image_tensors(out)
         if num <= 0 or "video_grid_thw" not in tensors:
             raise PromptError("the processor produced no video tokens for a video")
         return ProcessedImage(tensors=tensors, num_tokens=num)
@@ -307,6 +299,15 @@ def _low_detail_kwargs(processor: Any, kwargs: Mapping[str, Any]) -> dict[str, A
     if not pixel_budget or not isinstance(low, int) or not isinstance(high, int):
         return dict(kwargs)  # a fixed input size: one rendering
     return {**kwargs, "size": {"shortest_edge": low, "longest_edge": low}}
+
+
+def _image_tensors(out: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """A processor output's per-image tensors: its arrays less the text outputs."""
+    return {
+        k: np.ascontiguousarray(v)
+        for k, v in out.items()
+        if k not in _TEXT_KEYS and isinstance(v, np.ndarray)
+    }
 
 
 def _image_key(image: Any) -> tuple[Any, ...] | None:
@@ -377,11 +378,7 @@ class _Placeholders:
             out = self.image_processor(images=[image], return_tensors="np", **kwargs)  # type: ignore[misc]
         except Exception:  # kwargs meant for the processor's text side, a processor quirk
             return None
-        return {
-            k: np.ascontiguousarray(v)
-            for k, v in out.items()
-            if k not in _TEXT_KEYS and isinstance(v, np.ndarray)
-        }
+        return _image_tensors(out)
 
     def _keep(self, key: tuple[Any, ...], signature: tuple[Any, ...], count: int) -> None:
         self.counts[key] = (signature, count)
