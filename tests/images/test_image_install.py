@@ -7,7 +7,8 @@ deployments really give that image run against it:
 - docker/Dockerfile.server: every container of the pod the operator builds from
   examples/llava-lru.yaml: ``mmis frontend --help``, ``mmis engine --help`` (the pod's
   command and subcommand, not a list kept here), and the model-download init container's
-  ``python3 -c`` script (which needs huggingface_hub), run offline.
+  ``python3 -c`` script (which needs huggingface_hub), run offline; then the image's own
+  ``mmis serve`` loads the tiny model and answers an image chat (``scripts/smoke-serve``).
 
 Wheels are kept between runs in a wheelhouse outside the checkout (~/.cache/mmis/wheels;
 this machine's PyPI proxy strips cache headers, so pip's own HTTP cache keeps nothing). The
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -120,6 +122,19 @@ def test_server_image_runs_every_container_of_the_operators_pod(tmp_path: Path) 
         else:
             pytest.fail(f"container {c['name']}: a command this test does not know: {command}")
     assert {"mmis frontend --help", "mmis engine --help"} <= set(ran), ran
+    # the image serves: its own `mmis serve` loads the tiny model and answers an image chat
+    _, image_venv = df.build_stage(parsed)
+    offline = {**env, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    smoke = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "smoke-serve"), str(replay.host(image_venv))],
+        env=offline,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert smoke.returncode == 0, smoke.stdout + smoke.stderr[-3000:]
+    print(smoke.stdout)
     # the image ships the server, not the operator
     proc = df.run_in_image(
         ["python3", "-c", "import importlib.util as u; print(u.find_spec('mmis_operator'))"],
