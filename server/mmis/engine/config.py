@@ -148,6 +148,12 @@ class EngineConfig:
         help="serve GET /health on this port once the model is loaded (the engine "
         "container's probes); none by default",
     )
+    status_file: str | None = setting(
+        None,
+        metavar="PATH",
+        help="write 'ready' to this file once the engine serves, or why its start failed in one "
+        "line (mmis serve reads it to tell a failed start from a crash); none by default",
+    )
     seed: int | None = setting(None, help="seed of P1's fault-injection random numbers")
     grammar_cache_size: int = setting(
         64,

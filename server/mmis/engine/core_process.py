@@ -126,8 +126,10 @@ class EngineCoreProc:
         fault_evict_rate: float = 0.0,
         engine_index: int = 0,
         seed: int | None = None,
+        model_info: Mapping[str, str] | None = None,
     ) -> None:
         self.core = core
+        self.model_info = dict(model_info or {})  # what ``hello`` says of the model (dtype)
         self.receiver = receiver
         self.input_address = input_address
         self.output_address = output_address
@@ -247,7 +249,11 @@ class EngineCoreProc:
             self._answer(call, fn)
 
     def _hello(self) -> dict[str, Any]:
-        return {"cache_epoch": self.cache_epoch, "engine_index": self.engine_index}
+        return {
+            "cache_epoch": self.cache_epoch,
+            "engine_index": self.engine_index,
+            **self.model_info,
+        }
 
     def _reset_mm_cache(self) -> bool:
         self.receiver.clear()

@@ -7,7 +7,8 @@ Invariants:
   of config, model, processor and tokenizer; for a local directory transformers ignores it.
 - Settings are the fields of ``EngineConfig`` / ``FrontendConfig``; the parsers are derived
   from them (``mmis.config.add_flags``), so no command restates a default.
-- One logging set-up (:func:`setup_logging`) for every server command.
+- One logging set-up (:func:`setup_logging`) for every server command, and one way to say
+  why a start failed (:func:`one_line`: the last line a user reads).
 """
 
 from __future__ import annotations
@@ -54,3 +55,10 @@ def setup_logging(level: str) -> None:
         level=level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+
+
+def one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line (whitespace collapsed, at most 500 characters)."""
+    text = " ".join(str(exc).split())
+    line = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return line if len(line) <= 500 else line[:497] + "..."

@@ -22,6 +22,12 @@ Invariants:
 - Before the model loads, glibc is told to keep freed memory mapped
   (``engine/host_memory.py``): a step does not fault its activations in anew.
 - SIGTERM/SIGINT stop the busy loop; the sockets close; the process exits 0.
+- A start that fails (a missing dependency, a model that does not load, a bad setting found
+  late) exits 1 at once with the cause as the last stderr line, ``mmis engine: ...`` (the
+  traceback of an unexpected exception is logged before it); with ``--status-file`` that line
+  is also written there, and ``ready`` once the engine serves (``mmis serve`` reads it: a
+  child that never got ready is not restarted, ``entrypoints/serve.py``).
+- ``hello`` answers carry the serving dtype and device (P0 shows them in ``/v1/models``).
 - With ``--health-port``, ``GET /health`` answers there once the model is loaded
   (``engine/health_server.py``): the engine container's own probe.
 - On CUDA, after the KV pool and the self-check, decode steps are captured as CUDA graphs
@@ -40,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 from mmis.config import ConfigError, GiB, add_flags, settings_from_args
 from mmis.engine import batch_limits
 from mmis.engine.config import EngineConfig
-from mmis.entrypoints.common import resolve_model, setup_logging
+from mmis.entrypoints.common import one_line, resolve_model, setup_logging
 
 if TYPE_CHECKING:
     from mmis.engine.core import EngineCore
@@ -285,6 +291,10 @@ def build(cfg: EngineConfig) -> EngineCoreProc:
         cache_epoch=receiver.epoch,
         fault_evict_rate=cfg.fault_evict_rate,
         seed=cfg.seed,
+        model_info={
+            "dtype": str(adapter.dtype).removeprefix("torch."),
+            "device": adapter.device.type,
+        },
     )
 
 
@@ -306,13 +316,40 @@ def engine_tracing(cfg: EngineConfig) -> Tracing:
     return setup_tracing(config)
 
 
+def _write_status(path: str | None, text: str) -> None:
+    if path is None:
+        return
+    try:
+        with open(path, "w") as out:
+            out.write(text + "\n")
+    except OSError as exc:
+        log.warning("cannot write --status-file %s: %s", path, exc)
+
+
+def build_or_exit(cfg: EngineConfig) -> EngineCoreProc:
+    """:func:`build`, or exit 1 with the cause as one last line (also in ``--status-file``)."""
+    try:
+        return build(cfg)
+    except SystemExit as exc:  # our own refusals: already one line saying why
+        if exc.code in (None, 0):
+            raise
+        cause = str(exc.code)
+        _write_status(cfg.status_file, cause)
+        raise
+    except Exception as exc:  # anything else: keep the traceback, end on the cause
+        log.error("the engine failed to start", exc_info=True)
+        cause = f"mmis engine: failed to start: {one_line(exc)}"
+        _write_status(cfg.status_file, cause)
+        raise SystemExit(cause) from None
+
+
 def run(args: argparse.Namespace) -> int:
     from mmis.engine.host_memory import keep_freed_memory
 
     cfg = config_from_args(args)
     setup_logging(cfg.log_level)
     keep_freed_memory()  # before the model loads: freed step memory stays mapped
-    proc = build(cfg)
+    proc = build_or_exit(cfg)
 
     def _stop(signum: int, _frame: Any) -> None:
         log.info("signal %d: stopping the engine", signum)
@@ -329,6 +366,7 @@ def run(args: argparse.Namespace) -> int:
         from mmis.engine.health_server import HealthServer
 
         health = HealthServer("0.0.0.0", cfg.health_port, proc.threads_alive).start()
+    _write_status(cfg.status_file, "ready")
     try:
         proc.run()
     finally:

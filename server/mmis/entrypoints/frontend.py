@@ -12,20 +12,23 @@ Invariants:
   apart by the port a connection arrived on (:mod:`mmis.frontend.http_gate`).
 - SIGTERM/SIGINT drain: uvicorn stops accepting, waits up to ``--graceful-shutdown-s`` for
   in-flight requests, then the lifespan closes the engine client. Exit status 0 after a clean
-  shutdown, 2 for bad settings, 1 when the engine never answered.
+  shutdown, 2 for bad settings, 1 when start-up failed (the engine never answered, the
+  processor did not load): the last stderr line then says why, in one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import signal
 import socket
 import sys
+from collections.abc import Callable
 
 from mmis.config import ConfigError, add_flags, settings_from_args
-from mmis.entrypoints.common import setup_logging
+from mmis.entrypoints.common import one_line, setup_logging
 from mmis.frontend.config import FrontendConfig
 
 
@@ -79,8 +82,9 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(settings: FrontendConfig) -> int:
-    """Bind, announce the address, serve until a signal; the exit status."""
+def serve(settings: FrontendConfig, engine_failed: Callable[[], str | None] | None = None) -> int:
+    """Bind, announce the address, serve until a signal; the exit status. ``engine_failed``
+    (``mmis serve``'s supervisor): why P1 will never answer, so start-up stops waiting."""
     import uvicorn
 
     from mmis.frontend.api_server import create_app
@@ -95,7 +99,7 @@ def serve(settings: FrontendConfig) -> int:
         ops_port = ops.getsockname()[1]
         settings = dataclasses.replace(settings, ops_port=ops_port)
         print(f"mmis frontend operations on http://{host}:{ops_port}", flush=True)
-    app = create_app(settings, on_state=_freeze_gc)
+    app = create_app(settings, on_state=_freeze_gc, engine_failed=engine_failed)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -107,5 +111,11 @@ def serve(settings: FrontendConfig) -> int:
     # uvicorn re-raises the captured SIGTERM after draining, with the handler that was in
     # place before it started; a no-op one makes a drained shutdown exit with status 0
     signal.signal(signal.SIGTERM, lambda *_: None)
-    server.run(sockets=sockets)
-    return 0 if server.started else 1
+    with contextlib.suppress(SystemExit):  # uvicorn's own exit when the app's start-up failed
+        server.run(sockets=sockets)
+    if server.started:
+        return 0
+    error = getattr(app.state, "startup_error", None)
+    why = one_line(error) if error is not None else "the server did not start"
+    print(f"mmis frontend: failed to start: {why}", file=sys.stderr, flush=True)
+    return 1

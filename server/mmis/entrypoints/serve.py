@@ -11,12 +11,17 @@ Invariants:
   directory; P0 runs in this process (``mmis frontend``'s code path, same flags). The first
   stdout line is P0's ``mmis frontend listening on http://HOST:PORT`` (also with ``--port 0``):
   P1's stdout goes to our stderr so it can never come first.
-- If P1 exits unexpectedly it is restarted (as a pod's container would be); P0 stays up, sees
-  the loss at once (its socket monitor, ``frontend/engine_liveness.py``), ends the streams that
-  sent bytes, holds or fails fast the other requests (``frontend/recovery.py``), reports
-  ``/ready`` false until the new P1 answers, and heals the drift through the cache epoch
-  change. Restarts back off exponentially (1 s to 30 s); a child that ran for a minute resets
-  the backoff.
+- If P1 exits before it was ever ready (its ``--status-file`` in our temporary directory never
+  said ``ready``: a missing dependency, a model that does not load), nothing is restarted:
+  P0 stops waiting for its handshake, and we exit 1 within seconds with P1's one-line cause
+  as our last stderr line (``mmis serve: the engine failed to start: ...``). A deterministic
+  failure retried as a crash would only hide its cause behind minutes of restarts.
+- If P1 exits unexpectedly after it was ready it is restarted (as a pod's container would
+  be); P0 stays up, sees the loss at once (its socket monitor,
+  ``frontend/engine_liveness.py``), ends the streams that sent bytes, holds or fails fast the
+  other requests (``frontend/recovery.py``), reports ``/ready`` false until the new P1
+  answers, and heals the drift through the cache epoch change. Restarts back off
+  exponentially (1 s to 30 s); a child that ran for a minute resets the backoff.
 - A *hung* P1 (alive but silent, e.g. SIGSTOP) is not killed here: P0 takes it as down after
   ``--liveness-timeout-s`` (same handling, ``/ready`` false), and takes it back if it
   answers again (SIGCONT). Killing is the job of the one component that owns P1's liveness:
@@ -62,6 +67,8 @@ _ENGINE = "engine_"  # the dest prefix of the engine-only flags
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _PARENT_PID_ENV = "MMIS_SERVE_PARENT_PID"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_STATUS_FLAG = flag_of(EngineConfig, "status_file")
+_READY = "ready"  # what P1 writes into its status file once it serves
 
 
 class StopRequested(Exception):
@@ -83,7 +90,8 @@ def _ignore_during_cleanup(signum: int, _frame: FrameType | None) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``mmis frontend``'s flags, then each :class:`EngineConfig` option they lack."""
     frontend.add_arguments(parser)
-    add_flags(parser, EngineConfig, skip=parser._option_string_actions, dest_prefix=_ENGINE)
+    skip = [*parser._option_string_actions, _STATUS_FLAG]  # the status file is ours to set
+    add_flags(parser, EngineConfig, skip=skip, dest_prefix=_ENGINE)
 
 
 def frontend_settings(args: argparse.Namespace) -> FrontendConfig:
@@ -111,10 +119,14 @@ def engine_settings(args: argparse.Namespace, settings: FrontendConfig) -> dict[
     return values
 
 
-def engine_command(args: argparse.Namespace, settings: FrontendConfig) -> list[str]:
+def engine_command(
+    args: argparse.Namespace, settings: FrontendConfig, status_file: str | None = None
+) -> list[str]:
     """P1's command line: ``mmis engine`` run through :func:`engine_child_main`."""
     launcher = "from mmis.entrypoints.serve import engine_child_main; engine_child_main()"
     cmd = [sys.executable, "-c", launcher, "engine"]
+    if status_file is not None:
+        cmd += [_STATUS_FLAG, status_file]
     for name, value in engine_settings(args, settings).items():
         flag = flag_of(EngineConfig, name)
         if isinstance(value, bool):
@@ -143,15 +155,25 @@ class EngineSupervisor:
 
     ``stop`` and a restart never race: spawning happens under the lock and is refused once
     stopping began, so no child can be started after ``stop`` looked at the current one.
+    With a ``status_file`` (P1's ``--status-file``), a child that exits before any child was
+    ever ready is not restarted: :attr:`failed_start` then holds its one-line cause.
     """
 
     def __init__(
-        self, cmd: list[str], *, min_uptime_s: float = 60.0, max_backoff_s: float = 30.0
+        self,
+        cmd: list[str],
+        *,
+        status_file: str | None = None,
+        min_uptime_s: float = 60.0,
+        max_backoff_s: float = 30.0,
     ) -> None:
         self.cmd = cmd
+        self.status_file = status_file
         self.min_uptime_s = min_uptime_s
         self.max_backoff_s = max_backoff_s
         self.restarts = 0
+        self.ever_ready = status_file is None  # without a status file: always restart
+        self.failed_start: str | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -177,12 +199,24 @@ class EngineSupervisor:
             log.info("engine started (pid %d)", self.proc.pid)
             return True
 
+    def _status(self) -> str:
+        try:
+            with open(self.status_file or "") as f:
+                return f.read().strip()
+        except OSError:
+            return ""
+
     def _watch(self) -> None:
         delay = 1.0
         while self.proc is not None:
             started = time.monotonic()
             code = self.proc.wait()
             if self._stopping.is_set():
+                return
+            status = self._status()
+            self.ever_ready = self.ever_ready or status == _READY
+            if not self.ever_ready:
+                self.failed_start = status or f"exited with status {code} before it was ready"
                 return
             if time.monotonic() - started >= self.min_uptime_s:
                 delay = 1.0
@@ -213,20 +247,24 @@ class EngineSupervisor:
 
 
 def _serve(args: argparse.Namespace, settings: FrontendConfig) -> int:
-    log.info("preparing model %s", settings.model)
-    path = resolve_model(settings.model)
     tmp = tempfile.mkdtemp(prefix="mmis-serve-")
     settings = dataclasses.replace(
         settings,
-        model=path,
         served_model_name=served_name(settings.model, settings.served_model_name),
         engine_input_address=f"ipc://{tmp}/engine-in",
         engine_output_address=f"ipc://{tmp}/engine-out",
     )
-    supervisor = EngineSupervisor(engine_command(args, settings))
+    status_file = f"{tmp}/engine-status"
+    # P1 resolves the model name itself (a tiny model is built concurrency-safe), so its
+    # imports and load overlap ours and a failed start is seen seconds sooner
+    supervisor = EngineSupervisor(
+        engine_command(args, settings, status_file), status_file=status_file
+    )
     try:
         supervisor.start()
-        return frontend.serve(settings)
+        log.info("preparing model %s", settings.model)
+        settings = dataclasses.replace(settings, model=resolve_model(settings.model))
+        code = frontend.serve(settings, engine_failed=lambda: supervisor.failed_start)
     finally:
         if threading.current_thread() is threading.main_thread():
             for sig in _STOP_SIGNALS:
@@ -234,6 +272,12 @@ def _serve(args: argparse.Namespace, settings: FrontendConfig) -> int:
         status = supervisor.stop()
         log.info("engine stopped (status %s, %d restarts)", status, supervisor.restarts)
         shutil.rmtree(tmp, ignore_errors=True)
+    if supervisor.failed_start is not None:  # the last line a user sees says why
+        cause = supervisor.failed_start.removeprefix("mmis engine: ")
+        cause = cause.removeprefix("failed to start: ")
+        print(f"mmis serve: the engine failed to start: {cause}", file=sys.stderr, flush=True)
+        return 1
+    return code
 
 
 def run(args: argparse.Namespace) -> int:

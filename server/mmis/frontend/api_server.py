@@ -96,13 +96,19 @@ def create_app(
     *,
     on_state: Callable[[FrontendState], None] | None = None,
     tracing: Tracing | None = None,
+    engine_failed: Callable[[], str | None] | None = None,
 ) -> FastAPI:
     """The P0 app; ``on_state`` sees the state once it exists (tests, embedding servers);
-    ``tracing`` replaces the one built from the settings (tests: an in-memory exporter)."""
+    ``tracing`` replaces the one built from the settings (tests: an in-memory exporter);
+    ``engine_failed`` says why P1 will never answer (start-up then fails at once)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state = await FrontendState.create(settings, tracing)
+        try:
+            state = await FrontendState.create(settings, tracing, engine_failed)
+        except Exception as exc:  # the launcher ends its output with why (entrypoints/)
+            app.state.startup_error = exc
+            raise
         app.state.mmis = state
         app.state.generation_defaults = await asyncio.to_thread(
             generation_defaults.load, settings.model, settings.revision, settings.generation_config
@@ -191,8 +197,15 @@ def create_app(
     @app.get("/v1/models")
     async def models(request: Request) -> ModelList:
         state = state_of(request)
+        engine = state.client.engine_info
         cards = [
-            ModelCard(id=name, root=settings.model, max_model_len=state.max_model_len)
+            ModelCard(
+                id=name,
+                root=settings.model,
+                max_model_len=state.max_model_len,
+                dtype=engine.get("dtype"),
+                device=engine.get("device"),
+            )
             for name in served
         ]
         return ModelList(data=cards)

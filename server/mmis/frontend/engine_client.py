@@ -110,6 +110,7 @@ class EngineClient(EngineLiveness):
         self.on_evicted = on_evicted
         self.on_epoch_change = on_epoch_change
         self.cache_epoch = ""
+        self.engine_info: dict[str, str] = {}  # the model as P1's hello describes it
         self.epoch_changes = 0
         self._init_liveness(ping_interval_s, liveness_timeout_s)
         self._codec = WireCodec()
@@ -135,8 +136,13 @@ class EngineClient(EngineLiveness):
     def closed(self) -> bool:
         return self._closed
 
-    async def start(self, timeout: float = 60.0) -> None:
-        """Connect and handshake: returns once P1 answered (our subscription is live)."""
+    async def start(
+        self, timeout: float = 60.0, give_up: Callable[[], str | None] | None = None
+    ) -> None:
+        """Connect and handshake: returns once P1 answered (our subscription is live).
+        :class:`EngineUnavailableError` after ``timeout``, or as soon as ``give_up`` returns
+        a reason (P1 failed to start). :attr:`engine_info` keeps what ``hello`` said of the
+        model (``dtype``, ``device``)."""
         for sock in (self._push, self._sub):
             sock.setsockopt(zmq.LINGER, 0)
         self._push.setsockopt(zmq.SNDHWM, 0)
@@ -153,11 +159,15 @@ class EngineClient(EngineLiveness):
                 hello = await self.call_utility(HELLO, timeout=0.25)
                 break
             except TimeoutError:
+                reason = None if give_up is None else give_up()
+                if reason is not None:
+                    raise EngineUnavailableError(f"the engine failed to start: {reason}") from None
                 if loop.time() > deadline:
                     raise EngineUnavailableError(
                         f"engine at {self.input_address} did not answer within {timeout:.0f}s"
                     ) from None
         self.cache_epoch = str(hello["cache_epoch"])
+        self.engine_info = {k: str(hello[k]) for k in ("dtype", "device") if k in hello}
         self._handshaken(loop)
 
     async def close(self) -> None:

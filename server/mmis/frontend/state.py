@@ -37,6 +37,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -167,13 +168,18 @@ class FrontendState:
 
     @classmethod
     async def create(
-        cls, settings: FrontendConfig, tracing: Tracing | None = None
+        cls,
+        settings: FrontendConfig,
+        tracing: Tracing | None = None,
+        engine_failed: Callable[[], str | None] | None = None,
     ) -> FrontendState:
+        """Load the processor, then wait for P1's handshake (``engine_timeout_s``; stop at
+        once when ``engine_failed`` says why it will never come)."""
         loop = asyncio.get_running_loop()
         processor, max_len = await loop.run_in_executor(None, load_processor, settings)
         state = cls(settings, processor, max_model_len=max_len, tracing=tracing)
         try:
-            await state.client.start(timeout=settings.engine_timeout_s)
+            await state.client.start(timeout=settings.engine_timeout_s, give_up=engine_failed)
         except BaseException:
             await state.close()
             raise

@@ -154,6 +154,10 @@ class ModelCard(BaseModel):
     owned_by: str = "mmis"
     root: str | None = None
     max_model_len: int | None = None
+    # what the engine computes in (``--dtype`` resolved: on CPU ``auto`` may serve a float32
+    # checkpoint in bfloat16) and on which device type
+    dtype: str | None = None
+    device: str | None = None
 
 
 class ModelList(BaseModel):
