@@ -5,7 +5,7 @@ scale, window)``: ``query`` ``[N, H, D]`` packed rows of the step, ``key_cache``
 ``value_cache`` one layer's pool ``[num_blocks, block_size, KVH, D]`` (this step's keys
 already written at ``meta.slot_mapping``), ``new_key`` / ``new_value`` ``[N, KVH, D]`` this
 step's keys; returns ``[N, H, D]``. ``window`` is the layer's sliding window (None: full
-causal). :func:`select_backend` picks one per device:
+causal). :func:`select_backend` picks one at start-up (below):
 
 - :class:`TorchBackend` (any device, no extra dependency; the CPU path): the decode rows
   attend in batched SDPA calls over their blocks gathered with one ``index_select`` per tensor
@@ -27,14 +27,34 @@ causal). :func:`select_backend` picks one per device:
 - :class:`VarlenBackend` (CUDA): one varlen flash-attention call per layer for the whole
   step, reading K/V in place through ``meta.block_tables`` (``seqused_k``), causal and window
   as the kernel's own ``window_size``. The kernel is ``flash_attn.flash_attn_varlen_func``
-  when the optional ``flash-attn`` package is installed (``pip install 'mmis[cuda]'``),
-  else PyTorch's own ``torch.nn.attention.varlen.varlen_attn``. Paged reads need
-  ``block_size % 256 == 0`` (FlashAttention-2's page-size rule); with another block size the
-  step's context is gathered once per layer into the packed varlen layout instead.
+  (the optional ``flash-attn`` package, ``pip install 'mmis[cuda]'``) or PyTorch's own
+  ``torch.nn.attention.varlen.varlen_attn``, called as the installed release's signature
+  allows (:func:`torch_varlen_kernel`: without ``enable_gqa``, torch 2.11, the K/V heads are
+  repeated to the query heads first). Paged reads need ``block_size % 256 == 0``
+  (FlashAttention-2's page-size rule), a kernel that takes ``block_table``, and native GQA
+  for a GQA model (else repeating the heads would copy the whole pool); otherwise the step's
+  context is gathered once per layer into the packed varlen layout instead.
   Bidirectional spans are not a flash argument, and flash runs only in fp16/bf16: such steps
   fall back to :class:`TorchBackend`. So does a static decode step (``meta.static``,
   ``decode_graphs.py``) without paged reads: the packed gather's length is a host int; with
   paged reads it runs as any step, ``max_seqlen_k`` being its upper bound.
+
+Selection (:func:`select_backend`; ``runner.py`` calls it with the model's
+:class:`ProbeShape`): the name ``torch`` or a device other than CUDA is
+:class:`TorchBackend`. On CUDA the candidates are tried in the order of :data:`KERNELS`
+(flash-attn, then torch's ``varlen_attn``), then :class:`TorchBackend`. A candidate is
+chosen only if it imports AND passes :meth:`VarlenBackend.probe`: the exact call a step makes
+(paged or packed, same keywords), run on a tiny step in the model's head size, query and KV
+heads (GQA) and dtype, at the pool's block size (page size), without and with a sliding
+window, must not raise and must equal :class:`TorchBackend` within
+:data:`PROBE_TOLERANCE` (a float32 model fails it uncalled: flash runs in fp16/bf16 only).
+So a signature mismatch is a start-up rejection, never a ``TypeError`` in the first step;
+the candidates are a parameter, so selection runs on CPU with fake kernels in tests. Every
+rejection is logged (warning) with its reason (the exception, or the difference), the choice
+at info with paged or packed reads. The start-up self-check (``self_check.py``) then
+compares one prompt's logits with transformers on the chosen backend; if that fails on a
+varlen backend it switches the runner to :class:`TorchBackend`, logs why, and checks again
+(not under tensor parallelism: the other ranks chose their own backends).
 
 Invariants:
 - A gathered K/V view (:meth:`GatherSpace.gather`) is read only before the next gather into
@@ -42,14 +62,17 @@ Invariants:
 - A backend never writes the pool; :func:`~mmis.engine.paged_attention.paged_attention_forward`
   writes the new keys before calling it.
 - Optional kernels are imported lazily, only when a CUDA device is used; a missing or
-  failing import, or a kernel that raises on first use (no build for this GPU), falls back
-  cleanly to :class:`TorchBackend` (the reason is logged; out-of-memory is re-raised).
+  failing import or a failed probe moves on to the next candidate, and a kernel that still
+  raises later (no build for this GPU) falls back to :class:`TorchBackend` for good (each
+  reason logged; out-of-memory is re-raised).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -192,7 +215,37 @@ class TorchBackend:
 Kernel = Callable[..., torch.Tensor]
 
 
-def _flash_attn_kernel() -> Kernel | None:
+@dataclasses.dataclass(frozen=True)
+class VarlenKernel:
+    """A loaded varlen flash kernel (``run(q, k, v, **VarlenBackend._flash's keywords)``) and
+    what its signature takes."""
+
+    name: str
+    run: Kernel
+    paged_reads: bool = True  # takes block_table + seqused_k: reads the pool in place
+    native_gqa: bool = True  # takes fewer K/V heads than query heads (else run repeats them)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeShape:
+    """The attention a model asks of a kernel: what :meth:`VarlenBackend.probe` runs (the
+    default: a GQA bf16 model, for callers that do not say)."""
+
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 128
+    dtype: torch.dtype = torch.bfloat16
+
+    @classmethod
+    def of(cls, adapter: Any) -> ProbeShape:
+        """A model adapter's (``engine/model/adapter.py``) heads, head size and dtype."""
+        return cls(adapter.num_heads, adapter.num_kv_heads, adapter.head_dim, adapter.dtype)
+
+
+KernelLoader = Callable[[], VarlenKernel | None]
+
+
+def _flash_attn_kernel() -> VarlenKernel | None:
     try:
         from flash_attn import flash_attn_varlen_func
     except Exception as exc:  # any import failure: not usable
@@ -216,18 +269,33 @@ def _flash_attn_kernel() -> Kernel | None:
         )
         return out
 
-    return run
+    return VarlenKernel("flash-attn", run)
 
 
-def _torch_varlen_kernel() -> Kernel | None:
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except Exception as exc:
-        log.info("torch.nn.attention.varlen not usable (%s)", exc)
-        return None
+def torch_varlen_kernel(varlen_attn: Callable[..., Any]) -> VarlenKernel:
+    """``torch.nn.attention.varlen.varlen_attn`` called as its signature allows:
+    ``enable_gqa`` when it has one (torch 2.14; torch 2.11 has none: K/V heads are then
+    repeated to the query heads, ``repeat_interleave``, before the call), ``seqused_k`` +
+    ``block_table`` when it has them (else no paged reads: the packed gather), ``is_causal``
+    when it has one. ``scale`` and ``window_size`` are always passed: a release without them
+    fails the probe with its own ``TypeError``."""
+    params = inspect.signature(varlen_attn).parameters
+    gqa, causal = "enable_gqa" in params, "is_causal" in params
+    paged = "block_table" in params and "seqused_k" in params
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
         table = kw["block_table"]
+        extra: dict[str, Any] = {}
+        if gqa:
+            extra["enable_gqa"] = q.shape[1] != k.shape[-2]
+        elif q.shape[1] != k.shape[-2]:  # head h reads KV head h // rep, as enable_gqa would
+            rep = q.shape[1] // k.shape[-2]
+            k, v = k.repeat_interleave(rep, dim=-2), v.repeat_interleave(rep, dim=-2)
+        if paged:
+            extra["seqused_k"] = kw["seqused_k"] if table is not None else None
+            extra["block_table"] = table
+        if causal:
+            extra["is_causal"] = True
         out = varlen_attn(
             q,
             k,
@@ -238,22 +306,40 @@ def _torch_varlen_kernel() -> Kernel | None:
             kw["max_seqlen_k"],
             scale=kw["scale"],
             window_size=(kw["window"], 0),
-            enable_gqa=q.shape[1] != k.shape[-2],
-            seqused_k=kw["seqused_k"] if table is not None else None,
-            block_table=table,
+            **extra,
         )
         return out if isinstance(out, torch.Tensor) else out[0]
 
-    return run
+    return VarlenKernel("torch-varlen", run, paged_reads=paged, native_gqa=gqa)
+
+
+def _torch_varlen_kernel() -> VarlenKernel | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+
+        return torch_varlen_kernel(varlen_attn)
+    except Exception as exc:
+        log.info("torch.nn.attention.varlen not usable (%s)", exc)
+        return None
+
+
+KERNELS: tuple[KernelLoader, ...] = (_flash_attn_kernel, _torch_varlen_kernel)  # CUDA, in order
+PROBE_WINDOW = 3  # the probe's sliding window (keys)
+PROBE_SCALE = 2.0  # x 1/sqrt(head_dim), the kernels' default scale: ignoring scale fails
+# max |kernel - torch SDPA| of the probe's outputs, by dtype (flash runs in these only)
+PROBE_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 5e-2}
 
 
 class VarlenBackend:
     """One varlen flash-attention call per layer (CUDA; see the module docstring)."""
 
-    def __init__(self, kernel: Kernel, name: str, block_size: int) -> None:
+    def __init__(
+        self, kernel: Kernel, name: str, block_size: int, *, paged_reads: bool = True
+    ) -> None:
         self.kernel = kernel
         self.name = name
-        self.paged = block_size % FLASH_PAGE_MULTIPLE == 0
+        self.block_size = block_size
+        self.paged = paged_reads and block_size % FLASH_PAGE_MULTIPLE == 0
         self.fallback = TorchBackend()
         self.broken: str | None = None  # why the kernel failed once (then: always fallback)
 
@@ -319,6 +405,55 @@ class VarlenBackend:
             window=-1 if window is None else window - 1,
         )
 
+    def probe(self, shape: ProbeShape, device: torch.device) -> str | None:
+        """Why this kernel cannot serve ``shape`` on ``device`` (None: it can). Runs the path
+        :meth:`attend` takes (paged or packed) once without and once with a sliding window, on
+        a tiny step in ``shape``'s heads, head size and dtype over shuffled blocks of
+        ``block_size`` (a fresh prefill, a chunk on cached context across a block boundary,
+        two decode rows of different lengths), and compares with :class:`TorchBackend`: an
+        exception (but out-of-memory) or a difference over :data:`PROBE_TOLERANCE` is the
+        reason."""
+        tolerance = PROBE_TOLERANCE.get(shape.dtype)
+        if tolerance is None:
+            return f"flash kernels run in float16/bfloat16 only; the model is {shape.dtype}"
+        bs, gen = self.block_size, torch.Generator().manual_seed(0)
+        scale = PROBE_SCALE / shape.head_dim**0.5
+        starts, lens = [0, bs - 1, 2 * bs - 1, 2], [5, 3, 1, 1]
+        needed = [-(-(s + n) // bs) for s, n in zip(starts, lens, strict=True)]
+        free = (torch.randperm(sum(needed), generator=gen) + 1).tolist()  # block 0: null
+        tables = [[free.pop() for _ in range(n)] for n in needed]
+        pool_shape = (sum(needed) + 1, bs, shape.num_kv_heads, shape.head_dim)
+
+        def rand(*size: int) -> torch.Tensor:
+            return torch.randn(size, generator=gen).to(device=device, dtype=shape.dtype)
+
+        key_cache, value_cache = rand(*pool_shape), rand(*pool_shape)
+        meta = AttentionMetadata.build(lens, starts, tables, bs, pool_shape[0] * bs, device)
+        query = rand(meta.num_tokens, shape.num_heads, shape.head_dim)
+        flat = (-1, shape.num_kv_heads, shape.head_dim)
+        new_key = key_cache.view(flat)[meta.slot_mapping]
+        new_value = value_cache.view(flat)[meta.slot_mapping]
+        for window in (None, PROBE_WINDOW):
+            with torch.inference_mode():
+                want = TorchBackend().attend(
+                    query, key_cache, value_cache, new_key, new_value, meta, scale, window
+                )
+                try:
+                    got = self._flash(query, key_cache, value_cache, meta, scale, window)
+                except torch.OutOfMemoryError:
+                    raise
+                except Exception as exc:  # any failure (TypeError included): not usable
+                    return f"{type(exc).__name__}: {exc}"
+            if got.shape != want.shape:
+                return f"it returned shape {tuple(got.shape)}, not {tuple(want.shape)}"
+            worst = float((got.float() - want.float()).abs().max())
+            if not worst <= tolerance:  # NaN fails too
+                return (
+                    f"its output differs from torch SDPA by {worst:.3g} (window {window}, "
+                    f"tolerance {tolerance:g})"
+                )
+        return None
+
 
 def packed_context_slots(meta: AttentionMetadata) -> torch.Tensor:
     """``[sum(seq_lens)]`` slot of every context position, sequences concatenated; built
@@ -331,19 +466,39 @@ def packed_context_slots(meta: AttentionMetadata) -> torch.Tensor:
     return block * meta.block_size + pos % meta.block_size
 
 
-def select_backend(device: torch.device, block_size: int, name: str = "auto") -> AttentionBackend:
-    """``auto``: a varlen flash kernel on CUDA when one imports, else :class:`TorchBackend`;
-    ``torch``: always :class:`TorchBackend`."""
+def select_backend(
+    device: torch.device,
+    block_size: int,
+    name: str = "auto",
+    *,
+    shape: ProbeShape | None = None,
+    kernels: Sequence[KernelLoader] | None = None,
+) -> AttentionBackend:
+    """``torch``: always :class:`TorchBackend`; ``auto``: the first of ``kernels`` (default
+    :data:`KERNELS`, on a CUDA device only) that loads and passes :meth:`VarlenBackend.probe`
+    for ``shape`` (default :class:`ProbeShape`), else :class:`TorchBackend`. Each rejection is
+    logged with its reason, the choice too."""
     if name not in ("auto", "torch"):
         raise ValueError(f"unknown attention backend {name!r} (auto, torch)")
-    if name == "torch" or device.type != "cuda":
+    if name == "torch" or (kernels is None and device.type != "cuda"):
         return TorchBackend()
-    for kernel_name, factory in (
-        ("flash-attn", _flash_attn_kernel),
-        ("torch-varlen", _torch_varlen_kernel),
-    ):
-        kernel = factory()
-        if kernel is not None:
-            return VarlenBackend(kernel, kernel_name, block_size)
-    log.warning("no varlen flash kernel on %s; attention runs on torch SDPA", device)
+    shape = shape or ProbeShape()
+    for load in KERNELS if kernels is None else kernels:
+        kernel = load()
+        if kernel is None:
+            continue
+        grouped = shape.num_heads != shape.num_kv_heads
+        paged_reads = kernel.paged_reads and (kernel.native_gqa or not grouped)
+        backend = VarlenBackend(kernel.run, kernel.name, block_size, paged_reads=paged_reads)
+        reason = backend.probe(shape, device)
+        if reason is None:
+            log.info(
+                "attention: %s (%s reads, block size %d)",
+                kernel.name,
+                "paged" if backend.paged else "packed",
+                block_size,
+            )
+            return backend
+        log.warning("attention: %s failed the start-up probe (%s)", kernel.name, reason)
+    log.warning("attention: no varlen flash kernel usable on %s; torch SDPA", device)
     return TorchBackend()

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from mmis.engine import logprobs
-from mmis.engine.attn_backends import AttentionBackend, select_backend
+from mmis.engine.attn_backends import AttentionBackend, ProbeShape, select_backend
 from mmis.engine.attn_metadata import AttentionMetadata, to_device
 from mmis.engine.model.adapter import ModelAdapter
 from mmis.engine.paged_attention import DEFAULT_BLOCK_SIZE, PagedKVPool, PagedStep
@@ -81,7 +81,9 @@ class ModelRunner:
     ):
         self.adapter = adapter
         self.pool = pool
-        self.backend = backend or select_backend(adapter.device, pool.block_size)
+        self.backend = backend or select_backend(
+            adapter.device, pool.block_size, shape=ProbeShape.of(adapter)
+        )
         self.sampler = sampler or Sampler()
         self.encoder_outputs: dict[str, torch.Tensor] = {}
         self._pool_sums: dict[str, tuple[torch.Tensor, int]] = {}
@@ -105,7 +107,9 @@ class ModelRunner:
     ) -> ModelRunner:
         spec = adapter.kv_cache_spec(block_size)
         pool = PagedKVPool.from_budget(spec, num_blocks=num_blocks, budget_bytes=kv_budget_bytes)
-        backend = select_backend(adapter.device, block_size, attention_backend)
+        backend = select_backend(
+            adapter.device, block_size, attention_backend, shape=ProbeShape.of(adapter)
+        )
         return cls(adapter, pool, backend=backend)
 
     @property

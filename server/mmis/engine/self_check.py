@@ -11,6 +11,9 @@ Invariants:
 - Text only, so it needs no image processor (the image path is held to transformers by
   ``tests/engine/test_engine_parity.py``); the prompt spans several prefill chunks, so the
   paged read of already-computed context is part of what is compared.
+- It checks the attention backend the runner chose (``attn_backends.py``); a failure on a
+  flash backend switches the runner to ``TorchBackend`` (logged, with the failure) and checks
+  again, so the serving core starts on a backend that passed, or not at all.
 - What is compared: the log-probability of every next prompt token (rows 1..n-1), the
   engine's against ``log_softmax`` of the plain forward's logits in the model's dtype; the
   tolerance is :data:`TOLERANCE` for the dtype (float32: kernel-order noise only).
@@ -23,6 +26,7 @@ from typing import Any
 
 import torch
 
+from mmis.engine.attn_backends import TorchBackend
 from mmis.engine.core import EngineCore
 from mmis.engine.runner import ModelRunner
 from mmis.engine.sched_config import SchedulerConfig
@@ -71,7 +75,9 @@ def check_prompt(model: Any, vocab_size: int) -> list[int]:
 
 def run_self_check(runner: ModelRunner) -> float:
     """Serve :func:`check_prompt` through the engine and compare with transformers; returns
-    the largest difference, raises :class:`SelfCheckError` over :data:`TOLERANCE`."""
+    the largest difference, raises :class:`SelfCheckError` over :data:`TOLERANCE`. A failure
+    on a flash backend (``attn_backends.py``) switches the runner to :class:`TorchBackend`,
+    logged with the reason, and checks again (not under tensor parallelism)."""
     adapter = runner.adapter
     ids = check_prompt(adapter.model, adapter.vocab_size)
     need = -(-(len(ids) + 1) // runner.block_size)
@@ -79,6 +85,23 @@ def run_self_check(runner: ModelRunner) -> float:
         raise SelfCheckError(
             f"the self-check needs {need} KV blocks; the pool has {runner.pool.num_blocks}"
         )
+    try:
+        return _check(runner, ids)
+    except SelfCheckError as exc:
+        if isinstance(runner.backend, TorchBackend) or runner.tensor_parallel is not None:
+            raise
+        log.warning(
+            "self-check failed on attention backend %s (%s); switching to torch SDPA and "
+            "checking again",
+            runner.backend.name,
+            exc,
+        )
+        runner.backend = TorchBackend()
+        return _check(runner, ids)
+
+
+def _check(runner: ModelRunner, ids: list[int]) -> float:
+    adapter = runner.adapter
     scheduler = Scheduler(
         SchedulerConfig(
             max_num_batched_tokens=CHUNK,
