@@ -201,13 +201,18 @@ class EngineCore:
         events = self.scheduler.update_from_output(sched_out, sampled)
         if self.grammar is not None:  # the step's grammar accepts run during the next forward
             self.grammar.flush()
+        prompt_rows = self._prompt_rows
         for event in events:
             out = event.to_wire()
-            if event.request_id in pooled and event.finished:
+            if pooled and event.request_id in pooled and event.finished:
                 out.pooled = np.asarray(pooled[event.request_id], dtype=np.float32)
-            if event.new_token_ids and event.request_id in logprobs:
+            if logprobs and event.new_token_ids and event.request_id in logprobs:
                 out.logprobs = logprobs[event.request_id]
-            if event.request_id in self._prompt_rows and (event.new_token_ids or event.finished):
+            if (
+                prompt_rows
+                and event.request_id in prompt_rows
+                and (event.new_token_ids or event.finished)
+            ):
                 out.prompt_logprobs = self._take_prompt_rows(event.request_id, event.new_token_ids)
             outputs.append(out)
         if self.spans is not None:

@@ -16,6 +16,13 @@ Invariants:
 - A ``skip_cache`` request neither reads nor writes the prefix cache (no hit, none of its
   blocks registered); its blocks are private and freed like any other.
 - Block 0 is the reserved null block (see ``block_pool``); it is never in a block table.
+- Block tables are persistent: ``block_ids[request_id]`` is ONE list per admission, kept in
+  step with ``req_blocks`` by appending (a new block appends its id; nothing is rebuilt or
+  reordered while the request holds its blocks). :meth:`block_table` and
+  :meth:`allocate_slots` return that list itself, not a copy, so a step costs what its new
+  blocks cost, whatever the context; the list is never changed after :meth:`free` (a request
+  admitted again gets a new list). The runner keeps its device rows in step with these lists
+  the same way (``attn_metadata.BlockTables``). Callers read it, never change it.
 """
 
 from __future__ import annotations
@@ -92,6 +99,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.block_ids: dict[str, list[int]] = {}  # the ids of req_blocks, append-only
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
 
@@ -114,7 +122,9 @@ class KVCacheManager:
         return self.blocks_needed(num_tokens) <= self.num_usable_blocks
 
     def block_table(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+        """The request's block ids: the persistent list itself (read only; empty: a new one)."""
+        ids = self.block_ids.get(request_id)
+        return [] if ids is None else ids
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of ``request`` (blocks, tokens), never the whole of it."""
@@ -151,9 +161,17 @@ class KVCacheManager:
 
         ``new_computed_blocks`` (a prefix hit, only at admission) are shared, not copied; the
         caller then sets ``num_computed_tokens`` to their length. Returns the full block table
-        or ``None`` (nothing changed) when the pool is short.
+        or ``None`` (nothing changed) when the pool is short. The table is the request's
+        persistent id list (see the module docstring), extended in place.
         """
-        blocks = self.req_blocks.get(request.request_id, [])
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid)
+        if blocks is None:
+            blocks = []
+        elif not new_computed_blocks and (
+            request.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size
+        ):  # the held blocks have room (a decode step inside its last block): nothing to do
+            return self.block_ids[rid]
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         total = num_computed + num_new_tokens
         num_required = self.blocks_needed(total) - len(blocks) - len(new_computed_blocks)
@@ -166,13 +184,16 @@ class KVCacheManager:
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks)
         new_blocks = self.pool.get_new_blocks(num_required)
-        blocks = self.req_blocks.setdefault(request.request_id, [])
+        blocks = self.req_blocks.setdefault(rid, [])
+        ids = self.block_ids.setdefault(rid, [])
         if new_computed_blocks:
             # a prefix hit: those blocks are cached already, registration resumes after them
-            self._num_cached_blocks[request.request_id] = len(blocks) + len(new_computed_blocks)
+            self._num_cached_blocks[rid] = len(blocks) + len(new_computed_blocks)
         blocks.extend(new_computed_blocks)
         blocks.extend(new_blocks)
-        return [b.block_id for b in blocks]
+        ids.extend([b.block_id for b in new_computed_blocks])
+        ids.extend([b.block_id for b in new_blocks])
+        return ids
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register the full blocks whose tokens are all computed (after the step ran)."""
@@ -193,6 +214,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release every block of ``request``; tail blocks become evictable first."""
         blocks = self.req_blocks.pop(request.request_id, None)
+        self.block_ids.pop(request.request_id, None)  # dropped, not cleared: see the docstring
         self._num_cached_blocks.pop(request.request_id, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))

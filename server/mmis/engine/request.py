@@ -2,7 +2,8 @@
 
 Invariants:
 - ``all_token_ids`` is always ``prompt_token_ids + output_token_ids``; output tokens are only
-  ever appended through :meth:`Request.append_output_token_ids`.
+  ever appended through :meth:`Request.append_output_token_ids` (or its one-token form
+  :meth:`Request.append_output_token`).
 - ``0 <= num_computed_tokens <= num_tokens``: the KV of tokens ``[0, num_computed_tokens)``
   is (or will be, once the scheduled step ran) held in the request's KV blocks.
 - Multimodal placeholder ranges lie inside the prompt and never overlap; a malformed request
@@ -11,6 +12,7 @@ Invariants:
   depend only on tokens and multimodal identifiers, so they survive preemption.
 - ``mm_items`` (what the runner is told about each item: hash, range, grid) is built once, at
   construction, from the features as sent; the features keep their tensors for encoder runs.
+  ``mm_end`` is the end of the last item's range (0 without items).
 - ``skip_cache``: the request neither reads nor writes the prefix cache (see ``kv_cache``);
   always set for a request asking for prompt logprobs, whose every prompt row must be
   computed (a cached prefix would skip rows).
@@ -131,6 +133,9 @@ class Request:
             )
             for f in self.mm_features
         ]
+        # where the last item's placeholder range ends (0: text only); a chunk starting here
+        # or later has no encoder work to plan (the scheduler's fast path)
+        self.mm_end = max((item.end for item in self.mm_items), default=0)
         self.skip_cache = skip_cache or prompt_logprobs is not None
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params
@@ -195,6 +200,13 @@ class Request:
         """Earlier arrival = higher priority; the latest-arrived is preempted first."""
         return (self.arrival_time, self.seq)
 
+    def append_output_token(self, token_id: int) -> None:
+        """:meth:`append_output_token_ids` of one token (the scheduler's per-step call)."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self.constraint is not None:
+            self.constraint_ok = self.constraint.push(token_id) and self.constraint_ok
+
     def append_output_token_ids(self, token_ids: Sequence[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
@@ -239,7 +251,7 @@ class Request:
         if last_token in params.stop_token_ids:
             self.finish(FinishReason.STOP, stop_reason=last_token)
             return True
-        if self.num_output_tokens >= params.max_tokens:
+        if len(self.output_token_ids) >= params.max_tokens:
             self.finish(FinishReason.LENGTH)
             return True
         return False

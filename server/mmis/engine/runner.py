@@ -21,7 +21,10 @@ Invariants:
   CUDA, not under tensor parallelism) a step of decode rows only runs that forward as a
   fixed-shape replay of a captured CUDA graph (``decode_graphs.py``); every other step eager.
 - The step's attention metadata (block tables, cumulative lengths, new-token slots,
-  positions: ``attn_metadata.py``) is built once, vectorised, before the forward; the
+  positions: ``attn_metadata.py``) is built once, vectorised, before the forward, from the
+  runner's persistent block tables (``attn_metadata.BlockTables``: a request's row gains only
+  its new block ids; ended requests release theirs), and every host input of the step (token
+  ids, sample rows, metadata) goes to the device in one copy; the
   attention backend (``attn_backends.py``, chosen per device at construction) reads it in
   every layer. ``hidden`` keeps every packed row, so logits at any prompt position (prompt
   logprobs) are one ``compute_logits`` away.
@@ -29,14 +32,17 @@ Invariants:
   it through ``freed_encoder_hashes``).
 - It reads the scheduler's :class:`SchedulerOutput` as is (``sched_output.py``).
 - Per-request state is only the partial sum of mean-pooling requests whose prompt spans
-  several chunks and the device token counts of requests with penalties (always equal to
-  their token lists, see ``sampler.py``); ``ended_request_ids`` drops both.
+  several chunks, the device token counts of requests with penalties (always equal to
+  their token lists, see ``sampler.py``) and the block table rows; ``ended_request_ids``
+  drops all three.
 - Inconsistent input raises a typed :class:`StepInputError` (or the adapter's
   ``ModelInputError``) before the KV pool is written.
 """
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -45,10 +51,10 @@ import torch
 
 from mmis.engine import logprobs
 from mmis.engine.attn_backends import AttentionBackend, ProbeShape, select_backend
-from mmis.engine.attn_metadata import AttentionMetadata, to_device
+from mmis.engine.attn_metadata import BlockTables, HostToDevice, build_step
 from mmis.engine.model.adapter import ModelAdapter
 from mmis.engine.paged_attention import DEFAULT_BLOCK_SIZE, PagedKVPool, PagedStep
-from mmis.engine.sampler import Sampler, needs_history
+from mmis.engine.sampler import Sampler
 from mmis.engine.sched_output import ScheduledRequest, SchedulerOutput, StepOutput
 from mmis.engine.token_history import TokenCounts, TokenHistory, TokenHistoryCache
 from mmis.protocol.errors import MMISError
@@ -57,6 +63,18 @@ from mmis.protocol.messages import ErrorCode
 if TYPE_CHECKING:
     from mmis.engine.decode_graphs import DecodeGraphs
     from mmis.engine.tensor_parallel import TensorParallel
+
+
+_REQUEST_ID = operator.attrgetter("request_id")
+_START = operator.attrgetter("start_position")
+_TABLE = operator.attrgetter("block_table")
+_TOKENS = operator.attrgetter("token_ids")
+_ITEMS = operator.attrgetter("mm_items")
+_ENCODE = operator.attrgetter("encoder_inputs")
+_PARAMS = operator.attrgetter("sampling_params")
+_POOLING = operator.attrgetter("pooling_params")
+_SAMPLE = operator.attrgetter("sample")
+_PROMPT_LOGPROBS = operator.attrgetter("prompt_logprobs")
 
 
 class StepInputError(MMISError, ValueError):
@@ -88,6 +106,9 @@ class ModelRunner:
         self.encoder_outputs: dict[str, torch.Tensor] = {}
         self._pool_sums: dict[str, tuple[torch.Tensor, int]] = {}
         self.token_history = TokenHistoryCache()
+        # persistent per-request block table rows and the step's one host->device copy
+        self.block_tables = BlockTables(pool.block_size, pool.num_slots, adapter.device)
+        self.upload = HostToDevice(adapter.device)
         self.num_forwards = 0
         self.num_encoder_calls = 0
         # set by ``mmis engine`` under --tensor-parallel-size > 1 (engine/tensor_parallel.py)
@@ -124,31 +145,64 @@ class ModelRunner:
         out = StepOutput()
         for mm_hash in batch.freed_encoder_hashes:
             self.encoder_outputs.pop(mm_hash, None)
-        for request_id in batch.ended_request_ids:
+        ended = batch.ended_request_ids
+        for request_id in ended:
             self._pool_sums.pop(request_id, None)
-        self.token_history.drop(batch.ended_request_ids)
+        self.token_history.drop(ended)
+        self.block_tables.release(ended)
         seqs = list(batch.scheduled)
         if not seqs:
             return out
-        self._validate(seqs)
-        sizes, starts = [s.num_tokens for s in seqs], [s.start_position for s in seqs]
-        tables, spans = [s.block_table for s in seqs], self.adapter.bidirectional_spans(seqs)
-        meta = AttentionMetadata.build(
+        # what every later stage needs, a field at a time (C-level maps, not a Python loop)
+        ids = list(map(_REQUEST_ID, seqs))
+        starts = list(map(_START, seqs))
+        tables = list(map(_TABLE, seqs))
+        chunks = list(map(_TOKENS, seqs))
+        sizes = list(map(len, chunks))
+        offset = sum(sizes)
+        token_ids = list(itertools.chain.from_iterable(chunks))
+        items = any(map(_ITEMS, seqs)) or any(map(_ENCODE, seqs))
+        params_all = list(map(_PARAMS, seqs))
+        pooling = list(map(_POOLING, seqs)).count(None) != len(seqs)
+        extras = pooling or (
+            None in params_all
+            or list(map(_PROMPT_LOGPROBS, params_all)).count(None) != len(params_all)
+        )
+        if not pooling and all(map(_SAMPLE, seqs)):  # every chunk samples (every decode step)
+            chosen = seqs
+            sample_rows = list(itertools.accumulate(sizes, initial=-1))[1:]  # last rows
+        else:
+            chosen, sample_rows, end = [], [], 0
+            for s, size in zip(seqs, sizes, strict=True):
+                end += size
+                if s.pooling_params is None and s.sample:
+                    sample_rows.append(end - 1)
+                    chosen.append(s)
+        flat = np.array(token_ids, dtype=np.int64)
+        vocab = self.adapter.vocab_size
+        if (
+            items
+            or min(sizes) == 0
+            or len(set(ids)) != len(ids)
+            or (flat.size and (int(flat.min()) < 0 or int(flat.max()) >= vocab))
+        ):
+            self._validate(seqs)  # raises the first problem, as the checks run row by row
+        spans = self.adapter.bidirectional_spans(seqs)
+        everything = len(sample_rows) == offset  # every packed row samples: no gather
+        meta, (token_tensor, rows_tensor) = build_step(
             sizes,
             starts,
+            ids,
             tables,
-            self.block_size,
-            self.pool.num_slots,
-            self.adapter.device,
+            self.block_tables,
+            self.upload,
             bidirectional_spans=spans,
+            extra=[(flat, torch.long), (np.array(sample_rows, dtype=np.int64), torch.long)],
         )
-        out.encoded_mm_hashes = self._encode(seqs)
-        token_ids = to_device(
-            torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long),
-            self.adapter.device,
-        )
-        embeds = self.adapter.embed_tokens(token_ids)
-        self._scatter(embeds, seqs)
+        out.encoded_mm_hashes = self._encode(seqs) if items else []
+        embeds = self.adapter.embed_tokens(token_tensor)
+        if items:
+            self._scatter(embeds, seqs)
         positions = self.adapter.step_positions(seqs, meta)
         if self.tensor_parallel is not None:  # the other ranks run the same forward
             self.tensor_parallel.broadcast_step(sizes, starts, tables, spans, embeds, positions)
@@ -159,9 +213,11 @@ class ModelRunner:
             step = PagedStep(self.pool, meta, self.backend)
             hidden = self.adapter.forward(embeds, positions, step)
         self.num_forwards += 1
-        self._sample(hidden, seqs, out, histories)
-        self._prompt_logprobs(hidden, seqs, out, histories)
-        self._pool(hidden, seqs, out)
+        if chosen:
+            self._sample(hidden if everything else hidden[rows_tensor], chosen, out, histories)
+        if extras:
+            self._prompt_logprobs(hidden, seqs, out, histories)
+            self._pool(hidden, seqs, out)
         return out
 
     # -- steps -----------------------------------------------------------------------------
@@ -223,25 +279,18 @@ class ModelRunner:
     def _sample(
         self,
         hidden: torch.Tensor,
-        seqs: Sequence[ScheduledRequest],
+        chosen: Sequence[ScheduledRequest],
         out: StepOutput,
         histories: Mapping[str, TokenHistory] | None,
     ) -> None:
-        rows, chosen, offset = [], [], 0
-        for s in seqs:
-            offset += s.num_tokens
-            if s.sample and s.pooling_params is None:
-                rows.append(offset - 1)
-                chosen.append(s)
-        if not chosen:
-            return
-        logits = self.adapter.compute_logits(hidden[to_device(torch.tensor(rows), hidden.device)])
-        params = [s.sampling_params for s in chosen]
+        """Sample after the last row of every ``chosen`` chunk (``hidden``: those rows)."""
+        logits = self.adapter.compute_logits(hidden)
+        params = list(map(_PARAMS, chosen))
         counts = self._token_counts(chosen, histories, logits)
         pending = logprobs.prepare(logits, params)  # before the sampler touches the logits
-        sampled = self.sampler(logits, params, [s.end_position for s in chosen], counts)
-        for s, token in zip(chosen, sampled.tolist(), strict=True):
-            out.sampled_token_ids[s.request_id] = int(token)
+        positions = [s.start_position + len(s.token_ids) for s in chosen]  # end_position
+        sampled = self.sampler(logits, params, positions, counts)
+        out.sampled_token_ids = dict(zip(map(_REQUEST_ID, chosen), sampled.tolist(), strict=True))
         if pending is not None:
             for row, lp in logprobs.finish(pending, sampled).items():
                 out.logprobs[chosen[row].request_id] = lp
@@ -293,7 +342,11 @@ class ModelRunner:
         rows, ids, repetition = [], [], False
         for k, s in enumerate(chosen):
             params = s.sampling_params
-            if params is not None and needs_history(params):
+            if params is not None and (  # needs_history, inlined (a check per row per step)
+                params.presence_penalty != 0
+                or params.frequency_penalty != 0
+                or params.repetition_penalty != 1
+            ):
                 rows.append(k)
                 ids.append(s.request_id)
                 repetition = repetition or params.repetition_penalty != 1

@@ -96,9 +96,13 @@ class MultiModalInput:
         return self.offset + self.length
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class ScheduledRequest:
-    """One request's work in a step."""
+    """One request's work in a step. Read only: nothing changes it once the scheduler made it
+    (not ``frozen``: a frozen dataclass's ``__init__`` costs 2-3x as much, paid per running
+    request per step; ``benchmarks/bench_host_step.py``). ``block_table`` is the KV
+    manager's persistent list of the request (``kv_cache.py``): it may gain ids in later
+    steps, never changes those it has."""
 
     request_id: str
     token_ids: Sequence[int]  # the chunk to compute this step

@@ -181,24 +181,51 @@ class Scheduler:
     def _schedule_running(
         self, budget: Budget, scheduled: list[ScheduledRequest], preempted: list[str]
     ) -> None:
+        running, kv = self.running, self.kv
         i = 0
-        while i < len(self.running) and budget.tokens > 0:
-            request = self.running[i]
-            remaining = request.num_tokens - request.num_computed_tokens
-            num_new = min(remaining, budget.tokens)
-            plan = self._plan_encoder(request, request.num_computed_tokens, num_new, budget)
-            if plan.num_new_tokens == 0:
-                self._rollback(request, plan)
+        while i < len(running) and budget.tokens > 0:
+            request = running[i]
+            start = request.num_computed_tokens
+            num_new = min(request.num_tokens - start, budget.tokens)
+            plan: EncoderPlan | None = None
+            if start < request.mm_end:  # an item may still be ahead: plan its encoder run
+                plan = self._plan_encoder(request, start, num_new, budget)
+                num_new = plan.num_new_tokens
+            # else every item lies behind the chunk: the plan would be the tokens alone
+            if num_new == 0:
+                if plan is not None:
+                    self._rollback(request, plan)
                 i += 1
                 continue
-            while self.kv.allocate_slots(request, plan.num_new_tokens) is None:
-                victim = self.running[-1]
+            while (table := kv.allocate_slots(request, num_new)) is None:
+                victim = running[-1]
                 if victim is request:
-                    self._rollback(request, plan)
+                    if plan is not None:
+                        self._rollback(request, plan)
                     break
                 self._preempt(victim, preempted)
             else:
-                scheduled.append(self._commit(request, plan, budget, is_new=False))
+                if plan is None:  # _commit without encoder runs, inlined (every decode row)
+                    end = start + num_new
+                    request.num_computed_tokens = end
+                    budget.tokens -= num_new
+                    tokens = request.all_token_ids
+                    scheduled.append(
+                        ScheduledRequest(
+                            request.request_id,
+                            tokens[start:end],
+                            start,
+                            table,
+                            request.mm_items,  # every item starts before the chunk
+                            end == len(tokens),
+                            request.sampling_params,
+                            request.pooling_params,
+                            False,
+                            [],
+                        )
+                    )
+                else:
+                    scheduled.append(self._commit(request, plan, num_new, budget, is_new=False))
                 i += 1
                 continue
             self._preempt(request, preempted)  # it was the latest-arrived: nothing after it
@@ -234,7 +261,7 @@ class Scheduler:
                 self.kv.record_prefix_lookup(request.num_tokens, num_hit)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
-            scheduled.append(self._commit(request, plan, budget, is_new=True))
+            scheduled.append(self._commit(request, plan, plan.num_new_tokens, budget, is_new=True))
 
     def _plan_encoder(
         self, request: Request, start: int, num_new: int, budget: Budget
@@ -245,38 +272,51 @@ class Scheduler:
         rollback(self.encoder_cache, request, plan)
 
     def _commit(
-        self, request: Request, plan: EncoderPlan, budget: Budget, *, is_new: bool
+        self,
+        request: Request,
+        plan: EncoderPlan | None,
+        num_new: int,
+        budget: Budget,
+        *,
+        is_new: bool,
     ) -> ScheduledRequest:
+        """Schedule ``num_new`` tokens of ``request`` (``plan``: its encoder runs; ``None``
+        when no item lies at or after the chunk's start)."""
         start = request.num_computed_tokens
-        num_new = plan.num_new_tokens
         end = start + num_new
         request.num_computed_tokens = end
         budget.tokens -= num_new
-        budget.encoder -= plan.encoder_tokens
-        # the items up to the chunk's end; tensors only for this step's encoder runs (the
-        # request keeps its full features: a preempted request may need them again)
-        encode = set(plan.encoder_inputs)
-        items: list[MultiModalInput] = []
+        items: Sequence[MultiModalInput]
         encoder_inputs: list[int] = []
-        for idx, item in enumerate(request.mm_items):
-            if item.offset >= end:
-                continue
-            if idx in encode:
-                data = request.mm_features[idx].data
-                encoder_inputs.append(len(items))
-                item = dataclasses.replace(item, data=data if isinstance(data, dict) else None)
-            items.append(item)
+        if plan is not None and plan.encoder_inputs:
+            budget.encoder -= plan.encoder_tokens
+            # the items up to the chunk's end; tensors only for this step's encoder runs (the
+            # request keeps its full features: a preempted request may need them again)
+            encode = set(plan.encoder_inputs)
+            items = []
+            for idx, item in enumerate(request.mm_items):
+                if item.offset >= end:
+                    continue
+                if idx in encode:
+                    data = request.mm_features[idx].data
+                    encoder_inputs.append(len(items))
+                    item = dataclasses.replace(item, data=data if isinstance(data, dict) else None)
+                items.append(item)
+        elif end >= request.mm_end:  # every item starts before the end: all of them, as they are
+            items = request.mm_items
+        else:
+            items = [item for item in request.mm_items if item.offset < end]
         return ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=request.all_token_ids[start:end],
-            start_position=start,
-            block_table=self.kv.block_table(request.request_id),
-            mm_items=items,
-            sample=end == request.num_tokens,
-            sampling_params=request.sampling_params,
-            pooling_params=request.pooling_params,
-            is_new=is_new,
-            encoder_inputs=encoder_inputs,
+            request.request_id,
+            request.all_token_ids[start:end],
+            start,
+            self.kv.block_table(request.request_id),
+            items,
+            end == request.num_tokens,
+            request.sampling_params,
+            request.pooling_params,
+            is_new,
+            encoder_inputs,
         )
 
     # -- after the step ----------------------------------------------------------------------
@@ -287,16 +327,20 @@ class Scheduler:
         """Apply a step's sampled tokens; returns progress/finish events (also for requests
         rejected by the pass). Requests aborted since the pass are skipped."""
         events, self._pending_events = self._pending_events, []
+        requests, cache_blocks = self.requests, self.kv.cache_computed_blocks
+        limit = self.config.max_model_len
+        running, finished = RequestStatus.RUNNING, RequestStatus.FINISHED
         for item in sched_out.scheduled:
-            request = self.requests.get(item.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
+            request = requests.get(item.request_id)
+            if request is None or request.status is not running:
                 continue
-            self.kv.cache_computed_blocks(request)
-            self._release_passed_items(request)
+            cache_blocks(request)
+            if request.mm_features:
+                self._release_passed_items(request)
             if not item.sample:
                 continue
-            if request.is_pooling:
-                request.finish(FinishReason.STOP)
+            if request.sampling_params is None and request.pooling_params is not None:
+                request.finish(FinishReason.STOP)  # a pooling request: done after its prompt
                 events.append(_event(request, []))
                 self._finish_running(request)
                 continue
@@ -305,16 +349,26 @@ class Scheduler:
                 raise SchedulerError(f"no sampled token for scheduled request {item.request_id!r}")
             new_tokens = []
             for token in tokens:
-                request.append_output_token_ids([token])
+                request.append_output_token(token)
                 new_tokens.append(token)
                 if request.check_stop(token):
                     break
-                limit = self.config.max_model_len
-                if limit is not None and request.num_tokens >= limit:
+                if limit is not None and len(request.all_token_ids) >= limit:
                     request.finish(FinishReason.LENGTH)
                     break
-            events.append(_event(request, new_tokens))
-            if request.is_finished:
+            events.append(
+                RequestEvent(
+                    request.request_id,
+                    request.client_index,
+                    new_tokens,
+                    request.finish_reason,
+                    request.stop_reason,
+                    request.error,
+                    len(request.prompt_token_ids),
+                    max(request.num_cached_tokens, 0),
+                )
+            )  # as _event
+            if request.status is finished:
                 self._finish_running(request)
         return events
 

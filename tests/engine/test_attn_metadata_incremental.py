@@ -1,0 +1,118 @@
+"""The runner's incremental step metadata (``attn_metadata.build_step`` over persistent
+``BlockTables`` rows: a request's row only gains ids, ended requests release theirs) equals
+``AttentionMetadata.build`` from scratch, tensor for tensor and error for error, over random
+step sequences: requests arriving, ending, chunked, decoding, reordered, a block table list
+replaced by a new list object, bidirectional spans. Tensor-parallel workers, CUDA graph
+capture and the backend probe build with ``AttentionMetadata.build``; rank 0 steps with
+``build_step``: the two must never differ.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from mmis.engine.attn_metadata import (
+    AttentionMetadata,
+    BlockTables,
+    HostToDevice,
+    PagedAttentionError,
+    build_step,
+)
+
+CPU = torch.device("cpu")
+BS, NB = 4, 4000
+
+
+def same(a: AttentionMetadata, b: AttentionMetadata) -> None:
+    for f in (
+        "block_tables",
+        "seq_lens",
+        "cu_seqlens_q",
+        "cu_seqlens_k",
+        "slot_mapping",
+        "positions",
+    ):
+        x, y = getattr(a, f), getattr(b, f)
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), (f, x, y)
+    assert a.max_query_len == b.max_query_len and a.max_seq_len == b.max_seq_len
+    assert (a.query_lens_host == b.query_lens_host).all() and (a.starts_host == b.starts_host).all()
+    assert (a.decode is None) == (b.decode is None)
+    if a.decode:
+        for f in ("token_index", "block_index", "seq_lens"):
+            x, y = getattr(a.decode, f), getattr(b.decode, f)
+            assert x.dtype == y.dtype and torch.equal(x, y), (f, x, y)
+        da, db = a.decode, b.decode
+        assert (da.num_blocks, da.ctx, da.uniform) == (db.num_blocks, db.ctx, db.uniform)
+        for w in (None, 3):
+            ma, mb = a.decode.mask(w), b.decode.mask(w)
+            assert (ma is None and mb is None) or torch.equal(ma, mb)
+    assert len(a.chunks) == len(b.chunks)
+    for c, d in zip(a.chunks, b.chunks, strict=True):
+        assert (c.lo, c.hi, c.start, c.spans) == (d.lo, d.hi, d.start, d.spans)
+        assert torch.equal(c.block_index, d.block_index)
+        assert c.block_index.dtype == d.block_index.dtype
+    assert a.has_spans == b.has_spans
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_incremental_metadata_equals_a_fresh_build(seed: int) -> None:
+    rng = random.Random(seed)
+    for _trial in range(25):
+        tables = BlockTables(BS, NB * BS, CPU)
+        up = HostToDevice(CPU)
+        reqs: dict[str, list] = {}  # id -> [start, block list]
+        nid = 0
+        for _step in range(rng.randint(1, 40)):
+            for _ in range(rng.randint(0, 3)):  # arrivals
+                reqs[f"r{nid}"] = [0, []]
+                nid += 1
+            ended = [r for r in list(reqs) if rng.random() < 0.1]
+            for r in ended:
+                del reqs[r]
+            tables.release(ended)
+            if rng.random() < 0.05 and reqs:  # a block table handed over as a new list
+                r = rng.choice(list(reqs))
+                reqs[r][1] = list(reqs[r][1])
+            ids = [r for r in reqs if rng.random() < 0.8]
+            if rng.random() < 0.3:
+                rng.shuffle(ids)
+            if not ids:
+                continue
+            q, s, t, spans = [], [], [], []
+            for r in ids:
+                st, lst = reqs[r]
+                n = 1 if st and rng.random() < 0.7 else rng.randint(1, 12)
+                need = -(-(st + n) // BS) + (1 if rng.random() < 0.1 else 0)
+                while len(lst) < need:
+                    lst.append(rng.randint(0, NB - 1))
+                q.append(n)
+                s.append(st)
+                t.append(lst)
+                spans.append([(0, 2)] if rng.random() < 0.1 else [])
+                reqs[r][0] = st + n
+            sp = spans if rng.random() < 0.3 else None
+            ref = AttentionMetadata.build(q, s, t, BS, NB * BS, CPU, bidirectional_spans=sp)
+            extra = [(np.arange(3), torch.long)]
+            got, sent = build_step(q, s, ids, t, tables, up, bidirectional_spans=sp, extra=extra)
+            same(got, ref)
+            assert sent[0].tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (([1], [0], [[11]]), "outside"),
+        (([5], [0], [[1]]), "cannot hold"),
+        (([0], [0], [[1]]), "bad chunk"),
+    ],
+)
+def test_incremental_metadata_refuses_what_a_fresh_build_refuses(args: tuple, message: str) -> None:
+    q, s, t = args
+    with pytest.raises(PagedAttentionError, match=message):
+        build_step(q, s, ["x"], t, BlockTables(BS, 10 * BS, CPU), HostToDevice(CPU))
+    with pytest.raises(PagedAttentionError, match=message):
+        AttentionMetadata.build(q, s, t, BS, 10 * BS, CPU)
