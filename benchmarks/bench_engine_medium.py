@@ -5,13 +5,16 @@ checkout (the code before a change) vs one ``generate()`` per request.
         [--concurrency 32] [--prompt-tokens 2048] [--tokens 16] [--generate-requests 2]
         [--repeat 1] [--rounds 1] [--threads 1] [--device cpu|cuda] [--enforce-eager]
         [--dtype auto|float32|bfloat16]
-        [--cpu-linear auto|onednn|torch]
+        [--cpu-linear auto|onednn|torch] [--model-dir DIR] [--shape medium|llava-1.5-7b|...]
 
-The model (issue 11's "medium LLaVA") is built here, random, into ``--model-dir`` (default a
-fresh temporary folder; never committed): a Llama text model of hidden 896, 14 heads (2 KV
-heads, head_dim 64), 6 layers, intermediate 2432, 4k positions; a CLIP tower 768 wide (2
-layers, 224x224 images, patch 14: 256 image tokens). The tokenizer and chat template are the
-tiny LLaVA's (``mmis.engine.tiny_model``).
+The model (by default issue 11's "medium LLaVA") is built here, random, into ``--model-dir``
+(default a fresh temporary folder; never committed; a folder that holds a model already is
+used as it is): a Llama text model of hidden 896, 14 heads (2 KV heads, head_dim 64), 6
+layers, intermediate 2432, 4k positions; a CLIP tower 768 wide (2 layers, 224x224 images,
+patch 14: 256 image tokens). ``--shape`` picks another of ``medium_llava.SHAPES`` (e.g.
+``llava-1.5-7b``, which ``scripts/gpu-check`` builds on the GPU and passes as
+``--model-dir``). The tokenizer and chat template are the tiny LLaVA's
+(``mmis.engine.tiny_model``).
 
 Workload: ``--concurrency`` requests, each one image (its own random pixels) and a text padded
 to about ``--prompt-tokens`` prompt tokens, ``--tokens`` greedy output tokens (EOS ignored).
@@ -28,7 +31,11 @@ to about ``--prompt-tokens`` prompt tokens, ``--tokens`` greedy output tokens (E
 With ``--rounds 2`` or more the engine sides alternate (ABBA), best per side. The first
 output tokens of the engines are compared with ``generate``'s for the requests both
 ran. The engine's model FLOP/s is printed for the whole run and for the steps in which every
-request decodes (``--tokens`` must exceed the prefill steps for such steps to exist).
+request decodes (``--tokens`` must exceed the prefill steps for such steps to exist). For
+those steps it also prints the bytes roofline (``model_bytes.py``): the text model's weights
+once per step plus every row's KV, over the device's copy bandwidth measured here (CUDA: a
+2 GiB device-to-device copy; CPU: a 256 MiB memcpy; bytes read + written), and their time as
+a multiple of it (1.0x: as fast as the memory system allows).
 ``--device cuda`` runs every side on the GPU in bfloat16 (KV blocks of 256, the flash
 kernel's in-place layout; ``scripts/gpu-check`` runs it so) with the decode steps replayed as
 CUDA graphs as ``mmis engine`` captures them (``engine/decode_graphs.py``; ``--enforce-eager``:
@@ -51,7 +58,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from medium_llava import build_medium_llava
+from medium_llava import SHAPES, build_llava
+from model_bytes import copy_bandwidth, decode_bytes, kv_bytes_per_token, weight_bytes
 from model_flops import decode_flops, matmul_peak, model_flops
 
 REPO = Path(__file__).resolve().parents[1]
@@ -294,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1, help="children per side, alternating")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--model-dir", type=Path)
+    parser.add_argument(
+        "--shape", default="medium", choices=sorted(SHAPES), help="the model built (if none)"
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument(
         "--dtype",
@@ -317,9 +328,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         if args.model_dir is None:
-            args.model_dir = build_medium_llava(Path(tmp) / "medium-llava")
+            args.model_dir = build_llava(Path(tmp) / args.shape, args.shape)
         elif not (args.model_dir / "config.json").exists():
-            build_medium_llava(args.model_dir)
+            build_llava(args.model_dir, args.shape)
         t_gen, ref = run_generate(args)
         gen_tps = args.generate_requests * args.tokens / t_gen
         sides = {"engine": REPO}
@@ -327,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
             sides[f"engine@{args.against}"] = args.against
         total = args.concurrency * args.tokens
         print(
-            f"medium LLaVA, c={args.concurrency}, ~{args.prompt_tokens} prompt tokens + 1 image, "
+            f"{args.model_dir.name}, c={args.concurrency}, ~{args.prompt_tokens} prompt tokens + "
+            "1 image, "
             f"{args.tokens} tokens each, {args.threads} thread(s), {args.device}, "
             f"{_dtype(args)}"
         )
@@ -367,14 +379,28 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.threads} thread(s)): {achieved / peak:.1%}"
         )
         dec = decodes["engine"]
-        decode_share = None
+        decode_share = roofline = None
         if dec["contexts"]:
+            steps = len(dec["contexts"]) // args.concurrency
             rate = decode_flops(args.model_dir, dec["contexts"]) / dec["seconds"]
             decode_share = rate / peak
             print(
                 f"  engine model FLOP/s, steps where all {args.concurrency} requests decode "
-                f"({len(dec['contexts']) // args.concurrency} steps, "
-                f"{dec['seconds']:.2f} s): {rate / 1e9:.1f} G, {decode_share:.1%} of peak"
+                f"({steps} steps, {dec['seconds']:.2f} s): {rate / 1e9:.1f} G, "
+                f"{decode_share:.1%} of peak"
+            )
+            itemsize = _dtype(args).itemsize
+            bandwidth, copied = copy_bandwidth(args.device, args.threads)
+            weights = weight_bytes(args.model_dir, itemsize)
+            kv = kv_bytes_per_token(args.model_dir, itemsize) * sum(dec["contexts"]) / steps
+            floor = decode_bytes(args.model_dir, dec["contexts"], steps, itemsize) / bandwidth
+            roofline = dec["seconds"] / floor
+            print(
+                f"  decode steps' bytes roofline: {weights / 1e9:.3f} GB weights + "
+                f"{kv / 1e9:.3f} GB KV read per step (mean) over the copy bandwidth "
+                f"{bandwidth / 1e9:.1f} GB/s ({copied >> 20} MiB copied, read + written): "
+                f"{floor / steps * 1e3:.2f} ms/step; measured "
+                f"{dec['seconds'] / steps * 1e3:.2f} ms/step = {roofline:.2f}x the roofline"
             )
         else:
             print(f"  no step had all {args.concurrency} requests decoding (raise --tokens)")
@@ -384,12 +410,15 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if decode_share is not None:
         figures.append(f"decode steps {decode_share:.1%} of peak")
+    if roofline is not None:
+        figures.append(f"decode steps {roofline:.2f}x bytes roofline")
     if args.against is not None:
         old = tps[f"engine@{args.against}"]
         figures.append(f"engine/old tree {tps['engine'] / old:.2f}x")
         figures.append(f"old tree/generate {old / gen_tps:.2f}x")
     print(
-        f"SUMMARY bench_engine_medium: c={args.concurrency} prompt~{args.prompt_tokens} "
+        f"SUMMARY bench_engine_medium: {args.model_dir.name} c={args.concurrency} "
+        f"prompt~{args.prompt_tokens} "
         f"tokens={args.tokens}: {', '.join(figures)}; mismatches {mismatches}"
     )
     return 0
