@@ -17,9 +17,12 @@ Per size ``BxC``: ``B`` requests with distinct random ``C``-token prompts (prefi
 no hits) are prefilled (``--max-num-batched-tokens`` a step, untimed), then every step is a
 decode step of ``B`` rows; after ``--warmup`` steps, ``--steps`` calls of ``core.step()`` are
 timed one by one: wall clock (with a stub forward on CPU a step is all host work) and the
-thread's CPU time (the same work without the waits a shared machine adds). The KV pool
-has as many blocks as the contexts need but a one-float spec (1 layer, 1 KV head, head
-dim 1): the stub never reads it, so its bytes would only cost memory.
+thread's CPU time (the same work without the waits a shared machine adds). The cyclic
+collector is set up as in the engine process: everything loaded is frozen (``gc.freeze``, as
+``mmis engine`` does after load) and the busy loop's thresholds apply
+(``core_process.tune_gc``). The KV pool has as many blocks as the contexts need but a
+one-float spec (1 layer, 1 KV head, head dim 1): the stub never reads it, so its bytes would
+only cost memory.
 
 The last line is ``SUMMARY bench_host_step: ...`` with the wall median (p90, CPU-time median)
 of every size, the 8k/1k ratios of the wall medians at the same ``B`` and the issue's targets
@@ -44,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmis.engine import core_process
 from mmis.engine.config import EngineConfig
 from mmis.engine.core import EngineCore
 from mmis.engine.model import ModelAdapter, load_adapter
@@ -294,6 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     adapter = load_adapter(tiny_model_dir(), args.device, torch.float32)
     NullModel(adapter, max(args.step_tokens, max(b for b, _ in sizes))).install(adapter)
+    # the engine process's collector: libraries and model frozen after load, its busy loop's
+    # thresholds (``core_process.tune_gc``; a tree without it keeps CPython's)
+    gc.collect()
+    gc.freeze()
+    getattr(core_process, "tune_gc", lambda: None)()
     print(
         f"null-model engine on {adapter.device}, vocab {adapter.vocab_size}, block size "
         f"{BLOCK_SIZE}, {args.warmup} warm-up + {args.steps} timed decode steps per size"

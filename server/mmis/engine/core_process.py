@@ -34,6 +34,7 @@ P0 sees a crash through its sockets, not through missing answers (``frontend/eng
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import queue
 import random
@@ -64,6 +65,23 @@ from mmis.protocol.messages import (
 log = logging.getLogger(__name__)
 
 MMInputs = list[dict[str, np.ndarray] | None]
+
+# The cyclic collector's youngest-generation threshold while the busy loop runs. It collects
+# once tracked allocations minus deallocations exceed the threshold; a decode step keeps ~7
+# container objects per running request alive at its peak (scheduled rows, events, outputs),
+# all freed by reference counting when the step ends. At CPython's 700 a step of 100+ rows
+# collected 2-3 times and promoted those temporaries, which then triggered full collections
+# (every live request's token lists traversed: ~10 ms a pass at 256 x 1k tokens;
+# benchmarks/README.md). Above a step's peak (up to ~1k rows), collections run only as
+# long-lived objects accumulate (admissions); the older thresholds stay CPython's.
+GC_GEN0_THRESHOLD = 10_000
+
+
+def tune_gc() -> None:
+    """Raise the youngest generation's threshold to :data:`GC_GEN0_THRESHOLD` (process-wide)."""
+    gen0, gen1, gen2 = gc.get_threshold()
+    if 0 < gen0 < GC_GEN0_THRESHOLD:  # 0: automatic collection is off; leave it so
+        gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
 
 
 class EngineCore(Protocol):
@@ -279,6 +297,7 @@ class EngineCoreProc:
     def run(self) -> None:
         """Start the I/O threads and run the busy loop until :meth:`shutdown`."""
         self._loop_thread = threading.current_thread()
+        tune_gc()
         threads = {
             "input": threading.Thread(target=self._input_loop),
             "output": threading.Thread(target=self._out.run, args=(self._ctx, self.output_address)),
