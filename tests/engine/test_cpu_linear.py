@@ -128,7 +128,9 @@ def test_the_measurement_is_real_and_torch_packs_nothing(tiny_dirs: dict[str, Pa
     adapter = load_adapter(tiny_dirs["llava"], "cpu", torch.float32)
     linear = adapter.language_model.layers[0].mlp.up_proj
     speedup = cpu_linear.onednn_faster(linear, PackedLinear(linear))
-    assert 0.01 < speedup < 100  # a ratio of two real timings
+    # a ratio of two real timings: positive and finite (a preempted timing on a shared
+    # machine once made it 0.005, so no tighter band)
+    assert 1e-4 < speedup < 1e4
     report = pack_linears(adapter.model, adapter.language_model.layers, "torch")
     assert report.packed == 0 and report.kept > 0
     assert type(adapter.model.lm_head) is torch.nn.Linear
