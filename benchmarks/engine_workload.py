@@ -116,9 +116,9 @@ def run_runner(runner: ModelRunner, items: list[Item], tokens: int) -> list[list
     outputs: list[list[int]] = [[] for _ in items]
     for _ in range(tokens):
         out = runner.execute(SchedulerOutput(seqs))
-        nxt = []
+        nxt, sampled = [], out.sampled_token_ids
         for k, seq in enumerate(seqs):
-            token = out.sampled_token_ids[seq.request_id]
+            token = sampled[seq.request_id]
             outputs[k].append(token)
             mm = [dataclasses.replace(it, data=None) for it in seq.mm_items]
             nxt.append(

@@ -221,14 +221,15 @@ class Driver:
         self.max_seqs_in_step = max(self.max_seqs_in_step, len(seqs))
         out = self.runner.execute(SchedulerOutput(seqs)) if seqs else StepOutput()
         self.outputs.append(out)
+        sampled = out.sampled_token_ids
         for seq in seqs:
             req = next(r for r in self.requests if r.request_id == seq.request_id)
             req.computed = seq.end_position
             self.tokens_computed[req.request_id] += seq.num_tokens
             if req.pooling is not None and seq.sample:
                 req.pooled, req.done = out.pooled[req.request_id], True
-            elif seq.request_id in out.sampled_token_ids:
-                token = out.sampled_token_ids[seq.request_id]
+            elif seq.request_id in sampled:
+                token = sampled[seq.request_id]
                 req.output.append(token)
                 if token in req.eos or len(req.output) >= req.max_tokens:
                     req.done = True

@@ -18,14 +18,10 @@ import hashlib
 
 from mmis.engine.request import Request
 from mmis.engine.sched_config import SchedulerConfig
-from mmis.engine.sched_output import (
-    MultiModalInput,
-    RequestEvent,
-    ScheduledRequest,
-    SchedulerOutput,
-)
+from mmis.engine.sched_output import MultiModalInput, ScheduledRequest, SchedulerOutput
 from mmis.engine.scheduler import Scheduler
 from mmis.protocol.messages import (
+    EngineCoreOutput,
     MultiModalFeature,
     PlaceholderRange,
     SamplingParams,
@@ -97,7 +93,8 @@ class SlotRunner:
         self.encoded: list[tuple[int, str]] = []
         self.script = script or {}
 
-    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+    def execute(self, out: SchedulerOutput) -> list[int]:
+        """One token per sampled chunk, in schedule order (``StepOutput.sampled``)."""
         for mm_hash in out.freed_encoder_hashes:
             if mm_hash not in self.encoder_store:
                 raise AssertionError(f"freed {mm_hash} that the runner never held")
@@ -107,7 +104,7 @@ class SlotRunner:
                 mm_hash = item.mm_items[idx].mm_hash
                 self.encoder_store[mm_hash] = mm_hash
                 self.encoded.append((out.step, mm_hash))
-        sampled = {}
+        sampled = []
         for item in out.scheduled:
             assert 0 not in item.block_table  # the null block is never handed out
             for pos in range(item.start_position):  # computed KV exists before the step
@@ -122,11 +119,11 @@ class SlotRunner:
                     raise EncoderMiss(f"{item.request_id}: no encoder output {exc}") from exc
                 self.slots[self._slot(item.block_table, pos)] = value
                 self.written_at[self._slot(item.block_table, pos)] = out.step
-            if item.sample:
+            if item.sample and item.pooling_params is None:  # a runner samples these
                 end = item.start_position + len(item.token_ids)
                 context = [self.slots[self._slot(item.block_table, p)] for p in range(end)]
                 script = self.script.get(item.request_id)
-                sampled[item.request_id] = [script.pop(0) if script else next_token(context)]
+                sampled.append(script.pop(0) if script else next_token(context))
         return sampled
 
     def _slot(self, table: list[int], pos: int) -> int:
@@ -140,7 +137,7 @@ class Engine:
         self.sched = Scheduler(SchedulerConfig(**cfg))  # type: ignore[arg-type]
         self.runner = SlotRunner(self.sched.config.block_size, script)
         self.outputs: dict[str, list[int]] = {}
-        self.finished: dict[str, RequestEvent] = {}
+        self.finished: dict[str, EngineCoreOutput] = {}
         self.history: list[SchedulerOutput] = []
 
     def add(self, *requests: Request) -> None:
@@ -148,19 +145,19 @@ class Engine:
             self.sched.add_request(r)
             self.outputs[r.request_id] = []
 
-    def step(self) -> tuple[SchedulerOutput, list[RequestEvent]]:
+    def step(self) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
         out = self.sched.schedule()
         self.history.append(out)
         events = self.sched.update_from_output(out, self.runner.execute(out))
         for ev in events:
             self.outputs[ev.request_id].extend(ev.new_token_ids)
-            if ev.finished:
+            if ev.finish_reason is not None:
                 self.finished[ev.request_id] = ev
         return out, events
 
     def run(self, max_steps: int = 500) -> None:
         for _ in range(max_steps):
-            if not self.sched.has_unfinished_requests() and not self.sched.has_pending_events():
+            if not self.sched.has_unfinished_requests() and not self.sched.has_pending_outputs():
                 return
             self.step()
         raise AssertionError("the scheduler did not drain")

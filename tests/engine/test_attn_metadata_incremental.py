@@ -116,3 +116,28 @@ def test_incremental_metadata_refuses_what_a_fresh_build_refuses(args: tuple, me
         build_step(q, s, ["x"], t, BlockTables(BS, 10 * BS, CPU), HostToDevice(CPU))
     with pytest.raises(PagedAttentionError, match=message):
         AttentionMetadata.build(q, s, t, BS, 10 * BS, CPU)
+
+
+def test_steady_decode_steps_equal_a_fresh_build() -> None:
+    """The same requests decoding step after step (``BlockTables.rows`` visits only the
+    rows whose list grew), then one list handed over as a new object with other ids, then a
+    request ending: every step equals a fresh build."""
+    rng = random.Random(7)
+    tables, up = BlockTables(BS, NB * BS, CPU), HostToDevice(CPU)
+    ids = [f"s{k}" for k in range(5)]
+    starts = [rng.randint(1, 30) for _ in ids]
+    lists = [[rng.randint(1, NB - 1) for _ in range(-(-(st + 1) // BS))] for st in starts]
+    for step in range(60):
+        if step == 25:  # same id, a new list object with other ids: its row is refilled
+            lists[2] = [rng.randint(1, NB - 1) for _ in lists[2]]
+        if step == 40:  # a request ends: the next step is not the previous one's rows
+            tables.release([ids[1]])
+            del ids[1], starts[1], lists[1]
+        for k, st in enumerate(starts):
+            while len(lists[k]) * BS < st + 1:
+                lists[k].append(rng.randint(1, NB - 1))
+        q = [1] * len(ids)
+        ref = AttentionMetadata.build(q, starts, lists, BS, NB * BS, CPU)
+        got, _ = build_step(q, starts, ids, lists, tables, up)
+        same(got, ref)
+        starts = [st + 1 for st in starts]

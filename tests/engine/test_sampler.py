@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from mmis.engine.sampler import Sampler, SamplingParamsError, seed_for
-from mmis.protocol.messages import SamplingParams
+from mmis.engine.sched_output import is_plain
+from mmis.protocol.messages import PoolingParams, SamplingParams
 
 VOCAB = 6
 LOGITS = torch.tensor([[0.5, 2.0, 1.0, -1.0, 1.5, 0.0]])  # order: 1, 4, 2, 0, 5, 3
@@ -108,3 +109,44 @@ def test_seeded_sampling_through_the_runner_is_reproducible(family, driver_cls):
     assert run(7, with_neighbour=True, chunk=9) == first  # batch and chunking do not matter
     assert run(8, with_neighbour=False, chunk=10_000) != first
     assert first != family.reference("Describe this image.", images, 12)  # really sampled
+
+
+def test_plain_rows_sample_as_checked_rows():
+    """``plain=True`` (every row ``is_plain``, decided once per request) skips the per-row
+    checks, never the result: greedy and seeded rows pick the same tokens either way."""
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
+    rows = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, seed=5),
+        SamplingParams(temperature=1.0, top_k=4, seed=9),
+        SamplingParams(temperature=0.9, top_p=0.5, seed=2),
+    ]
+    for params in ([rows[0]] * 6, rows + rows[:2]):
+        assert all(is_plain(p, None) for p in params)
+        positions = list(range(len(params)))
+        checked = Sampler()(logits, params, positions)
+        plain = Sampler()(logits, params, positions, plain=True)
+        assert torch.equal(checked, plain)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(presence_penalty=0.5),
+        SamplingParams(repetition_penalty=1.2),
+        SamplingParams(min_p=0.1),
+        SamplingParams(logit_bias={1: 2.0}),
+        SamplingParams(logprobs=2),
+        SamplingParams(prompt_logprobs=0),
+        SamplingParams(temperature=-1.0),
+        SamplingParams(top_p=0.0),
+        SamplingParams(top_k=-2),
+        None,
+    ],
+)
+def test_rows_that_need_checks_or_extras_are_not_plain(params):
+    assert not is_plain(params, None)
+
+
+def test_a_pooling_request_is_not_plain():
+    assert not is_plain(SamplingParams(), PoolingParams())

@@ -54,7 +54,7 @@ def test_s8_evict_then_reallocate_in_one_pass_through_the_scheduler():
     assert out.freed_encoder_hashes == ["b"]  # exactly: a naive report says ["a", "b"]
     (item,) = out.scheduled
     assert item.request_id == "D" and item.encoder_inputs == [0]
-    assert events[0].request_id == "C" and events[0].finish_reason is FinishReason.ERROR
+    assert events[0].request_id == "C" and events[0].finish_reason == FinishReason.ERROR
     assert eng.runner.encoder_store == {"a": "a"}
     assert eng.outputs["D"] == reference([41, 42, *[IMG] * 4, 43], [image("a", 2, 4)], 1)
 

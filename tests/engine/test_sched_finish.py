@@ -33,10 +33,10 @@ def test_stop_conditions_without_a_tokenizer():
     assert eng.sched.finish_request("strings", FinishReason.STOP, stop_reason="###")
     eng.run()
     fin = eng.finished
-    assert eng.outputs["eos"] == [150, EOS] and fin["eos"].finish_reason is FinishReason.STOP
+    assert eng.outputs["eos"] == [150, EOS] and fin["eos"].finish_reason == FinishReason.STOP
     assert eng.outputs["stopid"] == [150, 42] and fin["stopid"].stop_reason == 42
     assert eng.outputs["ignore"] == [EOS, EOS, 160]
-    assert fin["ignore"].finish_reason is FinishReason.LENGTH
+    assert fin["ignore"].finish_reason == FinishReason.LENGTH
     assert len(eng.outputs["strings"]) == 2 and "strings" not in fin
     eng.assert_pool_empty()
 
@@ -46,7 +46,7 @@ def test_max_model_len_stops_generation_and_rejects_long_prompts():
     eng.add(make("fits", text(1, 8), max_tokens=50), make("long", text(2, 12)))
     eng.run()
     assert len(eng.outputs["fits"]) == 4
-    assert eng.finished["fits"].finish_reason is FinishReason.LENGTH
+    assert eng.finished["fits"].finish_reason == FinishReason.LENGTH
     err = eng.finished["long"].error
     assert err is not None and err.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED.value
 
@@ -58,5 +58,5 @@ def test_pooling_requests_finish_after_prefill():
     eng.add(Request("emb", text(1, 9), pooling_params=PoolingParams()))
     out, events = eng.step()
     assert out.scheduled[0].sample and out.scheduled[0].pooling_params is not None
-    assert events[0].finished and events[0].new_token_ids == []
+    assert events[0].finish_reason is not None and events[0].new_token_ids == []
     eng.assert_pool_empty()

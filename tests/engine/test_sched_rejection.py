@@ -28,7 +28,7 @@ def test_a_request_that_can_never_fit_is_rejected_and_others_continue():
     out, events = eng.step()
     assert [s.request_id for s in out.scheduled] == ["ok"]
     (ev,) = events[:1]
-    assert ev.request_id == "huge" and ev.finish_reason is FinishReason.ERROR
+    assert ev.request_id == "huge" and ev.finish_reason == FinishReason.ERROR
     assert ev.error is not None and ev.error.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED.value
     assert not ev.error.retryable
     eng.run()
@@ -41,7 +41,7 @@ def test_a_request_that_outgrows_the_pool_stops_instead_of_looping():
     eng = Engine(block_size=4, num_blocks=5)  # 16 token slots in all
     eng.add(make("grow", text(3, 12), max_tokens=10))
     eng.run(max_steps=30)
-    assert eng.finished["grow"].finish_reason is FinishReason.LENGTH
+    assert eng.finished["grow"].finish_reason == FinishReason.LENGTH
     assert eng.outputs["grow"] == reference(text(3, 12), [], 5)  # KV for 16 tokens, +1 sampled
     eng.assert_pool_empty()
 

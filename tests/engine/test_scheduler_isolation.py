@@ -33,7 +33,7 @@ CHILD = textwrap.dedent(
     while sched.has_unfinished_requests():
         out = sched.schedule()
         encoded += [s.mm_items[i].mm_hash for s in out.scheduled for i in s.encoder_inputs]
-        sampled = {s.request_id: [50] for s in out.scheduled if s.sample}
+        sampled = [50 for s in out.scheduled if s.sample]
         for ev in sched.update_from_output(out, sampled):
             outputs += ev.new_token_ids
     loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers")

@@ -38,7 +38,7 @@ def request(rid: str, prompt: list[int], *features: MultiModalFeature) -> Reques
 def drain(sched: Scheduler) -> None:
     while sched.has_unfinished_requests():
         out = sched.schedule()
-        sched.update_from_output(out, {s.request_id: [50] for s in out.scheduled if s.sample})
+        sched.update_from_output(out, [50 for s in out.scheduled if s.sample])
 
 
 def test_the_output_carries_tensors_only_for_this_steps_encoder_runs():
@@ -53,7 +53,7 @@ def test_the_output_carries_tensors_only_for_this_steps_encoder_runs():
     assert (seq.start_position, list(seq.token_ids)) == (0, prompt[:9])
     assert [(m.mm_hash, m.data is not None) for m in seq.mm_items] == [("x", True), ("y", True)]
     assert seq.encoder_inputs == [0, 1]
-    sched.update_from_output(out, {})
+    sched.update_from_output(out, [])
     out = sched.schedule()
     (seq,) = out.scheduled
     # both already encoded: no tensors, but their grids still reach the runner (M-RoPE)
@@ -110,6 +110,33 @@ def test_preempted_requests_reach_the_runner_as_ended():
         out = sched.schedule()
         if out.preempted_request_ids:
             break
-        sched.update_from_output(out, {s.request_id: [50] for s in out.scheduled if s.sample})
+        sched.update_from_output(out, [50 for s in out.scheduled if s.sample])
     assert out.preempted_request_ids == ["b"]
     assert "b" in out.ended_request_ids
+
+
+def test_sampled_tokens_that_do_not_match_the_step_are_a_typed_error():
+    """``update_from_output`` takes one token per chunk that samples, in order; a count or
+    placement that cannot be the runner's is a ``SchedulerError``, never a token given to
+    the wrong request."""
+    from mmis.engine.scheduler import SchedulerError
+    from mmis.protocol.messages import PoolingParams
+
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=32, max_num_batched_tokens=64))
+    sched.add_request(request("a", [1, 2, 3]))
+    sched.add_request(Request("emb", [4, 5], pooling_params=PoolingParams()))
+    out = sched.schedule()
+    assert [s.request_id for s in out.scheduled] == ["a", "emb"]
+    with pytest.raises(SchedulerError, match="did not sample"):
+        sched.update_from_output(out, [50, 51])  # a token for the pooling chunk
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=32, max_num_batched_tokens=64))
+    sched.add_request(request("a", [1, 2, 3]))
+    sched.add_request(Request("emb", [4, 5], pooling_params=PoolingParams()))
+    out = sched.schedule()
+    with pytest.raises(SchedulerError, match="sampled fewer"):
+        sched.update_from_output(out, [50, 51, 52])
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=32, max_num_batched_tokens=64))
+    sched.add_request(request("a", [1, 2, 3]))
+    out = sched.schedule()
+    with pytest.raises(SchedulerError, match="no sampled token"):
+        sched.update_from_output(out, [])

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 from collections.abc import Sequence
 
 import numpy as np
@@ -371,6 +372,18 @@ def _as_numpy(array: np.ndarray, dtype: torch.dtype) -> np.ndarray:
     return array
 
 
+def _first_of_run(rows: np.ndarray) -> int | None:
+    """``rows[0]`` when ``rows`` are consecutive integers, else ``None``."""
+    count, first = int(rows.shape[0]), int(rows[0])
+    if int(rows[-1]) - first == count - 1 and (count < 3 or bool((np.diff(rows) == 1).all())):
+        return first
+    return None
+
+
+# a step's (request ids, their lists, rows, list lengths after it): ``BlockTables.rows``
+_LastStep = tuple[tuple[str, ...], tuple[Sequence[int], ...], np.ndarray, np.ndarray]
+
+
 class BlockTables:
     """The block tables of the requests a runner has seen: one persistent row each.
 
@@ -399,11 +412,16 @@ class BlockTables:
         self._filled: list[int] = [0] * 8
         self._free: list[int] = list(range(7, -1, -1))  # popped from the end: lowest first
         self._updates: list[tuple[int, int, int]] = []  # (row, first column, end column)
+        # the previous step's (request ids, their lists, rows, list lengths after it)
+        self._last: _LastStep | None = None
+        self._first: int | None = None  # first_row of the last rows returned
 
     def __len__(self) -> int:
         return len(self._row)
 
     def release(self, request_ids: Sequence[str]) -> None:
+        if request_ids:
+            self._last = None
         for request_id in request_ids:
             row = self._row.pop(request_id, None)
             if row is None:
@@ -437,8 +455,41 @@ class BlockTables:
         self._free[:0] = list(range(new_rows - 1, old_rows - 1, -1))
         self._stale = True
 
-    def rows(self, request_ids: Sequence[str], tables: Sequence[Sequence[int]]) -> np.ndarray:
-        """The row of each request (int64), its new ids appended (or its row refilled)."""
+    def rows(
+        self, request_ids: Sequence[str], tables: Sequence[Sequence[int]], held: np.ndarray
+    ) -> np.ndarray:
+        """The row of each request (int64), its new ids appended (or its row refilled);
+        ``held``: ``len`` of each table. A step with the previous step's requests in the
+        same order, each with the same list (the steady state of decoding), visits only the
+        rows whose list grew."""
+        last, request_ids = self._last, tuple(request_ids)
+        if (
+            last is not None
+            and request_ids == last[0]
+            and all(map(operator.is_, tables, last[1]))
+            and held.shape == last[3].shape
+        ):
+            rows = last[2]
+            grown = np.flatnonzero(held != last[3])
+            if grown.size:
+                self._visit(
+                    [request_ids[k] for k in grown.tolist()], [tables[k] for k in grown.tolist()]
+                )
+            self._last = (last[0], last[1], rows, held)
+            return rows
+        rows = np.array(self._visit(request_ids, tables), dtype=np.int64)
+        self._last = (request_ids, tuple(tables), rows, held)
+        self._first = _first_of_run(rows)
+        return rows
+
+    def first_row(self, rows: np.ndarray) -> int | None:
+        """The first of ``rows`` when they are consecutive (a view of the host table serves
+        the step), else ``None``; known without a pass for the rows :meth:`rows` returned."""
+        if self._last is not None and rows is self._last[2]:
+            return self._first
+        return _first_of_run(rows)
+
+    def _visit(self, request_ids: Sequence[str], tables: Sequence[Sequence[int]]) -> list[int]:
         out = []
         row_of, source, filled = self._row, self._source, self._filled
         for request_id, table in zip(request_ids, tables, strict=True):
@@ -457,7 +508,7 @@ class BlockTables:
                 source[row] = table
                 self._write(row, table, 0, size)
             out.append(row)
-        return np.array(out, dtype=np.int64)
+        return out
 
     def _write(self, row: int, table: Sequence[int], lo: int, hi: int) -> None:
         new = table[lo:hi]
@@ -529,12 +580,15 @@ def build_step(
     if not count or not (count == len(start_positions) == len(block_tables) == len(request_ids)):
         raise PagedAttentionError("a step needs one query length, start and block table each")
     bs = tables.block_size
-    if min(query_lens) == 1 == max(query_lens) and min(start_positions) >= 0:
+    if list(query_lens).count(1) == count and (lowest := min(start_positions)) >= 0:
         s = np.array(start_positions, dtype=np.int64)
         held = np.fromiter(map(len, block_tables), dtype=np.int64, count=count)
         last = s // bs  # the block of each new token
         if not (held <= last).any():  # else the general path below refuses the step
-            return _decode_step(s, held, last, request_ids, block_tables, tables, upload, extra)
+            span = (lowest, int(s.max()))
+            return _decode_step(
+                s, span, held, last, request_ids, block_tables, tables, upload, extra
+            )
     q = np.array(query_lens, dtype=np.int64)
     s = np.array(start_positions, dtype=np.int64)
     if (q < 1).any() or (s < 0).any():
@@ -546,7 +600,7 @@ def build_step(
     if short.size:
         k = int(short[0])
         raise PagedAttentionError(f"block table of {held[k]} blocks cannot hold {seq[k]} tokens")
-    rows = tables.rows(request_ids, block_tables)
+    rows = tables.rows(request_ids, block_tables, held)
     needed = -(-seq // bs)  # blocks covering each context
     width = int(needed.max())
     look_ahead = bool((held > needed).any())  # blocks past a context: cut to the null block
@@ -631,6 +685,7 @@ def build_step(
 
 def _decode_step(
     s: np.ndarray,
+    span: tuple[int, int],
     held: np.ndarray,
     last: np.ndarray,
     request_ids: Sequence[str],
@@ -640,11 +695,11 @@ def _decode_step(
     extra: Sequence[tuple[np.ndarray, torch.dtype]],
 ) -> tuple[AttentionMetadata, list[torch.Tensor]]:
     """:func:`build_step` of a step whose every row is one new token at ``s`` (checked: each
-    table holds the block ``last`` of its token)."""
+    table holds the block ``last`` of its token; ``span``: the least and greatest of ``s``)."""
     count, bs = int(s.shape[0]), tables.block_size
-    rows = tables.rows(request_ids, block_tables)
+    rows = tables.rows(request_ids, block_tables, held)
     needed = last + 1
-    width = int(needed.max())
+    width = span[1] // bs + 1  # needed.max()
     look_ahead = bool((held > needed).any())
     table = _step_table(tables, rows, width, needed, look_ahead)
     index, cu_q_t, token_index = upload.decode_constants(count)
@@ -661,7 +716,7 @@ def _decode_step(
     ]
     moved, table_t, extras = _send(staged, extra, tables, upload, rows, table, needed, look_ahead)
     seq_t, cu_k_t, slots_t, pos_t, lens_t = moved[:5]
-    lo, ctx = int(seq.min()), int(seq.max())
+    lo, ctx = span[0] + 1, span[1] + 1  # seq.min(), seq.max()
     decode = DecodeRows(
         token_index=token_index,
         block_index=None,
@@ -696,8 +751,8 @@ def _step_table(
     """The step's ``[B, width]`` host table: a view of the persistent rows when the step's
     rows are consecutive (the steady state), else one gather; ids past each context cut to
     the null block (a copy then)."""
-    count, first = int(rows.shape[0]), int(rows[0])
-    if int(rows[-1]) - first == count - 1 and (count < 3 or bool((np.diff(rows) == 1).all())):
+    count, first = int(rows.shape[0]), tables.first_row(rows)
+    if first is not None:
         table = tables.host[first : first + count, :width]
         if look_ahead:
             table = table.copy()

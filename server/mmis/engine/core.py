@@ -180,11 +180,12 @@ class EngineCore:
     # ------------------------------------------------------------------ one step
     def step(self) -> list[EngineCoreOutput]:
         outputs, self._immediate = self._immediate, []
-        if not self.scheduler.has_unfinished_requests() and not self.scheduler.has_pending_events():
+        scheduler = self.scheduler
+        if not scheduler.has_unfinished_requests() and not scheduler.has_pending_outputs():
             return outputs
         sched_out = self.scheduler.schedule()
         started_ns = time.time_ns()
-        sampled: dict[str, list[int]] = {}
+        sampled: list[int] = []
         pooled: dict[str, Any] = {}
         logprobs: dict[str, TokenLogprobs] = {}
         if not sched_out.is_empty:
@@ -193,30 +194,31 @@ class EngineCore:
             except Exception as exc:  # one bad step fails its requests, never the engine
                 outputs.extend(self._fail_step(sched_out, exc))
             else:
-                sampled = {rid: [tok] for rid, tok in result.sampled_token_ids.items()}
+                sampled = result.sampled
                 pooled = result.pooled
                 logprobs = result.logprobs
                 self._keep_prompt_rows(result.prompt_logprobs)
             self.num_steps += 1
-        events = self.scheduler.update_from_output(sched_out, sampled)
+        produced = self.scheduler.update_from_output(sched_out, sampled)
         if self.grammar is not None:  # the step's grammar accepts run during the next forward
             self.grammar.flush()
         prompt_rows = self._prompt_rows
-        for event in events:
-            out = event.to_wire()
-            if pooled and event.request_id in pooled and event.finished:
-                out.pooled = np.asarray(pooled[event.request_id], dtype=np.float32)
-            if logprobs and event.new_token_ids and event.request_id in logprobs:
-                out.logprobs = logprobs[event.request_id]
-            if (
-                prompt_rows
-                and event.request_id in prompt_rows
-                and (event.new_token_ids or event.finished)
-            ):
-                out.prompt_logprobs = self._take_prompt_rows(event.request_id, event.new_token_ids)
-            outputs.append(out)
+        if pooled or logprobs or prompt_rows:
+            for out in produced:
+                rid = out.request_id
+                if pooled and rid in pooled and out.finish_reason is not None:
+                    out.pooled = np.asarray(pooled[rid], dtype=np.float32)
+                if logprobs and out.new_token_ids and rid in logprobs:
+                    out.logprobs = logprobs[rid]
+                if (
+                    prompt_rows
+                    and rid in prompt_rows
+                    and (out.new_token_ids or out.finish_reason is not None)
+                ):
+                    out.prompt_logprobs = self._take_prompt_rows(rid, out.new_token_ids)
+        outputs.extend(produced)
         if self.spans is not None:
-            self.spans.on_step(sched_out.scheduled, events, started_ns, time.time_ns())
+            self.spans.on_step(sched_out.scheduled, produced, started_ns, time.time_ns())
         return outputs
 
     def _keep_prompt_rows(self, chunks: Mapping[str, tuple[int, TokenLogprobs]]) -> None:

@@ -23,6 +23,8 @@ Invariants:
   blocks cost, whatever the context; the list is never changed after :meth:`free` (a request
   admitted again gets a new list). The runner keeps its device rows in step with these lists
   the same way (``attn_metadata.BlockTables``). Callers read it, never change it.
+- ``request.kv_capacity`` is ``len(block_ids[request_id]) * block_size`` while the request
+  holds blocks, else 0 (set by :meth:`allocate_slots` and :meth:`free`).
 """
 
 from __future__ import annotations
@@ -193,6 +195,7 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         ids.extend([b.block_id for b in new_computed_blocks])
         ids.extend([b.block_id for b in new_blocks])
+        request.kv_capacity = len(ids) * self.block_size
         return ids
 
     def cache_computed_blocks(self, request: Request) -> None:
@@ -213,6 +216,7 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release every block of ``request``; tail blocks become evictable first."""
+        request.kv_capacity = 0
         blocks = self.req_blocks.pop(request.request_id, None)
         self.block_ids.pop(request.request_id, None)  # dropped, not cleared: see the docstring
         self._num_cached_blocks.pop(request.request_id, None)

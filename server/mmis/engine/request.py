@@ -29,7 +29,12 @@ import itertools
 from collections.abc import Sequence
 from typing import Protocol
 
-from mmis.engine.sched_output import MultiModalInput, grid_thw_of, second_per_grid_of
+from mmis.engine.sched_output import (
+    MultiModalInput,
+    grid_thw_of,
+    is_plain,
+    second_per_grid_of,
+)
 from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import (
     EngineCoreRequest,
@@ -120,10 +125,13 @@ class Request:
             )
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)  # the prompt never changes
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
-        self.mm_features = list(mm_features)
-        self.mm_items = [
+        # tuples: never changed, and a text request's are the one empty tuple (nothing of
+        # its own for a step to touch)
+        self.mm_features = tuple(mm_features)
+        self.mm_items = tuple(
             MultiModalInput(
                 f.mm_hash,
                 f.placeholder.offset,
@@ -132,18 +140,31 @@ class Request:
                 second_per_grid=second_per_grid_of(f.data),
             )
             for f in self.mm_features
-        ]
+        )
         # where the last item's placeholder range ends (0: text only); a chunk starting here
         # or later has no encoder work to plan (the scheduler's fast path)
         self.mm_end = max((item.end for item in self.mm_items), default=0)
         self.skip_cache = skip_cache or prompt_logprobs is not None
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params
+        self.plain = is_plain(sampling_params, pooling_params)  # params never change
         self.arrival_time = arrival_time
         self.client_index = client_index
         self.eos_token_ids = frozenset(eos_token_ids)  # every end-of-sequence id of the model
+        # what :meth:`check_stop` can act on, from params that never change: a token in
+        # ``stop_ids`` or a length of ``length_cap`` tokens (prompt + max_tokens); a request
+        # with a constraint is checked after every token (the scheduler's fast path)
+        self.stop_ids: frozenset[int] = frozenset()
+        self.length_cap = float("inf")
+        if sampling_params is not None:
+            eos = () if sampling_params.ignore_eos else self.eos_token_ids
+            self.stop_ids = frozenset(eos).union(sampling_params.stop_token_ids)
+            self.length_cap = len(self.prompt_token_ids) + sampling_params.max_tokens
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # tokens the KV blocks it holds have room for; kept by ``kv_cache.py`` (the
+        # scheduler's room check reads it without touching the block list)
+        self.kv_capacity = 0
         self.num_cached_tokens = -1  # prefix-cache hit of the first admission; -1 = not yet
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
@@ -174,10 +195,6 @@ class Request:
             skip_cache=message.skip_cache,
             constraint=constraint,
         )
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -58,7 +58,7 @@ from mmis.engine.sampler import Sampler
 from mmis.engine.sched_output import ScheduledRequest, SchedulerOutput, StepOutput
 from mmis.engine.token_history import TokenCounts, TokenHistory, TokenHistoryCache
 from mmis.protocol.errors import MMISError
-from mmis.protocol.messages import ErrorCode
+from mmis.protocol.messages import ErrorCode, SamplingParams
 
 if TYPE_CHECKING:
     from mmis.engine.decode_graphs import DecodeGraphs
@@ -66,14 +66,6 @@ if TYPE_CHECKING:
 
 
 _REQUEST_ID = operator.attrgetter("request_id")
-_START = operator.attrgetter("start_position")
-_TABLE = operator.attrgetter("block_table")
-_TOKENS = operator.attrgetter("token_ids")
-_ITEMS = operator.attrgetter("mm_items")
-_ENCODE = operator.attrgetter("encoder_inputs")
-_PARAMS = operator.attrgetter("sampling_params")
-_POOLING = operator.attrgetter("pooling_params")
-_SAMPLE = operator.attrgetter("sample")
 _PROMPT_LOGPROBS = operator.attrgetter("prompt_logprobs")
 
 
@@ -153,22 +145,32 @@ class ModelRunner:
         seqs = list(batch.scheduled)
         if not seqs:
             return out
-        # what every later stage needs, a field at a time (C-level maps, not a Python loop)
-        ids = list(map(_REQUEST_ID, seqs))
-        starts = list(map(_START, seqs))
-        tables = list(map(_TABLE, seqs))
-        chunks = list(map(_TOKENS, seqs))
+        # every later stage reads columns: one transpose of the rows (named tuples)
+        (
+            ids,
+            chunks,
+            starts,
+            tables,
+            mm_items,
+            samples,
+            params_all,
+            poolings,
+            _,
+            encode,
+            plains,
+        ) = zip(*seqs, strict=True)
         sizes = list(map(len, chunks))
         offset = sum(sizes)
         token_ids = list(itertools.chain.from_iterable(chunks))
-        items = any(map(_ITEMS, seqs)) or any(map(_ENCODE, seqs))
-        params_all = list(map(_PARAMS, seqs))
-        pooling = list(map(_POOLING, seqs)).count(None) != len(seqs)
-        extras = pooling or (
-            None in params_all
+        items = any(mm_items) or any(encode)
+        plain = all(plains)  # no pooling, logprobs, penalties: checked per request
+        pooling = not plain and poolings.count(None) != len(seqs)
+        extras = not plain and (
+            pooling
+            or None in params_all
             or list(map(_PROMPT_LOGPROBS, params_all)).count(None) != len(params_all)
         )
-        if not pooling and all(map(_SAMPLE, seqs)):  # every chunk samples (every decode step)
+        if not pooling and all(samples):  # every chunk samples (every decode step)
             chosen = seqs
             sample_rows = list(itertools.accumulate(sizes, initial=-1))[1:]  # last rows
         else:
@@ -214,7 +216,14 @@ class ModelRunner:
             hidden = self.adapter.forward(embeds, positions, step)
         self.num_forwards += 1
         if chosen:
-            self._sample(hidden if everything else hidden[rows_tensor], chosen, out, histories)
+            out.sampled_ids = ids if chosen is seqs else list(map(_REQUEST_ID, chosen))
+            if chosen is seqs:  # each row's end position: where its sampled token goes
+                ends = list(map(operator.add, starts, sizes))
+            else:
+                ends = [s.start_position + len(s.token_ids) for s in chosen]
+            rows = hidden if everything else hidden[rows_tensor]
+            params = params_all if chosen is seqs else [s.sampling_params for s in chosen]
+            self._sample(rows, chosen, params, ends, out, histories, plain)
         if extras:
             self._prompt_logprobs(hidden, seqs, out, histories)
             self._pool(hidden, seqs, out)
@@ -280,20 +289,26 @@ class ModelRunner:
         self,
         hidden: torch.Tensor,
         chosen: Sequence[ScheduledRequest],
+        params: Sequence[SamplingParams | None],
+        positions: Sequence[int],
         out: StepOutput,
         histories: Mapping[str, TokenHistory] | None,
+        plain: bool,
     ) -> None:
-        """Sample after the last row of every ``chosen`` chunk (``hidden``: those rows)."""
+        """Sample after the last row of every ``chosen`` chunk (``hidden``: those rows;
+        ``params``, ``positions``: their sampling params and end positions; ``plain``:
+        every row ``is_plain``, so no history, logprobs or per-row checks)."""
         logits = self.adapter.compute_logits(hidden)
-        params = list(map(_PARAMS, chosen))
-        counts = self._token_counts(chosen, histories, logits)
-        pending = logprobs.prepare(logits, params)  # before the sampler touches the logits
-        positions = [s.start_position + len(s.token_ids) for s in chosen]  # end_position
-        sampled = self.sampler(logits, params, positions, counts)
-        out.sampled_token_ids = dict(zip(map(_REQUEST_ID, chosen), sampled.tolist(), strict=True))
+        if plain:
+            counts, pending = None, None
+        else:
+            counts = self._token_counts(chosen, histories, logits)
+            pending = logprobs.prepare(logits, params)  # before the sampler touches the logits
+        sampled = self.sampler(logits, params, positions, counts, plain=plain)
+        out.sampled = sampled.tolist()
         if pending is not None:
             for row, lp in logprobs.finish(pending, sampled).items():
-                out.logprobs[chosen[row].request_id] = lp
+                out.logprobs[out.sampled_ids[row]] = lp
 
     def _prompt_logprobs(
         self,

@@ -33,6 +33,7 @@ Invariants:
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,7 @@ import numpy as np
 import torch
 
 from mmis.engine.logprobs import MAX_LOGPROBS
+from mmis.engine.sched_output import GREEDY_EPSILON
 from mmis.engine.token_history import TokenCounts
 from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import ErrorCode, SamplingParams
@@ -47,11 +49,11 @@ from mmis.protocol.messages import ErrorCode, SamplingParams
 if TYPE_CHECKING:
     from mmis.engine.structured import GrammarEngine
 
-GREEDY_EPSILON = 1e-5
 PENALTY_RANGE = 2.0  # presence / frequency penalty in [-2, 2] (OpenAI)
 LOGIT_BIAS_RANGE = 100.0  # each bias in [-100, 100] (OpenAI)
 MAX_LOGIT_BIAS = 300  # entries per request
 _SEED_MIX = 0x9E3779B97F4A7C15
+_TEMPERATURE = operator.attrgetter("temperature")
 _MASK64 = (1 << 63) - 1
 
 
@@ -156,6 +158,40 @@ def _argmax(rows: torch.Tensor) -> torch.Tensor:
     return rows.argmax(dim=-1)
 
 
+def _check_rows(
+    params: Sequence[SamplingParams | None], vocab: int
+) -> tuple[list[bool], bool, bool]:
+    """Validate every row (raising the first problem); returns which rows are greedy, whether
+    any row's logits are adjusted (bias, penalty) and whether any is constrained (a grammar)."""
+    adjusted = constrained = False
+    greedy_rows = []
+    for p in params:
+        if p is None:
+            greedy_rows.append(True)
+            continue
+        temperature = p.temperature
+        greedy_rows.append(temperature < GREEDY_EPSILON)  # is_greedy, inlined
+        if not (temperature >= 0 and 0 < p.top_p <= 1 and p.top_k >= -1):
+            _check_basic(p)  # raises the first problem
+        if p.structured is not None:
+            constrained = True
+        if not (  # _has_extras, inlined: the fast path is the checks the sampler always made
+            p.presence_penalty != 0
+            or p.frequency_penalty != 0
+            or p.repetition_penalty != 1
+            or p.min_p != 0
+            or p.logit_bias
+        ):
+            continue
+        _check_extras(p)
+        if p.logit_bias and not 0 <= min(p.logit_bias) <= max(p.logit_bias) < vocab:
+            raise SamplingParamsError(
+                f"logit_bias: token ids must be in the vocabulary [0, {vocab})"
+            )
+        adjusted = adjusted or _adjusts(p)
+    return greedy_rows, adjusted, constrained
+
+
 class Sampler:
     """Turns a ``[S, V]`` logits batch into ``S`` token ids; ``grammar`` masks the rows whose
     params carry ``structured`` (set by the core; without it such a row is an error)."""
@@ -169,41 +205,26 @@ class Sampler:
         params: Sequence[SamplingParams | None],
         positions: Sequence[int],
         counts: TokenCounts | None = None,
+        *,
+        plain: bool = False,
     ) -> torch.Tensor:
         """``positions[i]``: the index the sampled token of row i will have in its sequence;
-        ``counts``: the token history of the rows that have a penalty (required then)."""
+        ``counts``: the token history of the rows that have a penalty (required then);
+        ``plain``: every row's params are ``sched_output.is_plain`` (decided once per
+        request), so the per-row checks are skipped: each row is an argmax or a draw."""
         if logits.ndim != 2 or logits.shape[0] != len(params) or len(params) != len(positions):
             raise SamplingParamsError(
                 f"logits {tuple(logits.shape)} do not match {len(params)} params / "
                 f"{len(positions)} positions"
             )
-        vocab = logits.shape[-1]
-        adjusted = constrained = False
-        greedy_rows = []
-        for p in params:
-            if p is None:
-                greedy_rows.append(True)
-                continue
-            temperature = p.temperature
-            greedy_rows.append(temperature < GREEDY_EPSILON)  # is_greedy, inlined
-            if not (temperature >= 0 and 0 < p.top_p <= 1 and p.top_k >= -1):
-                _check_basic(p)  # raises the first problem
-            if p.structured is not None:
-                constrained = True
-            if not (  # _has_extras, inlined: the fast path is the checks the sampler always made
-                p.presence_penalty != 0
-                or p.frequency_penalty != 0
-                or p.repetition_penalty != 1
-                or p.min_p != 0
-                or p.logit_bias
-            ):
-                continue
-            _check_extras(p)
-            if p.logit_bias and not 0 <= min(p.logit_bias) <= max(p.logit_bias) < vocab:
-                raise SamplingParamsError(
-                    f"logit_bias: token ids must be in the vocabulary [0, {vocab})"
-                )
-            adjusted = adjusted or _adjusts(p)
+        if plain:
+            temperatures = list(map(_TEMPERATURE, params))
+            if max(temperatures, default=0.0) < GREEDY_EPSILON:  # every row greedy
+                return _argmax(logits.float())
+            greedy_rows = [t < GREEDY_EPSILON for t in temperatures]
+            adjusted = constrained = False
+        else:
+            greedy_rows, adjusted, constrained = _check_rows(params, logits.shape[-1])
         logits = logits.float()
         if adjusted:
             logits = self._bias_and_penalize(logits, params, counts)

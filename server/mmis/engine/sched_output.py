@@ -1,8 +1,8 @@
 """One scheduling step as data: what the scheduler hands the model runner, and what comes back.
 
 The scheduler (``scheduler.py``) builds a :class:`SchedulerOutput`; the runner (``runner.py``)
-reads it as is and answers with a :class:`StepOutput`; the scheduler turns that into
-:class:`RequestEvent` s. Pure data: nothing here runs a model or imports torch.
+reads it as is and answers with a :class:`StepOutput`; the scheduler turns that into the
+wire's ``EngineCoreOutput`` s. Pure data: nothing here runs a model or imports torch.
 
 Invariants:
 - Each request appears at most once in ``scheduled``; the runner computes all of them in ONE
@@ -28,17 +28,34 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from mmis.protocol.errors import MMISError
-from mmis.protocol.messages import (
-    EngineCoreOutput,
-    FinishReason,
-    PoolingParams,
-    RequestError,
-    SamplingParams,
-    TokenLogprobs,
-)
+from mmis.protocol.messages import PoolingParams, SamplingParams, TokenLogprobs
+
+GREEDY_EPSILON = 1e-5  # a temperature below it means greedy (``sampler.py``)
+
+
+def is_plain(params: SamplingParams | None, pooling: PoolingParams | None) -> bool:
+    """Whether a request's rows need nothing from the runner but a draw: valid
+    temperature/top-p/top-k, no logit bias, penalty, ``min_p``, grammar, logprobs or prompt
+    logprobs, not pooling. Decided once per request (``Request.plain``); a step of plain rows
+    skips the runner's and the sampler's per-row checks (``runner.py``, ``sampler.py``)."""
+    return (
+        pooling is None
+        and params is not None
+        and params.temperature >= 0
+        and 0 < params.top_p <= 1
+        and params.top_k >= -1
+        and params.presence_penalty == 0
+        and params.frequency_penalty == 0
+        and params.repetition_penalty == 1
+        and params.min_p == 0
+        and not params.logit_bias
+        and params.structured is None
+        and params.logprobs is None
+        and params.prompt_logprobs is None
+    )
 
 
 class EncoderInputError(MMISError):
@@ -96,13 +113,12 @@ class MultiModalInput:
         return self.offset + self.length
 
 
-@dataclasses.dataclass(slots=True)
-class ScheduledRequest:
-    """One request's work in a step. Read only: nothing changes it once the scheduler made it
-    (not ``frozen``: a frozen dataclass's ``__init__`` costs 2-3x as much, paid per running
-    request per step; ``benchmarks/bench_host_step.py``). ``block_table`` is the KV
-    manager's persistent list of the request (``kv_cache.py``): it may gain ids in later
-    steps, never changes those it has."""
+class ScheduledRequest(NamedTuple):
+    """One request's work in a step; immutable. A named tuple: the scheduler builds one per
+    running request per step with ``tuple.__new__`` (half a dataclass's ``__init__``) and the
+    runner takes its columns with one ``zip(*rows)`` (``benchmarks/bench_host_step.py``).
+    ``block_table`` is the KV manager's persistent list of the request (``kv_cache.py``): it
+    may gain ids in later steps, never changes those it has."""
 
     request_id: str
     token_ids: Sequence[int]  # the chunk to compute this step
@@ -113,8 +129,8 @@ class ScheduledRequest:
     sampling_params: SamplingParams | None = None  # None: greedy
     pooling_params: PoolingParams | None = None  # set for pooling (embedding) requests
     is_new: bool = False  # first step since admission (or re-admission after preemption)
-    # indexes into mm_items: encode these this step
-    encoder_inputs: list[int] = dataclasses.field(default_factory=list)
+    encoder_inputs: Sequence[int] = ()  # indexes into mm_items: encode these this step
+    plain: bool = False  # ``is_plain`` of the params (False: the runner checks the row)
 
     @property
     def num_tokens(self) -> int:
@@ -161,9 +177,12 @@ class SchedulerOutput:
 
 @dataclasses.dataclass
 class StepOutput:
-    """What one step produced, keyed by request id."""
+    """What one step produced: ``sampled`` holds one token per sampled row (a chunk with
+    ``sample`` set and no ``pooling_params``), in schedule order, for the rows'
+    ``sampled_ids``; the rest is keyed by request id."""
 
-    sampled_token_ids: dict[str, int] = dataclasses.field(default_factory=dict)
+    sampled: list[int] = dataclasses.field(default_factory=list)
+    sampled_ids: Sequence[str] = ()
     logprobs: dict[str, TokenLogprobs] = dataclasses.field(default_factory=dict)  # who asked
     # prompt logprobs of this chunk: request id -> (index of the first prompt token scored,
     # one row per prompt token from there; ``engine/logprobs.py`` ``score``)
@@ -171,31 +190,7 @@ class StepOutput:
     pooled: dict[str, Any] = dataclasses.field(default_factory=dict)  # numpy float32 vectors
     encoded_mm_hashes: list[str] = dataclasses.field(default_factory=list)
 
-
-@dataclasses.dataclass(slots=True)
-class RequestEvent:
-    """Progress or the end of one request, as produced by ``Scheduler.update_from_output``."""
-
-    request_id: str
-    client_index: int
-    new_token_ids: list[int]
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-    error: RequestError | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-
     @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def to_wire(self) -> EngineCoreOutput:
-        return EngineCoreOutput(
-            request_id=self.request_id,
-            new_token_ids=list(self.new_token_ids),
-            finish_reason=None if self.finish_reason is None else self.finish_reason.value,
-            error=self.error,
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_cached_tokens=self.num_cached_tokens,
-            stop_reason=self.stop_reason,
-        )
+    def sampled_token_ids(self) -> dict[str, int]:
+        """``sampled`` by request id (for readers that look tokens up one at a time)."""
+        return dict(zip(self.sampled_ids, self.sampled, strict=True))

@@ -24,7 +24,7 @@ Invariants:
   (and the encoder runs of items they cover) are skipped.
 - A request that can never be scheduled (prompt beyond ``max_model_len`` or the KV pool, an
   item larger than the encoder cache or a step's budgets: :func:`never_schedulable`) finishes
-  with a typed error, delivered as an event by the next ``update_from_output``; the others
+  with a typed error, delivered as an output by the next ``update_from_output``; the others
   keep being scheduled.
 - Leaving ``running`` other than by preemption (finish, abort, rejection) releases the
   request's KV blocks and encoder references, removes it from ``requests`` and reports its id
@@ -41,21 +41,31 @@ import bisect
 import dataclasses
 import itertools
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 from mmis.engine.encoder_cache import EncoderCacheManager
 from mmis.engine.encoder_plan import Budget, EncoderPlan, plan_chunk, rollback
 from mmis.engine.kv_cache import KVCacheManager
 from mmis.engine.request import InvalidRequestError, Request, RequestStatus
 from mmis.engine.sched_config import SchedulerConfig, never_schedulable
-from mmis.engine.sched_output import (
-    MultiModalInput,
-    RequestEvent,
-    ScheduledRequest,
-    SchedulerOutput,
-)
+from mmis.engine.sched_output import MultiModalInput, ScheduledRequest, SchedulerOutput
 from mmis.protocol.errors import MMISError
-from mmis.protocol.messages import ErrorCode, FinishReason, RequestError
+from mmis.protocol.messages import EngineCoreOutput, ErrorCode, FinishReason, RequestError
+
+new_row = tuple.__new__  # builds a ScheduledRequest (a named tuple) from its field values
+
+
+def _spread(scheduled: Sequence[ScheduledRequest], sampled: Sequence[int]) -> list[int | None]:
+    """``sampled`` (one token per chunk that samples: ``sample`` set, no pooling) placed
+    beside its chunk, ``None`` beside the others; a count that does not match raises."""
+    tokens = iter(sampled)
+    out = [
+        next(tokens, None) if item.sample and item.pooling_params is None else None
+        for item in scheduled
+    ]
+    if next(tokens, None) is not None:
+        raise SchedulerError(f"{len(sampled)} sampled tokens for a step that sampled fewer")
+    return out
 
 
 class SchedulerError(MMISError):
@@ -74,16 +84,17 @@ class SchedulerStats:
     num_rejected: int
 
 
-def _event(request: Request, new_token_ids: list[int]) -> RequestEvent:
-    return RequestEvent(
+def _output(request: Request, new_token_ids: list[int]) -> EngineCoreOutput:
+    """The wire output of ``request`` after it gained ``new_token_ids`` (its end, if ended)."""
+    reason = request.finish_reason
+    return EngineCoreOutput(
         request_id=request.request_id,
-        client_index=request.client_index,
         new_token_ids=new_token_ids,
-        finish_reason=request.finish_reason,
-        stop_reason=request.stop_reason,
+        finish_reason=None if reason is None else reason.value,
         error=request.error,
         num_prompt_tokens=request.num_prompt_tokens,
         num_cached_tokens=max(request.num_cached_tokens, 0),
+        stop_reason=request.stop_reason,
     )
 
 
@@ -104,7 +115,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_ids: list[str] = []
-        self._pending_events: list[RequestEvent] = []
+        self._pending_outputs: list[EngineCoreOutput] = []
         self._seq = itertools.count()
         self._step = 0
         self.num_preemptions = 0
@@ -143,8 +154,8 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def has_pending_events(self) -> bool:
-        return bool(self._pending_events)
+    def has_pending_outputs(self) -> bool:
+        return bool(self._pending_outputs)
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -182,11 +193,15 @@ class Scheduler:
         self, budget: Budget, scheduled: list[ScheduledRequest], preempted: list[str]
     ) -> None:
         running, kv = self.running, self.kv
+        held = kv.block_ids  # a request's persistent block ids
         i = 0
         while i < len(running) and budget.tokens > 0:
             request = running[i]
             start = request.num_computed_tokens
-            num_new = min(request.num_tokens - start, budget.tokens)
+            tokens = request.all_token_ids
+            num_new = len(tokens) - start
+            if num_new > budget.tokens:
+                num_new = budget.tokens
             plan: EncoderPlan | None = None
             if start < request.mm_end:  # an item may still be ahead: plan its encoder run
                 plan = self._plan_encoder(request, start, num_new, budget)
@@ -197,31 +212,36 @@ class Scheduler:
                     self._rollback(request, plan)
                 i += 1
                 continue
-            while (table := kv.allocate_slots(request, num_new)) is None:
+            # most decode steps fit in the held blocks, where allocate_slots would do nothing
+            table = held.get(request.request_id) if start + num_new <= request.kv_capacity else None
+            while table is None and (table := kv.allocate_slots(request, num_new)) is None:
                 victim = running[-1]
                 if victim is request:
                     if plan is not None:
                         self._rollback(request, plan)
                     break
                 self._preempt(victim, preempted)
-            else:
+            if table is not None:
                 if plan is None:  # _commit without encoder runs, inlined (every decode row)
                     end = start + num_new
                     request.num_computed_tokens = end
                     budget.tokens -= num_new
-                    tokens = request.all_token_ids
                     scheduled.append(
-                        ScheduledRequest(
-                            request.request_id,
-                            tokens[start:end],
-                            start,
-                            table,
-                            request.mm_items,  # every item starts before the chunk
-                            end == len(tokens),
-                            request.sampling_params,
-                            request.pooling_params,
-                            False,
-                            [],
+                        new_row(  # ScheduledRequest(...) without its Python-level __new__
+                            ScheduledRequest,
+                            (
+                                request.request_id,
+                                tokens[start:end],
+                                start,
+                                table,
+                                request.mm_items,  # every item starts before the chunk
+                                end == len(tokens),
+                                request.sampling_params,
+                                request.pooling_params,
+                                False,
+                                (),
+                                request.plain,
+                            ),
                         )
                     )
                 else:
@@ -317,60 +337,86 @@ class Scheduler:
             request.pooling_params,
             is_new,
             encoder_inputs,
+            request.plain,
         )
 
     # -- after the step ----------------------------------------------------------------------
 
     def update_from_output(
-        self, sched_out: SchedulerOutput, sampled: Mapping[str, Sequence[int]]
-    ) -> list[RequestEvent]:
-        """Apply a step's sampled tokens; returns progress/finish events (also for requests
-        rejected by the pass). Requests aborted since the pass are skipped."""
-        events, self._pending_events = self._pending_events, []
+        self, sched_out: SchedulerOutput, sampled: Sequence[int]
+    ) -> list[EngineCoreOutput]:
+        """Apply a step's sampled tokens; returns one wire output per request that progressed
+        or ended (also for requests rejected by the pass). Requests aborted since the pass are
+        skipped.
+
+        ``sampled`` holds one token per scheduled chunk that samples (``sample`` set, no
+        ``pooling_params``: the rows ``runner.py`` samples), in schedule order. A chunk's
+        full KV blocks are registered in the prefix cache only when it crossed a block
+        boundary: every earlier update registered every block full by then (a prefix hit
+        registers its blocks at admission, ``kv_cache.py``), so a chunk inside one block
+        completes none.
+        """
+        outputs, self._pending_outputs = self._pending_outputs, []
         requests, cache_blocks = self.requests, self.kv.cache_computed_blocks
-        limit = self.config.max_model_len
+        bs, limit = self.kv.block_size, self.config.max_model_len or float("inf")
         running, finished = RequestStatus.RUNNING, RequestStatus.FINISHED
-        for item in sched_out.scheduled:
+        scheduled = sched_out.scheduled
+        if len(sampled) == len(scheduled):  # every chunk sampled (every decode step)
+            pairs: Iterable[tuple[ScheduledRequest, int | None]] = zip(
+                scheduled, sampled, strict=True
+            )
+        else:
+            pairs = zip(scheduled, _spread(scheduled, sampled), strict=True)
+        for item, token in pairs:
+            if token is not None and (not item.sample or item.pooling_params is not None):
+                raise SchedulerError(
+                    f"a sampled token for {item.request_id!r}, which did not sample"
+                )
             request = requests.get(item.request_id)
             if request is None or request.status is not running:
                 continue
-            cache_blocks(request)
+            if item.start_position // bs != request.num_computed_tokens // bs:
+                cache_blocks(request)  # the chunk completed a block
             if request.mm_features:
                 self._release_passed_items(request)
             if not item.sample:
                 continue
-            if request.sampling_params is None and request.pooling_params is not None:
+            if item.pooling_params is not None:
                 request.finish(FinishReason.STOP)  # a pooling request: done after its prompt
-                events.append(_event(request, []))
+                outputs.append(_output(request, []))
                 self._finish_running(request)
                 continue
-            tokens = sampled.get(item.request_id)
-            if not tokens:
+            if token is None:
                 raise SchedulerError(f"no sampled token for scheduled request {item.request_id!r}")
-            new_tokens = []
-            for token in tokens:
+            if request.constraint is None:  # append_output_token, inlined (every row)
+                request.output_token_ids.append(token)
+                tokens = request.all_token_ids
+                tokens.append(token)
+                size = len(tokens)
+            else:
                 request.append_output_token(token)
-                new_tokens.append(token)
-                if request.check_stop(token):
-                    break
-                if limit is not None and len(request.all_token_ids) >= limit:
-                    request.finish(FinishReason.LENGTH)
-                    break
-            events.append(
-                RequestEvent(
-                    request.request_id,
-                    request.client_index,
-                    new_tokens,
-                    request.finish_reason,
-                    request.stop_reason,
-                    request.error,
-                    len(request.prompt_token_ids),
-                    max(request.num_cached_tokens, 0),
-                )
-            )  # as _event
+                size = len(request.all_token_ids)
+            if (
+                token in request.stop_ids
+                or size >= request.length_cap
+                or request.constraint is not None
+            ):
+                request.check_stop(token)  # else it cannot stop this request
+            if size >= limit and request.status is running:
+                request.finish(FinishReason.LENGTH)
             if request.status is finished:
+                outputs.append(_output(request, [token]))
                 self._finish_running(request)
-        return events
+            else:  # _output of a running request: no reason, error or stop reason yet
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=request.request_id,
+                        new_token_ids=[token],
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        num_cached_tokens=request.num_cached_tokens,  # set (>= 0) at admission
+                    )
+                )
+        return outputs
 
     def _release_passed_items(self, request: Request) -> None:
         for feature in request.mm_features:
@@ -423,5 +469,5 @@ class Scheduler:
 
     def _end_by_scheduler(self, request: Request) -> None:
         self.num_rejected += 1
-        self._pending_events.append(_event(request, []))
+        self._pending_outputs.append(_output(request, []))
         self._release(request)
