@@ -159,8 +159,11 @@ def checked_step(core: EngineCore) -> set[str]:
 class PhaseTimer:
     """Wall time spent in a few of the core's calls during the timed steps (``--breakdown``)."""
 
-    PHASES = (("schedule", "scheduler", "schedule"), ("execute", "runner", "execute"))
-    PHASES += (("update", "scheduler", "update_from_output"),)
+    PHASES = (
+        ("schedule", "scheduler", "schedule"),
+        ("execute", "runner", "execute"),
+        ("update", "scheduler", "update_from_output"),
+    )
 
     def __init__(self, core: EngineCore) -> None:
         self.totals = {name: 0 for name, _, _ in self.PHASES}
@@ -197,65 +200,116 @@ class Figures:
         return f"{self.batch}x{self.context // 1024}k"
 
 
-def measure(
+class Workload:
+    """One size ``BxC``: its core prefilled and warmed up; :meth:`run` times decode steps."""
+
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        batch: int,
+        context: int,
+        *,
+        steps: int,
+        warmup: int,
+        step_tokens: int,
+        profile: bool,
+        breakdown: bool,
+    ) -> None:
+        self.batch, self.context = batch, context
+        # the first requests decode while the last ones still prefill: room for those tokens
+        prefill_steps = -(-batch * context // max(step_tokens - batch, 1)) + batch
+        total = prefill_steps + warmup + steps + 2
+        self.core = core = build_core(adapter, batch, context, total, step_tokens)
+        add_requests(core, batch, context, total, seed=batch * 100_003 + context)
+        started = time.perf_counter()
+        produced: set[str] = set()
+        while len(produced) < batch:  # prefill (chunked), until every request has a token
+            produced |= checked_step(core)
+        self.prefill_s = time.perf_counter() - started
+        for _ in range(warmup):
+            if len(checked_step(core)) != batch:
+                raise BenchmarkError("a warm-up step was not a decode step of every request")
+        self.times: list[int] = []
+        self.cpu_times: list[int] = []
+        self.profiler = cProfile.Profile() if profile else None
+        self.timer = PhaseTimer(core) if breakdown else None
+
+    def run(self, steps: int) -> None:
+        core, profiler = self.core, self.profiler
+        if self.timer is not None:
+            self.timer.on = True
+        for _ in range(steps):
+            c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+            if profiler is not None:
+                profiler.enable()
+            outputs = core.step()
+            if profiler is not None:
+                profiler.disable()
+            self.times.append(time.perf_counter_ns() - t0)
+            self.cpu_times.append(time.thread_time_ns() - c0)
+            if sum(bool(o.new_token_ids) for o in outputs) != self.batch:
+                raise BenchmarkError("a timed step was not a decode step of every request")
+        if self.timer is not None:
+            self.timer.on = False
+
+    def figures(self, profile: int) -> Figures:
+        steps = len(self.times)
+        if self.timer is not None:
+            parts = ", ".join(f"{k} {v / steps / 1e6:.3f}" for k, v in self.timer.totals.items())
+            print(f"  {self.batch}x{self.context}: mean ms per step: {parts}", file=sys.stderr)
+        if self.profiler is not None:
+            text = io.StringIO()
+            pstats.Stats(self.profiler, stream=text).sort_stats("tottime").print_stats(profile)
+            print(text.getvalue(), file=sys.stderr)
+        ms = np.asarray(self.times, dtype=np.float64) / 1e6
+        cpu = np.asarray(self.cpu_times, dtype=np.float64) / 1e6
+        return Figures(
+            self.batch,
+            self.context,
+            float(np.median(ms)),
+            float(np.percentile(ms, 90)),
+            statistics.fmean(ms.tolist()),
+            self.prefill_s,
+            float(np.median(cpu)),
+        )
+
+
+def measure_together(
     adapter: ModelAdapter,
-    batch: int,
-    context: int,
+    sizes: Sequence[tuple[int, int]],
     *,
     steps: int,
     warmup: int,
     step_tokens: int,
+    chunk: int,
     profile: int,
     breakdown: bool = False,
-) -> Figures:
-    # the first requests decode while the last ones still prefill: room for those tokens too
-    prefill_steps = -(-batch * context // max(step_tokens - batch, 1)) + batch
-    total = prefill_steps + warmup + steps + 2
-    core = build_core(adapter, batch, context, total, step_tokens)
-    add_requests(core, batch, context, total, seed=batch * 100_003 + context)
-    started = time.perf_counter()
-    produced: set[str] = set()
-    while len(produced) < batch:  # prefill (chunked), until every request has its first token
-        produced |= checked_step(core)
-    prefill_s = time.perf_counter() - started
-    for _ in range(warmup):
-        if len(checked_step(core)) != batch:
-            raise BenchmarkError("a warm-up step was not a decode step of every request")
-    times, cpu_times = [], []
-    profiler = cProfile.Profile() if profile else None
-    timer = PhaseTimer(core) if breakdown else None
-    if timer is not None:
-        timer.on = True
+) -> list[Figures]:
+    """Time ``sizes`` side by side: all prefilled first, then ``chunk`` steps of each in turn
+    (the order rotating every round) until each has ``steps``, so that a shared machine's
+    drift from minute to minute weighs on every size alike."""
+    loads = [
+        Workload(
+            adapter,
+            batch,
+            context,
+            steps=steps,
+            warmup=warmup,
+            step_tokens=step_tokens,
+            profile=bool(profile),
+            breakdown=breakdown,
+        )
+        for batch, context in sizes
+    ]
     gc.collect()
-    for _ in range(steps):
-        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
-        if profiler is not None:
-            profiler.enable()
-        outputs = core.step()
-        if profiler is not None:
-            profiler.disable()
-        times.append(time.perf_counter_ns() - t0)
-        cpu_times.append(time.thread_time_ns() - c0)
-        if sum(bool(o.new_token_ids) for o in outputs) != batch:
-            raise BenchmarkError("a timed step was not a decode step of every request")
-    if timer is not None:
-        parts = ", ".join(f"{k} {v / steps / 1e6:.3f}" for k, v in timer.totals.items())
-        print(f"  {batch}x{context}: mean ms per step: {parts}", file=sys.stderr)
-    if profiler is not None:
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(profile)
-        print(text.getvalue(), file=sys.stderr)
-    ms = np.asarray(times, dtype=np.float64) / 1e6
-    cpu = np.asarray(cpu_times, dtype=np.float64) / 1e6
-    return Figures(
-        batch,
-        context,
-        float(np.median(ms)),
-        float(np.percentile(ms, 90)),
-        statistics.fmean(ms.tolist()),
-        prefill_s,
-        float(np.median(cpu)),
-    )
+    done = 0
+    while done < steps:
+        n = min(chunk, steps - done)
+        shift = (done // chunk) % len(loads)
+        for load in loads[shift:] + loads[:shift]:
+            load.run(n)
+        done += n
+    return [load.figures(profile) for load in loads]
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -282,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--steps", type=int, default=200, help="timed decode steps per size")
     parser.add_argument("--warmup", type=int, default=30, help="untimed decode steps first")
+    parser.add_argument(
+        "--chunk", type=int, default=10, help="steps of one size before the next size's turn"
+    )
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192, dest="step_tokens")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
@@ -312,23 +369,27 @@ def main(argv: list[str] | None = None) -> int:
         f"{'prefill s':>10}"
     )
     figures = []
-    for batch, context in sizes:
-        f = measure(
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for batch, context in sizes:  # the sizes of one batch size are timed side by side
+        groups.setdefault(batch, []).append((batch, context))
+    for group in groups.values():
+        for f in measure_together(
             adapter,
-            batch,
-            context,
+            group,
             steps=args.steps,
             warmup=args.warmup,
             step_tokens=args.step_tokens,
+            chunk=args.chunk,
             profile=args.profile,
             breakdown=args.breakdown,
-        )
-        figures.append(f)
-        print(
-            f"{f.label:>9} {f.median_ms:>10.3f} {f.p90_ms:>8.3f} {f.mean_ms:>8.3f} "
-            f"{f.cpu_median_ms:>11.3f} {f.prefill_s:>10.1f}",
-            flush=True,
-        )
+        ):
+            figures.append(f)
+            print(
+                f"{f.label:>9} {f.median_ms:>10.3f} {f.p90_ms:>8.3f} {f.mean_ms:>8.3f} "
+                f"{f.cpu_median_ms:>11.3f} {f.prefill_s:>10.1f}",
+                flush=True,
+            )
+    figures.sort(key=lambda f: sizes.index((f.batch, f.context)))
     parts = [
         f"{f.label} {f.median_ms:.3f} ms (p90 {f.p90_ms:.3f}, cpu {f.cpu_median_ms:.3f})"
         for f in figures
