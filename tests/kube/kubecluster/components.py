@@ -69,6 +69,8 @@ def apiserver_argv(tools: Tools, pki: PKI, ports: Ports) -> list[str]:
         f"--service-cluster-ip-range={SERVICE_CIDR}",
         "--authorization-mode=RBAC",
         "--allow-privileged=true",
+        # reach a real kubelet (logs, exec) at its InternalIP, not its unresolvable hostname
+        "--kubelet-preferred-address-types=InternalIP,Hostname",
         "--profiling=false",
         "--v=1",
     ]
@@ -112,7 +114,9 @@ def kwok_argv(tools: Tools, ports: Ports, kubeconfig: Path) -> list[str]:
     return [
         str(tools.path("kwok")),
         f"--kubeconfig={kubeconfig}",
-        "--manage-all-nodes=true",
+        # only the fake nodes (cluster.node_manifest annotates them): a real kubelet's node
+        # (scripts/realnode) must not get kwok's heartbeats, lease or pod statuses
+        "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
         f"--cidr={POD_CIDR}",
         "--node-ip=10.240.0.1",
         f"--server-address=127.0.0.1:{ports.kwok}",
