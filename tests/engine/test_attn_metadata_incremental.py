@@ -1,4 +1,4 @@
-"""The runner's incremental step metadata (``attn_metadata.build_step`` over persistent
+"""The runner's incremental step metadata (``step_builder.build_step`` over persistent
 ``BlockTables`` rows: a request's row only gains ids, ended requests release theirs) equals
 ``AttentionMetadata.build`` from scratch, tensor for tensor and error for error, over random
 step sequences: requests arriving, ending, chunked, decoding, reordered, a block table list
@@ -15,13 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from mmis.engine.attn_metadata import (
-    AttentionMetadata,
-    BlockTables,
-    HostToDevice,
-    PagedAttentionError,
-    build_step,
-)
+from mmis.engine.attn_metadata import AttentionMetadata, PagedAttentionError
+from mmis.engine.block_tables import BlockTables
+from mmis.engine.step_builder import HostToDevice, build_step
 
 CPU = torch.device("cpu")
 BS, NB = 4, 4000

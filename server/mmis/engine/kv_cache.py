@@ -22,7 +22,7 @@ Invariants:
   :meth:`allocate_slots` return that list itself, not a copy, so a step costs what its new
   blocks cost, whatever the context; the list is never changed after :meth:`free` (a request
   admitted again gets a new list). The runner keeps its device rows in step with these lists
-  the same way (``attn_metadata.BlockTables``). Callers read it, never change it.
+  the same way (``block_tables.BlockTables``). Callers read it, never change it.
 - ``request.kv_capacity`` is ``len(block_ids[request_id]) * block_size`` while the request
   holds blocks, else 0 (set by :meth:`allocate_slots` and :meth:`free`).
 """

@@ -21,8 +21,9 @@ Invariants:
   CUDA, not under tensor parallelism) a step of decode rows only runs that forward as a
   fixed-shape replay of a captured CUDA graph (``decode_graphs.py``); every other step eager.
 - The step's attention metadata (block tables, cumulative lengths, new-token slots,
-  positions: ``attn_metadata.py``) is built once, vectorised, before the forward, from the
-  runner's persistent block tables (``attn_metadata.BlockTables``: a request's row gains only
+  positions: ``attn_metadata.py``) is built once by ``step_builder.build_step``, vectorised,
+  before the forward, from the
+  runner's persistent block tables (``block_tables.BlockTables``: a request's row gains only
   its new block ids; ended requests release theirs), and every host input of the step (token
   ids, sample rows, metadata) goes to the device in one copy; the
   attention backend (``attn_backends.py``, chosen per device at construction) reads it in
@@ -51,11 +52,12 @@ import torch
 
 from mmis.engine import logprobs
 from mmis.engine.attn_backends import AttentionBackend, ProbeShape, select_backend
-from mmis.engine.attn_metadata import BlockTables, HostToDevice, build_step
+from mmis.engine.block_tables import BlockTables
 from mmis.engine.model.adapter import ModelAdapter
 from mmis.engine.paged_attention import DEFAULT_BLOCK_SIZE, PagedKVPool, PagedStep
 from mmis.engine.sampler import Sampler
 from mmis.engine.sched_output import ScheduledRequest, SchedulerOutput, StepOutput
+from mmis.engine.step_builder import HostToDevice, build_step
 from mmis.engine.token_history import TokenCounts, TokenHistory, TokenHistoryCache
 from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import ErrorCode, SamplingParams
