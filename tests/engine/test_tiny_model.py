@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -82,6 +83,13 @@ def test_build_is_deterministic(tmp_path: Path):
     assert digest(first) == digest(second)
     assert digest(first) != digest(other_seed)
     assert (first / "tokenizer.json").read_bytes() == (second / "tokenizer.json").read_bytes()
+    # readable by others (a pod's uid 1000 serves what root built); safetensors alone
+    # writes the weights 0600
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {(p.name, p.stat().st_mode & 0o777) for p in first.iterdir()} == {
+        (p.name, 0o666 & ~umask) for p in first.iterdir()
+    }
 
 
 def test_refuses_unknown_family_and_non_empty_directory(tmp_path: Path):

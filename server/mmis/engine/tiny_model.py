@@ -318,6 +318,7 @@ def build_tiny_model(
     try:
         BUILDERS[family](tmp, seed)
         (tmp / FINGERPRINT_FILE).write_text(fingerprint(family) + "\n")
+        _plain_modes(tmp)
         os.rename(tmp, target)  # atomic; replaces an empty directory, fails on a full one
     except OSError:
         if not (target / "config.json").exists():
@@ -325,6 +326,17 @@ def build_tiny_model(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _plain_modes(directory: Path) -> None:
+    """Give every file the mode a plain ``open`` gives (0666 less the umask): safetensors
+    writes the weights 0600, so a model built by root could not be served by uid 1000 (the
+    operator's pods), and safetensors reports that as a missing file."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in directory.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
 
 
 def model_cache_dir() -> Path:
