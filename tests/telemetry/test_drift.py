@@ -81,12 +81,19 @@ def test_a_counter_reset_counts_the_new_value_not_a_negative_delta() -> None:
         ]
     )
     clock = Clock()
-    window = DriftWindow(lambda: next(readings), 60.0, clock)
-    window.sample()
+    window = DriftWindow(lambda: next(readings), 60.0, clock)  # takes the first reading
     clock.now = 1.0
     stats = window.stats()
     assert stats["shadow_hits"] == 4 and stats["drift_misses"] == 1
     assert stats["drift_rate"] == 0.25
+
+
+def test_traffic_before_the_first_probe_counts() -> None:
+    metrics, window, clock = make(window_s=60.0)
+    clock.now = 2.0
+    metrics.shadow_hits()  # before anyone asked for stats
+    clock.now = 3.0
+    assert window.stats()["shadow_hits"] == 1
 
 
 def test_memory_stays_bounded_when_sampled_on_every_request() -> None:

@@ -13,6 +13,8 @@ Invariants:
   the newest sample instead of being appended, and samples older than the baseline are dropped.
 - A counter that goes backwards (its source restarted) is treated as reset: its delta is its
   new value, as Prometheus' ``increase()`` does.
+- The first sample is taken at construction, so the window covers the process's first
+  requests even when nobody asked for stats before them.
 - A rate with a zero denominator is 0.0 (no evidence of drift), never NaN or an exception;
   the raw counts are reported beside the rates so a reader can judge the evidence.
 """
@@ -90,6 +92,8 @@ class DriftWindow:
         self._clock = clock
         self._min_gap = self.window_s / resolution
         self._samples: collections.deque[tuple[float, DriftCounters]] = collections.deque()
+        # the baseline is the start: traffic before the first probe or scrape still counts
+        self.sample()
 
     def __len__(self) -> int:
         return len(self._samples)
