@@ -55,12 +55,23 @@ class FrontendLevels(Collector):
             writer.reclaim()  # acknowledged extents are free space, not usage (reclaim is lazy)
             return float(writer.stats().used)
 
+        def shm_stat(field: str) -> Callable[[], float]:
+            def read() -> float:
+                writer = state.shm_writer
+                return 0.0 if writer is None else float(getattr(writer.stats(), field))
+
+            return read
+
         return {
             "engine_requests_in_flight": lambda: state.client.num_in_flight,
             "shadow_entries": lambda: len(state.shadow),
             "shadow_bytes": lambda: state.shadow.stats().total_bytes,
             "pending_invalidations": lambda: len(state.pending),
             "shm_used_bytes": shm_used,
+            # 0 when the store is off or could not be created (frontend/state.py)
+            "shm_capacity_bytes": shm_stat("capacity"),
+            # extents P1 acknowledged (read) and P0 reclaimed, since start
+            "shm_reclaimed_bytes": shm_stat("reclaimed_bytes"),
             "ready": lambda: int(state.ready),
         }
 

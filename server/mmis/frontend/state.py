@@ -101,6 +101,26 @@ def hash_model_id(settings: FrontendConfig) -> str:
     return settings.model if settings.revision is None else f"{settings.model}@{settings.revision}"
 
 
+def _shm_writer(settings: FrontendConfig) -> ShmWriter | None:
+    """The SHM store, or None when it cannot be made: a /dev/shm smaller than ``--shm-gb``
+    (a pod's memory ``emptyDir`` below the store, ``ENOSPC`` once the writer's bounded wait
+    for a dead writer's memory ran out) is logged as the error it is and the front end
+    sends tensors inline instead. Starting anyway keeps the pod out of a crash loop; the
+    gauge ``mmis_frontend_shm_capacity_bytes`` is then 0."""
+    size = int(settings.shm_gb * GiB)
+    try:
+        return ShmWriter(size, directory=settings.shm_dir)
+    except OSError as exc:
+        log.error(
+            "shared-memory store not created (%s): %s GiB does not fit in %s; media tensors "
+            "travel inline. Give that volume at least --shm-gb plus headroom, or lower --shm-gb",
+            exc,
+            f"{settings.shm_gb:g}",
+            settings.shm_dir,
+        )
+        return None
+
+
 class FrontendState:
     def __init__(
         self,
@@ -123,9 +143,7 @@ class FrontendState:
         self.shadow = SenderCache(int(settings.mm_cache_gb * GiB))
         self.pending = PendingInvalidations(self.shadow)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmis-mm-render")
-        self.shm_writer: ShmWriter | None = None
-        if settings.mm_cache_type == "shm":
-            self.shm_writer = ShmWriter(int(settings.shm_gb * GiB), directory=settings.shm_dir)
+        self.shm_writer = _shm_writer(settings) if settings.mm_cache_type == "shm" else None
         self.loader = MediaLoader(settings)
         self.client = EngineClient(
             settings.engine_input_address,
