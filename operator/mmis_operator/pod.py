@@ -9,7 +9,8 @@ Invariants:
 - GPUs are requested only on ``engine`` (as limits; requests equal limits for extended
   resources). CPU has requests and no limit (no throttling); memory request == limit.
 - Probes: a startup probe on ``/health`` whose budget is ``probes.startupTimeoutSeconds``
-  (slow downloads and model loads), readiness on ``/ready``, liveness on ``/health``.
+  (slow downloads and model loads), readiness on ``/ready``, liveness on ``/health`` with a
+  short grace period of its own (a hung process is not drained).
 - Non-root, no privilege escalation, all capabilities dropped, read-only root filesystem, on
   every container (Pod Security ``restricted``); writable paths are volumes (/tmp, the model
   cache). No service-account token is mounted (``automountServiceAccountToken: false``): the
@@ -45,6 +46,7 @@ CACHE_DIR = "/var/cache/mmis"
 MODEL_CACHE_VOLUME = "model-cache"
 DOWNLOAD = "model-download"  # the init container that fills the model cache
 STARTUP_PERIOD = 10
+HUNG_GRACE_SECONDS = 5  # a liveness failure's grace period (the probe's own, not the pod's)
 API_KEY_ENV = "MMIS_FRONTEND_API_KEY"  # FrontendConfig.api_key via the frontend section
 TOKEN_ENV = "HF_TOKEN"
 # snapshot_download of the weights, config, tokenizer and processor files of one revision
@@ -158,6 +160,15 @@ def _probe(
     }
 
 
+def _liveness(port: str) -> dict[str, Any]:
+    """A hung process has nothing to drain: its restart waits
+    :data:`HUNG_GRACE_SECONDS`, not the pod's drain-sized grace period."""
+    return {
+        **_probe("/health", 10, 3, 5, port),
+        "terminationGracePeriodSeconds": HUNG_GRACE_SECONDS,
+    }
+
+
 def _security() -> dict[str, Any]:
     return {
         "allowPrivilegeEscalation": False,
@@ -264,7 +275,7 @@ def frontend_container(spec: ServiceSpec, name: str) -> dict[str, Any]:
             "/health", STARTUP_PERIOD, math.ceil(spec.startup_timeout_seconds / STARTUP_PERIOD), 5
         ),
         "readinessProbe": _probe("/ready", 5, 3, 3),
-        "livenessProbe": _probe("/health", 10, 3, 5),
+        "livenessProbe": _liveness(r.HTTP_PORT_NAME),
         "securityContext": _security(),
         "volumeMounts": _mounts(),
     }
@@ -306,7 +317,7 @@ def engine_container(spec: ServiceSpec, name: str) -> dict[str, Any]:
             r.ENGINE_HEALTH_PORT_NAME,
         ),
         "readinessProbe": _probe("/health", 5, 3, 3, r.ENGINE_HEALTH_PORT_NAME),
-        "livenessProbe": _probe("/health", 10, 3, 5, r.ENGINE_HEALTH_PORT_NAME),
+        "livenessProbe": _liveness(r.ENGINE_HEALTH_PORT_NAME),
         "securityContext": _security(),
         "volumeMounts": _mounts(),
     }
