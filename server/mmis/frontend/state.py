@@ -18,7 +18,8 @@ Invariants:
   up (``frontend/engine_liveness.py``: false the moment P1's process is gone, and after
   ``liveness_timeout_s`` of silence; true again once the restarted or resumed P1 answered).
   ``/ready`` is ``ready and healthy``, so it is false while P1 is down or restarting;
-  ``/health`` is ``healthy``.
+  ``/health`` answers for this process alone (the pod's liveness probe must not restart
+  P0 while P1 restarts: ``tests/kube/test_realnode_mmis.py``).
 - While P1 is down, requests wait for it (at most ``engine_wait_s``) or, with ``fail_fast``,
   get a 503 with ``Retry-After`` at once (the rules are in ``frontend/recovery.py``).
 - :meth:`close` stops the stats poller, the engine client (failing whatever is still in
