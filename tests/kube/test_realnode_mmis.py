@@ -1,0 +1,520 @@
+"""mmis in real pods: the chart's operator and an MMInferenceService on a real kubelet.
+
+One real node (``kubecluster/realnode.py``), the operator installed by ``helm install`` as a
+real pod, and one tiny-model service in a namespace that enforces Pod Security
+``restricted``; the tests then walk issue 32's points in order on that one service (each
+waits for the state it needs, so a failure names its own point):
+
+3. an OpenAI SDK chat with an image through the Service (``kubectl port-forward``), with the
+   resource's conditions (Ready, CacheCoherent) read from real pod status;
+6. the containers as run: uid 1000, read-only root, no service-account token, admitted
+   under ``restricted`` (a non-compliant pod is refused in the same namespace);
+5. P0's SHM store in the pod's memory ``emptyDir``, read and acknowledged by P1 in the other
+   container; a front-end restart leaks no segment; a volume below the store is a clear
+   error and inline tensors, never a crash loop;
+4. faults: the engine killed or stopped is restarted alone while the front end answers
+   ``/health``; a deleted pod is replaced; ``kubectl scale`` to 2 serves from both.
+
+The pods' image is a 2 MB busybox (``scripts/realnode-image``); the interpreter, this
+checkout with its venv and the model arrive as read-only PersistentVolumes of type
+hostPath, bound to claims (a claim passes ``restricted``; a hostPath volume would not).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from kubecluster import Cluster, KubectlError
+from kubecluster.realnode import IMAGE, SCHEDULING, RealNode, missing, port_forward
+from PIL import Image
+
+from mmis.engine.tiny_model import build_tiny_model
+
+pytestmark = [pytest.mark.controlplane, pytest.mark.realnode, pytest.mark.model]
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "mmis"
+PSA = "pod-security.kubernetes.io"
+NAME = "tiny"
+STORE = 128 * 2**20  # spec.cache.size with type shm: the SHM store P0 creates
+WAIT = 180.0
+
+
+def _wait(what: str, check: Callable[[], Any], timeout: float = WAIT, every: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except (KubectlError, httpx.HTTPError, RuntimeError, KeyError, IndexError) as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(every)
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _get(cluster: Cluster, ns: str, *what: str) -> dict[str, Any]:
+    return json.loads(cluster.kubectl("get", "-n", ns, *what, "-o", "json").stdout)
+
+
+@pytest.fixture(scope="module")
+def node(cluster: Cluster, crd: None) -> Iterator[RealNode]:
+    reason = missing(cluster)
+    if reason is not None:
+        if _in_ci():
+            pytest.fail(f"real node unavailable with CI=true: {reason}", pytrace=False)
+        pytest.skip(f"real node unavailable: {reason}")
+    with RealNode(cluster) as real:
+        yield real
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _mounts(models: Path) -> dict[str, tuple[str, str]]:
+    """Volume name -> (host path, path in the container): the same paths as on this host
+    (the venv's scripts and .pth files name them), the model at /models."""
+    paths = {
+        "usr": ("/usr", "/usr"),
+        "python": (sys.base_prefix, sys.base_prefix),
+        "tree": (str(ROOT), str(ROOT)),
+        "models": (str(models), "/models"),
+    }
+    if not Path(sys.prefix).is_relative_to(ROOT):
+        paths["venv"] = (sys.prefix, sys.prefix)
+    return paths
+
+
+def _env() -> list[dict[str, str]]:
+    return [
+        {"name": "PATH", "value": f"{sys.prefix}/bin:/usr/bin:/bin"},
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+    ]
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Cluster, node: RealNode) -> Iterator[str]:
+    """``helm install`` of the chart: the operator as a real pod on the real node. With no
+    kube-proxy the API server is reached on the host network at 127.0.0.1."""
+    ns = f"mmis-op-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", ns)
+    server = json.loads(cluster.kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
+    port = server.rsplit(":", 1)[1]
+    mounts = _mounts(Path("/nonexistent"))
+    mounts.pop("models")
+    values = {
+        "operator": {
+            "image": {"repository": IMAGE.split(":")[0], "tag": IMAGE.split(":")[1],
+                      "pullPolicy": "Never"},
+            "hostNetwork": True,
+            "livenessPort": _free_port(),
+            "extraArgs": ["--probe-seconds=3"],
+            "nodeSelector": SCHEDULING["nodeSelector"],
+            "tolerations": SCHEDULING["tolerations"],
+            "extraEnv": [*_env(), {"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
+                         {"name": "KUBERNETES_SERVICE_PORT", "value": port}],
+            "extraVolumes": [{"name": k, "hostPath": {"path": host, "type": "Directory"}}
+                             for k, (host, _) in mounts.items()],
+            "extraVolumeMounts": [{"name": k, "mountPath": at, "readOnly": True}
+                                  for k, (_, at) in mounts.items()],
+        }
+    }  # fmt: skip
+    values_file = cluster.kubeconfig.parent / f"{ns}-values.json"
+    values_file.write_text(json.dumps(values))
+    helm = [str(cluster.bin("helm")), "install", "mmis", str(CHART), "-n", ns]
+    proc = _run(cluster, *helm, "-f", str(values_file), "--wait", "--timeout", "120s")
+    assert proc.returncode == 0, proc.stderr
+    pods = _get(cluster, ns, "pods")["items"]
+    assert [p["spec"]["nodeName"] for p in pods] == ["mmis-realnode"]
+    yield ns
+    _run(cluster, str(cluster.bin("helm")), "uninstall", "mmis", "-n", ns, "--wait")
+    cluster.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def _run(cluster: Cluster, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, env=cluster.env, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def served(cluster: Cluster, operator: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The namespace (restricted) holding the tiny-model service, Ready."""
+    ns = f"rn-{uuid.uuid4().hex[:6]}"
+    models = tmp_path_factory.mktemp("realnode-models")
+    models.chmod(0o755)  # mounted at /models: pytest makes its directories 0700
+    build_tiny_model(models / "tiny-llava")  # world-readable files: the pods run as uid 1000
+    mounts = _mounts(models)
+    docs: list[dict[str, Any]] = [{
+        "apiVersion": "v1", "kind": "Namespace",
+        "metadata": {"name": ns, "labels": {f"{PSA}/enforce": "restricted",
+                                            f"{PSA}/enforce-version": "latest"}},
+    }]  # fmt: skip
+    for key, (host, _) in mounts.items():
+        docs.append({
+            "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{ns}-{key}"},
+            "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
+                     "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
+                     "hostPath": {"path": host, "type": "Directory"},
+                     "claimRef": {"namespace": ns, "name": key}},
+        })  # fmt: skip
+        docs.append({
+            "apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": key, "namespace": ns},
+            "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "",
+                     "volumeName": f"{ns}-{key}", "resources": {"requests": {"storage": "1Gi"}}},
+        })  # fmt: skip
+    mounted = [{"name": k, "mountPath": at, "readOnly": True} for k, (_, at) in mounts.items()]
+    fast_liveness = {"periodSeconds": 2, "failureThreshold": 3, "timeoutSeconds": 2}
+    docs.append({
+        "apiVersion": "mmis.dev/v1alpha1", "kind": "MMInferenceService",
+        "metadata": {"name": NAME, "namespace": ns},
+        "spec": {
+            "model": {"path": "/models/tiny-llava", "storage": {"size": "1Gi"}},
+            "image": IMAGE, "imagePullPolicy": "Never", "replicas": 1,
+            "resources": {"gpus": 0, "memory": "3Gi", "cpu": "500m",
+                          "frontendMemory": "1536Mi", "frontendCpu": "250m"},
+            "cache": {"type": "shm", "size": "128Mi"},
+            "probes": {"startupTimeoutSeconds": 300, "drainSeconds": 1},
+            "scheduling": SCHEDULING,
+            "podTemplate": {"spec": {
+                "containers": [
+                    {"name": "frontend", "env": _env(), "volumeMounts": mounted},
+                    {"name": "engine", "env": _env(), "volumeMounts": mounted,
+                     "livenessProbe": fast_liveness},
+                ],
+                "volumes": [{"name": k, "persistentVolumeClaim": {"claimName": k,
+                                                                  "readOnly": True}}
+                            for k in mounts],
+            }},
+        },
+    })  # fmt: skip
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
+                                                          "items": docs}))  # fmt: skip
+    _wait_ready(cluster, ns, 1)
+    yield ns
+    cluster.kubectl("delete", "namespace", ns, "--wait=false")
+    for key in mounts:
+        cluster.kubectl("delete", "pv", f"{ns}-{key}", "--wait=false", check=False)
+
+
+def _conditions(cluster: Cluster, ns: str) -> dict[str, dict[str, Any]]:
+    status = _get(cluster, ns, "mmis", NAME).get("status", {})
+    return {c["type"]: c for c in status.get("conditions", [])}
+
+
+def _pods(cluster: Cluster, ns: str) -> list[dict[str, Any]]:
+    pods = _get(cluster, ns, "pods", "-l", f"mmis.dev/service={NAME}")["items"]
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+
+def _ready_pods(cluster: Cluster, ns: str) -> list[dict[str, Any]]:
+    def ready(pod: dict[str, Any]) -> bool:
+        conds = pod.get("status", {}).get("conditions", [])
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+
+    return [p for p in _pods(cluster, ns) if ready(p)]
+
+
+def _wait_ready(cluster: Cluster, ns: str, replicas: int) -> list[dict[str, Any]]:
+    def check() -> list[dict[str, Any]] | None:
+        pods = _ready_pods(cluster, ns)
+        ready = _conditions(cluster, ns).get("Ready", {})
+        if len(pods) == replicas == len(_pods(cluster, ns)) and ready.get("status") == "True":
+            return pods
+        return None
+
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        with contextlib.suppress(KubectlError, KeyError):
+            pods = check()
+            if pods:
+                return pods
+        time.sleep(0.5)
+    state = cluster.kubectl("describe", "pods,mmis,pvc", "-n", ns, check=False).stdout
+    events = cluster.kubectl("get", "events", "-n", ns, check=False).stdout
+    for pod in _pods(cluster, ns):
+        for container in ("frontend", "engine"):
+            for previous in ("--previous=false", "--previous=true"):
+                logs = cluster.kubectl(
+                    "logs", "-n", ns, pod["metadata"]["name"], "-c", container, previous,
+                    "--tail=30", check=False,
+                )  # fmt: skip
+                events += f"\n--- {container} {previous}\n{logs.stdout}{logs.stderr}"
+    pytest.fail(f"no {replicas} ready pod(s) and Ready=True in {WAIT:.0f}s:\n{state}\n{events}")
+
+
+def _restarts(pod: dict[str, Any]) -> dict[str, int]:
+    return {s["name"]: s["restartCount"] for s in pod["status"]["containerStatuses"]}
+
+
+def _image_url(seed: int) -> str:
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), (seed * 37 % 256, seed * 91 % 256, 90)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _chat(base_url: str, seed: int) -> str:
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
+    content: list[Any] = [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image_url", "image_url": {"url": _image_url(seed)}},
+    ]
+    reply = client.chat.completions.create(
+        model="/models/tiny-llava",
+        messages=[{"role": "user", "content": content}],
+        max_tokens=6,
+        temperature=0,
+    )
+    assert reply.choices[0].finish_reason in ("length", "stop")
+    assert reply.usage is not None and reply.usage.prompt_tokens > 10  # the image's tokens
+    return reply.choices[0].message.content or ""
+
+
+def _pod_url(pod: dict[str, Any], port: int = 8000) -> str:
+    return f"http://{pod['status']['podIP']}:{port}"
+
+
+def _metric(pod: dict[str, Any], name: str) -> float:
+    text = httpx.get(f"{_pod_url(pod, 8001)}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+def _exec(cluster: Cluster, ns: str, pod: dict[str, Any], container: str, script: str) -> Any:
+    return cluster.kubectl(
+        "exec", "-n", ns, pod["metadata"]["name"], "-c", container, "--", "sh", "-c", script,
+        check=False,
+    )  # fmt: skip
+
+
+# -- 3. the chart's operator, a resource, its pod on a real kubelet, an OpenAI chat ----------
+
+
+def test_chat_through_the_service_and_conditions_from_pods(cluster: Cluster, served: str):
+    (pod,) = _ready_pods(cluster, served)
+    assert pod["spec"]["nodeName"] == "mmis-realnode"
+    assert {s["name"]: s["ready"] for s in pod["status"]["containerStatuses"]} == {
+        "frontend": True, "engine": True,
+    }  # fmt: skip
+    with port_forward(cluster, served, f"svc/{NAME}", 8000) as port:
+        first = _chat(f"http://127.0.0.1:{port}/v1", seed=1)
+        # the same photo again: a hit in P0's shadow, the evidence CacheCoherent is judged on
+        assert _chat(f"http://127.0.0.1:{port}/v1", seed=1) == first
+
+    def coherent() -> dict[str, Any]:
+        conditions = _conditions(cluster, served)
+        if conditions.get("CacheCoherent", {}).get("status") != "True":
+            raise RuntimeError(conditions.get("CacheCoherent"))
+        return conditions
+
+    conditions = _wait("CacheCoherent from the pods' stats", coherent, timeout=60)
+    assert conditions["CacheCoherent"]["reason"] == "DriftRateNormal"
+    assert conditions["Ready"]["status"] == "True"
+    assert "1/1 pods ready" in conditions["Ready"]["message"]
+
+
+# -- 6. security as run ----------------------------------------------------------------------
+
+
+def test_restricted_non_root_read_only_no_token(cluster: Cluster, served: str):
+    (pod,) = _ready_pods(cluster, served)
+    for container in ("frontend", "engine"):
+        out = _exec(cluster, served, pod, container, "id -u; id -g; touch /probe; echo rc=$?; "
+                    "ls /var/run/secrets/kubernetes.io 2>&1; ls /var/cache/mmis >/dev/null; "
+                    "touch /tmp/ok && echo tmp-writable")  # fmt: skip
+        lines = out.stdout.splitlines()
+        assert lines[:2] == ["1000", "1000"], out
+        assert "rc=1" in lines and "Read-only file system" in out.stderr, out
+        assert any("No such file or directory" in line for line in lines), out  # no token
+        assert "tmp-writable" in lines, out
+    # the namespace enforces restricted: the same pod made privileged is refused
+    bad = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "root", "namespace": served},
+           "spec": {"containers": [{"name": "c", "image": IMAGE, "command": ["true"],
+                                    "securityContext": {"privileged": True}}]}}  # fmt: skip
+    refused = cluster.kubectl("create", "-f", "-", input=json.dumps(bad), check=False)
+    assert refused.returncode != 0 and "violates PodSecurity" in refused.stderr
+
+
+# -- 5. shared memory between the containers --------------------------------------------------
+
+
+def test_p1_reads_what_p0_wrote_into_the_shared_volume(cluster: Cluster, served: str):
+    (pod,) = _ready_pods(cluster, served)
+    assert _metric(pod, "mmis_frontend_shm_capacity_bytes") >= STORE
+    before = _metric(pod, "mmis_frontend_shm_reclaimed_bytes")
+    _chat(f"{_pod_url(pod)}/v1", seed=2)
+    # P1 acknowledges a descriptor once it read the tensors in place; P0 then reclaims them
+    _wait(
+        "P1's acknowledgement of the image's tensors",
+        lambda: _metric(pod, "mmis_frontend_shm_reclaimed_bytes") > before,
+        timeout=30,
+    )
+    # one tmpfs sized by the volume's sizeLimit, the writer's segment seen from the reader
+    seen = _exec(cluster, served, pod, "engine", "ls /dev/shm; df -k /dev/shm | tail -1")
+    assert any(line.startswith("mmis-") for line in seen.stdout.splitlines()), seen
+    size_kib = int(seen.stdout.splitlines()[-1].split()[1])
+    assert STORE // 1024 < size_kib <= (STORE + 1024 * 2**20) // 1024, seen.stdout
+
+
+def _shm_files(cluster: Cluster, ns: str, pod: dict[str, Any]) -> set[str]:
+    out = _exec(cluster, ns, pod, "engine", "ls /dev/shm").stdout.split()
+    return {name for name in out if name.startswith("mmis-")}
+
+
+def _kill(node: RealNode, pod: dict[str, Any], container: str, sig: signal.Signals) -> None:
+    os.kill(node.container_pid(pod["metadata"]["name"], container), sig)
+
+
+def _restarted(cluster: Cluster, ns: str, before: dict[str, int], name: str) -> Callable[[], Any]:
+    def check() -> dict[str, Any] | None:
+        pods = _ready_pods(cluster, ns)
+        if len(pods) == 1 and _restarts(pods[0])[name] > before[name]:
+            return pods[0]
+        return None
+
+    return check
+
+
+def test_front_end_restart_leaks_no_segment(cluster: Cluster, served: str, node: RealNode):
+    (pod,) = _ready_pods(cluster, served)
+    before, segments = _restarts(pod), _shm_files(cluster, served, pod)
+    assert segments
+    _kill(node, pod, "frontend", signal.SIGKILL)
+    pod = _wait("the front end restarted", _restarted(cluster, served, before, "frontend"))
+    assert _restarts(pod)["engine"] == before["engine"]
+    after = _shm_files(cluster, served, pod)
+    assert after and not (after & segments), (segments, after)  # the dead writer's are gone
+    assert len(after) == len(segments)
+    assert _chat(f"{_pod_url(pod)}/v1", seed=3)
+
+
+# -- 4. faults -------------------------------------------------------------------------------
+
+
+def _health_during(pod: dict[str, Any], until: Callable[[], Any]) -> tuple[Any, list[int]]:
+    """Poll the front end's /health until ``until()`` is truthy; the codes it answered."""
+    codes: list[int] = []
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        try:
+            codes.append(httpx.get(f"{_pod_url(pod)}/health", timeout=3).status_code)
+        except httpx.HTTPError:
+            codes.append(0)
+        done = until()
+        if done:
+            return done, codes
+        time.sleep(0.5)
+    pytest.fail(f"timed out; /health answered {codes[-10:]}")
+
+
+def _engine_restarted_alone(cluster: Cluster, ns: str, node: RealNode, sig: signal.Signals):
+    (pod,) = _ready_pods(cluster, ns)
+    before = _restarts(pod)
+    _kill(node, pod, "engine", sig)
+    check = _restarted(cluster, ns, before, "engine")
+
+    def until() -> Any:
+        try:
+            return check()
+        except (KubectlError, KeyError):
+            return None
+
+    pod, codes = _health_during(pod, until)
+    assert _restarts(pod)["frontend"] == before["frontend"]
+    assert codes and set(codes) == {200}, codes  # the front end answered all along
+    assert _chat(f"{_pod_url(pod)}/v1", seed=4)
+
+
+def test_killed_engine_is_restarted_alone(cluster: Cluster, served: str, node: RealNode):
+    _engine_restarted_alone(cluster, served, node, signal.SIGKILL)
+
+
+def test_deleted_pod_is_replaced_and_conditions_follow(cluster: Cluster, served: str):
+    (pod,) = _ready_pods(cluster, served)
+    cluster.kubectl("delete", "pod", "-n", served, pod["metadata"]["name"], "--wait=false")
+    _wait(
+        "Ready=False while the pod is replaced",
+        lambda: _conditions(cluster, served)["Ready"]["status"] == "False",
+        timeout=60,
+        every=0.2,
+    )
+    (new,) = _wait_ready(cluster, served, 1)
+    assert new["metadata"]["uid"] != pod["metadata"]["uid"]
+    assert _chat(f"{_pod_url(new)}/v1", seed=5)
+
+
+def test_stopped_engine_is_restarted_by_its_liveness_probe(
+    cluster: Cluster, served: str, node: RealNode
+):
+    """After the pod was replaced: a fresh restart count, so no crash-loop back-off."""
+    _engine_restarted_alone(cluster, served, node, signal.SIGSTOP)
+    killing = _get(cluster, served, "events", "--field-selector=reason=Killing")["items"]
+    assert any("engine failed liveness probe" in e["message"] for e in killing), killing
+
+
+def test_scale_to_two_serves_from_both(cluster: Cluster, served: str):
+    cluster.kubectl("scale", "-n", served, f"mmis/{NAME}", "--replicas=2")
+    pods = _wait_ready(cluster, served, 2)
+    assert "2/2 pods ready" in _conditions(cluster, served)["Ready"]["message"]
+    assert len({p["status"]["podIP"] for p in pods}) == 2
+    for seed, pod in enumerate(pods, start=6):
+        assert _chat(f"{_pod_url(pod)}/v1", seed=seed)
+    slices = _get(cluster, served, "endpointslices", "-l", f"kubernetes.io/service-name={NAME}")
+    ready = {
+        address
+        for item in slices["items"]
+        for ep in item.get("endpoints") or []
+        if ep.get("conditions", {}).get("ready")
+        for address in ep["addresses"]
+    }
+    assert ready == {p["status"]["podIP"] for p in pods}
+    cluster.kubectl("scale", "-n", served, f"mmis/{NAME}", "--replicas=1")
+    _wait_ready(cluster, served, 1)
+
+
+# -- 5. a memory volume smaller than the store ------------------------------------------------
+
+
+def test_volume_below_the_store_is_a_clear_error_not_a_crash_loop(cluster: Cluster, served: str):
+    small = {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Mi"}}
+    volumes = _get(cluster, served, "mmis", NAME)["spec"]["podTemplate"]["spec"]["volumes"]
+    patch = {"spec": {"podTemplate": {"spec": {"volumes": [*volumes, small]}}}}  # a whole list
+    old = {p["metadata"]["uid"] for p in _pods(cluster, served)}
+    cluster.kubectl("patch", "-n", served, f"mmis/{NAME}", "--type=merge", "-p", json.dumps(patch))
+    _wait("the new pod", lambda: {p["metadata"]["uid"] for p in _pods(cluster, served)} - old)
+    (pod,) = _wait_ready(cluster, served, 1)
+    assert pod["metadata"]["uid"] not in old
+    assert _restarts(pod) == {"frontend": 0, "engine": 0}
+    logs = cluster.kubectl("logs", "-n", served, pod["metadata"]["name"], "-c", "frontend").stderr
+    logs += cluster.kubectl("logs", "-n", served, pod["metadata"]["name"], "-c", "frontend").stdout
+    assert "shared-memory store not created" in logs and "--shm-gb" in logs, logs[-2000:]
+    assert _metric(pod, "mmis_frontend_shm_capacity_bytes") == 0
+    assert _chat(f"{_pod_url(pod)}/v1", seed=9)  # the tensors travel inline
+    assert _restarts(_ready_pods(cluster, served)[0]) == {"frontend": 0, "engine": 0}
