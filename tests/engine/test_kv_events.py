@@ -3,13 +3,21 @@ engine/event_publisher.py; docs/ROUTING.md)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 import zmq
 
+from mmis.engine.config import EngineConfig
 from mmis.engine.event_publisher import END_SEQ, EventPublisher
+from mmis.engine.kv_cache import KVCacheManager
+from mmis.engine.kv_events import KVEventLog
+from mmis.engine.request import Request
+from mmis.entrypoints.engine import make_core
 from mmis.protocol.kv_events import (
     KV_DECODER,
     MM_DECODER,
@@ -20,6 +28,12 @@ from mmis.protocol.kv_events import (
     KVEventBatch,
     MMItemEvicted,
     MMItemStored,
+)
+from mmis.protocol.messages import (
+    EngineCoreRequest,
+    MultiModalFeature,
+    PlaceholderRange,
+    SamplingParams,
 )
 
 H = b"\x01" * 32
@@ -131,3 +145,101 @@ def test_live_stream_replay_and_end_marker(ctx: zmq.Context[zmq.Socket[bytes]]) 
         dealer.close(linger=0)
         pub.close()
         pub.close()  # twice is harmless
+
+
+# -- the prefix cache's events (engine/kv_events.py) -----------------------------------------
+
+
+def _prefill(kv: KVCacheManager, request: Request) -> None:
+    blocks, hit = kv.get_computed_blocks(request)
+    assert kv.allocate_slots(request, request.num_tokens - hit, blocks) is not None
+    request.num_computed_tokens = request.num_tokens
+    kv.cache_computed_blocks(request)
+
+
+def test_stored_evicted_cleared_follow_the_cache() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=4)  # 3 usable blocks
+    log = KVEventLog(block_size=4)
+    kv.pool.events = log
+    image = MultiModalFeature("image", "img", "img", PlaceholderRange(4, 4))
+    first = Request("a", list(range(12)), mm_features=(image,))
+    _prefill(kv, first)
+    (stored,) = log.drain()
+    assert isinstance(stored, BlockStored)
+    assert stored.block_hashes == first.block_hashes == list(kv.pool.cached)
+    assert stored.parent_block_hash is None and stored.token_ids == list(range(12))
+    assert stored.extra_keys == [None, (("img", 0),), None]  # the image's block only
+    kv.free(first)
+
+    second = Request("b", [50 + i for i in range(8)])  # needs 2 blocks: evicts 2 cached ones
+    _prefill(kv, second)
+    removed, stored_b = log.drain()
+    assert isinstance(removed, BlockRemoved) and isinstance(stored_b, BlockStored)
+    assert set(removed.block_hashes) == set(first.block_hashes) - set(kv.pool.cached)
+    assert len(removed.block_hashes) == 2  # one event for both evictions
+    assert stored_b.block_hashes == second.block_hashes and stored_b.extra_keys is None
+
+    kv.reset_prefix_cache()
+    assert log.drain() == [AllBlocksCleared()]
+    assert log.drain() == []
+
+
+def test_no_log_no_events() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    _prefill(kv, Request("a", list(range(8))))
+    assert kv.pool.events is None and len(kv.pool.cached) == 2
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("family", ["llava"], indirect=True)
+def test_the_engine_announces_every_block_it_caches(family: Any) -> None:
+    """``mmis engine --kv-events-endpoint``'s wiring (make_core): a subscriber sees the
+    opening AllBlocksCleared (replayed: it was sent before anyone listened), then exactly the
+    blocks the prefix cache holds, then the reset."""
+    cfg = EngineConfig(
+        model=str(family.path),
+        kv_events_endpoint="tcp://127.0.0.1:*",
+        kv_events_replay_endpoint="tcp://127.0.0.1:*",
+    )
+    core = make_core(cfg, family.runner(num_blocks=64, block_size=cfg.block_size))
+    stream = core.kv_events
+    assert stream is not None
+    context = zmq.Context.instance()
+    sub, dealer = context.socket(zmq.SUB), context.socket(zmq.DEALER)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(stream.publisher.endpoint)
+        time.sleep(0.3)  # the subscription reaches the PUB socket
+        assert stream.publisher.replay_endpoint is not None
+        dealer.connect(stream.publisher.replay_endpoint)
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        opening = _recv(dealer)
+        assert KV_DECODER.decode(opening[3]).events == [AllBlocksCleared()]
+
+        ids, items, _ = family.request("Describe this image.", [family.image(1)])
+        features = [
+            MultiModalFeature("image", i.mm_hash, i.mm_hash, PlaceholderRange(i.offset, i.length))
+            for i in items
+        ]
+        data = [{k: np.asarray(v) for k, v in dict(i.data).items()} for i in items]
+        params = SamplingParams(max_tokens=3, temperature=0)
+        core.add_request(EngineCoreRequest("r", ids, features, params), data)
+        for _ in range(50):
+            if not core.has_work():
+                break
+            core.step()
+        announced: list[bytes] = []
+        while sub.poll(500):
+            batch = KV_DECODER.decode(sub.recv_multipart()[2])
+            for event in batch.events:
+                assert isinstance(event, BlockStored)
+                announced += event.block_hashes
+        assert announced and set(announced) == set(core.scheduler.kv.pool.cached)
+        assert len(announced) == len(set(announced))
+
+        core.reset_prefix_cache()
+        assert KV_DECODER.decode(_recv(sub)[2]).events == [AllBlocksCleared()]
+    finally:
+        sub.close(linger=0)
+        dealer.close(linger=0)
+        stream.close()

@@ -19,6 +19,10 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mmis.engine.kv_events import KVEventLog
 
 BlockHash = bytes
 
@@ -118,6 +122,7 @@ class BlockPool:
             self.free_queue.append(block)
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
+        self.events: KVEventLog | None = None  # set to announce evictions (engine/kv_events.py)
 
     @property
     def num_usable_blocks(self) -> int:
@@ -144,6 +149,8 @@ class BlockPool:
             block = self.free_queue.popleft()
             if block.block_hash is not None:
                 del self.cached[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_cnt = 1
@@ -185,6 +192,8 @@ class BlockPool:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         # Former cached-but-free blocks are now plain free blocks; their position in the
         # queue no longer matters because none of them holds reusable content.
         return count

@@ -160,6 +160,18 @@ class EngineConfig:
         rule=AT_LEAST_1,
         help="compiled structured-output grammars P1 keeps (the least recently used goes)",
     )
+    kv_events_endpoint: str | None = setting(
+        None,
+        metavar="ZMQ_ENDPOINT",
+        help="publish prefix-cache events in vLLM's KV-events format on this ZMQ PUB endpoint "
+        "(e.g. tcp://*:5557; docs/ROUTING.md); none by default",
+    )
+    kv_events_replay_endpoint: str | None = setting(
+        None,
+        metavar="ZMQ_ENDPOINT",
+        help="answer replay requests for missed event batches on this ZMQ ROUTER endpoint "
+        "(with --kv-events-endpoint); none by default",
+    )
     otlp_traces_endpoint: str | None = shared("otlp_traces_endpoint")
     log_level: str = shared("log_level")
 

@@ -60,6 +60,7 @@ from mmis.protocol.messages import (
 from mmis.telemetry.engine_stats import EngineStats
 
 if TYPE_CHECKING:
+    from mmis.engine.kv_events import KVEventStream
     from mmis.engine.structured import GrammarEngine, GrammarState
     from mmis.telemetry.request_spans import RequestSpans
 
@@ -88,6 +89,7 @@ class EngineCore:
         max_model_len: int | None = None,
         spans: RequestSpans | None = None,
         grammar: GrammarEngine | None = None,
+        kv_events: KVEventStream | None = None,
     ) -> None:
         self.spans = spans  # P1 tracing (None when off): see telemetry.request_spans
         self.scheduler = scheduler
@@ -102,6 +104,10 @@ class EngineCore:
         self.num_steps = 0
         self.grammar = grammar  # structured outputs; None: such requests are refused
         runner.sampler.grammar = grammar
+        # prefix-cache events for routers (engine/kv_events.py); None: not announced
+        self.kv_events = kv_events
+        if kv_events is not None:
+            scheduler.kv.pool.events = kv_events.log
 
     # ------------------------------------------------------------------ intake
     def add_request(
@@ -200,6 +206,8 @@ class EngineCore:
                 self._keep_prompt_rows(result.prompt_logprobs)
             self.num_steps += 1
         produced = self.scheduler.update_from_output(sched_out, sampled)
+        if self.kv_events is not None:
+            self.kv_events.flush()
         if self.grammar is not None:  # the step's grammar accepts run during the next forward
             self.grammar.flush()
         prompt_rows = self._prompt_rows
@@ -264,7 +272,14 @@ class EngineCore:
     # ------------------------------------------------------------------ utilities
     def utilities(self) -> Mapping[str, Callable[..., Any]]:
         """The utility calls the busy loop runs on this core, by name."""
-        return {"stats": self.stats, "reset_prefix_cache": self.scheduler.kv.reset_prefix_cache}
+        return {"stats": self.stats, "reset_prefix_cache": self.reset_prefix_cache}
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block (announced at once); returns how many."""
+        count = self.scheduler.kv.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.flush()
+        return count
 
     def stats(self) -> dict[str, Any]:
         """``EngineStats(...).to_dict()`` (what P0's /metrics renders) plus engine details."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 import zmq
@@ -71,7 +71,7 @@ class EventPublisher:
             )
             self._thread.start()
 
-    def publish(self, events: list[msgspec.Struct]) -> int:
+    def publish(self, events: Sequence[msgspec.Struct]) -> int:
         """Send one batch of ``events`` stamped now; returns its sequence number."""
         payload = self._encoder.encode(EventBatch(ts=self._clock(), events=list(events)))
         with self._lock:

@@ -32,12 +32,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from mmis.engine.block_pool import BlockHash, BlockPool, KVBlock
 from mmis.engine.request import Request
 from mmis.protocol.messages import MultiModalFeature
+
+if TYPE_CHECKING:
+    from mmis.engine.kv_events import KVEventLog
 
 _ENCODER = msgspec.msgpack.Encoder()
 
@@ -213,6 +217,25 @@ class KVCacheManager:
         for i in range(done, num_full):
             self.pool.cache_block(blocks[i], hashes[i])
         self._num_cached_blocks[request.request_id] = num_full
+        if self.pool.events is not None:
+            self._announce(self.pool.events, request, hashes, done, num_full)
+
+    def _announce(
+        self, log: KVEventLog, request: Request, hashes: list[BlockHash], done: int, end: int
+    ) -> None:
+        """Record blocks ``[done, end)`` of ``request`` as stored (engine/kv_events.py)."""
+        size = self.block_size
+        features = request.mm_features
+        extra = [
+            block_extra_keys(features, i * size, (i + 1) * size) if features else []
+            for i in range(done, end)
+        ]
+        log.stored(
+            hashes[done:end],
+            hashes[done - 1] if done else None,
+            request.all_token_ids[done * size : end * size],
+            extra,
+        )
 
     def free(self, request: Request) -> None:
         """Release every block of ``request``; tail blocks become evictable first."""

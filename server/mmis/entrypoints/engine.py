@@ -51,6 +51,7 @@ from mmis.entrypoints.common import one_line, resolve_model, setup_logging
 if TYPE_CHECKING:
     from mmis.engine.core import EngineCore
     from mmis.engine.core_process import EngineCoreProc
+    from mmis.engine.kv_events import KVEventStream
     from mmis.engine.model import ModelAdapter
     from mmis.engine.runner import ModelRunner
     from mmis.engine.structured import GrammarEngine
@@ -146,7 +147,25 @@ def make_core(
         max_model_len=max_len,
         spans=spans,
         grammar=None if tokenizer_dir is None else load_grammar(cfg, adapter, tokenizer_dir),
+        kv_events=kv_event_stream(cfg),
     )
+
+
+def kv_event_stream(cfg: EngineConfig) -> KVEventStream | None:
+    """The prefix-cache event stream of ``--kv-events-endpoint`` (docs/ROUTING.md), or None.
+    It lives as long as the process (its sockets do not linger)."""
+    if not cfg.kv_events_endpoint:
+        return None
+    import zmq
+
+    from mmis.engine.event_publisher import EventPublisher
+    from mmis.engine.kv_events import KVEventLog, KVEventStream
+
+    publisher = EventPublisher(
+        zmq.Context.instance(), cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint
+    )
+    log.info("KV events on %s (replay: %s)", publisher.endpoint, publisher.replay_endpoint)
+    return KVEventStream(KVEventLog(cfg.block_size), publisher)
 
 
 def load_grammar(cfg: EngineConfig, adapter: ModelAdapter, path: str) -> GrammarEngine | None:
