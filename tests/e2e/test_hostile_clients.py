@@ -15,7 +15,9 @@ names, and real HTTP clients (httpx, the openai SDK):
   ``/metrics`` and ``/stats/cache`` answer on the operations port without a key, and only
   there;
 - a request naming a model the server does not serve is a 404 ``model_not_found``; every
-  alias works and is listed; ``/version`` names the package version.
+  alias works and is listed; ``/version`` names the package version;
+- ``POST /internal/block_keys`` (operations port) names a chat's prompt blocks exactly as the
+  engine then announces them on ``--kv-events-endpoint`` (docs/ROUTING.md).
 """
 
 from __future__ import annotations
@@ -32,11 +34,14 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import zmq
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from procs import Serve, chat_body
 from tools import free_port
+
+from mmis.protocol.kv_events import KV_DECODER, BlockStored
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -48,10 +53,11 @@ POSTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/respo
 
 
 class Running:
-    def __init__(self, serve: Serve, ops_port: int) -> None:
+    def __init__(self, serve: Serve, ops_port: int, events: str) -> None:
         self.serve = serve
         self.root = serve.root_url
         self.ops = f"http://127.0.0.1:{ops_port}"
+        self.events = events  # the engine's KV-events PUB endpoint
 
     def rss_mb(self) -> float:
         for line in Path(f"/proc/{self.serve.popen.pid}/status").read_text().splitlines():
@@ -64,12 +70,13 @@ class Running:
 def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     directory = tmp_path_factory.mktemp("hostile")
     ops_port = free_port()
+    events = f"tcp://127.0.0.1:{free_port()}"
     # procs.Serve names the model "tiny"; the later flag (two aliases) wins
-    extra = ["--api-key", KEY, "--ops-port", str(ops_port)]
+    extra = ["--api-key", KEY, "--ops-port", str(ops_port), "--kv-events-endpoint", events]
     serve = Serve(directory, *extra, "--served-model-name", "tiny,tiny-alias", env={})
     try:
         serve.wait_http("/ready", 300)
-        yield Running(serve, ops_port)
+        yield Running(serve, ops_port, events)
     finally:
         serve.stop()
 
@@ -217,3 +224,37 @@ def test_model_names_aliases_and_version(running: Running) -> None:
     assert answer.model == "tiny"  # answers (and metrics) name the first alias
     answer = httpx.get(running.root + "/version", headers=AUTH, timeout=30)
     assert answer.json() == {"version": metadata.version("mmis")}
+
+
+def test_block_keys_are_the_blocks_the_engine_announces(running: Running) -> None:
+    """What a router asks P0 before it routes equals what P1 announces once it served the
+    request: the same hashes in the same order, the image's blocks included."""
+    body = chat_body((11, 122, 233), max_tokens=1)  # only the prompt's KV is computed
+    with httpx.Client(timeout=60) as http:
+        assert (
+            http.post(running.root + "/internal/block_keys", json=body, headers=JSON).status_code
+            == 404
+        )
+        answer = http.post(running.ops + "/internal/block_keys", json=body)
+        assert answer.status_code == 200, answer.text
+        keys = answer.json()
+        assert keys["prompt_tokens"] >= 2 * keys["block_size"] and len(keys["mm_hashes"]) == 1
+        assert len(keys["block_keys"]) == keys["prompt_tokens"] // keys["block_size"]
+        context = zmq.Context.instance()
+        sub = context.socket(zmq.SUB)
+        try:
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(running.events)
+            time.sleep(0.5)  # the subscription reaches the engine's PUB socket
+            done = http.post(running.root + "/v1/chat/completions", json=body, headers=JSON)
+            assert done.status_code == 200, done.text
+            announced: list[str] = []
+            while sub.poll(1000):
+                batch = KV_DECODER.decode(sub.recv_multipart()[2])
+                announced += [h.hex() for e in batch.events if isinstance(e, BlockStored)
+                              for h in e.block_hashes]  # fmt: skip
+        finally:
+            sub.close(linger=0)
+        assert announced == keys["block_keys"]
+        # asking again changed nothing: the image is now a shadow hit, and the keys agree
+        assert http.post(running.ops + "/internal/block_keys", json=body).json() == keys

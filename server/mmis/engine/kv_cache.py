@@ -1,10 +1,9 @@
 """The KV cache manager: per-request block tables over a :class:`BlockPool`, with prefix caching.
 
-Prefix-cache hashes are chained: the hash of full block ``i`` covers the parent hash (block
-``i - 1``), the block's token ids, and *extra keys*: for every multimodal item whose placeholder
-range overlaps the block, the item's identifier and the block's start relative to the item's
-offset. So the same placeholder tokens with a different image, or the same image at another
-offset, never share a block.
+Prefix-cache hashes are the chained block keys of ``protocol/block_keys.py`` (P0 computes the
+same ones for routers): each covers its parent, its tokens and the multimodal items it
+overlaps, so the same placeholder tokens with a different image, or the same image at
+another offset, never share a block.
 
 Invariants:
 - A block is registered in the prefix cache only after the step that computes all its tokens
@@ -30,59 +29,24 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import msgspec
-
 from mmis.engine.block_pool import BlockHash, BlockPool, KVBlock
 from mmis.engine.request import Request
-from mmis.protocol.messages import MultiModalFeature
+from mmis.protocol.block_keys import block_extra_keys, chain
 
 if TYPE_CHECKING:
     from mmis.engine.kv_events import KVEventLog
-
-_ENCODER = msgspec.msgpack.Encoder()
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def hash_block(
-    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: Sequence[tuple[str, int]]
-) -> BlockHash:
-    """The chained content hash of one full block."""
-    payload = _ENCODER.encode((parent, list(token_ids), [list(k) for k in extra_keys]))
-    return hashlib.blake2b(payload, digest_size=32).digest()
-
-
-def block_extra_keys(
-    features: Sequence[MultiModalFeature], start: int, end: int
-) -> list[tuple[str, int]]:
-    """(identifier, start - item offset) for each item overlapping tokens ``[start, end)``."""
-    keys = []
-    for feature in features:
-        offset, length = feature.placeholder.offset, feature.placeholder.length
-        if offset < end and offset + length > start:
-            keys.append((feature.identifier, start - offset))
-    keys.sort(key=lambda k: -k[1])  # by item offset, so the order is canonical
-    return keys
-
-
 def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
     """Extend ``request.block_hashes`` to cover every full block of its known tokens."""
-    hashes = request.block_hashes
-    tokens = request.all_token_ids
-    num_full = len(tokens) // block_size
-    while len(hashes) < num_full:
-        i = len(hashes)
-        start, end = i * block_size, (i + 1) * block_size
-        parent = hashes[-1] if hashes else None
-        extra = block_extra_keys(request.mm_features, start, end) if request.mm_features else []
-        hashes.append(hash_block(parent, tokens[start:end], extra))
-    return hashes
+    return chain(request.all_token_ids, request.mm_features, block_size, request.block_hashes)
 
 
 @dataclasses.dataclass

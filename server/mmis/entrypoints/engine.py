@@ -313,6 +313,7 @@ def build(cfg: EngineConfig) -> EngineCoreProc:
         model_info={
             "dtype": str(adapter.dtype).removeprefix("torch."),
             "device": adapter.device.type,
+            "block_size": str(cfg.block_size),  # P0's block keys (protocol/block_keys.py)
         },
     )
 

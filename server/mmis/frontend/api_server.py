@@ -7,7 +7,8 @@ answers: the front-end container's liveness, whatever the engine does), ``GET /r
 synthetic image request completed since start, and the engine link up: readiness),
 and the operations routes ``GET /metrics`` (the process' one metrics registry: P0's series,
 P1's polled figures, the drift gauge and P0's level gauges; P1 is polled first when its
-snapshot is stale) and ``GET /stats/cache`` — on ``--ops-port`` when it is set.
+snapshot is stale), ``GET /stats/cache`` and ``POST /internal/block_keys`` (a chat request's
+prefix-cache block keys, for routers: docs/ROUTING.md) — on ``--ops-port`` when it is set.
 
 ``GET /stats/cache`` (no key: the operator reads it on every ready pod) answers the drift
 window as JSON: ``drift_rate`` (drift misses / shadow hits over the window; 0.0 without
@@ -235,6 +236,12 @@ def create_app(
     @app.get("/stats/cache")
     async def cache_stats(request: Request) -> Response:
         return JSONResponse(state_of(request).telemetry.drift.stats())
+
+    @app.post("/internal/block_keys")
+    async def block_keys(request: Request) -> Response:
+        req = await parse(request, ChatCompletionRequest)
+        serving: ChatServing = request.app.state.chat
+        return JSONResponse(await serving.block_keys(req))
 
     install_openapi(app)
     return app

@@ -167,7 +167,9 @@ class EngineClient(EngineLiveness):
                         f"engine at {self.input_address} did not answer within {timeout:.0f}s"
                     ) from None
         self.cache_epoch = str(hello["cache_epoch"])
-        self.engine_info = {k: str(hello[k]) for k in ("dtype", "device") if k in hello}
+        self.engine_info = {
+            k: str(hello[k]) for k in ("dtype", "device", "block_size") if k in hello
+        }
         self._handshaken(loop)
 
     async def close(self) -> None:

@@ -5,11 +5,11 @@
 in this order:
 
 1. **Port.** With ``--ops-port`` set, the operations routes (:data:`OPS_PATHS`:
-   ``/metrics``, ``/stats/cache``) answer on that port only (404 on the serving port, after
-   the key check), and that port answers nothing else but the probes (404). The operator's
-   Service and Ingress expose the serving port only; Prometheus and the operator's
-   coherence probe reach the operations port pod to pod, without a key. Without
-   ``--ops-port`` both live on the serving port.
+   ``/metrics``, ``/stats/cache``, ``/internal/block_keys``) answer on that port only (404
+   on the serving port, after the key check), and that port answers nothing else but the
+   probes (404). The operator's Service and Ingress expose the serving port only;
+   Prometheus, the operator's coherence probe and routers reach the operations port pod
+   to pod, without a key. Without ``--ops-port`` both live on the serving port.
 2. **API key.** With ``--api-key``, every path of the serving port but :data:`OPEN_PATHS`
    (``/health``, ``/ready``: kubelet carries no key) needs
    ``Authorization: Bearer <key>``: API docs, ``/v1/models`` and unknown paths included.
@@ -52,7 +52,7 @@ from mmis.frontend.errors import (
     error_status,
 )
 
-OPS_PATHS = frozenset({"/metrics", "/stats/cache"})
+OPS_PATHS = frozenset({"/metrics", "/stats/cache", "/internal/block_keys"})
 OPEN_PATHS = frozenset({"/health", "/ready"})  # kubelet's probes carry no key
 DRAIN_FACTOR = 4
 DRAIN_SECONDS = 5.0

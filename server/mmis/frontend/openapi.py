@@ -43,6 +43,7 @@ from pydantic.json_schema import JsonSchemaMode, models_json_schema
 import mmis
 from mmis.frontend.http_gate import OPEN_PATHS, OPS_PATHS
 from mmis.frontend.schemas import (
+    BlockKeys,
     CacheStats,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -200,6 +201,12 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         summary="The drift window of the multimodal cache (the operator's probe)",
         ok=_json(CacheStats, "rates and counts over the window"),
     ),
+    ("POST", "/internal/block_keys"): Operation(
+        summary="A chat request's prefix-cache block keys, for routers (nothing is served)",
+        request=ChatCompletionRequest,
+        ok=_json(BlockKeys, "the keys P1 will announce for the request's prompt blocks"),
+        errors=BODY_ERRORS,
+    ),
     ("GET", "/version"): Operation(
         summary="The mmis version", ok=_json(VersionInfo, "the serving package's version")
     ),
@@ -216,6 +223,7 @@ _RESPONSES = (
     ErrorResponse,
     ProbeStatus,
     CacheStats,
+    BlockKeys,
     VersionInfo,
 )
 

@@ -51,6 +51,7 @@ from mmis.frontend.pending_invalidations import PendingInvalidations
 from mmis.frontend.processor import ModelProcessor, PromptError
 from mmis.multimodal.cache import SenderCache, ShadowEntry, ShadowItem, item_nbytes
 from mmis.multimodal.hashing import item_mm_hash
+from mmis.protocol import block_keys
 from mmis.protocol.messages import MultiModalFeature, ShmAddress
 from mmis.shm import ShmError, ShmStoreFullError, ShmWriter
 from mmis.telemetry.metrics import MMISMetrics
@@ -251,6 +252,11 @@ class Renderer:
             self.executor, self.render_sync, source, bypass, reserve_tokens, copies
         )
 
+    async def keys(self, source: SourcePrompt, block_size: int) -> tuple[int, list[bytes]]:
+        """:meth:`keys_sync` on the multimodal worker (it reads the shadow renders write)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self.keys_sync, source, block_size)
+
     def render_sync(
         self, source: SourcePrompt, bypass: bool, reserve_tokens: int, copies: int = 1
     ) -> RenderedPrompt:
@@ -304,6 +310,38 @@ class Renderer:
         self.metrics.processor_cache(len(plan), hits)
         self.metrics.shadow_hits(hits)
         return RenderedPrompt(token_ids, features, hits, len(plan) - hits)
+
+    def keys_sync(self, source: SourcePrompt, block_size: int) -> tuple[int, list[bytes]]:
+        """``(prompt tokens, block keys)`` of the prompt a render would send P1 now
+        (``protocol/block_keys.py``), changing nothing: the shadow, its counters and the
+        metrics stay as they were. An item the shadow knows keeps its recorded placeholder
+        length; any other is processed to learn it. Hash-only items need the shadow."""
+        lengths: list[int] = []
+        for item in source.items:
+            entry = self.shadow.get(item.mm_hash)
+            if entry is not None:
+                lengths.append(entry.placeholder_length)
+            elif item.image is None:
+                raise HashOnlyCacheMissError([item.uuid or item.mm_hash])
+            elif isinstance(item.image, DecodedVideo):
+                lengths.append(
+                    self.processor.process_video(item.image, item.processor_kwargs).num_tokens
+                )
+            else:
+                lengths.append(
+                    self.processor.process_image(item.image, item.processor_kwargs).num_tokens
+                )
+        try:
+            token_ids, ranges = self.processor.expand(
+                source.token_ids, lengths, [self._placeholder_token(i) for i in source.items]
+            )
+        except PromptError as exc:
+            raise InvalidRequestError(str(exc), param=source.param) from exc
+        features = [
+            MultiModalFeature(item.modality, item.mm_hash, item.mm_hash, placeholder)
+            for item, placeholder in zip(source.items, ranges, strict=True)
+        ]
+        return len(token_ids), block_keys.chain(token_ids, features, block_size)
 
     def _placeholder_token(self, item: SourceItem) -> int:
         if item.modality == VIDEO and self.processor.video_token_id is not None:

@@ -27,9 +27,9 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from mmis.frontend import logprobs, tool_calls
-from mmis.frontend.errors import InvalidRequestError
+from mmis.frontend.errors import EngineUnavailableError, InvalidRequestError
 from mmis.frontend.logprobs import TokenLogprob
-from mmis.frontend.renderer import VIDEO, ImageRef
+from mmis.frontend.renderer import VIDEO, ImageRef, SourcePrompt
 from mmis.frontend.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -211,6 +211,27 @@ class ChatServing:
         self.generator = TextGenerator(state, "chat")
 
     async def create(self, http: Request, req: ChatCompletionRequest) -> Response:
+        source = await self._source(req)
+        fmt = ChatFormat(self.state.model_name, req)
+        return await self.generator.respond(http, req, source, fmt, new_request_id("chatcmpl"))
+
+    async def block_keys(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        """What P1's prefix cache would call this request's full prompt blocks
+        (``protocol/block_keys.py``), for a router matching them against the blocks each
+        replica announced (docs/ROUTING.md). Nothing is sent to P1; no cache changes."""
+        block_size = self.state.client.engine_info.get("block_size")
+        if block_size is None:
+            raise EngineUnavailableError("the engine has not reported its block size yet")
+        source = await self._source(req)
+        num_tokens, keys = await self.state.renderer.keys(source, int(block_size))
+        return {
+            "block_size": int(block_size),
+            "prompt_tokens": num_tokens,
+            "block_keys": [key.hex() for key in keys],
+            "mm_hashes": [item.mm_hash for item in source.items],
+        }
+
+    async def _source(self, req: ChatCompletionRequest) -> SourcePrompt:
         messages, images = template_messages(req)
         tools = template_tools(req)
         try:
@@ -220,6 +241,4 @@ class ChatServing:
             raise InvalidRequestError(
                 f"the model's chat template rejected the messages: {exc}", param="messages"
             ) from exc
-        source = await self.state.renderer.prepare(text, images)
-        fmt = ChatFormat(self.state.model_name, req)
-        return await self.generator.respond(http, req, source, fmt, new_request_id("chatcmpl"))
+        return await self.state.renderer.prepare(text, images)

@@ -12,6 +12,7 @@ from mmis.frontend.schemas.completions import CompletionRequest
 from mmis.frontend.schemas.embeddings import EmbeddingRequest
 from mmis.frontend.schemas.responses import (
     AssistantMessage,
+    BlockKeys,
     CacheStats,
     ChatChoice,
     ChatChunkChoice,
@@ -39,6 +40,7 @@ from mmis.frontend.schemas.validation import install_exception_handlers, parse_r
 __all__ = [
     "DEFAULT_MAX_N",
     "AssistantMessage",
+    "BlockKeys",
     "CacheStats",
     "ChatChoice",
     "ChatChunkChoice",

@@ -203,6 +203,16 @@ class ProbeStatus(BaseModel):
     status: str
 
 
+class BlockKeys(BaseModel):
+    """``POST /internal/block_keys``: a chat request's prefix-cache block keys
+    (``protocol/block_keys.py``), as P1 will announce them in its KV events."""
+
+    block_size: int = Field(ge=1, description="tokens per block (the engine's)")
+    prompt_tokens: int = Field(ge=0, description="the prompt's tokens, images expanded")
+    block_keys: list[str] = Field(description="hex keys of the prompt's full blocks, in order")
+    mm_hashes: list[str] = Field(description="the request's multimodal items, in order")
+
+
 class CacheStats(BaseModel):
     """``GET /stats/cache``: the drift window (:meth:`mmis.telemetry.drift.DriftWindow.stats`)."""
 
