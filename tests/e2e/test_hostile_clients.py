@@ -17,7 +17,8 @@ names, and real HTTP clients (httpx, the openai SDK):
 - a request naming a model the server does not serve is a 404 ``model_not_found``; every
   alias works and is listed; ``/version`` names the package version;
 - ``POST /internal/block_keys`` (operations port) names a chat's prompt blocks exactly as the
-  engine then announces them on ``--kv-events-endpoint`` (docs/ROUTING.md).
+  engine then announces them on ``--kv-events-endpoint``, and its image as the engine's
+  ``--mm-events-endpoint`` announces it stored (docs/ROUTING.md).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from procs import Serve, chat_body
 from tools import free_port
 
-from mmis.protocol.kv_events import KV_DECODER, BlockStored
+from mmis.protocol.kv_events import KV_DECODER, MM_DECODER, BlockStored, MMItemStored
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -53,11 +54,12 @@ POSTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/respo
 
 
 class Running:
-    def __init__(self, serve: Serve, ops_port: int, events: str) -> None:
+    def __init__(self, serve: Serve, ops_port: int, events: str, mm_events: str) -> None:
         self.serve = serve
         self.root = serve.root_url
         self.ops = f"http://127.0.0.1:{ops_port}"
         self.events = events  # the engine's KV-events PUB endpoint
+        self.mm_events = mm_events  # and its multimodal one
 
     def rss_mb(self) -> float:
         for line in Path(f"/proc/{self.serve.popen.pid}/status").read_text().splitlines():
@@ -71,12 +73,14 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     directory = tmp_path_factory.mktemp("hostile")
     ops_port = free_port()
     events = f"tcp://127.0.0.1:{free_port()}"
+    mm_events = f"tcp://127.0.0.1:{free_port()}"
     # procs.Serve names the model "tiny"; the later flag (two aliases) wins
     extra = ["--api-key", KEY, "--ops-port", str(ops_port), "--kv-events-endpoint", events]
+    extra += ["--mm-events-endpoint", mm_events]
     serve = Serve(directory, *extra, "--served-model-name", "tiny,tiny-alias", env={})
     try:
         serve.wait_http("/ready", 300)
-        yield Running(serve, ops_port, events)
+        yield Running(serve, ops_port, events, mm_events)
     finally:
         serve.stop()
 
@@ -241,11 +245,12 @@ def test_block_keys_are_the_blocks_the_engine_announces(running: Running) -> Non
         assert keys["prompt_tokens"] >= 2 * keys["block_size"] and len(keys["mm_hashes"]) == 1
         assert len(keys["block_keys"]) == keys["prompt_tokens"] // keys["block_size"]
         context = zmq.Context.instance()
-        sub = context.socket(zmq.SUB)
+        sub, mm_sub = context.socket(zmq.SUB), context.socket(zmq.SUB)
         try:
-            sub.setsockopt(zmq.SUBSCRIBE, b"")
-            sub.connect(running.events)
-            time.sleep(0.5)  # the subscription reaches the engine's PUB socket
+            for socket, endpoint in ((sub, running.events), (mm_sub, running.mm_events)):
+                socket.setsockopt(zmq.SUBSCRIBE, b"")
+                socket.connect(endpoint)
+            time.sleep(0.5)  # the subscriptions reach the engine's PUB sockets
             done = http.post(running.root + "/v1/chat/completions", json=body, headers=JSON)
             assert done.status_code == 200, done.text
             announced: list[str] = []
@@ -253,8 +258,13 @@ def test_block_keys_are_the_blocks_the_engine_announces(running: Running) -> Non
                 batch = KV_DECODER.decode(sub.recv_multipart()[2])
                 announced += [h.hex() for e in batch.events if isinstance(e, BlockStored)
                               for h in e.block_hashes]  # fmt: skip
+            assert mm_sub.poll(5000), "no multimodal event"
+            items = list(MM_DECODER.decode(mm_sub.recv_multipart()[2]).events)
         finally:
             sub.close(linger=0)
+            mm_sub.close(linger=0)
+        # the image: stored in P1's receiver cache under the hash P0 named
+        assert [(type(e), e.mm_hash) for e in items] == [(MMItemStored, keys["mm_hashes"][0])]
         assert announced == keys["block_keys"]
         # asking again changed nothing: the image is now a shadow hit, and the keys agree
         assert http.post(running.ops + "/internal/block_keys", json=body).json() == keys

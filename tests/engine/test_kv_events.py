@@ -16,8 +16,10 @@ from mmis.engine.config import EngineConfig
 from mmis.engine.event_publisher import END_SEQ, EventPublisher
 from mmis.engine.kv_cache import KVCacheManager
 from mmis.engine.kv_events import KVEventLog
+from mmis.engine.mm_events import MMEventLog
 from mmis.engine.request import Request
 from mmis.entrypoints.engine import make_core
+from mmis.multimodal.cache import ReceiverCache, item_nbytes
 from mmis.protocol.kv_events import (
     KV_DECODER,
     MM_DECODER,
@@ -83,7 +85,11 @@ def test_mm_events_decode_apart_from_kv_events() -> None:
 
     batch = MMEventBatch(
         ts=2.0,
-        events=[EpochStarted(epoch=3), MMItemStored(mm_hash="ab", nbytes=10), MMItemEvicted("ab")],
+        events=[
+            EpochStarted(epoch="e3"),
+            MMItemStored(mm_hash="ab", nbytes=10),
+            MMItemEvicted("ab"),
+        ],
     )
     data = msgspec.msgpack.encode(batch)
     assert MM_DECODER.decode(data) == batch
@@ -243,3 +249,28 @@ def test_the_engine_announces_every_block_it_caches(family: Any) -> None:
         sub.close(linger=0)
         dealer.close(linger=0)
         stream.close()
+
+
+# -- the receiver cache's events (engine/mm_events.py) ---------------------------------------
+
+
+def _item(mm_hash: str, kib: int) -> MultiModalFeature:
+    data = {"pixel_values": np.zeros(kib * 256, dtype=np.float32)}  # kib KiB
+    return MultiModalFeature("image", mm_hash, mm_hash, PlaceholderRange(0, 1), data)
+
+
+def test_receiver_cache_stores_evictions_and_clears_are_announced() -> None:
+    one, two = (item_nbytes(dict(_item("x", k).data)) for k in (1, 2))
+    receiver = ReceiverCache(capacity_bytes=one + two + 128)  # a, b, then c pushes a out
+    log = MMEventLog()
+    receiver.listener = log
+    receiver.resolve([_item("a", 1), _item("b", 1)])
+    assert log.drain() == [MMItemStored("a", one), MMItemStored("b", one)]
+    receiver.resolve([_item("c", 2)])  # needs room: the least recently used goes
+    assert log.drain() == [MMItemEvicted("a"), MMItemStored("c", two)]
+    receiver.evict(["b", "nope"], silent=True)  # the fault knob: silent to P0, not here
+    assert log.drain() == [MMItemEvicted("b")]
+    receiver.resolve([_item("huge", 8)])  # larger than the cache: used once, never stored
+    assert log.drain() == []
+    receiver.clear()
+    assert log.drain() == [EpochStarted(receiver.epoch)]

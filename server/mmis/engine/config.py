@@ -172,6 +172,18 @@ class EngineConfig:
         help="answer replay requests for missed event batches on this ZMQ ROUTER endpoint "
         "(with --kv-events-endpoint); none by default",
     )
+    mm_events_endpoint: str | None = setting(
+        None,
+        metavar="ZMQ_ENDPOINT",
+        help="publish the multimodal cache's item stored / evicted events (mmis's own, "
+        "framed like the KV events) on this ZMQ PUB endpoint (docs/ROUTING.md); none by default",
+    )
+    mm_events_replay_endpoint: str | None = setting(
+        None,
+        metavar="ZMQ_ENDPOINT",
+        help="answer replay requests for missed multimodal event batches on this ZMQ ROUTER "
+        "endpoint (with --mm-events-endpoint); none by default",
+    )
     otlp_traces_endpoint: str | None = shared("otlp_traces_endpoint")
     log_level: str = shared("log_level")
 

@@ -46,6 +46,7 @@ from typing import Any, Protocol
 import numpy as np
 import zmq
 
+from mmis.engine.mm_events import MMEventStream
 from mmis.engine.output_channel import OutputChannel, topic
 from mmis.multimodal.cache import ReceiverCache
 from mmis.protocol.codec import WireCodec as Codec
@@ -145,8 +146,13 @@ class EngineCoreProc:
         engine_index: int = 0,
         seed: int | None = None,
         model_info: Mapping[str, str] | None = None,
+        mm_events: MMEventStream | None = None,
     ) -> None:
         self.core = core
+        # the receiver cache's changes for routers (engine/mm_events.py); None: not announced
+        self.mm_events = mm_events
+        if mm_events is not None:
+            receiver.listener = mm_events.log
         self.model_info = dict(model_info or {})  # what ``hello`` says of the model (dtype)
         self.receiver = receiver
         self.input_address = input_address
@@ -216,6 +222,8 @@ class EngineCoreProc:
             self._core_queue.put(Abort(list(msg.request_ids)))
         elif kind == RequestType.UTILITY and isinstance(msg, UtilityCall):
             self._utility(msg)
+        if self.mm_events is not None:  # what this message changed in the receiver cache
+            self.mm_events.flush()
 
     def _admit(self, request: EngineCoreRequest) -> None:
         if self.fault_evict_rate > 0:

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from mmis.engine.core import EngineCore
     from mmis.engine.core_process import EngineCoreProc
     from mmis.engine.kv_events import KVEventStream
+    from mmis.engine.mm_events import MMEventStream
     from mmis.engine.model import ModelAdapter
     from mmis.engine.runner import ModelRunner
     from mmis.engine.structured import GrammarEngine
@@ -315,7 +316,25 @@ def build(cfg: EngineConfig) -> EngineCoreProc:
             "device": adapter.device.type,
             "block_size": str(cfg.block_size),  # P0's block keys (protocol/block_keys.py)
         },
+        mm_events=mm_event_stream(cfg, receiver.epoch),
     )
+
+
+def mm_event_stream(cfg: EngineConfig, epoch: str) -> MMEventStream | None:
+    """The receiver cache's event stream of ``--mm-events-endpoint`` (docs/ROUTING.md), or
+    None. It lives as long as the process (its sockets do not linger)."""
+    if not cfg.mm_events_endpoint:
+        return None
+    import zmq
+
+    from mmis.engine.event_publisher import EventPublisher
+    from mmis.engine.mm_events import MMEventLog, MMEventStream
+
+    publisher = EventPublisher(
+        zmq.Context.instance(), cfg.mm_events_endpoint, cfg.mm_events_replay_endpoint
+    )
+    log.info("multimodal events on %s (replay: %s)", publisher.endpoint, publisher.replay_endpoint)
+    return MMEventStream(MMEventLog(), publisher, epoch)
 
 
 def engine_tracing(cfg: EngineConfig) -> Tracing:

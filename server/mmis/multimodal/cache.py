@@ -38,7 +38,7 @@ import random
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Final, Generic, TypeVar
+from typing import Any, Final, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -359,6 +359,16 @@ def _key(feature: MultiModalFeature) -> str:
     return feature.mm_hash or feature.identifier
 
 
+class CacheListener(Protocol):
+    """Told what a :class:`ReceiverCache` holds as it changes (``engine/mm_events.py``)."""
+
+    def stored(self, mm_hash: str, nbytes: int) -> None: ...
+
+    def evicted(self, mm_hashes: Sequence[str]) -> None: ...
+
+    def cleared(self, epoch: str) -> None: ...
+
+
 class ReceiverCache:
     """The tensors P0's shadow believes P1 holds. Only P1's input thread touches it.
 
@@ -380,6 +390,8 @@ class ReceiverCache:
         self._shm_reader = shm_reader
         self._evicted: list[str] = []
         self.epoch = uuid.uuid4().hex  # changes on every P1 start
+        # told every store, eviction (silent ones too) and clear: engine/mm_events.py
+        self.listener: CacheListener | None = None
         self.hits = 0
         self.misses = 0
         self.stored = 0
@@ -463,15 +475,20 @@ class ReceiverCache:
 
     def _store(self, mm_hash: str, tensors: Tensors) -> None:
         nbytes = item_nbytes(tensors)
-        if self._lru.fits(nbytes):
+        fits = self._lru.fits(nbytes)
+        if fits:
             self.stored += 1
         else:
             self.oversize += 1  # used for this request only; put() drops any stale entry
         self._note_evicted(self._lru.put(mm_hash, tensors, nbytes))
+        if fits and self.listener is not None:
+            self.listener.stored(mm_hash, nbytes)
 
     def _note_evicted(self, hashes: list[str]) -> None:
         self.evictions += len(hashes)
         self._evicted.extend(hashes)
+        if hashes and self.listener is not None:
+            self.listener.evicted(hashes)
 
     def drain_evicted(self) -> list[str]:
         """Hashes evicted since the last drain that are still absent, oldest first."""
@@ -486,6 +503,8 @@ class ReceiverCache:
         """
         dropped = [h for h in dict.fromkeys(mm_hashes) if self._lru.pop(h) is not None]
         self.fault_evictions += len(dropped)
+        if dropped and self.listener is not None:  # silent to P0, never to routers
+            self.listener.evicted(dropped)
         if not silent:
             self._evicted.extend(dropped)
         return dropped
@@ -501,6 +520,8 @@ class ReceiverCache:
         """Drop everything without reporting (a restart gets a new epoch instead)."""
         self._lru.clear()
         self.epoch = uuid.uuid4().hex
+        if self.listener is not None:
+            self.listener.cleared(self.epoch)
 
     def stats(self) -> ReceiverCacheStats:
         return ReceiverCacheStats(

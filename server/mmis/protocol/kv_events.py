@@ -74,7 +74,7 @@ class MMEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
 class EpochStarted(MMEvent):
     """First event after an engine start: everything announced before is gone."""
 
-    epoch: int
+    epoch: str  # the receiver cache's (a new one on every engine start)
 
 
 class MMItemStored(MMEvent):
