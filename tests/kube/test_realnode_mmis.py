@@ -17,7 +17,9 @@ waits for the state it needs, so a failure names its own point):
 
 The pods' image is a 2 MB busybox (``scripts/realnode-image``); the interpreter, this
 checkout with its venv and the model arrive as read-only PersistentVolumes of type
-hostPath, bound to claims (a claim passes ``restricted``; a hostPath volume would not).
+hostPath, bound to claims (a claim passes ``restricted``; a hostPath volume would not). The
+manifests and helm values are ``scripts/realnode-manifests``'s, as in
+``scripts/realnode-quickstart``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import httpx
 import openai
 import pytest
 from kubecluster import Cluster, KubectlError
-from kubecluster.realnode import IMAGE, SCHEDULING, RealNode, missing, port_forward
+from kubecluster.realnode import IMAGE, RealNode, missing, port_forward
 from PIL import Image
 
 from mmis.engine.tiny_model import build_tiny_model
@@ -96,26 +98,13 @@ def _in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
-def _mounts(models: Path) -> dict[str, tuple[str, str]]:
-    """Volume name -> (host path, path in the container): the same paths as on this host
-    (the venv's scripts and .pth files name them), the model at /models."""
-    paths = {
-        "usr": ("/usr", "/usr"),
-        "python": (sys.base_prefix, sys.base_prefix),
-        "tree": (str(ROOT), str(ROOT)),
-        "models": (str(models), "/models"),
-    }
-    if not Path(sys.prefix).is_relative_to(ROOT):
-        paths["venv"] = (sys.prefix, sys.prefix)
-    return paths
-
-
-def _env() -> list[dict[str, str]]:
-    return [
-        {"name": "PATH", "value": f"{sys.prefix}/bin:/usr/bin:/bin"},
-        {"name": "HOME", "value": "/tmp"},
-        {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
-    ]
+def _manifests(*args: str) -> Any:
+    """What ``scripts/realnode-manifests`` prints (this venv's interpreter: the pods run it)."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "realnode-manifests"), *args],
+        capture_output=True, text=True, check=True, timeout=60,
+    )  # fmt: skip
+    return json.loads(out.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -125,26 +114,10 @@ def operator(cluster: Cluster, node: RealNode) -> Iterator[str]:
     ns = f"mmis-op-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", ns)
     server = json.loads(cluster.kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
-    port = server.rsplit(":", 1)[1]
-    mounts = _mounts(Path("/nonexistent"))
-    mounts.pop("models")
-    values = {
-        "operator": {
-            "image": {"repository": IMAGE.split(":")[0], "tag": IMAGE.split(":")[1],
-                      "pullPolicy": "Never"},
-            "hostNetwork": True,
-            "livenessPort": _free_port(),
-            "extraArgs": ["--probe-seconds=3"],
-            "nodeSelector": SCHEDULING["nodeSelector"],
-            "tolerations": SCHEDULING["tolerations"],
-            "extraEnv": [*_env(), {"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
-                         {"name": "KUBERNETES_SERVICE_PORT", "value": port}],
-            "extraVolumes": [{"name": k, "hostPath": {"path": host, "type": "Directory"}}
-                             for k, (host, _) in mounts.items()],
-            "extraVolumeMounts": [{"name": k, "mountPath": at, "readOnly": True}
-                                  for k, (_, at) in mounts.items()],
-        }
-    }  # fmt: skip
+    values = _manifests(
+        "operator-values", "--apiserver-port", server.rsplit(":", 1)[1],
+        "--liveness-port", str(_free_port()), "--probe-seconds", "3",
+    )  # fmt: skip
     values_file = cluster.kubeconfig.parent / f"{ns}-values.json"
     values_file.write_text(json.dumps(values))
     helm = [str(cluster.bin("helm")), "install", "mmis", str(CHART), "-n", ns]
@@ -168,58 +141,14 @@ def served(cluster: Cluster, operator: str, tmp_path_factory: pytest.TempPathFac
     models = tmp_path_factory.mktemp("realnode-models")
     models.chmod(0o755)  # mounted at /models: pytest makes its directories 0700
     build_tiny_model(models / "tiny-llava")  # world-readable files: the pods run as uid 1000
-    mounts = _mounts(models)
-    docs: list[dict[str, Any]] = [{
-        "apiVersion": "v1", "kind": "Namespace",
-        "metadata": {"name": ns, "labels": {f"{PSA}/enforce": "restricted",
-                                            f"{PSA}/enforce-version": "latest"}},
-    }]  # fmt: skip
-    for key, (host, _) in mounts.items():
-        docs.append({
-            "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{ns}-{key}"},
-            "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
-                     "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
-                     "hostPath": {"path": host, "type": "Directory"},
-                     "claimRef": {"namespace": ns, "name": key}},
-        })  # fmt: skip
-        docs.append({
-            "apiVersion": "v1", "kind": "PersistentVolumeClaim",
-            "metadata": {"name": key, "namespace": ns},
-            "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "",
-                     "volumeName": f"{ns}-{key}", "resources": {"requests": {"storage": "1Gi"}}},
-        })  # fmt: skip
-    mounted = [{"name": k, "mountPath": at, "readOnly": True} for k, (_, at) in mounts.items()]
-    fast_liveness = {"periodSeconds": 2, "failureThreshold": 3, "timeoutSeconds": 2}
-    docs.append({
-        "apiVersion": "mmis.dev/v1alpha1", "kind": "MMInferenceService",
-        "metadata": {"name": NAME, "namespace": ns},
-        "spec": {
-            "model": {"path": "/models/tiny-llava", "storage": {"size": "1Gi"}},
-            "image": IMAGE, "imagePullPolicy": "Never", "replicas": 1,
-            "resources": {"gpus": 0, "memory": "3Gi", "cpu": "500m",
-                          "frontendMemory": "1536Mi", "frontendCpu": "250m"},
-            "cache": {"type": "shm", "size": "128Mi"},
-            "probes": {"startupTimeoutSeconds": 300, "drainSeconds": 1},
-            "scheduling": SCHEDULING,
-            "podTemplate": {"spec": {
-                "containers": [
-                    {"name": "frontend", "env": _env(), "volumeMounts": mounted},
-                    {"name": "engine", "env": _env(), "volumeMounts": mounted,
-                     "livenessProbe": fast_liveness},
-                ],
-                "volumes": [{"name": k, "persistentVolumeClaim": {"claimName": k,
-                                                                  "readOnly": True}}
-                            for k in mounts],
-            }},
-        },
-    })  # fmt: skip
-    cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
-                                                          "items": docs}))  # fmt: skip
+    docs = _manifests("service", "--namespace", ns, "--models", str(models), "--fast-liveness")
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(docs))
     _wait_ready(cluster, ns, 1)
     yield ns
     cluster.kubectl("delete", "namespace", ns, "--wait=false")
-    for key in mounts:
-        cluster.kubectl("delete", "pv", f"{ns}-{key}", "--wait=false", check=False)
+    for doc in docs["items"]:
+        if doc["kind"] == "PersistentVolume":
+            cluster.kubectl("delete", "pv", doc["metadata"]["name"], "--wait=false", check=False)
 
 
 def _conditions(cluster: Cluster, ns: str) -> dict[str, dict[str, Any]]:

@@ -2,7 +2,8 @@
 
 The node runs real containers (containerd + runc, CNI bridge ``10.245.0.0/24``); it is
 registered tainted ``mmis.dev/realnode=true:NoSchedule`` and labelled
-``mmis.dev/realnode=true``, so only pods that ask for it (:data:`SCHEDULING`) land there.
+``mmis.dev/realnode=true``, so only pods that ask for it land there (the manifests of
+``scripts/realnode-manifests``).
 Pod IPs are reachable from this host; Service IPs are not (no kube-proxy): tests reach a
 Service through ``kubectl port-forward`` (:func:`port_forward`) or pods at their IPs.
 
@@ -29,10 +30,6 @@ SCRIPT = ROOT / "scripts" / "realnode"
 IMAGE_SCRIPT = ROOT / "scripts" / "realnode-image"
 NAME = "mmis-realnode"
 IMAGE = "mmis.local/busybox:1.35.0"  # scripts/realnode-image
-SCHEDULING = {
-    "nodeSelector": {"mmis.dev/realnode": "true"},
-    "tolerations": [{"key": "mmis.dev/realnode", "operator": "Exists", "effect": "NoSchedule"}],
-}
 PACKAGES = "containerd runc containernetworking-plugins busybox-static"
 
 
