@@ -3,7 +3,6 @@ engine/event_publisher.py; docs/ROUTING.md)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -199,9 +198,9 @@ def test_no_log_no_events() -> None:
 @pytest.mark.model
 @pytest.mark.parametrize("family", ["llava"], indirect=True)
 def test_the_engine_announces_every_block_it_caches(family: Any) -> None:
-    """``mmis engine --kv-events-endpoint``'s wiring (make_core): a subscriber sees the
-    opening AllBlocksCleared (replayed: it was sent before anyone listened), then exactly the
-    blocks the prefix cache holds, then the reset."""
+    """``mmis engine --kv-events-endpoint``'s wiring (make_core): the stream (read back
+    through its replay socket) opens with AllBlocksCleared, then names exactly the blocks the
+    prefix cache holds, then the reset."""
     cfg = EngineConfig(
         model=str(family.path),
         kv_events_endpoint="tcp://127.0.0.1:*",
@@ -211,17 +210,19 @@ def test_the_engine_announces_every_block_it_caches(family: Any) -> None:
     stream = core.kv_events
     assert stream is not None
     context = zmq.Context.instance()
-    sub, dealer = context.socket(zmq.SUB), context.socket(zmq.DEALER)
-    try:
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(stream.publisher.endpoint)
-        time.sleep(0.3)  # the subscription reaches the PUB socket
-        assert stream.publisher.replay_endpoint is not None
-        dealer.connect(stream.publisher.replay_endpoint)
-        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
-        opening = _recv(dealer)
-        assert KV_DECODER.decode(opening[3]).events == [AllBlocksCleared()]
+    dealer = context.socket(zmq.DEALER)
+    assert stream.publisher.replay_endpoint is not None
+    dealer.connect(stream.publisher.replay_endpoint)
 
+    def replay(start: int) -> list[tuple[int, KVEventBatch]]:
+        """Every batch from ``start`` on, through the replay socket (no subscription race)."""
+        dealer.send_multipart((b"", start.to_bytes(8, "big")))
+        batches = []
+        while (frames := _recv(dealer))[2] != END_SEQ:
+            batches.append((int.from_bytes(frames[2], "big"), KV_DECODER.decode(frames[3])))
+        return batches
+
+    try:
         ids, items, _ = family.request("Describe this image.", [family.image(1)])
         features = [
             MultiModalFeature("image", i.mm_hash, i.mm_hash, PlaceholderRange(i.offset, i.length))
@@ -234,9 +235,10 @@ def test_the_engine_announces_every_block_it_caches(family: Any) -> None:
             if not core.has_work():
                 break
             core.step()
+        batches = replay(0)
+        assert batches[0][1].events == [AllBlocksCleared()]  # the stream's opening
         announced: list[bytes] = []
-        while sub.poll(500):
-            batch = KV_DECODER.decode(sub.recv_multipart()[2])
+        for _, batch in batches[1:]:
             for event in batch.events:
                 assert isinstance(event, BlockStored)
                 announced += event.block_hashes
@@ -244,9 +246,9 @@ def test_the_engine_announces_every_block_it_caches(family: Any) -> None:
         assert len(announced) == len(set(announced))
 
         core.reset_prefix_cache()
-        assert KV_DECODER.decode(_recv(sub)[2]).events == [AllBlocksCleared()]
+        after = replay(batches[-1][0] + 1)
+        assert [b.events for _, b in after] == [[AllBlocksCleared()]]
     finally:
-        sub.close(linger=0)
         dealer.close(linger=0)
         stream.close()
 
