@@ -50,6 +50,7 @@ KEY = "sk-hostile"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 JSON = {**AUTH, "Content-Type": "application/json"}
 MiB = 1 << 20
+REPLAY: dict[str, str] = {}  # an events PUB endpoint -> its replay endpoint (the fixture's)
 POSTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 
 
@@ -77,6 +78,10 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     # procs.Serve names the model "tiny"; the later flag (two aliases) wins
     extra = ["--api-key", KEY, "--ops-port", str(ops_port), "--kv-events-endpoint", events]
     extra += ["--mm-events-endpoint", mm_events]
+    for pub in (events, mm_events):
+        REPLAY[pub] = f"tcp://127.0.0.1:{free_port()}"
+    extra += ["--kv-events-replay-endpoint", REPLAY[events]]
+    extra += ["--mm-events-replay-endpoint", REPLAY[mm_events]]
     serve = Serve(directory, *extra, "--served-model-name", "tiny,tiny-alias", env={})
     try:
         serve.wait_http("/ready", 300)
@@ -230,6 +235,23 @@ def test_model_names_aliases_and_version(running: Running) -> None:
     assert answer.json() == {"version": metadata.version("mmis")}
 
 
+def replay(endpoint: str) -> str:
+    """The replay endpoint the fixture gives beside a PUB endpoint (one per stream)."""
+    return REPLAY[endpoint]
+
+
+def _replayed(dealer: zmq.Socket[bytes], start: int) -> list[bytes]:
+    """Every batch payload from sequence ``start`` on (the engine buffers them)."""
+    dealer.send_multipart((b"", start.to_bytes(8, "big")))
+    payloads = []
+    while True:
+        assert dealer.poll(10_000), "no replay answer"
+        frames = dealer.recv_multipart()
+        if frames[2] == b"\xff" * 8:
+            return payloads
+        payloads.append(frames[3])
+
+
 def test_block_keys_are_the_blocks_the_engine_announces(running: Running) -> None:
     """What a router asks P0 before it routes equals what P1 announces once it served the
     request: the same hashes in the same order, the image's blocks included."""
@@ -245,24 +267,27 @@ def test_block_keys_are_the_blocks_the_engine_announces(running: Running) -> Non
         assert keys["prompt_tokens"] >= 2 * keys["block_size"] and len(keys["mm_hashes"]) == 1
         assert len(keys["block_keys"]) == keys["prompt_tokens"] // keys["block_size"]
         context = zmq.Context.instance()
-        sub, mm_sub = context.socket(zmq.SUB), context.socket(zmq.SUB)
+        kv, mm = context.socket(zmq.DEALER), context.socket(zmq.DEALER)
         try:
-            for socket, endpoint in ((sub, running.events), (mm_sub, running.mm_events)):
-                socket.setsockopt(zmq.SUBSCRIBE, b"")
-                socket.connect(endpoint)
-            time.sleep(0.5)  # the subscriptions reach the engine's PUB sockets
+            kv.connect(replay(running.events))
+            mm.connect(replay(running.mm_events))
+            kv_seen, mm_seen = _replayed(kv, 0), _replayed(mm, 0)  # what /ready's request left
             done = http.post(running.root + "/v1/chat/completions", json=body, headers=JSON)
             assert done.status_code == 200, done.text
-            announced: list[str] = []
-            while sub.poll(1000):
-                batch = KV_DECODER.decode(sub.recv_multipart()[2])
-                announced += [h.hex() for e in batch.events if isinstance(e, BlockStored)
-                              for h in e.block_hashes]  # fmt: skip
-            assert mm_sub.poll(5000), "no multimodal event"
-            items = list(MM_DECODER.decode(mm_sub.recv_multipart()[2]).events)
+            announced = [
+                h.hex()
+                for payload in _replayed(kv, len(kv_seen))
+                for e in KV_DECODER.decode(payload).events
+                if isinstance(e, BlockStored)
+                for h in e.block_hashes
+            ]
+            items = [
+                e for payload in _replayed(mm, len(mm_seen))
+                for e in MM_DECODER.decode(payload).events
+            ]  # fmt: skip
         finally:
-            sub.close(linger=0)
-            mm_sub.close(linger=0)
+            kv.close(linger=0)
+            mm.close(linger=0)
         # the image: stored in P1's receiver cache under the hash P0 named
         assert [(type(e), e.mm_hash) for e in items] == [(MMItemStored, keys["mm_hashes"][0])]
         assert announced == keys["block_keys"]
