@@ -22,6 +22,7 @@ import collections
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import msgspec
 import zmq
@@ -109,3 +110,22 @@ class EventPublisher:
             self._thread.join(5 * _POLL_MS / 1000)
             self._thread = None
         self._pub.close(linger=0)
+
+
+class EventStream:
+    """A log of pending events (anything with ``drain() -> list``) and the publisher its
+    batches go out on. The stream opens with ``opening`` (what a new engine life says first:
+    ``AllBlocksCleared``, ``EpochStarted``); :meth:`flush` sends what the log gathered."""
+
+    def __init__(self, log: Any, publisher: EventPublisher, opening: Sequence[Any]) -> None:
+        self.log = log
+        self.publisher = publisher
+        publisher.publish(opening)
+
+    def flush(self) -> None:
+        events = self.log.drain()
+        if events:
+            self.publisher.publish(events)
+
+    def close(self) -> None:
+        self.publisher.close()

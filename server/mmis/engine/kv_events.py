@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from mmis.engine.event_publisher import EventPublisher
+from mmis.engine.event_publisher import EventPublisher, EventStream
 from mmis.protocol.kv_events import MEDIUM_DEVICE, AllBlocksCleared, BlockRemoved, BlockStored
 
 Event = BlockStored | BlockRemoved | AllBlocksCleared
@@ -73,18 +73,10 @@ class KVEventLog:
         return events
 
 
-class KVEventStream:
-    """A log and the publisher its batches go out on; opens with ``AllBlocksCleared``."""
+class KVEventStream(EventStream):
+    """The KV stream: opens with ``AllBlocksCleared``."""
+
+    log: KVEventLog
 
     def __init__(self, log: KVEventLog, publisher: EventPublisher) -> None:
-        self.log = log
-        self.publisher = publisher
-        publisher.publish([AllBlocksCleared()])
-
-    def flush(self) -> None:
-        events = self.log.drain()
-        if events:
-            self.publisher.publish(events)
-
-    def close(self) -> None:
-        self.publisher.close()
+        super().__init__(log, publisher, [AllBlocksCleared()])

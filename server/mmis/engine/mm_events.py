@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mmis.engine.event_publisher import EventPublisher
+from mmis.engine.event_publisher import EventPublisher, EventStream
 from mmis.protocol.kv_events import EpochStarted, MMItemEvicted, MMItemStored
 
 Event = EpochStarted | MMItemStored | MMItemEvicted
@@ -43,18 +43,10 @@ class MMEventLog:
         return events
 
 
-class MMEventStream:
-    """A log and the publisher its batches go out on; opens with ``EpochStarted``."""
+class MMEventStream(EventStream):
+    """The multimodal stream: opens with ``EpochStarted(epoch)``."""
+
+    log: MMEventLog
 
     def __init__(self, log: MMEventLog, publisher: EventPublisher, epoch: str) -> None:
-        self.log = log
-        self.publisher = publisher
-        publisher.publish([EpochStarted(epoch=epoch)])
-
-    def flush(self) -> None:
-        events = self.log.drain()
-        if events:
-            self.publisher.publish(events)
-
-    def close(self) -> None:
-        self.publisher.close()
+        super().__init__(log, publisher, [EpochStarted(epoch=epoch)])
