@@ -48,6 +48,7 @@ from mmis.engine.sampler import validate as validate_sampling
 from mmis.engine.sched_output import SchedulerOutput
 from mmis.engine.scheduler import Scheduler
 from mmis.protocol.errors import MMISError
+from mmis.protocol.kv_events import RESET_PREFIX_CACHE
 from mmis.protocol.messages import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -272,7 +273,7 @@ class EngineCore:
     # ------------------------------------------------------------------ utilities
     def utilities(self) -> Mapping[str, Callable[..., Any]]:
         """The utility calls the busy loop runs on this core, by name."""
-        return {"stats": self.stats, "reset_prefix_cache": self.reset_prefix_cache}
+        return {"stats": self.stats, RESET_PREFIX_CACHE: self.reset_prefix_cache}
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block (announced at once); returns how many."""

@@ -7,8 +7,10 @@ answers: the front-end container's liveness, whatever the engine does), ``GET /r
 synthetic image request completed since start, and the engine link up: readiness),
 and the operations routes ``GET /metrics`` (the process' one metrics registry: P0's series,
 P1's polled figures, the drift gauge and P0's level gauges; P1 is polled first when its
-snapshot is stale), ``GET /stats/cache`` and ``POST /internal/block_keys`` (a chat request's
-prefix-cache block keys, for routers: docs/ROUTING.md) — on ``--ops-port`` when it is set.
+snapshot is stale), ``GET /stats/cache``, ``POST /internal/block_keys`` (a chat request's
+prefix-cache block keys, for routers: docs/ROUTING.md) and ``POST /internal/reset_prefix_cache``
+(P1 forgets its cached prefix blocks and announces it; answers how many) — on ``--ops-port``
+when it is set.
 
 ``GET /stats/cache`` (no key: the operator reads it on every ready pod) answers the drift
 window as JSON: ``drift_rate`` (drift misses / shadow hits over the window; 0.0 without
@@ -76,6 +78,7 @@ from mmis.frontend.serving_completions import CompletionServing
 from mmis.frontend.serving_embeddings import EmbeddingServing
 from mmis.frontend.serving_responses import ResponsesServing
 from mmis.frontend.state import FrontendState
+from mmis.protocol.kv_events import RESET_PREFIX_CACHE
 from mmis.telemetry.tracing import Tracing
 
 log = logging.getLogger(__name__)
@@ -242,6 +245,11 @@ def create_app(
         req = await parse(request, ChatCompletionRequest)
         serving: ChatServing = request.app.state.chat
         return JSONResponse(await serving.block_keys(req))
+
+    @app.post("/internal/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> Response:
+        blocks = await state_of(request).client.call_utility(RESET_PREFIX_CACHE)
+        return JSONResponse({"blocks": int(blocks)})
 
     install_openapi(app)
     return app

@@ -5,7 +5,8 @@
 in this order:
 
 1. **Port.** With ``--ops-port`` set, the operations routes (:data:`OPS_PATHS`:
-   ``/metrics``, ``/stats/cache``, ``/internal/block_keys``) answer on that port only (404
+   ``/metrics``, ``/stats/cache``, ``/internal/block_keys``,
+   ``/internal/reset_prefix_cache``) answer on that port only (404
    on the serving port, after the key check), and that port answers nothing else but the
    probes (404). The operator's Service and Ingress expose the serving port only;
    Prometheus, the operator's coherence probe and routers reach the operations port pod
@@ -52,7 +53,9 @@ from mmis.frontend.errors import (
     error_status,
 )
 
-OPS_PATHS = frozenset({"/metrics", "/stats/cache", "/internal/block_keys"})
+OPS_PATHS = frozenset(
+    {"/metrics", "/stats/cache", "/internal/block_keys", "/internal/reset_prefix_cache"}
+)
 OPEN_PATHS = frozenset({"/health", "/ready"})  # kubelet's probes carry no key
 DRAIN_FACTOR = 4
 DRAIN_SECONDS = 5.0

@@ -54,6 +54,7 @@ from mmis.frontend.schemas import (
     EmbeddingResponse,
     ErrorResponse,
     ModelList,
+    PrefixCacheReset,
     ProbeStatus,
     VersionInfo,
 )
@@ -207,6 +208,11 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         ok=_json(BlockKeys, "the keys P1 will announce for the request's prompt blocks"),
         errors=BODY_ERRORS,
     ),
+    ("POST", "/internal/reset_prefix_cache"): Operation(
+        summary="P1 forgets its cached prefix blocks (announced to routers as AllBlocksCleared)",
+        ok=_json(PrefixCacheReset, "how many blocks were forgotten"),
+        errors=(500, 503),
+    ),
     ("GET", "/version"): Operation(
         summary="The mmis version", ok=_json(VersionInfo, "the serving package's version")
     ),
@@ -224,6 +230,7 @@ _RESPONSES = (
     ProbeStatus,
     CacheStats,
     BlockKeys,
+    PrefixCacheReset,
     VersionInfo,
 )
 

@@ -28,6 +28,8 @@ import msgspec
 
 BlockHashValue = bytes | int  # vLLM's ExternalBlockHash: digest bytes, or a 64-bit int
 MEDIUM_DEVICE = "GPU"  # vLLM names the medium holding a block; mmis's KV pool is this one
+# the utility call (P0 -> P1) that empties the prefix cache, announced as AllBlocksCleared
+RESET_PREFIX_CACHE = "reset_prefix_cache"
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -213,6 +213,12 @@ class BlockKeys(BaseModel):
     mm_hashes: list[str] = Field(description="the request's multimodal items, in order")
 
 
+class PrefixCacheReset(BaseModel):
+    """``POST /internal/reset_prefix_cache``: how many cached prefix blocks P1 forgot."""
+
+    blocks: int = Field(ge=0, description="blocks forgotten (announced as AllBlocksCleared)")
+
+
 class CacheStats(BaseModel):
     """``GET /stats/cache``: the drift window (:meth:`mmis.telemetry.drift.DriftWindow.stats`)."""
 
