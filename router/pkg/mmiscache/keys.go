@@ -1,0 +1,101 @@
+package mmiscache
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"mmis.dev/router/pkg/events"
+)
+
+// requestKeys is one request's cache keys, as P0 computes them.
+type requestKeys struct {
+	blocks []string // index keys of the prompt's full blocks, in order
+	items  []string // the images' mm_hashes
+}
+
+// keysClient asks a front end for a request's keys (POST /internal/block_keys on its
+// operations port: server/mmis/frontend/api_server.py).
+//
+// Invariant: one fetch spends at most timeout in all, trying the candidates in turn from a
+// rotating start, so no single front end carries every lookup.
+type keysClient struct {
+	port    int
+	timeout time.Duration
+	http    *http.Client
+	turn    atomic.Uint64
+}
+
+func newKeysClient(port int, timeout time.Duration) *keysClient {
+	return &keysClient{port: port, timeout: timeout, http: &http.Client{}}
+}
+
+type blockKeysAnswer struct {
+	BlockSize int      `json:"block_size"`
+	BlockKeys []string `json:"block_keys"`
+	MMHashes  []string `json:"mm_hashes"`
+}
+
+func (c *keysClient) fetch(ctx context.Context, addrs []string, body []byte) (*requestKeys, error) {
+	if len(addrs) == 0 {
+		return nil, errors.New("no candidates")
+	}
+	ctx, cancel := context.WithTimeout(ctx, c.timeout)
+	defer cancel()
+	start := int(c.turn.Add(1))
+	var errs []error
+	for i := range addrs {
+		addr := addrs[(start+i)%len(addrs)]
+		k, err := c.fetchFrom(ctx, addr, body)
+		if err == nil {
+			return k, nil
+		}
+		errs = append(errs, fmt.Errorf("%s: %w", addr, err))
+		if ctx.Err() != nil {
+			break
+		}
+	}
+	return nil, errors.Join(errs...)
+}
+
+func (c *keysClient) fetchFrom(ctx context.Context, addr string, body []byte) (*requestKeys, error) {
+	url := "http://" + net.JoinHostPort(addr, strconv.Itoa(c.port)) + "/internal/block_keys"
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := c.http.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	raw, err := io.ReadAll(io.LimitReader(resp.Body, 16<<20))
+	if err != nil {
+		return nil, err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("status %d: %.200s", resp.StatusCode, raw)
+	}
+	var ans blockKeysAnswer
+	if err := json.Unmarshal(raw, &ans); err != nil {
+		return nil, fmt.Errorf("answer is not block keys: %w", err)
+	}
+	k := &requestKeys{blocks: make([]string, 0, len(ans.BlockKeys)), items: ans.MMHashes}
+	for _, h := range ans.BlockKeys {
+		key, err := events.HexKey(h)
+		if err != nil {
+			return nil, err
+		}
+		k.blocks = append(k.blocks, key)
+	}
+	return k, nil
+}
