@@ -192,3 +192,18 @@ async def test_shm_copies_issue_one_descriptor_each(
         hit = await r.render(source, bypass=False, reserve_tokens=1)
         assert hit.features[0][0].data == addresses[0]  # the hit re-issues the descriptor
         assert writer.stats().outstanding_descriptors == 4
+
+
+async def test_keys_process_an_image_once_and_change_nothing(renderer: Renderer) -> None:
+    """A router's repeated key request (POST /internal/block_keys) reuses the placeholder
+    length learnt the first time, even when the shadow never held the item."""
+    proc: GatedProcessor = renderer.processor  # type: ignore[assignment]
+    source = _source(renderer, _img((4, 5, 6)))
+    before = proc.calls
+    first = await renderer.keys(source, 4)
+    assert proc.calls == before + 1
+    assert await renderer.keys(source, 4) == first
+    assert proc.calls == before + 1  # the second request ran no processor
+    assert renderer.shadow.get(source.items[0].mm_hash) is None  # keys change no cache
+    rendered = await renderer.render(source, bypass=False, reserve_tokens=1)
+    assert rendered.num_tokens == first[0]  # the keys' prompt is the prompt P1 gets

@@ -28,11 +28,17 @@ Invariants:
   image, with the video placeholder token. A model without a video token refuses them (400).
 - ``copies`` renders the features for that many sibling requests (``n`` choices); each SHM
   descriptor is issued once per copy, so the reader's acknowledgements balance.
+- Placeholder lengths by ``mm_hash`` (the hash covers the pixels and the processor kwargs, so
+  it fixes the length) are remembered for the last :data:`KNOWN_LENGTHS` items processed here,
+  whether the shadow still holds them or not: a router's repeated key request
+  (:meth:`Renderer.keys_sync`, ``POST /internal/block_keys``) runs no processor a second time.
+  Only the worker thread touches them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 from collections.abc import Sequence
 from concurrent.futures import Executor
@@ -118,6 +124,9 @@ class _Planned:
     tensors: dict[str, Any] | None  # None: a shadow hit
 
 
+KNOWN_LENGTHS = 4096  # placeholder lengths remembered by mm_hash (ints: a few hundred KiB)
+
+
 class Renderer:
     def __init__(
         self,
@@ -145,6 +154,13 @@ class Renderer:
         self.hash_algorithm = hash_algorithm
         self.shm_writer = shm_writer
         self.metrics = metrics or MMISMetrics(model_id)
+        self._lengths: collections.OrderedDict[str, int] = collections.OrderedDict()
+
+    def _remember(self, mm_hash: str, length: int) -> None:
+        self._lengths[mm_hash] = length
+        self._lengths.move_to_end(mm_hash)
+        if len(self._lengths) > KNOWN_LENGTHS:
+            self._lengths.popitem(last=False)
 
     # ------------------------------------------------------------------ stage 1 (asyncio)
     async def prepare(
@@ -281,6 +297,7 @@ class Renderer:
             else:
                 processed = self.processor.process_image(item.image, item.processor_kwargs)
             nbytes = item_nbytes(processed.tensors)
+            self._remember(item.mm_hash, processed.num_tokens)
             plan.append(
                 _Planned(item, ShadowEntry(nbytes, processed.num_tokens), processed.tensors)
             )
@@ -315,22 +332,25 @@ class Renderer:
         """``(prompt tokens, block keys)`` of the prompt a render would send P1 now
         (``protocol/block_keys.py``), changing nothing: the shadow, its counters and the
         metrics stay as they were. An item the shadow knows keeps its recorded placeholder
-        length; any other is processed to learn it. Hash-only items need the shadow."""
+        length, else its remembered one; any other is processed to learn it (and its length
+        remembered). Hash-only items need the shadow."""
         lengths: list[int] = []
         for item in source.items:
             entry = self.shadow.get(item.mm_hash)
+            known = self._lengths.get(item.mm_hash)
             if entry is not None:
                 lengths.append(entry.placeholder_length)
+            elif known is not None:
+                lengths.append(known)
             elif item.image is None:
                 raise HashOnlyCacheMissError([item.uuid or item.mm_hash])
-            elif isinstance(item.image, DecodedVideo):
-                lengths.append(
-                    self.processor.process_video(item.image, item.processor_kwargs).num_tokens
-                )
             else:
-                lengths.append(
-                    self.processor.process_image(item.image, item.processor_kwargs).num_tokens
-                )
+                if isinstance(item.image, DecodedVideo):
+                    n = self.processor.process_video(item.image, item.processor_kwargs).num_tokens
+                else:
+                    n = self.processor.process_image(item.image, item.processor_kwargs).num_tokens
+                self._remember(item.mm_hash, n)
+                lengths.append(n)
         try:
             token_ids, ranges = self.processor.expand(
                 source.token_ids, lengths, [self._placeholder_token(i) for i in source.items]
