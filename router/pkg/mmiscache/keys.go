@@ -6,9 +6,11 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"io"
 	"net"
 	"net/http"
+	"slices"
 	"strconv"
 	"sync/atomic"
 	"time"
@@ -25,8 +27,11 @@ type requestKeys struct {
 // keysClient asks a front end for a request's keys (POST /internal/block_keys on its
 // operations port: server/mmis/frontend/api_server.py).
 //
-// Invariant: one fetch spends at most timeout in all, trying the candidates in turn from a
-// rotating start, so no single front end carries every lookup.
+// Invariants: one fetch spends at most timeout in all, trying the candidates in turn. A
+// request with images starts at the front end its images hash to (over the sorted
+// addresses), so repeats of one image ask the front end that already knows its placeholder
+// length and runs no processor (server/mmis/frontend/renderer.py); other requests start at a
+// rotating one, so no single front end carries every lookup.
 type keysClient struct {
 	port    int
 	timeout time.Duration
@@ -44,13 +49,17 @@ type blockKeysAnswer struct {
 	MMHashes  []string `json:"mm_hashes"`
 }
 
-func (c *keysClient) fetch(ctx context.Context, addrs []string, body []byte) (*requestKeys, error) {
+func (c *keysClient) fetch(ctx context.Context, addrs []string, body []byte, affinity uint64) (*requestKeys, error) {
 	if len(addrs) == 0 {
 		return nil, errors.New("no candidates")
 	}
 	ctx, cancel := context.WithTimeout(ctx, c.timeout)
 	defer cancel()
-	start := int(c.turn.Add(1))
+	addrs = slices.Sorted(slices.Values(addrs))
+	start := int(c.turn.Add(1) % uint64(len(addrs)))
+	if affinity != 0 {
+		start = int(affinity % uint64(len(addrs)))
+	}
 	var errs []error
 	for i := range addrs {
 		addr := addrs[(start+i)%len(addrs)]
@@ -98,4 +107,27 @@ func (c *keysClient) fetchFrom(ctx context.Context, addr string, body []byte) (*
 		k.blocks = append(k.blocks, key)
 	}
 	return k, nil
+}
+
+// imageAffinity hashes a chat request's image URLs (0: no image): equal images, equal hash.
+func imageAffinity(payload map[string]any) uint64 {
+	h := fnv.New64a()
+	found := false
+	messages, _ := payload["messages"].([]any)
+	for _, m := range messages {
+		msg, _ := m.(map[string]any)
+		parts, _ := msg["content"].([]any)
+		for _, p := range parts {
+			part, _ := p.(map[string]any)
+			image, _ := part["image_url"].(map[string]any)
+			if url, ok := image["url"].(string); ok {
+				_, _ = h.Write([]byte(url))
+				found = true
+			}
+		}
+	}
+	if !found {
+		return 0
+	}
+	return h.Sum64() | 1
 }

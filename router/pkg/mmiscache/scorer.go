@@ -119,11 +119,11 @@ func (s *Scorer) Score(ctx context.Context, _ *framework.CycleState, req *framew
 		held[i] = s.pods.get(addr)
 		addrs = append(addrs, addr)
 	}
-	body := chatBody(req)
+	body, affinity := chatBody(req)
 	if body == nil {
 		return scores
 	}
-	keys, err := s.keys.fetch(ctx, addrs, body)
+	keys, err := s.keys.fetch(ctx, addrs, body, affinity)
 	if err != nil {
 		logger.V(1).Info("no block keys; scoring by load alone", "err", err.Error())
 		return scores
@@ -135,19 +135,20 @@ func (s *Scorer) Score(ctx context.Context, _ *framework.CycleState, req *framew
 	return scores
 }
 
-func chatBody(req *framework.LLMRequest) []byte {
+// chatBody is a chat request's body to ask keys for, and its images' affinity (keys.go).
+func chatBody(req *framework.LLMRequest) ([]byte, uint64) {
 	if req == nil || req.Body == nil || req.Body.ChatCompletions == nil {
-		return nil
+		return nil, 0
 	}
 	payload, ok := req.Body.Payload.(framework.PayloadMap)
 	if !ok {
-		return nil
+		return nil, 0
 	}
 	body, err := json.Marshal(map[string]any(payload))
 	if err != nil {
-		return nil
+		return nil, 0
 	}
-	return body
+	return body, imageAffinity(payload)
 }
 
 func describe(scores map[framework.Endpoint]float64) map[string]float64 {
