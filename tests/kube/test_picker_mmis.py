@@ -1,0 +1,127 @@
+"""The real endpoint picker in the loop (issue 33, docs/ROUTING.md): three ``mmis serve``
+replicas announce their caches, ``mmis-epp`` (GIE v1.5.0's runner + the mmis cache scorer)
+follows the announcements, and ``mmis-gateway`` speaks the gateway's side of ext_proc and
+forwards each request where the picker says (``picker_stack.py``).
+
+- a repeat of a request's image and prefix lands on a replica that holds it in >= 95% of tries,
+  while new images spread over the replicas;
+- after the holder forgets the prefix (a forced eviction), the picker's index shows it within
+  one event batch and the next repeat goes to the other holder;
+- a replica's engine restart (a new epoch) empties its index, and requests keep succeeding.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kubecluster import Cluster
+from picker_stack import PickerStack
+from procs import children, image_url, wait_for
+from tools import go_tool
+
+pytestmark = [pytest.mark.controlplane, pytest.mark.routing, pytest.mark.model, pytest.mark.slow]
+
+
+def _chat(color: tuple[int, int, int], question: str) -> dict[str, object]:
+    return {
+        "model": "tiny",
+        "max_tokens": 2,
+        "temperature": 0,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": image_url(color)}},
+                    {"type": "text", "text": question},
+                ],
+            }
+        ],
+    }
+
+
+def _color(i: int) -> tuple[int, int, int]:
+    return ((37 * i) % 256, (101 * i + 50) % 256, (197 * i + 90) % 256)
+
+
+@pytest.fixture(scope="module")
+def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PickerStack]:
+    epp, gateway = go_tool("mmis-epp"), go_tool("mmis-gateway")
+    namespace = "picker-" + os.urandom(4).hex()
+    cluster.kubectl("create", "namespace", namespace)
+    try:
+        with PickerStack(
+            cluster, namespace, tmp_path_factory.mktemp("picker"), epp, gateway
+        ) as running:
+            yield running
+    finally:
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false")
+
+
+def test_repeats_land_on_the_replica_that_holds_them(stack: PickerStack) -> None:
+    images = range(100, 120)
+    holders: dict[int, set[str]] = {}
+    for i in images:
+        dest, _ = stack.chat(_chat(_color(i), "What is in the picture?"))
+        holders[i] = {dest}
+    first = [next(iter(h)) for h in holders.values()]
+    assert len(set(first)) >= 2, f"new images all went to one replica: {first}"
+    hits = tries = 0
+    for question in ("And its colours?", "Describe it again."):
+        for i in images:
+            dest, _ = stack.chat(_chat(_color(i), question))
+            tries += 1
+            hits += dest in holders[i]
+            holders[i].add(dest)
+    assert hits / tries >= 0.95, f"{hits}/{tries} repeats reached a holder"
+
+
+def test_forced_eviction_moves_the_next_choice_within_one_batch(stack: PickerStack) -> None:
+    body = _chat(_color(7), "What is in the picture?")
+    a, _ = stack.chat(body)
+    by_ip = {r.ip: r for r in stack.replicas}
+    b = next(ip for ip in by_ip if ip != a)
+    # the same request straight to b: now two replicas hold it
+    httpx.post(by_ip[b].url + "/v1/chat/completions", json=body, timeout=120).raise_for_status()
+    stack.wait_metric(f"{b}'s blocks known", "mmis_picker_index_blocks", lambda v: bool(v), pod=b)
+    assert by_ip[a].reset_prefix_cache() > 0
+    # one batch (AllBlocksCleared) empties a's KV index
+    stack.wait_metric(f"{a} emptied", "mmis_picker_index_blocks", lambda v: v == 0, 5, pod=a)
+    for _ in range(3):
+        dest, _ = stack.chat(body)
+        assert dest == b, f"after {a} forgot the prefix the repeat went to {dest}, not {b}"
+
+
+def test_engine_restart_starts_a_new_epoch_and_requests_keep_succeeding(
+    stack: PickerStack,
+) -> None:
+    body = _chat(_color(9), "What is in the picture?")
+    a, _ = stack.chat(body)
+    replica = next(r for r in stack.replicas if r.ip == a)
+    stack.wait_metric(f"{a}'s items known", "mmis_picker_index_items", lambda v: bool(v), pod=a)
+    engines = children(replica.proc.popen.pid)
+    assert engines, "mmis serve has no engine child"
+    os.kill(engines[0], signal.SIGKILL)
+    # the restarted engine opens with AllBlocksCleared / EpochStarted: both halves empty
+    stack.wait_metric(f"{a} emptied", "mmis_picker_index_items", lambda v: v == 0, 60, pod=a)
+    stack.wait_metric(f"{a} emptied", "mmis_picker_index_blocks", lambda v: v == 0, 60, pod=a)
+
+    def back() -> bool:
+        return replica.proc.popen.poll() is None and bool(children(replica.proc.popen.pid))
+
+    wait_for("the engine restarted", back)
+    log = stack.epp.log_path.read_text(errors="replace")
+    assert "restarted" in log, "the picker did not see the new epoch"
+
+    replica.proc.wait_http("/ready", timeout=300)
+    for i in range(3):
+        stack.chat(_chat(_color(9), f"Question {i}?"))  # never fails for lack of cache data
