@@ -52,6 +52,14 @@ def _free_ports(n: int) -> list[int]:
     return sorted(ports)
 
 
+SILENCE_S = 4.0  # the tests' silenceSeconds: a stopped engine ages out within seconds
+
+
+def _test_config(ops_port: int, events: EventPorts) -> dict[str, Any]:
+    """What the operator deploys, with a short silence so a test need not wait 10 s."""
+    return picker_config(ops_port, events, silence_seconds=SILENCE_S)
+
+
 class Replica:
     """One ``mmis serve`` on its own loopback address."""
 
@@ -91,7 +99,7 @@ class PickerStack:
         self.events = EventPorts(kv=p[2], kv_replay=p[3], mm=p[4], mm_replay=p[5])
         self.grpc_port, self.health_port, self.metrics_port, self.gateway_port = p[6:10]
         self.model = model or tiny_model_dir()
-        self.config = (config_for or picker_config)(self.ops_port, self.events)
+        self.config = (config_for or _test_config)(self.ops_port, self.events)
         self.replicas: list[Replica] = []
         self._daemons: list[Daemon] = []
         self.url = f"http://127.0.0.1:{self.gateway_port}"

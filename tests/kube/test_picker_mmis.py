@@ -7,7 +7,9 @@ forwards each request where the picker says (``picker_stack.py``).
   while new images spread over the replicas;
 - after the holder forgets the prefix (a forced eviction), the picker's index shows it within
   one event batch and the next repeat goes to the other holder;
-- a replica's engine restart (a new epoch) empties its index, and requests keep succeeding.
+- a replica's engine restart (a new epoch) empties its index, and requests keep succeeding;
+- an engine whose events fall silent (stopped) ages out of the picker's trust, and is followed
+  again, its index rebuilt from a replay, once it answers.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kubecluster import Cluster
-from picker_stack import PickerStack
+from picker_stack import SILENCE_S, PickerStack
 from procs import children, image_url, wait_for
 from tools import go_tool
 
@@ -119,9 +121,34 @@ def test_engine_restart_starts_a_new_epoch_and_requests_keep_succeeding(
         return replica.proc.popen.poll() is None and bool(children(replica.proc.popen.pid))
 
     wait_for("the engine restarted", back)
+    # seen either as a new life (the replay no longer has the last batch applied) or, when the
+    # restart outlasts silenceSeconds, as silence first; both empty the index (asserted above)
     log = stack.epp.log_path.read_text(errors="replace")
-    assert "restarted" in log, "the picker did not see the new epoch"
+    assert "restarted" in log or "silent" in log, "the picker never noticed the restart"
 
     replica.proc.wait_http("/ready", timeout=300)
     for i in range(3):
         stack.chat(_chat(_color(9), f"Question {i}?"))  # never fails for lack of cache data
+
+
+def test_a_silent_engine_ages_out_and_is_rebuilt_from_a_replay(stack: PickerStack) -> None:
+    a, _ = stack.chat(_chat(_color(11), "What is in the picture?"))
+    replica = next(r for r in stack.replicas if r.ip == a)
+    held = stack.wait_metric(f"{a}'s blocks", "mmis_picker_index_blocks", bool, pod=a)
+    engine = children(replica.proc.popen.pid)[0]
+    os.kill(engine, signal.SIGSTOP)  # alive but silent: its replay socket stops answering
+    try:
+        for stream in ("kv", "mm"):
+            stack.wait_metric(
+                f"{a}'s {stream} stream distrusted", "mmis_picker_stream_live",
+                lambda v: v == 0, 4 * SILENCE_S, pod=a, stream=stream,
+            )  # fmt: skip
+        # untrusted at once (scored as empty), then emptied by the next failed probe
+        stack.wait_metric(f"{a} emptied", "mmis_picker_index_blocks", lambda v: v == 0, 5, pod=a)
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    stack.wait_metric(
+        f"{a} followed again", "mmis_picker_stream_live", lambda v: v == 1, 30, pod=a, stream="kv"
+    )
+    # the engine never lost its cache: the replay gives the index back
+    stack.wait_metric(f"{a} rebuilt", "mmis_picker_index_blocks", lambda v: v == held, 30, pod=a)

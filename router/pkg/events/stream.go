@@ -216,7 +216,7 @@ func (s *Stream) replay(ctx context.Context, from uint64) ([]frame, error) {
 	defer cancel()
 	dealer := zmq4.NewDealer(rctx, zmq4.WithDialerMaxRetries(0))
 	defer dealer.Close()
-	if err := dealer.Dial(s.Replay); err != nil {
+	if err := dealer.Dial(bounded(s.Replay)); err != nil { // handshake bounded by rctx too
 		return nil, err
 	}
 	req := make([]byte, 8)
