@@ -1,6 +1,7 @@
 """The objects one MMInferenceService owns: a Deployment, a Service and, optionally, an
 Ingress, a PodDisruptionBudget, the model cache's PersistentVolumeClaim, an autoscaler (HPA or
-KEDA ScaledObject, autoscaling.py) and a PodMonitor (monitoring.py).
+KEDA ScaledObject, autoscaling.py), a PodMonitor (monitoring.py) and the routing objects (an
+InferencePool and its endpoint picker, routing.py).
 
 Invariants:
 - Pure functions: (owner metadata, parsed spec) in, manifest dicts out; no API calls.
@@ -23,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mmis_operator import autoscaling, monitoring, overrides, quantity
+from mmis_operator import autoscaling, monitoring, overrides, quantity, routing
 from mmis_operator import resource as r
 from mmis_operator.pod import MODEL_CACHE_VOLUME, claim_name, pod_spec
 from mmis_operator.spec import ServiceSpec
@@ -213,6 +214,14 @@ def pod_monitor(owner: Mapping[str, Any], spec: ServiceSpec) -> dict[str, Any] |
         return None
     meta = _metadata(owner, owner["metadata"]["name"])
     return monitoring.pod_monitor(owner, meta, spec.monitoring)
+
+
+def routing_objects(owner: Mapping[str, Any], spec: ServiceSpec) -> list[dict[str, Any]]:
+    """The InferencePool and its endpoint picker's objects, or none without ``spec.routing``."""
+    if spec.routing is None:
+        return []
+    meta = _metadata(owner, owner["metadata"]["name"])
+    return routing.manifests(owner, meta, spec.routing)
 
 
 def endpoint(owner: Mapping[str, Any], spec: ServiceSpec) -> str:

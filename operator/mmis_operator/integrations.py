@@ -1,5 +1,6 @@
 """Optional third-party APIs the operator uses when the cluster serves them: KEDA's
-``ScaledObject`` and prometheus-operator's ``PodMonitor``; found by API discovery.
+``ScaledObject``, prometheus-operator's ``PodMonitor`` and the Gateway API Inference
+Extension's ``InferencePool`` (``spec.routing``, routing.py); found by API discovery.
 
 Invariants:
 - :class:`Integrations` is the operator's setting for them, read from the environment (the
@@ -30,6 +31,7 @@ ENV_AUTOSCALER = "MMIS_OPERATOR_AUTOSCALER"
 ENV_POD_MONITORS = "MMIS_OPERATOR_POD_MONITORS"
 KEDA = ("keda.sh/v1alpha1", "scaledobjects")
 PROMETHEUS_OPERATOR = ("monitoring.coreos.com/v1", "podmonitors")
+INFERENCE_POOL = ("inference.networking.k8s.io/v1", "inferencepools")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +90,9 @@ class Discovery:
 
     def pod_monitors(self) -> bool:
         return self.serves(*PROMETHEUS_OPERATOR)
+
+    def inference_pools(self) -> bool:
+        return self.serves(*INFERENCE_POOL)
 
 
 def autoscaler_kind(settings: Integrations, discovery: Discovery) -> str:

@@ -37,6 +37,12 @@ _PLURALS = {
     "HorizontalPodAutoscaler": "horizontalpodautoscalers",
     "ScaledObject": "scaledobjects",  # keda.sh
     "PodMonitor": "podmonitors",  # monitoring.coreos.com
+    # spec.routing (routing.py): the endpoint picker's objects and the InferencePool
+    "ConfigMap": "configmaps",
+    "ServiceAccount": "serviceaccounts",
+    "Role": "roles",  # rbac.authorization.k8s.io
+    "RoleBinding": "rolebindings",
+    "InferencePool": "inferencepools",  # inference.networking.k8s.io
     r.KIND: r.PLURAL,
 }
 JSON = "application/json"

@@ -28,6 +28,9 @@ Invariants:
   A server setting the spec leaves unset is not passed: the server's one default applies.
   ``model.revision`` goes to both containers (``--revision``); ``model.processorKwargs`` to
   the front end only (``--processor-kwargs``, compact JSON): P1 never runs the processor.
+- With ``spec.routing`` the engine also publishes its cache events for the endpoint picker
+  (``routing.engine_args``, named ports ``kv-events``, ``kv-replay``, ``mm-events``,
+  ``mm-replay``); without it the pod is exactly what it was before routing existed.
 - The engine stays up while the front end drains (its preStop pause is longer), so in-flight
   requests finish before P1 exits.
 """
@@ -38,7 +41,7 @@ import json
 import math
 from typing import Any
 
-from mmis_operator import quantity
+from mmis_operator import quantity, routing
 from mmis_operator import resource as r
 from mmis_operator.spec import ServiceSpec
 
@@ -130,6 +133,8 @@ def engine_args(spec: ServiceSpec) -> list[str]:
         args += ["--fault-evict-rate", f"{spec.fault_evict_rate:g}"]
     if spec.otlp_endpoint:
         args += ["--otlp-traces-endpoint", spec.otlp_endpoint]
+    if spec.routing is not None:  # the endpoint picker subscribes to its cache events
+        args += routing.engine_args()
     return args
 
 
@@ -303,7 +308,8 @@ def engine_container(spec: ServiceSpec, name: str) -> dict[str, Any]:
                 "name": r.ENGINE_HEALTH_PORT_NAME,
                 "containerPort": r.ENGINE_HEALTH_PORT,
                 "protocol": "TCP",
-            }
+            },
+            *(routing.engine_ports() if spec.routing is not None else []),
         ],
         "env": common_env(spec, name),
         "resources": {"requests": requests, "limits": limits},

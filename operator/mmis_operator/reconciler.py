@@ -24,6 +24,11 @@ Invariants:
   absence is checked on a resource's first reconcile in this process, afterwards only for the
   kinds this process applied to it (``_integrations``, an in-memory hint), so a steady
   reconcile costs no extra request.
+- ``spec.routing``: the InferencePool and the endpoint picker's objects (routing.py) are
+  applied only when the cluster serves inference.networking.k8s.io/v1 InferencePool; the
+  ``Routing`` condition says which (True, or False with reason InferencePoolAPIMissing and what
+  to install). Without ``spec.routing`` those objects are deleted (the same in-memory hint,
+  ``_routed``) and the Routing condition is removed.
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from mmis_operator import children, status, status_writer
+from mmis_operator import children, routing, status, status_writer
 from mmis_operator import resource as r
+from mmis_operator.conditions import Condition
 from mmis_operator.integrations import (
     Discovery,
     Integrations,
@@ -64,6 +70,15 @@ _API_VERSIONS = {
     "ScaledObject": "keda.sh/v1alpha1",
     "PodMonitor": "monitoring.coreos.com/v1",
 }
+
+
+POOL_API_MISSING = (
+    "spec.routing needs the Gateway API Inference Extension's InferencePool API "
+    f"({routing.POOL_API_VERSION}), which this cluster does not serve: install the inference "
+    "extension's CRDs v1.x (kubectl apply -f https://github.com/kubernetes-sigs/"
+    "gateway-api-inference-extension/releases/download/v1.5.0/manifests.yaml); the endpoint "
+    "picker and the InferencePool are then created at the next resync (a minute or two)"
+)
 
 
 def _child_path(kind: str, namespace: str, name: str) -> str:
@@ -108,6 +123,8 @@ class Reconciler:
         self._pod_problem_owners: set[tuple[str, str]] = set()
         # per resource: the integration kinds this process applied (None: not looked yet)
         self._integrations: dict[tuple[str, str], set[str]] = {}
+        # per resource: whether this process applied its routing objects (absent: not looked)
+        self._routed: dict[tuple[str, str], bool] = {}
 
     def _wanted_integrations(
         self, body: Mapping[str, Any], spec: ServiceSpec
@@ -137,6 +154,40 @@ class Reconciler:
                 self._delete_owned(_child_path(kind, meta["namespace"], meta["name"]), meta)
         self._integrations[key] = {k for k, m in wanted.items() if m is not None}
 
+    def _routing(
+        self, body: Mapping[str, Any], spec: ServiceSpec
+    ) -> tuple[list[dict[str, Any]], Condition | None]:
+        """The routing objects to apply, and the Routing condition (None: no spec.routing)."""
+        if spec.routing is None:
+            return [], None
+        if not self.discovery.inference_pools():
+            return [], Condition(r.ROUTING, "False", "InferencePoolAPIMissing", POOL_API_MISSING)
+        name = body["metadata"]["name"]
+        message = (
+            f"InferencePool {name} and its endpoint picker {routing.picker_name(name)} are "
+            f"applied: route to the pool from an HTTPRoute (backendRefs: group "
+            f"{routing.POOL_GROUP}, kind {routing.POOL_KIND}, name {name})"
+        )
+        condition = Condition(r.ROUTING, "True", "InferencePoolApplied", message)
+        return children.routing_objects(body, spec), condition
+
+    def _drop_routing(self, meta: Mapping[str, Any], wanted: bool) -> None:
+        """Delete the routing objects the resource owns when it has none any more: looked for
+        on its first reconcile in this process, afterwards only if this process applied them."""
+        key = (meta["namespace"], meta["name"])
+        if not wanted and self._routed.get(key, True):
+            for api_version, kind, name in reversed(routing.object_refs(meta["name"])):
+                if kind == routing.POOL_KIND and not self.discovery.inference_pools():
+                    continue  # the API is not served: there is no pool to delete
+                path = object_path(api_version, kind, meta["namespace"], name)
+                try:
+                    self._delete_owned(path, meta)
+                except KubeError as exc:
+                    if exc.status != 403:
+                        raise
+                    # RBAC from before spec.routing: what it cannot read, it never created
+        self._routed[key] = wanted
+
     def _pods(self, namespace: str, name: str) -> list[dict[str, Any]]:
         path = f"/api/v1/namespaces/{namespace}/pods"
         return self.kube.list(path, r.selector_string(name))
@@ -148,18 +199,22 @@ class Reconciler:
         deployment: Mapping[str, Any] | None = None,
         observed_generation: int | None = None,
         problem: status.Problem | None = None,
+        routing_condition: Condition | None = None,
+        drop_routing: bool = False,
     ) -> dict[str, Any] | None:
-        """Store the status computed from the fresh resource, ``deployment`` and its pods."""
+        """Store the status computed from the fresh resource, ``deployment`` and its pods; with
+        the reconcile's Routing condition, or removing it (``drop_routing``)."""
         pods = [] if _settled(deployment) else self._pods(namespace, name)
-        stored = status_writer.write(
-            self.kube,
-            namespace,
-            name,
-            lambda obj: status.desired_status(
+        extra = (routing_condition,) if routing_condition is not None else ()
+        dropped = (r.ROUTING,) if drop_routing else ()
+
+        def compute(obj: Mapping[str, Any]) -> status.DesiredStatus:
+            desired = status.desired_status(
                 obj, deployment, problem, pods, self.allow_fault_injection
-            ),
-            observed_generation,
-        )
+            )
+            return status.DesiredStatus(desired.fields, desired.conditions + extra, dropped)
+
+        stored = status_writer.write(self.kube, namespace, name, compute, observed_generation)
         key = (namespace, name)
         if stored is not None and status.pod_problem(pods) is not None:
             self._pod_problem_owners.add(key)
@@ -196,10 +251,13 @@ class Reconciler:
         manifests += [m for m in optional.values() if m is not None]
         integrations = self._wanted_integrations(body, spec)
         manifests += [m for m in integrations.values() if m is not None]
+        routed, routing_condition = self._routing(body, spec)
         applied: dict[str, dict[str, Any]] = {}
         try:
             for manifest in manifests:
                 applied[manifest["kind"]] = self.kube.apply(manifest)
+            for manifest in routed:  # the picker's Deployment and Service are not the resource's
+                self.kube.apply(manifest)
             for kind, wanted in optional.items():
                 if wanted is None:
                     self._delete_owned(_child_path(kind, namespace, name), meta)
@@ -209,6 +267,7 @@ class Reconciler:
                 )
                 self._delete_owned(claim_path, meta)
             self._drop_unwanted(meta, integrations)
+            self._drop_routing(meta, bool(routed))
         except KubeError as exc:
             permanent = rejected(exc)
             reason = "InvalidPodTemplate" if permanent else "ApplyFailed"  # Strict: names field
@@ -222,7 +281,14 @@ class Reconciler:
                 self._write_failure(namespace, name, problem)
             raise ApplyError(str(problem.message), permanent) from exc
         deployment = applied["Deployment"]
-        self.write_status(namespace, name, deployment, observed_generation=meta.get("generation"))
+        self.write_status(
+            namespace,
+            name,
+            deployment,
+            observed_generation=meta.get("generation"),
+            routing_condition=routing_condition,
+            drop_routing=spec.routing is None,
+        )
         return deployment
 
     def _delete_owned(self, path: str, owner_meta: Mapping[str, Any]) -> None:

@@ -49,11 +49,13 @@ SHM_MOUNT = "/dev/shm"
 GPU_RESOURCE = "nvidia.com/gpu"
 RUN_AS_USER = 1000
 
-# condition types the operator owns (CacheCoherent: the coherence probe, the others: reconciler)
+# condition types the operator owns (CacheCoherent: the coherence probe, the others: reconciler;
+# Routing only while spec.routing is set)
 READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
 CACHE_COHERENT = "CacheCoherent"
+ROUTING = "Routing"
 
 
 def selector_labels(name: str) -> dict[str, str]:

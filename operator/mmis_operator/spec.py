@@ -3,9 +3,9 @@
 Invariants:
 - Defaults and the typed reading of one field are ``spec_fields.py`` (:data:`DEFAULTS`, the
   one home, equal to the CRD's ``default:`` values); ``spec.model`` is ``spec_model.py``,
-  ``spec.autoscaling`` ``autoscaling.py``, ``spec.monitoring`` ``monitoring.py``; this module
-  parses the other sections, makes the checks across fields, and derives what the builders
-  need (the SHM store and /dev/shm volume sizes).
+  ``spec.autoscaling`` ``autoscaling.py``, ``spec.monitoring`` ``monitoring.py``,
+  ``spec.routing`` ``routing.py``; this module parses the other sections, makes the checks
+  across fields, and derives what the builders need (the SHM store and /dev/shm volume sizes).
 - Every check the API server's schema/CEL rules make is repeated here, plus checks CEL cannot
   make (does the cache fit in the memory it lives in?). A violation raises
   :class:`InvalidSpecError` naming the field and what to change; the handlers turn it into a
@@ -25,6 +25,7 @@ from typing import Any
 from mmis_operator import quantity
 from mmis_operator.autoscaling import AutoscalingSpec, parse_autoscaling
 from mmis_operator.monitoring import MonitoringSpec, parse_monitoring
+from mmis_operator.routing import RoutingSpec, parse_routing
 from mmis_operator.spec_errors import InvalidSpecError as InvalidSpecError
 from mmis_operator.spec_fields import DEFAULTS as DEFAULTS
 from mmis_operator.spec_fields import (
@@ -96,6 +97,7 @@ class ServiceSpec:
     pod_template: Mapping[str, Any]
     autoscaling: AutoscalingSpec | None  # None: not enabled
     monitoring: MonitoringSpec
+    routing: RoutingSpec | None = None  # None: no endpoint picker (spec.routing absent)
 
 
 def _zero(value: int | str) -> bool:
@@ -220,6 +222,7 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
         pod_template=dict(read_section(spec, "podTemplate")),
         autoscaling=parse_autoscaling(spec),
         monitoring=parse_monitoring(spec),
+        routing=parse_routing(spec),
     )
     if parsed.engine_memory_bytes <= 0 or parsed.frontend_memory_bytes <= 0:
         raise InvalidSpecError("spec.resources", "memory and frontendMemory must be positive")

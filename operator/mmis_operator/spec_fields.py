@@ -2,10 +2,10 @@
 
 Invariants:
 - :data:`DEFAULTS` is the operator's one home for defaults (re-exported as ``spec.DEFAULTS``;
-  ``spec.autoscaling`` and ``spec.monitoring`` bring theirs from ``autoscaling.py`` and
-  ``monitoring.py``); the CRD's ``default:`` values equal it (``tests/operator/test_spec.py``
-  walks the CRD), so a resource stored before a default existed reconciles the same as a new
-  one.
+  ``spec.autoscaling``, ``spec.monitoring`` and ``spec.routing`` bring theirs from
+  ``autoscaling.py``, ``monitoring.py`` and ``routing.py``); the CRD's ``default:`` values
+  equal it (``tests/operator/test_spec.py`` walks the CRD), so a resource stored before a
+  default existed reconciles the same as a new one.
 - Server settings get no default here unless the operator needs the value itself: the cache
   type and size (they size the /dev/shm volume and the memory limits). Those equal the
   server's one definition (``tests/contract/test_settings_defaults.py``); every other server
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mmis_operator import autoscaling, monitoring, quantity
+from mmis_operator import autoscaling, monitoring, quantity, routing
 from mmis_operator.spec_errors import InvalidSpecError
 
 # CRD path (below spec) -> default
@@ -61,6 +61,7 @@ DEFAULTS: dict[str, Any] = {
     "disruption.maxUnavailable": 1,
     **autoscaling.DEFAULTS,  # spec.autoscaling (autoscaling.py)
     **monitoring.DEFAULTS,  # spec.monitoring (monitoring.py)
+    **routing.DEFAULTS,  # spec.routing (routing.py)
 }
 
 

@@ -38,6 +38,7 @@ class Problem:
 class DesiredStatus:
     fields: dict[str, Any]  # replicas, readyReplicas, updatedReplicas, selector, endpoint
     conditions: tuple[Condition, ...]
+    dropped: tuple[str, ...] = ()  # condition types to remove (Routing once spec.routing goes)
 
 
 def _deployment_condition(dep: Mapping[str, Any], kind: str) -> Mapping[str, Any] | None:
@@ -234,8 +235,12 @@ def merged_status(
     observed_generation: int | None = None,
     now: str | None = None,
 ) -> dict[str, Any]:
-    """The new status object: ``current`` with fields replaced and conditions upserted."""
+    """The new status object: ``current`` with fields replaced, conditions upserted and the
+    ``dropped`` condition types removed."""
     status = {**(current or {}), **desired.fields}
+    if desired.dropped and status.get("conditions"):
+        kept = [c for c in status["conditions"] if c.get("type") not in desired.dropped]
+        status["conditions"] = kept
     for cond in desired.conditions:
         status["conditions"] = conditions.upsert(status.get("conditions"), cond, generation, now)
     if observed_generation is not None:

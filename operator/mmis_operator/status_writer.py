@@ -27,12 +27,12 @@ from mmis_operator.kube import Kube, KubeError, service_path
 
 logger = logging.getLogger(__name__)
 RETRIES = 8
-HEALTHY = {r.READY: "True", r.DEGRADED: "False", r.CACHE_COHERENT: "True"}
+HEALTHY = {r.READY: "True", r.DEGRADED: "False", r.CACHE_COHERENT: "True", r.ROUTING: "True"}
 
 
 def event_type(change: conditions.Transition) -> str | None:
-    """``Warning`` when a condition misses its healthy status (Ready and CacheCoherent True,
-    Degraded False), else ``Normal``; None: no Event. Progressing has no healthy status.
+    """``Warning`` when a condition misses its healthy status (Ready, CacheCoherent and Routing
+    True, Degraded False), else ``Normal``; None: no Event. Progressing has no healthy status.
 
     Two exceptions, both "not news": a Ready written not-True for the first time (pods
     starting; a real problem shows as Degraded) is Normal, and a first Degraded=False posts

@@ -77,6 +77,7 @@ def _variants() -> Iterator[tuple[str, dict[str, Any]]]:
             "model": {"path": "/models/x", "servedName": "friendly"},
         },
         "revision-processor-kwargs": {"model": {"id": "acme/vlm", **MODEL_EXTRAS}},
+        "routing": {"routing": {"cacheWeight": 2}},  # the engine's cache-event flags
     }
     for name, change in changes.items():
         obj = copy.deepcopy(base)
@@ -270,3 +271,34 @@ def test_probe_and_scrape_paths_are_front_end_routes(monkeypatch: pytest.MonkeyP
     assert engine_cfg.health_port == port["containerPort"]
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert engine_c[kind]["httpGet"]["port"] == port["name"]
+
+
+def test_routing_event_endpoints_bind_the_named_engine_ports(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With spec.routing the engine publishes both event streams (and their replays) on the
+    ports its container declares, which are the ones the picker's config subscribes to."""
+    from mmis_operator import picker_config, routing
+
+    _, dep = _deployment(VARIANTS["routing"])
+    engine_c = {c["name"]: c for c in dep["spec"]["template"]["spec"]["containers"]}[r.ENGINE]
+    with monkeypatch.context() as patch:
+        engine = _parse(engine_c, patch)
+    ports = {p["name"]: p["containerPort"] for p in engine_c["ports"]}
+    endpoints = {
+        "kv-events": engine.kv_events_endpoint,
+        "kv-replay": engine.kv_events_replay_endpoint,
+        "mm-events": engine.mm_events_endpoint,
+        "mm-replay": engine.mm_events_replay_endpoint,
+    }
+    assert endpoints == {name: f"tcp://*:{ports[name]}" for name in endpoints}
+    params = picker_config.picker_config(ops_port=r.OPS_PORT)["plugins"][0]["parameters"]
+    assert [
+        params[k] for k in ("kvEventsPort", "kvReplayPort", "mmEventsPort", "mmReplayPort")
+    ] == [ports[name] for name in endpoints]
+    assert picker_config.EventPorts() == routing.EVENT_PORTS
+    # and without spec.routing the engine publishes nothing
+    _, plain = _deployment(VARIANTS["llava-lru"])
+    plain_engine = plain["spec"]["template"]["spec"]["containers"][1]
+    with monkeypatch.context() as patch:
+        assert _parse(plain_engine, patch).kv_events_endpoint is None

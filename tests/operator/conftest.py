@@ -1,4 +1,5 @@
-"""Shared sample resource and resource store for the operator's unit tests (no cluster)."""
+"""Shared sample resource, resource store and in-memory API for the operator's unit tests
+(no cluster)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from mmis_operator.kube import KubeError
+from mmis_operator.kube import KubeError, object_path
 
 SAMPLE: dict[str, Any] = {
     "apiVersion": "mmis.dev/v1alpha1",
@@ -77,3 +78,43 @@ class FakeStore:
 def store(sample: dict[str, Any]) -> FakeStore:
     """The sample resource in a :class:`FakeStore` (set ``rival``/``conflicts`` for races)."""
     return FakeStore(sample)
+
+
+class FakeKube(FakeStore):
+    """The resource and its children: apply stores, get reads, delete removes (by path)."""
+
+    def __init__(self, obj: dict[str, Any]) -> None:
+        super().__init__(obj)
+        self.children: dict[str, dict[str, Any]] = {}
+        self.gets: list[str] = []
+        self.deleted: list[str] = []
+
+    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        meta = manifest["metadata"]
+        path = object_path(
+            manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"]
+        )
+        stored = copy.deepcopy(manifest)
+        if manifest["kind"] == "Deployment":
+            stored["metadata"]["generation"] = 1
+        self.children[path] = stored
+        return copy.deepcopy(stored)
+
+    def get(self, path: str) -> dict[str, Any] | None:
+        self.gets.append(path)
+        if path in self.children:
+            return copy.deepcopy(self.children[path])
+        return super().get(path)
+
+    def delete(self, path: str) -> None:
+        self.deleted.append(path)
+        self.children.pop(path, None)
+
+    def kinds(self) -> set[str]:
+        return {c["kind"] for c in self.children.values()}
+
+
+@pytest.fixture
+def kube_factory() -> type[FakeKube]:
+    """:class:`FakeKube`, for tests that build one from their own resource."""
+    return FakeKube

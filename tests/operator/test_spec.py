@@ -31,6 +31,8 @@ def test_python_defaults_match_the_crd_defaults() -> None:
     on = {"enabled": True, "maxReplicas": 2, "target": 1}  # the defaults of an enabled one
     auto = parse_spec({"model": {"id": "m"}, "autoscaling": on}).autoscaling
     assert auto is not None
+    routed = parse_spec({"model": {"id": "m"}, "routing": {}}).routing  # the defaults of one
+    assert routed is not None and parsed.routing is None
     observed = {
         "replicas": parsed.replicas,
         "image": parsed.image,
@@ -65,6 +67,8 @@ def test_python_defaults_match_the_crd_defaults() -> None:
         "monitoring.podMonitor": parsed.monitoring.pod_monitor,
         "monitoring.scrapeAnnotations": parsed.monitoring.scrape_annotations,
         "monitoring.interval": parsed.monitoring.interval,
+        "routing.picker.replicas": routed.replicas,
+        "routing.cacheWeight": routed.cache_weight,
     }
     # the CRD writes quantities as strings; compare in GiB
     crd_values = {

@@ -73,9 +73,28 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: [monitoring.coreos.com]
   resources: [podmonitors]
   verbs: [get, create, patch, delete]
+# spec.routing: an InferencePool and its endpoint picker (a Deployment and a Service, above;
+# its ConfigMap, ServiceAccount, Role and RoleBinding)
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [configmaps, serviceaccounts]
+  verbs: [get, create, patch, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, create, patch, delete]
+# the picker's Role grants these: RBAC lets the operator grant only what it holds itself
+# (pods and inferencepools are here too; leases and events patch: pickers electing a leader)
+- apiGroups: [inference.networking.x-k8s.io]
+  resources: [inferenceobjectives, inferencemodelrewrites]
+  verbs: [get, list, watch]
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  verbs: [get, list, watch, create, update, patch, delete]
 - apiGroups: [""]
   resources: [events]
-  verbs: [create]
+  verbs: [create, patch]
 # the CacheCoherent probe finds ready pods and their IPs; status reads their container states
 - apiGroups: [""]
   resources: [pods]

@@ -1,0 +1,332 @@
+"""``spec.routing``: cache-aware routing (docs/ROUTING.md). A Gateway API Inference Extension
+``InferencePool`` (``inference.networking.k8s.io/v1``) selects the resource's pods, and an
+endpoint picker (``mmis-epp``, ``router/``) scores them for each request; a gateway that
+supports InferencePool (Istio, kgateway, GKE Gateway) asks the picker where to send it.
+
+Invariants:
+- Pure: (owner metadata, parsed ``spec.routing``) in, manifests out. Whether the cluster serves
+  the InferencePool API is the reconciler's business (:mod:`mmis_operator.integrations`); without
+  it nothing here is applied (a picker without a pool has nothing to pick for).
+- Without ``spec.routing`` (:func:`parse_routing` gives None) nothing changes: no object, no
+  pod argument, no port (the operator's output is the same as before routing existed).
+- The pool selects exactly the inference pods (``resource.selector_labels``) on the front
+  end's ``http`` port; the picker's own pods never carry those labels, nor ``mmis.dev/service``,
+  so neither the Service, the pool, the status' pod list nor the operator's Deployment watcher
+  ever takes them for inference pods.
+- The picker's configuration and the engines' event flags come from one owner
+  (:mod:`mmis_operator.picker_config`, :data:`EVENT_PORTS`), so the ports the engines publish
+  on are the ones the picker subscribes to; the front end's ops port (``resource.OPS_PORT``)
+  serves its metrics and ``POST /internal/block_keys``.
+- The picker pod meets Pod Security ``restricted``; its ServiceAccount may only read pods,
+  InferencePools, InferenceObjectives and InferenceModelRewrites in its namespace (and, with
+  more than one replica, hold the leader-election lease). Every object is owned by the
+  resource (controller owner reference), so garbage collection removes them with it.
+- A change of the picker's configuration changes its pod template (a hash annotation), so the
+  picker restarts with it (it reads the file once, at start).
+- Defaults live in :data:`DEFAULTS` (merged into ``spec.DEFAULTS``, equal to the CRD's); the
+  image's default follows the operator's version (:func:`default_image`), so it has no CRD
+  default (one stored in the resource would pin an old picker across operator upgrades).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+from collections.abc import Mapping
+from typing import Any
+
+from mmis_operator import picker_config
+from mmis_operator import resource as r
+from mmis_operator.spec_errors import InvalidSpecError
+
+POOL_GROUP = "inference.networking.k8s.io"
+POOL_API_VERSION = f"{POOL_GROUP}/v1"
+POOL_KIND = "InferencePool"
+OBJECTIVE_GROUP = "inference.networking.x-k8s.io"  # InferenceObjective, InferenceModelRewrite
+IMAGE_REPOSITORY = "ghcr.io/mmis-dev/mmis-epp"
+PICKER = "epp"  # the picker's container, and the suffix of its objects' names
+GRPC_PORT = 9002  # ext_proc, what the gateway calls
+HEALTH_PORT = 9003  # gRPC health (the probes)
+METRICS_PORT = 9090
+CONFIG_DIR = "/config"
+CONFIG_KEY = "config.yaml"
+CONFIG_HASH = f"{r.GROUP}/picker-config-hash"
+RUN_AS_USER = 65532  # distroless "nonroot"
+# as the inference extension's reference EPP: about the longest grace period of a pool's pods
+GRACE_SECONDS = 130
+MAX_REPLICAS = 5
+MAX_CACHE_WEIGHT = 100
+EVENT_PORTS = picker_config.EventPorts()
+# CRD path (below spec) -> default; merged into spec.DEFAULTS
+DEFAULTS: dict[str, Any] = {
+    "routing.picker.replicas": 1,
+    "routing.cacheWeight": picker_config.CACHE_WEIGHT,
+}
+_READ = ["get", "list", "watch"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingSpec:
+    image: str  # the picker's image
+    replicas: int  # picker pods (more than one elect a leader)
+    cache_weight: int  # the cache scorer's weight (queue and KV usage weigh 1 each)
+
+
+def default_image() -> str:
+    """``mmis-epp`` tagged with this operator's version (``latest`` when it has none)."""
+    try:
+        version = importlib.metadata.version("mmis-operator")
+    except importlib.metadata.PackageNotFoundError:
+        version = "latest"
+    return f"{IMAGE_REPOSITORY}:{version}"
+
+
+def _bounded(section: Mapping[str, Any], field: str, low: int, high: int) -> int:
+    value = section.get(field.rsplit(".", 1)[1], DEFAULTS[field.removeprefix("spec.")])
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidSpecError(field, f"must be a whole number in [{low}, {high}], got {value!r}")
+    return value
+
+
+def parse_routing(spec: Mapping[str, Any]) -> RoutingSpec | None:
+    """``spec.routing``, or None when absent (no picker)."""
+    section = spec.get("routing")
+    if section is None:
+        return None
+    if not isinstance(section, Mapping):
+        raise InvalidSpecError("spec.routing", f"must be an object, got {type(section).__name__}")
+    picker = section.get("picker") or {}
+    if not isinstance(picker, Mapping):
+        raise InvalidSpecError("spec.routing.picker", "must be an object")
+    image = picker.get("image") or default_image()
+    if not isinstance(image, str):
+        raise InvalidSpecError("spec.routing.picker.image", f"must be a string, got {image!r}")
+    return RoutingSpec(
+        image=image,
+        replicas=_bounded(picker, "spec.routing.picker.replicas", 1, MAX_REPLICAS),
+        cache_weight=_bounded(section, "spec.routing.cacheWeight", 0, MAX_CACHE_WEIGHT),
+    )
+
+
+def engine_args() -> list[str]:
+    """The engine flags that publish its cache events where the picker subscribes."""
+    return picker_config.engine_event_args(EVENT_PORTS)
+
+
+def engine_ports() -> list[dict[str, Any]]:
+    """The engine container's event ports, named (a name is at most 15 characters)."""
+    named = {
+        "kv-events": EVENT_PORTS.kv,
+        "kv-replay": EVENT_PORTS.kv_replay,
+        "mm-events": EVENT_PORTS.mm,
+        "mm-replay": EVENT_PORTS.mm_replay,
+    }
+    return [{"name": k, "containerPort": v, "protocol": "TCP"} for k, v in named.items()]
+
+
+def picker_name(name: str) -> str:
+    """The name of the picker's Deployment, Service, ConfigMap, ServiceAccount and RBAC."""
+    return f"{name}-{PICKER}"
+
+
+def picker_selector(name: str) -> dict[str, str]:
+    """The picker pods' labels: never the inference pods' selector, no ``mmis.dev/service``."""
+    return {r.LABEL_NAME: "mmis-epp", r.LABEL_INSTANCE: name}
+
+
+def _labels(name: str) -> dict[str, str]:
+    return {
+        **picker_selector(name),
+        r.LABEL_COMPONENT: "endpoint-picker",
+        r.LABEL_MANAGED_BY: r.MANAGED_BY,
+    }
+
+
+def config_text(routing: RoutingSpec) -> str:
+    """The picker's ``EndpointPickerConfig`` (its ``--config-file``)."""
+    config = picker_config.picker_config(
+        ops_port=r.OPS_PORT, ports=EVENT_PORTS, cache_weight=routing.cache_weight
+    )
+    return picker_config.render(config)
+
+
+def picker_args(pool: str, namespace: str, routing: RoutingSpec) -> list[str]:
+    """``mmis-epp`` flags (the inference extension v1.5.0 runner's)."""
+    args = [
+        "--pool-name", pool,
+        "--pool-namespace", namespace,
+        "--pool-group", POOL_GROUP,
+        "--config-file", f"{CONFIG_DIR}/{CONFIG_KEY}",
+        "--grpc-port", str(GRPC_PORT),
+        "--grpc-health-port", str(HEALTH_PORT),
+        "--metrics-port", str(METRICS_PORT),
+        "--model-server-metrics-port", str(r.OPS_PORT),
+        # its /metrics is reached pod to pod like the front end's ops port; checking scrapers'
+        # tokens would need cluster-wide TokenReview rights no namespaced owner can hold
+        "--metrics-endpoint-auth=false",
+        "--tracing=false",  # no collector is configured for it
+    ]  # fmt: skip
+    if routing.replicas > 1:
+        args.append("--ha-enable-leader-election")
+    return args
+
+
+def _probe(routing: RoutingSpec, kind: str, **timing: int) -> dict[str, Any]:
+    # one replica answers as "inference-extension"; with leader election the leader alone is
+    # ready ("readiness"), every replica is live ("liveness")
+    service = kind if routing.replicas > 1 else "inference-extension"
+    return {"grpc": {"port": HEALTH_PORT, "service": service}, **timing}
+
+
+def _pod_template(name: str, namespace: str, routing: RoutingSpec) -> dict[str, Any]:
+    config = config_text(routing)
+    container = {
+        "name": PICKER,
+        "image": routing.image,
+        "args": picker_args(name, namespace, routing),
+        "ports": [
+            {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
+            {"name": "grpc-health", "containerPort": HEALTH_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
+        ],
+        "env": [
+            {"name": "NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        ],
+        "resources": {
+            "requests": {"cpu": "500m", "memory": "1Gi"},
+            "limits": {"memory": "1Gi"},
+        },
+        "readinessProbe": _probe(routing, "readiness", periodSeconds=2),
+        "livenessProbe": _probe(routing, "liveness", initialDelaySeconds=5, periodSeconds=10),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+    digest = hashlib.sha256(config.encode()).hexdigest()[:16]
+    return {
+        "metadata": {"labels": _labels(name), "annotations": {CONFIG_HASH: digest}},
+        "spec": {
+            "serviceAccountName": picker_name(name),
+            "containers": [container],
+            "volumes": [
+                {"name": "config", "configMap": {"name": picker_name(name)}},
+                {"name": "tmp", "emptyDir": {}},
+            ],
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": RUN_AS_USER,
+                "runAsGroup": RUN_AS_USER,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "terminationGracePeriodSeconds": GRACE_SECONDS,
+            "enableServiceLinks": False,
+        },
+    }
+
+
+def _rules(routing: RoutingSpec) -> list[dict[str, Any]]:
+    """What the picker reads in its namespace (the inference extension's EPP Role)."""
+    rules = [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": _READ},
+        {"apiGroups": [POOL_GROUP], "resources": ["inferencepools"], "verbs": _READ},
+        {
+            "apiGroups": [OBJECTIVE_GROUP],
+            "resources": ["inferenceobjectives", "inferencemodelrewrites"],
+            "verbs": _READ,
+        },
+    ]
+    if routing.replicas > 1:  # leader election
+        rules += [
+            {
+                "apiGroups": ["coordination.k8s.io"],
+                "resources": ["leases"],
+                "verbs": [*_READ, "create", "update", "patch", "delete"],
+            },
+            {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
+        ]
+    return rules
+
+
+def manifests(
+    owner: Mapping[str, Any], metadata: Mapping[str, Any], routing: RoutingSpec
+) -> list[dict[str, Any]]:
+    """The routing objects, in apply order (what the picker needs before the picker, the pool
+    last). ``metadata`` is the owner's child metadata (name, namespace, labels, owner ref)."""
+    name = owner["metadata"]["name"]
+    namespace = metadata["namespace"]
+    picker = {**metadata, "name": picker_name(name), "labels": _labels(name)}
+    pool = {
+        "selector": {"matchLabels": r.selector_labels(name)},
+        "targetPorts": [{"number": r.HTTP_PORT}],
+        "endpointPickerRef": {"name": picker_name(name), "port": {"number": GRPC_PORT}},
+    }
+    deployment = {
+        "replicas": routing.replicas,
+        "selector": {"matchLabels": picker_selector(name)},
+        # one active picker: its cache view is per process; the old one goes first
+        "strategy": {"type": "Recreate"},
+        "revisionHistoryLimit": 5,
+        "template": _pod_template(name, namespace, routing),
+    }
+    ports = [
+        {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP"},
+        {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"},
+    ]
+    subject = {"kind": "ServiceAccount", "name": picker_name(name), "namespace": namespace}
+    role_ref = {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": picker_name(name)}
+    rbac = "rbac.authorization.k8s.io/v1"
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": picker},
+        {"apiVersion": rbac, "kind": "Role", "metadata": picker, "rules": _rules(routing)},
+        {
+            "apiVersion": rbac,
+            "kind": "RoleBinding",
+            "metadata": picker,
+            "roleRef": role_ref,
+            "subjects": [subject],
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": picker,
+            "data": {CONFIG_KEY: config_text(routing)},
+        },
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": picker, "spec": deployment},
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": picker,
+            "spec": {"type": "ClusterIP", "selector": picker_selector(name), "ports": ports},
+        },
+        {
+            "apiVersion": POOL_API_VERSION,
+            "kind": POOL_KIND,
+            "metadata": dict(metadata),
+            "spec": pool,
+        },
+    ]
+
+
+def object_refs(name: str) -> list[tuple[str, str, str]]:
+    """(apiVersion, kind, name) of every routing object of resource ``name``, in the order of
+    :func:`manifests`."""
+    picker = picker_name(name)
+    rbac = "rbac.authorization.k8s.io/v1"
+    return [
+        ("v1", "ServiceAccount", picker),
+        (rbac, "Role", picker),
+        (rbac, "RoleBinding", picker),
+        ("v1", "ConfigMap", picker),
+        ("apps/v1", "Deployment", picker),
+        ("v1", "Service", picker),
+        (POOL_API_VERSION, POOL_KIND, name),
+    ]

@@ -1,0 +1,256 @@
+"""``spec.routing`` (routing.py): the pure builders of the InferencePool and the endpoint
+picker, the engine's event flags, and what a spec without routing still builds (byte for
+byte what the operator built before routing existed: golden/children_without_routing.json).
+The reconciler's side (discovery, the Routing condition, deletion) is tested in
+test_routing_reconcile.py; the real API server in tests/kube/test_routing_mmis.py."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from mmis_operator import children, picker_config, routing
+from mmis_operator import resource as r
+from mmis_operator.spec import InvalidSpecError, parse_spec
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / "children_without_routing.json"
+CRD = Path(__file__).resolve().parents[2] / "crds" / "mminferenceservice.yaml"
+CASES: dict[str, dict[str, Any]] = json.loads(GOLDEN.read_text())["cases"]
+EVENT_PORTS = {"kv-events": 5557, "kv-replay": 5558, "mm-events": 5559, "mm-replay": 5560}
+
+
+def _bytes(obj: Any) -> bytes:
+    return json.dumps(obj, indent=1, sort_keys=True).encode()
+
+
+def _routed(sample: dict[str, Any], **routing_spec: Any) -> dict[str, Any]:
+    obj = copy.deepcopy(sample)
+    obj["spec"]["routing"] = routing_spec
+    return obj
+
+
+def _objects(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    built = children.routing_objects(obj, parse_spec(obj["spec"]))
+    by_kind = {m["kind"]: m for m in built}
+    assert len(by_kind) == len(built)  # one of each kind
+    return by_kind
+
+
+def _containers(dep: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in dep["spec"]["template"]["spec"]["containers"]}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_without_routing_the_children_are_byte_identical_to_before(case: str) -> None:
+    body = CASES[case]["resource"]
+    spec = parse_spec(body["spec"])
+    assert spec.routing is None
+    assert _bytes(children.deployment(body, spec)) == _bytes(CASES[case]["deployment"])
+    assert _bytes(children.service(body, spec)) == _bytes(CASES[case]["service"])
+    assert children.routing_objects(body, spec) == []
+
+
+def test_routing_adds_only_the_engine_event_flags_and_ports() -> None:
+    golden = CASES["sample"]
+    body = _routed(golden["resource"])
+    dep = children.deployment(body, parse_spec(body["spec"]))
+    engine = _containers(dep)[r.ENGINE]
+    flags = picker_config.engine_event_args(picker_config.EventPorts())
+    assert engine["args"][-len(flags) :] == flags
+    assert flags == [
+        "--kv-events-endpoint", "tcp://*:5557", "--kv-events-replay-endpoint", "tcp://*:5558",
+        "--mm-events-endpoint", "tcp://*:5559", "--mm-events-replay-endpoint", "tcp://*:5560",
+    ]  # fmt: skip
+    named = {p["name"]: p["containerPort"] for p in engine["ports"]}
+    assert named == {r.ENGINE_HEALTH_PORT_NAME: r.ENGINE_HEALTH_PORT, **EVENT_PORTS}
+    # remove exactly those and what is left is the manifest without routing
+    del engine["args"][-len(flags) :]
+    engine["ports"] = engine["ports"][:1]
+    assert _bytes(dep) == _bytes(golden["deployment"])
+
+
+def test_parse_routing_defaults_and_refusals(sample: dict[str, Any]) -> None:
+    spec = parse_spec(_routed(sample)["spec"])
+    assert spec.routing == routing.RoutingSpec(
+        image=routing.default_image(), replicas=1, cache_weight=picker_config.CACHE_WEIGHT
+    )
+    assert routing.default_image() == "ghcr.io/mmis-dev/mmis-epp:0.1.0"  # the operator's version
+    custom = parse_spec(_routed(sample, picker={"image": "reg/epp:x", "replicas": 2})["spec"])
+    assert custom.routing is not None
+    assert (custom.routing.image, custom.routing.replicas) == ("reg/epp:x", 2)
+    bad = {
+        "spec.routing": "on",
+        "spec.routing.picker": {"picker": "big"},
+        "spec.routing.picker.replicas": {"picker": {"replicas": 0}},
+        "spec.routing.cacheWeight": {"cacheWeight": True},
+        "spec.routing.picker.image": {"picker": {"image": 7}},
+    }
+    for field, value in bad.items():
+        obj = copy.deepcopy(sample)
+        obj["spec"]["routing"] = value
+        with pytest.raises(InvalidSpecError, match=field.replace(".", r"\.")):
+            parse_spec(obj["spec"])
+    sample["spec"]["routing"] = None  # null is absent
+    assert parse_spec(sample["spec"]).routing is None
+
+
+def test_routing_objects_are_owned_and_in_apply_order(sample: dict[str, Any]) -> None:
+    obj = _routed(sample)
+    built = children.routing_objects(obj, parse_spec(obj["spec"]))
+    kinds = [m["kind"] for m in built]
+    assert kinds == [
+        "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Deployment", "Service",
+        "InferencePool",
+    ]  # fmt: skip
+    refs = routing.object_refs("llava")
+    assert [(m["apiVersion"], m["kind"], m["metadata"]["name"]) for m in built] == refs
+    for manifest in built:
+        meta = manifest["metadata"]
+        assert meta["namespace"] == "ml"
+        (owner,) = meta["ownerReferences"]
+        assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (
+            r.KIND, "llava", "uid-1", True,
+        )  # fmt: skip
+
+
+def test_inference_pool_selects_the_inference_pods_on_http() -> None:
+    body = _routed(CASES["sample"]["resource"])
+    pool = _objects(body)["InferencePool"]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["metadata"]["name"] == "llava"
+    dep = children.deployment(body, parse_spec(body["spec"]))
+    assert pool["spec"] == {
+        "selector": {"matchLabels": dep["spec"]["selector"]["matchLabels"]},
+        "targetPorts": [{"number": 8000}],
+        "endpointPickerRef": {"name": "llava-epp", "port": {"number": 9002}},
+    }
+    assert pool["spec"]["selector"]["matchLabels"] == r.selector_labels("llava")
+
+
+def test_picker_deployment(sample: dict[str, Any]) -> None:
+    objects = _objects(_routed(sample))
+    dep = objects["Deployment"]
+    assert dep["metadata"]["name"] == "llava-epp"
+    assert dep["spec"]["replicas"] == 1
+    (epp,) = dep["spec"]["template"]["spec"]["containers"]
+    assert epp["image"] == routing.default_image()
+    assert epp["args"] == [
+        "--pool-name", "llava", "--pool-namespace", "ml",
+        "--pool-group", "inference.networking.k8s.io",
+        "--config-file", "/config/config.yaml", "--grpc-port", "9002",
+        "--grpc-health-port", "9003", "--metrics-port", "9090",
+        "--model-server-metrics-port", "8001",
+        "--metrics-endpoint-auth=false", "--tracing=false",
+    ]  # fmt: skip
+    probe = {"port": 9003, "service": "inference-extension"}
+    assert epp["readinessProbe"]["grpc"] == epp["livenessProbe"]["grpc"] == probe
+    assert {p["name"]: p["containerPort"] for p in epp["ports"]} == {
+        "grpc": 9002, "grpc-health": 9003, "metrics": 9090,
+    }  # fmt: skip
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "llava-epp"
+    (config,) = [v for v in pod["volumes"] if v["name"] == "config"]
+    assert config["configMap"]["name"] == objects["ConfigMap"]["metadata"]["name"]
+    mounts = {m["mountPath"]: m["name"] for m in epp["volumeMounts"]}
+    assert mounts["/config"] == "config"
+
+
+def test_picker_pod_is_pod_security_restricted(sample: dict[str, Any]) -> None:
+    pod = _objects(_routed(sample))["Deployment"]["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    for container in pod["containers"]:
+        ctx = container["securityContext"]
+        assert ctx["allowPrivilegeEscalation"] is False
+        assert ctx["readOnlyRootFilesystem"] is True
+        assert ctx["runAsNonRoot"] is True
+        assert ctx["capabilities"] == {"drop": ["ALL"]}
+    assert all("hostPath" not in v for v in pod["volumes"])
+
+
+def test_picker_pods_are_never_taken_for_inference_pods(sample: dict[str, Any]) -> None:
+    objects = _objects(_routed(sample))
+    selector = r.selector_labels("llava")
+    for kind in ("Deployment", "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service"):
+        # the operator's Deployment and pod watchers find owners by mmis.dev/service
+        assert r.LABEL_SERVICE not in objects[kind]["metadata"]["labels"], kind
+    template_labels = objects["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert not selector.items() <= template_labels.items()  # not in the Service or the pool
+    assert r.LABEL_SERVICE not in template_labels
+    service = objects["Service"]
+    assert service["spec"]["selector"] == objects["Deployment"]["spec"]["selector"]["matchLabels"]
+    assert service["spec"]["selector"].items() <= template_labels.items()
+    assert {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == {
+        "grpc": (9002, "grpc"), "metrics": (9090, "metrics"),
+    }  # fmt: skip
+
+
+def test_config_map_is_the_picker_config_with_the_spec_weight(sample: dict[str, Any]) -> None:
+    default = _objects(_routed(sample))
+    expected = picker_config.render(picker_config.picker_config(ops_port=8001))
+    assert default["ConfigMap"]["data"] == {"config.yaml": expected}
+    heavy = _objects(_routed(sample, cacheWeight=7))
+    text = heavy["ConfigMap"]["data"]["config.yaml"]
+    assert text == picker_config.render(picker_config.picker_config(ops_port=8001, cache_weight=7))
+    # a new configuration restarts the picker (it reads the file once)
+    annotations = [
+        objs["Deployment"]["spec"]["template"]["metadata"]["annotations"][routing.CONFIG_HASH]
+        for objs in (default, heavy)
+    ]
+    assert annotations[0] != annotations[1]
+
+
+def test_rbac_reads_only_what_the_picker_watches(sample: dict[str, Any]) -> None:
+    objects = _objects(_routed(sample))
+    read = ["get", "list", "watch"]
+    assert objects["Role"]["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": read},
+        {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"],
+         "verbs": read},
+        {"apiGroups": ["inference.networking.x-k8s.io"],
+         "resources": ["inferenceobjectives", "inferencemodelrewrites"], "verbs": read},
+    ]  # fmt: skip
+    binding = objects["RoleBinding"]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "llava-epp",
+    }  # fmt: skip
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "llava-epp", "namespace": "ml"}
+    ]
+    assert objects["ServiceAccount"]["metadata"]["name"] == "llava-epp"
+
+
+def test_several_pickers_elect_a_leader(sample: dict[str, Any]) -> None:
+    objects = _objects(_routed(sample, picker={"replicas": 2}))
+    dep = objects["Deployment"]
+    assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["strategy"] == {"type": "Recreate"}
+    (epp,) = dep["spec"]["template"]["spec"]["containers"]
+    assert "--ha-enable-leader-election" in epp["args"]
+    assert epp["readinessProbe"]["grpc"]["service"] == "readiness"
+    assert epp["livenessProbe"]["grpc"]["service"] == "liveness"
+    groups = {g for rule in objects["Role"]["rules"] for g in rule["apiGroups"]}
+    assert "coordination.k8s.io" in groups
+
+
+def test_crd_schema_of_routing_matches_the_parser() -> None:
+    crd = yaml.safe_load(CRD.read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    section = spec["properties"]["routing"]
+    # no default: a resource without routing must stay without it (no picker, no pod flags)
+    assert "default" not in section and "routing" not in spec.get("required", [])
+    picker = section["properties"]["picker"]["properties"]
+    # the image's default follows the operator's version, so the CRD stores none
+    assert "default" not in picker["image"]
+    assert (picker["replicas"]["minimum"], picker["replicas"]["maximum"]) == (
+        1, routing.MAX_REPLICAS,
+    )  # fmt: skip
+    weight = section["properties"]["cacheWeight"]
+    assert (weight["minimum"], weight["maximum"]) == (0, routing.MAX_CACHE_WEIGHT)
+    for field in (section, picker["image"], picker["replicas"], weight):
+        assert field["description"]
