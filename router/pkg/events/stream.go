@@ -24,8 +24,9 @@ var endSeq = []byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff}
 //     last batch applied and expects the same bytes back. Anything else (an engine restarted,
 //     with sequence numbers from 0 again, or a buffer that no longer reaches back) clears this
 //     stream's half of the index and rebuilds it from a replay from 0.
-//   - A stream that cannot be reached for Silence (replay socket silent, or a malformed batch)
-//     clears its half of the index: a pod is then scored as holding nothing, so a request is
+//   - The engine is alive while live batches arrive or its replay socket answers. A stream
+//     that cannot be reached for Silence (no live batch and no replay answer, or a malformed
+//     batch) clears its half of the index: a pod is then scored as holding nothing, so a request is
 //     routed by load alone and never fails for lack of cache data.
 //   - When quiet for Probe, the replay socket is asked for anything newer (a probe): a lost
 //     live subscription costs latency of at most Probe, never correctness.
@@ -128,6 +129,7 @@ func (s *Stream) subscribe(ctx context.Context, out chan<- frame) {
 }
 
 func (s *Stream) onLive(ctx context.Context, f frame) {
+	s.alive.Store(time.Now().UnixNano()) // a live batch is proof of life too
 	switch {
 	case !s.have || f.seq > s.next:
 		s.resync(ctx) // first batch seen, or a gap: the replay has it and what came before

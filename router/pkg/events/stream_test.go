@@ -148,3 +148,30 @@ func TestAStreamFollowsAnEngineAcrossARestart(t *testing.T) {
 			idx.Prefix([]string{"later"}) == 0
 	})
 }
+
+func TestABusyStreamStaysTrusted(t *testing.T) {
+	// live batches keep coming faster than Probe: no probe runs, and the stream must still be
+	// trusted after more than Silence (the batches themselves prove the engine alive)
+	pubPort, replayPort := freePort(t), freePort(t)
+	engine := startEngine(t, pubPort, replayPort)
+	engine.publishCh <- batch(t, cleared)
+	idx := NewIndex()
+	s := &Stream{
+		Pub: fmt.Sprintf("tcp://127.0.0.1:%d", pubPort), Replay: fmt.Sprintf("tcp://127.0.0.1:%d", replayPort),
+		Apply: idx.ApplyKV, Clear: idx.ClearKV, Probe: time.Second, Silence: 300 * time.Millisecond,
+		Timeout: 500 * time.Millisecond, Log: logr.Discard(),
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go s.Run(ctx)
+	engine.publishCh <- batch(t, stored("b0"))
+	eventually(t, "the first block", func() bool { return idx.Prefix([]string{"b0"}) == 1 })
+	for i := 1; i <= 20; i++ { // 1 s of traffic, a batch every 50 ms
+		time.Sleep(50 * time.Millisecond)
+		engine.publishCh <- batch(t, stored(fmt.Sprintf("b%d", i)))
+	}
+	eventually(t, "the last block", func() bool { return idx.Prefix([]string{"b20"}) == 1 })
+	if !s.Live() {
+		t.Fatal("a stream whose batches keep arriving was distrusted")
+	}
+}
