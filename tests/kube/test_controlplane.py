@@ -9,7 +9,7 @@ import subprocess
 import time
 
 import pytest
-from kubecluster import GPUS_PER_NODE, Cluster, find_tools
+from kubecluster import GPUS_PER_NODE, Cluster, find_tools, kubectl_wait
 
 pytestmark = pytest.mark.controlplane
 
@@ -84,10 +84,12 @@ def test_deployment_pods_run_on_kwok_nodes(cluster: Cluster, namespace: str) -> 
 def test_gpu_requests_beyond_capacity_stay_pending(cluster: Cluster, namespace: str) -> None:
     too_many = GPUS_PER_NODE + 1
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=_deployment("big", 1, too_many))
-    cluster.kubectl(
-        "wait", "pod", "-l", "app=big", "-n", namespace, "--timeout=120s",
+    waited = kubectl_wait(
+        cluster, "pod", "-l", "app=big", "-n", namespace,
         "--for=jsonpath={.status.conditions[?(@.type=='PodScheduled')].reason}=Unschedulable",
+        timeout_s=120,
     )  # fmt: skip
+    assert waited.returncode == 0, waited.stderr
     (pod,) = _pods(cluster, namespace, "big")
     assert pod["status"]["phase"] == "Pending"
     assert "nodeName" not in pod["spec"]

@@ -3,8 +3,10 @@
 Invariants:
   * ``kubectl wait --for=condition=...`` (or ``jsonpath``) exits at once, without waiting,
     with an "accessor error" while the object's ``.status`` (or its ``conditions``) is still
-    null; :func:`kubectl_wait` runs it again in exactly that case (at most ``attempts``
-    times) and returns the last result, success or not, for the caller to judge;
+    null, and ``kubectl wait -l SELECTOR`` with "no matching resources found" while no object
+    matches yet (a Deployment's pods are created asynchronously); :func:`kubectl_wait` runs
+    it again in exactly those cases (at most ``attempts`` times, half a second apart for the
+    second) and returns the last result, success or not, for the caller to judge;
   * :func:`apply_crds` returns only when every named CRD is ``Established`` (so resources of
     its kind can be created right away); otherwise it raises :class:`KubectlError` carrying
     kubectl's stderr. Applying is server-side, so running it again is harmless.
@@ -13,11 +15,13 @@ Invariants:
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 
 from .cluster import Cluster, KubectlError
 
 ACCESSOR_ERROR = "accessor error"  # kubectl's words for "that status field is still null"
+NO_MATCH = "no matching resources found"  # a label selector that matches nothing (yet)
 
 
 def kubectl_wait(
@@ -32,8 +36,11 @@ def kubectl_wait(
             "wait", *args, f"--timeout={timeout_s:g}s", check=False, timeout=timeout_s + 20
         )
         attempts -= 1
-        if proc.returncode == 0 or ACCESSOR_ERROR not in proc.stderr or attempts == 0:
+        early = ACCESSOR_ERROR in proc.stderr or NO_MATCH in proc.stderr
+        if proc.returncode == 0 or not early or attempts == 0:
             return proc
+        if NO_MATCH in proc.stderr:
+            time.sleep(0.5)  # kubectl returned at once; the objects are still being created
 
 
 def apply_crds(cluster: Cluster, path: Path, *names: str) -> None:
