@@ -11,7 +11,7 @@ token; block tables of random, non-contiguous blocks of 16 slots, as a busy pool
   kept only as this benchmark's baseline): the slot of every context position listed in
   Python, a dense boolean mask built on the host, each sequence's context gathered per layer
   slot by slot;
-- ``new``: :class:`~mmis.engine.attn_metadata.AttentionMetadata` (numpy over sequences and
+- ``new``: :class:`~mmis.engine.execution.attn_metadata.AttentionMetadata` (numpy over sequences and
   block ids, new-token slots only) and the CPU backend of ``attn_backends.py``.
 
 Host metadata time per step = building the step's metadata and position ids (what the runner
@@ -34,9 +34,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mmis.engine.attn_backends import TorchBackend
-from mmis.engine.attn_metadata import AttentionMetadata
-from mmis.engine.host_memory import keep_freed_memory
+from mmis.engine.execution.attn_backends import TorchBackend
+from mmis.engine.execution.attn_metadata import AttentionMetadata
+from mmis.engine.execution.host_memory import keep_freed_memory
 
 BLOCK = 16
 HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    keep_freed_memory()  # as P1 runs (engine/host_memory.py): freed blocks stay mapped
+    keep_freed_memory()  # as P1 runs (engine/execution/host_memory.py): freed blocks stay mapped
     print(f"decode steps, block size {BLOCK}, best of {args.repeat}, {args.threads} thread(s)")
     figures, worst = [], 0.0
     for size in args.sizes:

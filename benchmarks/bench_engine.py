@@ -50,8 +50,8 @@ from engine_workload import (
     synchronize,
 )
 
-from mmis.engine.model import load_adapter
-from mmis.engine.tiny_model import build_tiny_model
+from mmis.engine.execution.model import load_adapter
+from mmis.tiny_models.tiny_model import build_tiny_model
 
 TARGET = 5.0  # engine tokens/s over baseline tokens/s, at the highest concurrency
 COMPARED = 4  # first greedy tokens of each request compared with the baseline's

@@ -14,7 +14,7 @@ layers, intermediate 2432, 4k positions; a CLIP tower 768 wide (2 layers, 224x22
 patch 14: 256 image tokens). ``--shape`` picks another of ``medium_llava.SHAPES`` (e.g.
 ``llava-1.5-7b``, which ``scripts/gpu-check`` builds on the GPU and passes as
 ``--model-dir``). The tokenizer and chat template are the tiny LLaVA's
-(``mmis.engine.tiny_model``).
+(``mmis.tiny_models.tiny_model``).
 
 Workload: ``--concurrency`` requests, each one image (its own random pixels) and a text padded
 to about ``--prompt-tokens`` prompt tokens, ``--tokens`` greedy output tokens (EOS ignored).
@@ -38,11 +38,12 @@ once per step plus every row's KV, over the device's copy bandwidth measured her
 a multiple of it (1.0x: as fast as the memory system allows).
 ``--device cuda`` runs every side on the GPU in bfloat16 (KV blocks of 256, the flash
 kernel's in-place layout; ``scripts/gpu-check`` runs it so) with the decode steps replayed as
-CUDA graphs as ``mmis engine`` captures them (``engine/decode_graphs.py``; ``--enforce-eager``:
-none; the count is printed per round), else the CPU in float32 (``--dtype`` overrides
+CUDA graphs as ``mmis engine`` captures them (``engine/execution/decode_graphs.py``;
+``--enforce-eager``: none; the count is printed per round), else the CPU in float32 (``--dtype``
+overrides
 either: ``bfloat16`` on a CPU with AMX). The engine child sets up its
-process as ``mmis engine`` does (``engine/host_memory.py``, where the tree has it). Ratios are
-tokens/s over tokens/s; the last line is ``SUMMARY bench_engine_medium: ...``.
+process as ``mmis engine`` does (``engine/execution/host_memory.py``, where the tree has it). Ratios
+are tokens/s over tokens/s; the last line is ``SUMMARY bench_engine_medium: ...``.
 """
 
 from __future__ import annotations
@@ -126,13 +127,13 @@ def run_engine_child(args: argparse.Namespace) -> None:
     import mmis
 
     try:  # the process setup `mmis engine` does before loading (trees before it had none)
-        from mmis.engine.host_memory import keep_freed_memory
+        from mmis.engine.execution.host_memory import keep_freed_memory
     except ImportError:
         pass
     else:
         keep_freed_memory()
-    from mmis.engine.model import load_adapter
-    from mmis.engine.runner import ModelRunner
+    from mmis.engine.execution.model import load_adapter
+    from mmis.engine.execution.runner import ModelRunner
     from mmis.entrypoints.engine import EngineConfig, make_core
     from mmis.protocol.messages import (
         EngineCoreRequest,
@@ -145,9 +146,9 @@ def run_engine_child(args: argparse.Namespace) -> None:
     processor = AutoProcessor.from_pretrained(args.model_dir)
     items = workload(processor, args.concurrency, args.prompt_tokens)
     adapter = load_adapter(args.model_dir, args.device, _dtype(args))
-    linears = "torch (a tree without engine/cpu_linear.py)"
+    linears = "torch (a tree without engine/execution/cpu_linear.py)"
     try:  # as `mmis engine` packs the language model's linears (trees before it had none)
-        from mmis.engine.cpu_linear import pack_adapter
+        from mmis.engine.execution.cpu_linear import pack_adapter
     except ImportError:
         pass
     else:
@@ -158,7 +159,7 @@ def run_engine_child(args: argparse.Namespace) -> None:
     graphs = 0
     if args.device == "cuda" and not args.enforce_eager:  # as `mmis engine` sets them up
         try:
-            from mmis.engine.decode_graphs import setup as setup_graphs
+            from mmis.engine.execution.decode_graphs import setup as setup_graphs
         except ImportError:  # a tree before CUDA graphs
             pass
         else:
@@ -316,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         "--cpu-linear",
         default="auto",
         choices=["auto", "onednn", "torch"],
-        help="the engine sides' --cpu-linear (engine/cpu_linear.py; a tree without it: torch)",
+        help="the engine sides' --cpu-linear (engine/execution/cpu_linear.py; "
+        "a tree without it: torch)",
     )
     parser.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs for the engine's decode steps"

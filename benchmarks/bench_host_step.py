@@ -53,12 +53,12 @@ import torch
 from mmis.engine import core_process
 from mmis.engine.config import EngineConfig
 from mmis.engine.core import EngineCore
-from mmis.engine.model import ModelAdapter, load_adapter
-from mmis.engine.paged_attention import KVCacheSpec, PagedKVPool, PagedStep
-from mmis.engine.runner import ModelRunner
-from mmis.engine.tiny_model import tiny_model_dir
+from mmis.engine.execution.model import ModelAdapter, load_adapter
+from mmis.engine.execution.paged_attention import KVCacheSpec, PagedKVPool, PagedStep
+from mmis.engine.execution.runner import ModelRunner
 from mmis.entrypoints.engine import make_core
 from mmis.protocol.messages import EngineCoreRequest, FinishReason, SamplingParams
+from mmis.tiny_models.tiny_model import tiny_model_dir
 
 TARGET_256_MS = 1.0
 TARGET_32_MS = 0.3

@@ -100,7 +100,7 @@ def main() -> int:
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from mmis.engine.tiny_model import tiny_model_dir
+    from mmis.tiny_models.tiny_model import tiny_model_dir
 
     torch.set_num_threads(args.threads)
     model = tiny_model_dir("qwen2-vl-hub")

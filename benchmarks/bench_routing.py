@@ -53,7 +53,7 @@ from kubecluster import Cluster, find_tools
 from picker_stack import DESTINATION, PickerStack
 from tools import go_tool
 
-from mmis.engine.tiny_model import tiny_model_dir
+from mmis.tiny_models.tiny_model import tiny_model_dir
 from mmis_operator.picker_config import picker_config
 
 QUESTIONS = (

@@ -45,8 +45,8 @@ from typing import Any
 import msgspec
 import torch
 
-from mmis.engine.sampler import GREEDY_EPSILON, Sampler, SamplingParamsError, seed_for
-from mmis.engine.token_history import TokenHistoryCache
+from mmis.engine.execution.sampler import GREEDY_EPSILON, Sampler, SamplingParamsError, seed_for
+from mmis.engine.execution.token_history import TokenHistoryCache
 from mmis.protocol.messages import SamplingParams
 
 
@@ -223,8 +223,8 @@ def _engine_part(
     )
     from transformers import AutoProcessor
 
-    from mmis.engine.model import load_adapter
-    from mmis.engine.tiny_model import build_tiny_model
+    from mmis.engine.execution.model import load_adapter
+    from mmis.tiny_models.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_model(Path(tmp) / "model", "llava")

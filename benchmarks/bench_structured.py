@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoProcessor
 
-    from mmis.engine.model import load_adapter
-    from mmis.engine.tiny_model import build_tiny_model
+    from mmis.engine.execution.model import load_adapter
+    from mmis.tiny_models.tiny_model import build_tiny_model
 
     tmp = tempfile.TemporaryDirectory()
     path = build_tiny_model(Path(tmp.name) / "model", "llava")

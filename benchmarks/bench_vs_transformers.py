@@ -121,7 +121,7 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help=f"exit 1 below {TARGET}x")
     args = parser.parse_args()
     if args.model is None:
-        from mmis.engine.tiny_model import tiny_model_dir
+        from mmis.tiny_models.tiny_model import tiny_model_dir
 
         args.model = str(tiny_model_dir())
     kinds = args.only or ["tf", "tf-cb", "mmis"]

@@ -27,9 +27,9 @@ from PIL import Image
 
 from mmis.config import GiB
 from mmis.engine.core import EngineCore
-from mmis.engine.model import ModelAdapter
-from mmis.engine.runner import ModelRunner
-from mmis.engine.sched_output import MultiModalInput, ScheduledRequest, SchedulerOutput
+from mmis.engine.execution.model import ModelAdapter
+from mmis.engine.execution.runner import ModelRunner
+from mmis.engine.scheduling.sched_output import MultiModalInput, ScheduledRequest, SchedulerOutput
 from mmis.entrypoints.engine import EngineConfig, make_core
 from mmis.protocol.messages import (
     EngineCoreRequest,

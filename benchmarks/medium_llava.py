@@ -19,7 +19,7 @@ Shapes (``SHAPES``):
   4 heads of 64, vocab 32064; tower 128 wide, 2 layers, 336 px, 576 image tokens), for
   ``scripts/gpu-check run --dry-run``: the 7B's code paths in seconds.
 
-Every shape uses the tiny LLaVA's tokenizer and chat template (``mmis.engine.tiny_model``).
+Every shape uses the tiny LLaVA's tokenizer and chat template (``mmis.tiny_models.tiny_model``).
 
 Invariants:
 - Deterministic (seed 0), built into a directory the caller names, never committed. The
@@ -124,7 +124,7 @@ def build_llava(out: Path, shape: str = "medium", device: str = "cpu", dtype: An
         LlavaProcessor,
     )
 
-    from mmis.engine.tiny_model import build_tiny_model
+    from mmis.tiny_models.tiny_model import build_tiny_model
 
     spec = SHAPES[shape]
     out = Path(out)

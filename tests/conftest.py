@@ -7,10 +7,10 @@
 - Every engine the suite starts computes in float32 unless its test passes ``--dtype``
   (``MMIS_ENGINE_DTYPE``, read by every ``mmis engine`` / ``mmis serve`` child): the greedy
   references are float32 transformers forwards, and on a CPU with AMX/AVX512-BF16 ``--dtype
-  auto`` may pick bfloat16 (``server/mmis/engine/dtype.py``), whose answers differ. The
+  auto`` may pick bfloat16 (``server/mmis/engine/execution/dtype.py``), whose answers differ. The
   resolution of ``auto`` itself is tested in ``tests/engine/test_engine_dtype_kv.py``.
 - Every engine the suite starts runs its language-model linears on oneDNN
-  (``MMIS_ENGINE_CPU_LINEAR=onednn``, ``server/mmis/engine/cpu_linear.py``), not on what
+  (``MMIS_ENGINE_CPU_LINEAR=onednn``, ``server/mmis/engine/execution/cpu_linear.py``), not on what
   ``auto`` measures faster on the machine of the day, so the engine-process parity tests always
   hold that path to transformers; the runner-level tests (``tests/engine/test_runner_*.py``)
   load their adapters unpacked, on torch's ``F.linear``. ``auto``'s rule has its own tests

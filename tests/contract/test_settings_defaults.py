@@ -24,7 +24,7 @@ from mmis.cli import COMMANDS
 from mmis.config import SHARED_SETTINGS, GiB, default_of, from_env
 from mmis.engine import batch_limits
 from mmis.engine.config import EngineConfig
-from mmis.engine.sched_config import SchedulerConfig
+from mmis.engine.scheduling.sched_config import SchedulerConfig
 from mmis.entrypoints import engine as engine_cli
 from mmis.entrypoints import frontend as frontend_cli
 from mmis.entrypoints import serve as serve_cli

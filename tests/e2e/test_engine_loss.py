@@ -46,8 +46,8 @@ from procs import Proc, Serve, children, image_url, wait_for
 
 from mmis.config import default_of, flag_of
 from mmis.engine.config import EngineConfig
-from mmis.engine.tiny_model import tiny_model_dir
 from mmis.frontend.config import FrontendConfig
+from mmis.tiny_models.tiny_model import tiny_model_dir
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
 

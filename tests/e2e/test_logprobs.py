@@ -18,7 +18,7 @@ import openai
 import pytest
 import torch
 
-from mmis.engine.tiny_model import tiny_model_dir
+from mmis.tiny_models.tiny_model import tiny_model_dir
 
 sys.path.insert(0, str(Path(__file__).parent))
 from procs import Proc, image_url

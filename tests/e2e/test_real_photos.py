@@ -1,6 +1,6 @@
 """Real photo sizes on a Qwen2-VL with the hub's image settings, served with no tuning flags.
 
-The tiny ``qwen2-vl-hub`` model (``mmis/engine/tiny_model.py``: patch 14, merge 2,
+The tiny ``qwen2-vl-hub`` model (``mmis/tiny_models/tiny_model.py``: patch 14, merge 2,
 min_pixels 3136, max_pixels 12845056, a 32768-token context) behind ``mmis serve --model
 DIR``: 640x480, 1920x1080 and 4032x3024 JPEG photos are answered with 200 through the openai
 SDK (the 12 MP one takes about 15.5k placeholder tokens: more than one prefill chunk, so its
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from photos import jpeg as _jpeg
 from procs import Proc
 
-from mmis.engine.tiny_model import tiny_model_dir
+from mmis.tiny_models.tiny_model import tiny_model_dir
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -30,10 +30,10 @@ from otlp_receiver import ExportRequest, serve_otlp_http, service_spans
 from procs import Engine, chat_body
 from scripted_stack import tiny_settings
 
-from mmis.engine.tiny_model import tiny_model_dir
 from mmis.telemetry import genai
 from mmis.telemetry.tracing import setup_tracing
 from mmis.telemetry.tracing_config import TracingConfig
+from mmis.tiny_models.tiny_model import tiny_model_dir
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
 

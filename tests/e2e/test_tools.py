@@ -30,7 +30,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from procs import Proc, image_url
 
-from mmis.engine.tiny_model import tiny_model_dir
+from mmis.tiny_models.tiny_model import tiny_model_dir
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -26,8 +26,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from procs import Proc
 
-from mmis.engine.tiny_model import tiny_model_dir
 from mmis.frontend.media.video import VideoLimits, decode_video
+from mmis.tiny_models.tiny_model import tiny_model_dir
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
 

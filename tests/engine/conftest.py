@@ -21,17 +21,17 @@ import pytest
 import torch
 from PIL import Image
 
-from mmis.engine.model import ModelAdapter, load_adapter
-from mmis.engine.runner import ModelRunner
-from mmis.engine.sched_output import (
+from mmis.engine.execution.model import ModelAdapter, load_adapter
+from mmis.engine.execution.runner import ModelRunner
+from mmis.engine.scheduling.sched_output import (
     MultiModalInput,
     ScheduledRequest,
     SchedulerOutput,
     StepOutput,
 )
-from mmis.engine.tiny_model import FAMILIES as ALL_FAMILIES
-from mmis.engine.tiny_model import build_tiny_model
 from mmis.protocol.messages import PoolingParams, SamplingParams
+from mmis.tiny_models.tiny_model import FAMILIES as ALL_FAMILIES
+from mmis.tiny_models.tiny_model import build_tiny_model
 
 # the families the runner-level tests (``family`` fixture) run; the engine-process tests of
 # the others have files of their own (test_engine_gemma3.py, ...)

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import hashlib
 
-from mmis.engine.request import Request
-from mmis.engine.sched_config import SchedulerConfig
-from mmis.engine.sched_output import MultiModalInput, ScheduledRequest, SchedulerOutput
-from mmis.engine.scheduler import Scheduler
+from mmis.engine.scheduling.request import Request
+from mmis.engine.scheduling.sched_config import SchedulerConfig
+from mmis.engine.scheduling.sched_output import MultiModalInput, ScheduledRequest, SchedulerOutput
+from mmis.engine.scheduling.scheduler import Scheduler
 from mmis.protocol.messages import (
     EngineCoreOutput,
     MultiModalFeature,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mmis.engine.attn_metadata import AttentionMetadata
-from mmis.engine.paged_attention import slots_for
+from mmis.engine.execution.attn_metadata import AttentionMetadata
+from mmis.engine.execution.paged_attention import slots_for
 
 BLOCK = 4
 CPU = torch.device("cpu")

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from mmis.engine.attn_metadata import AttentionMetadata, PagedAttentionError
-from mmis.engine.block_tables import BlockTables
-from mmis.engine.step_builder import HostToDevice, build_step
+from mmis.engine.execution.attn_metadata import AttentionMetadata, PagedAttentionError
+from mmis.engine.execution.block_tables import BlockTables
+from mmis.engine.execution.step_builder import HostToDevice, build_step
 
 CPU = torch.device("cpu")
 BS, NB = 4, 4000

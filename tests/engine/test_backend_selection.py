@@ -1,4 +1,5 @@
-"""Attention backend selection (``engine/attn_backends.py``): a varlen kernel is chosen only
+"""Attention backend selection (``engine/execution/attn_backends.py``): a varlen kernel is chosen
+only
 if it passes the start-up probe (signature, head size, dtype, GQA, window, page size, numbers
 against torch SDPA), the next one otherwise, the reason logged; and the start-up self-check
 moves a runner whose flash backend fails it to torch SDPA. All on CPU, with fake kernels in
@@ -16,8 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmis.engine import attn_backends
-from mmis.engine.attn_backends import (
+from mmis.engine.execution import attn_backends
+from mmis.engine.execution.attn_backends import (
     ProbeShape,
     TorchBackend,
     VarlenBackend,
@@ -25,14 +26,14 @@ from mmis.engine.attn_backends import (
     select_backend,
     torch_varlen_kernel,
 )
-from mmis.engine.model import load_adapter
-from mmis.engine.paged_attention import AttentionMetadata, KVCacheSpec, PagedKVPool
-from mmis.engine.runner import ModelRunner
+from mmis.engine.execution.model import load_adapter
+from mmis.engine.execution.paged_attention import AttentionMetadata, KVCacheSpec, PagedKVPool
+from mmis.engine.execution.runner import ModelRunner
 from mmis.engine.self_check import TOLERANCE, run_self_check
 
 CPU = torch.device("cpu")
 GQA = ProbeShape(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)
-LOGGER = "mmis.engine.attn_backends"
+LOGGER = "mmis.engine.execution.attn_backends"
 
 
 def _varlen(

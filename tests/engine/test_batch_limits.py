@@ -1,4 +1,5 @@
-"""The batch limits ``mmis engine`` picks when left unset (``engine/batch_limits.py``): the
+"""The batch limits ``mmis engine`` picks when left unset (``engine/batch_limits.py``):
+the
 user's values kept, the fixed defaults without a profile, the profile's step size and the
 pool's sequences with one. No torch: the profile's readings are the inputs."""
 
@@ -17,7 +18,7 @@ from mmis.engine.batch_limits import (
     step_token_choices,
 )
 from mmis.engine.config import EngineConfig
-from mmis.engine.sched_config import SchedulerConfig
+from mmis.engine.scheduling.sched_config import SchedulerConfig
 
 
 def test_given_limits_are_kept_whatever_the_profile_says() -> None:

@@ -1,4 +1,4 @@
-"""``--cpu-linear`` (``server/mmis/engine/cpu_linear.py``): oneDNN's prepacked linears.
+"""``--cpu-linear`` (``server/mmis/engine/execution/cpu_linear.py``): oneDNN's prepacked linears.
 
 A packed module must compute what the linear did, in float32, bfloat16 and float16, for the input
 shapes the model feeds it; packing a real transformers model must leave its greedy answer and
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmis.engine import cpu_linear
-from mmis.engine.cpu_linear import PackedLinear, pack_adapter, pack_linears
-from mmis.engine.model import load_adapter
+from mmis.engine.execution import cpu_linear
+from mmis.engine.execution.cpu_linear import PackedLinear, pack_adapter, pack_linears
+from mmis.engine.execution.model import load_adapter
 from mmis.protocol.messages import EngineCoreRequest, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -153,7 +153,7 @@ def test_a_onednn_that_cannot_run_leaves_every_module_as_it_was(
         return real(weight, batch)
 
     monkeypatch.setattr(cpu_linear, "_reorder", broken)
-    with caplog.at_level("INFO", logger="mmis.engine.cpu_linear"):
+    with caplog.at_level("INFO", logger="mmis.engine.execution.cpu_linear"):
         report = pack_adapter(adapter, "onednn")
     assert report.packed == 0 and report.error is not None
     assert not any(isinstance(m, PackedLinear) for m in adapter.model.modules())

@@ -1,4 +1,4 @@
-"""Static decode steps and CUDA graphs (``engine/decode_graphs.py``).
+"""Static decode steps and CUDA graphs (``engine/execution/decode_graphs.py``).
 
 - CPU: the static path (fixed shapes, padded to a bucket, no capture) runs in lockstep with
   the eager runner on real tiny models: LLaVA (1-D positions), Qwen2-VL (M-RoPE, an image
@@ -27,20 +27,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_harness import EngineHarness
 
-from mmis.engine import decode_graphs
-from mmis.engine.attn_backends import TorchBackend, VarlenBackend
-from mmis.engine.decode_graphs import (
+from mmis.engine.execution import decode_graphs
+from mmis.engine.execution.attn_backends import TorchBackend, VarlenBackend
+from mmis.engine.execution.decode_graphs import (
     DecodeGraphError,
     DecodeGraphs,
     capturable_sizes,
     capture_sizes,
     qualifies,
 )
-from mmis.engine.model import load_adapter
-from mmis.engine.model.adapter import ModelAdapter
-from mmis.engine.paged_attention import KVCacheSpec, PagedKVPool
-from mmis.engine.runner import ModelRunner
-from mmis.engine.sched_output import MultiModalInput, ScheduledRequest
+from mmis.engine.execution.model import load_adapter
+from mmis.engine.execution.model.adapter import ModelAdapter
+from mmis.engine.execution.paged_attention import KVCacheSpec, PagedKVPool
+from mmis.engine.execution.runner import ModelRunner
+from mmis.engine.scheduling.sched_output import MultiModalInput, ScheduledRequest
 from mmis.protocol.messages import EngineCoreRequest, PoolingParams, SamplingParams
 
 CUDA = pytest.mark.cuda  # skipped without a device (tests/conftest.py); scripts/gpu-check runs them
@@ -179,7 +179,7 @@ def test_verification_and_setup_on_cpu(family: Family, caplog: pytest.LogCapture
         graphs.verify()
     with pytest.raises(DecodeGraphError, match="CUDA only"):
         graphs.capture()
-    with caplog.at_level(logging.INFO, logger="mmis.engine.decode_graphs"):
+    with caplog.at_level(logging.INFO, logger="mmis.engine.execution.decode_graphs"):
         assert cuda_setup(runner) is None
     assert "CUDA graphs: off (the device is cpu; only CUDA captures)" in caplog.text
 

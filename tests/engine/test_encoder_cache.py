@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mmis.engine.encoder_cache import EncoderCacheError, EncoderCacheManager
+from mmis.engine.scheduling.encoder_cache import EncoderCacheError, EncoderCacheManager
 
 
 class NaiveEncoderCache(EncoderCacheManager):

@@ -1,4 +1,5 @@
-"""The encoder cache is sized from the model's own image processor (``engine/encoder_sizing.py``).
+"""The encoder cache is sized from the model's own image processor
+(``engine/execution/encoder_sizing.py``).
 
 Real processors, real adapters: a fixed-size processor (the tiny LLaVA's CLIP) gives its one
 count cheaply; a Qwen2-VL processor with the hub's real pixel limits gives the count of the
@@ -13,12 +14,12 @@ import pytest
 from PIL import Image
 
 from mmis.engine.config import MIN_ENCODER_CACHE_TOKENS
-from mmis.engine.encoder_sizing import (
+from mmis.engine.execution.encoder_sizing import (
     encoder_cache_tokens,
     largest_item_tokens,
     load_image_processor,
 )
-from mmis.engine.model import load_adapter
+from mmis.engine.execution.model import load_adapter
 
 pytestmark = [pytest.mark.model]
 

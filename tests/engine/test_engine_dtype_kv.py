@@ -1,4 +1,4 @@
-"""``--dtype`` and KV pool sizing (``engine/kv_sizing.py``) of a real ``mmis engine``.
+"""``--dtype`` and KV pool sizing (``engine/execution/kv_sizing.py``) of a real ``mmis engine``.
 
 - ``auto`` follows ``/proc/cpuinfo`` on CPU and the checkpoint's dtype on CUDA; an explicit
   ``bfloat16`` loads a bf16 model whose engine still answers, with a KV pool sized by
@@ -28,9 +28,19 @@ from engine_harness import EngineHarness
 
 from mmis.config import ConfigError, GiB
 from mmis.engine.config import DEFAULT_KV_BLOCKS, EngineConfig
-from mmis.engine.dtype import bf16_matmul_faster, checkpoint_dtype, cpu_flags, resolve_dtype
-from mmis.engine.kv_sizing import KVSizingError, blocks_from_budget, plan_kv_pool, profile_step
-from mmis.engine.model import load_adapter
+from mmis.engine.execution.dtype import (
+    bf16_matmul_faster,
+    checkpoint_dtype,
+    cpu_flags,
+    resolve_dtype,
+)
+from mmis.engine.execution.kv_sizing import (
+    KVSizingError,
+    blocks_from_budget,
+    plan_kv_pool,
+    profile_step,
+)
+from mmis.engine.execution.model import load_adapter
 from mmis.protocol.messages import EngineCoreRequest, SamplingParams
 
 CUDA = pytest.mark.cuda  # skipped without a device (tests/conftest.py); scripts/gpu-check runs them

@@ -1,6 +1,6 @@
 """Gemma 3 over a real ``mmis engine`` process: greedy parity with transformers ``generate()``.
 
-The tiny Gemma 3 (``engine/tiny_gemma3.py``) has two sliding-window layers (window 32) before
+The tiny Gemma 3 (``tiny_models/tiny_gemma3.py``) has two sliding-window layers (window 32) before
 a full-attention layer, and 16 soft tokens per image that attend to each other in both
 directions. The engine runs with 20-token steps and a 24-block KV pool, so long prompts cross
 the window and several chunks (a chunk stops before an image rather than inside it: the
@@ -25,8 +25,8 @@ from engine_harness import EngineHarness
 from engine_inputs import ModelKit, image, renamed
 from engine_references import References, Spec
 
-from mmis.engine.tiny_gemma3 import SOFT_TOKENS, WINDOW
-from mmis.engine.tiny_model import build_tiny_model
+from mmis.tiny_models.tiny_gemma3 import SOFT_TOKENS, WINDOW
+from mmis.tiny_models.tiny_model import build_tiny_model
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 

@@ -29,9 +29,9 @@ from engine_harness import EngineHarness
 from engine_inputs import ModelKit, image, kit_for, renamed
 from engine_references import References, Spec
 
-from mmis.engine.encoder_sizing import largest_item_tokens, load_image_processor
-from mmis.engine.model import ModelAdapter, ModelInputError, load_adapter
-from mmis.engine.tiny_model import FINGERPRINT_FILE, build_tiny_model, fingerprint
+from mmis.engine.execution.encoder_sizing import largest_item_tokens, load_image_processor
+from mmis.engine.execution.model import ModelAdapter, ModelInputError, load_adapter
+from mmis.tiny_models.tiny_model import FINGERPRINT_FILE, build_tiny_model, fingerprint
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 

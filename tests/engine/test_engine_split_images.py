@@ -2,7 +2,7 @@
 
 With ``--max-num-batched-tokens 6`` every image (16 placeholder tokens in every tiny family)
 is larger than one step: its encoder output is computed by the first chunk that reaches it
-and its range is spread over several chunks (``engine/scheduler.py``). The tokens must be
+and its range is spread over several chunks (``engine/scheduling/scheduler.py``). The tokens must be
 those of plain transformers ``generate(do_sample=False)``, with two images in one prompt, a
 long prompt crossing many chunks, the same request again served from the prefix cache, and
 drift (S1) on a split image healing to the same tokens. The references are computed while the

@@ -1,8 +1,8 @@
 """``--tensor-parallel-size 2`` on CPU: two real processes (gloo), greedy parity with transformers.
 
 Rank 0 is the ``mmis engine`` process; it starts rank 1, which loads the same checkpoint and
-keeps half of every layer's heads and MLP (``engine/tensor_parallel.py``). Every answer must
-be the token ids of plain ``generate(do_sample=False)``: Qwen2-VL (M-RoPE positions travel with
+keeps half of every layer's heads and MLP (``engine/execution/tensor_parallel.py``). Every answer
+must be the token ids of plain ``generate(do_sample=False)``: Qwen2-VL (M-RoPE positions travel with
 the step) with images, chunked prefill and a prefix hit; Gemma 3 (sliding windows and an
 image's bidirectional span travel with the step's metadata). The start-up self-check runs on
 both ranks. A split that does not divide is refused at start-up, naming the numbers.

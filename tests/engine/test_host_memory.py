@@ -1,4 +1,5 @@
-"""``engine/host_memory.py``: after :func:`keep_freed_memory` a large CPU tensor comes from the
+"""``engine/execution/host_memory.py``: after :func:`keep_freed_memory` a large CPU tensor comes
+from the
 heap and its memory stays mapped after it is freed (glibc's own counters, ``mallinfo2``); a
 fresh process without it gets the same tensor from ``mmap`` and gives it back.
 
@@ -22,7 +23,7 @@ libc = ctypes.CDLL(None)
 libc.mallinfo2.restype = Info
 applied = None
 if sys.argv[1] == "keep":
-    from mmis.engine.host_memory import keep_freed_memory
+    from mmis.engine.execution.host_memory import keep_freed_memory
     applied = keep_freed_memory()
 before = libc.mallinfo2()
 tensor = torch.empty(16 << 18).fill_(1.0)  # 16 MiB, touched

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from mmis.engine.block_pool import NULL_BLOCK_ID, BlockPool, BlockPoolError
-from mmis.engine.kv_cache import KVCacheManager, update_block_hashes
-from mmis.engine.request import Request
+from mmis.engine.scheduling.block_pool import NULL_BLOCK_ID, BlockPool, BlockPoolError
+from mmis.engine.scheduling.kv_cache import KVCacheManager, update_block_hashes
+from mmis.engine.scheduling.request import Request
 from mmis.protocol.messages import MultiModalFeature, PlaceholderRange
 
 BS = 4

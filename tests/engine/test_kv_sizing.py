@@ -1,6 +1,6 @@
-"""KV sizing from device memory (``engine/kv_sizing.py``) and the step size it settles on
-(``engine/batch_limits.py``), on CPU: every profiling step is a real forward of the tiny model;
-only the memory readings are scripted (``tp_sizing_rank.ScriptedMemory``, in units of one KV
+"""KV sizing from device memory (``engine/execution/kv_sizing.py``) and the step size it settles on
+(``engine/batch_limits.py``), on CPU: every profiling step is a real forward of the tiny
+model; only the memory readings are scripted (``tp_sizing_rank.ScriptedMemory``, in units of one KV
 block's bytes), since a CPU has no allocator statistics. The CUDA readings themselves are
 covered by the ``cuda``-marked tests of ``test_engine_dtype_kv.py``.
 
@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tp_sizing_rank import BLOCK, ScriptedMemory
 
-from mmis.engine import kv_sizing
-from mmis.engine.kv_sizing import KVSizingError, gpu_kv_blocks
-from mmis.engine.model import load_adapter
-from mmis.engine.tensor_parallel import free_port
+from mmis.engine.execution import kv_sizing
+from mmis.engine.execution.kv_sizing import KVSizingError, gpu_kv_blocks
+from mmis.engine.execution.model import load_adapter
+from mmis.engine.execution.tensor_parallel import free_port
 
 pytestmark = pytest.mark.model
 

@@ -1,4 +1,4 @@
-"""Log-probabilities of sampled tokens (``engine/logprobs.py``): the math against a plain
+"""Log-probabilities of sampled tokens (``engine/execution/logprobs.py``): the math against a plain
 ``log_softmax`` reference, and through the real runner on the tiny LLaVA against the plain
 transformers model's own logits."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmis.engine import logprobs
-from mmis.engine.sampler import SamplingParamsError, validate
+from mmis.engine.execution import logprobs
+from mmis.engine.scheduling.sampling_params import SamplingParamsError, validate
 from mmis.protocol.messages import SamplingParams
 
 

@@ -1,4 +1,4 @@
-"""What the engine refuses to run because it could not run it exactly (``engine/model/``).
+"""What the engine refuses to run because it could not run it exactly (``engine/execution/model/``).
 
 Real checkpoints (the tiny families, rewritten where a case needs another config) through
 the real loader: sliding-window attention and other layer types, a decoder layer without its
@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from mmis.engine.model import UnsupportedModelError, load_adapter
-from mmis.engine.model.adapter import check_exact
-from mmis.engine.tiny_model import FAMILIES, MODELS
+from mmis.engine.execution.model import UnsupportedModelError, load_adapter
+from mmis.engine.execution.model.adapter import check_exact
 from mmis.entrypoints.common import TINY_MODELS
+from mmis.tiny_models.tiny_model import FAMILIES, MODELS
 
 pytestmark = [pytest.mark.model]
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from mmis.engine.core import EngineCore
-from mmis.engine.sched_config import SchedulerConfig
-from mmis.engine.scheduler import Scheduler
+from mmis.engine.scheduling.sched_config import SchedulerConfig
+from mmis.engine.scheduling.scheduler import Scheduler
 from mmis.protocol.messages import (
     EngineCoreOutput,
     EngineCoreRequest,

@@ -10,15 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmis.engine import attn_backends
-from mmis.engine.attn_backends import (
+from mmis.engine.execution import attn_backends
+from mmis.engine.execution.attn_backends import (
     TorchBackend,
     VarlenBackend,
     decode_rows_per_call,
     packed_context_slots,
     select_backend,
 )
-from mmis.engine.paged_attention import (
+from mmis.engine.execution.paged_attention import (
     STEP_KWARG,
     AttentionMetadata,
     KVCacheSpec,

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from mmis.engine.model import ModelInputError
-from mmis.engine.paged_attention import PagedAttentionError
-from mmis.engine.runner import EncoderOutputMissingError, StepInputError
-from mmis.engine.sched_output import MultiModalInput, ScheduledRequest, SchedulerOutput
+from mmis.engine.execution.model import ModelInputError
+from mmis.engine.execution.paged_attention import PagedAttentionError
+from mmis.engine.execution.runner import EncoderOutputMissingError, StepInputError
+from mmis.engine.scheduling.sched_output import MultiModalInput, ScheduledRequest, SchedulerOutput
 from mmis.protocol.messages import PoolingParams
 
 pytestmark = pytest.mark.model

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmis.engine.sampler import Sampler, SamplingParamsError, seed_for
-from mmis.engine.sched_output import is_plain
+from mmis.engine.execution.sampler import Sampler, SamplingParamsError, seed_for
+from mmis.engine.scheduling.sched_output import is_plain
 from mmis.protocol.messages import PoolingParams, SamplingParams
 
 VOCAB = 6

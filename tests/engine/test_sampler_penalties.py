@@ -12,8 +12,9 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from mmis.engine.sampler import Sampler, SamplingParamsError, needs_history, validate
-from mmis.engine.token_history import TokenCounts, TokenHistoryCache
+from mmis.engine.execution.sampler import Sampler, needs_history
+from mmis.engine.execution.token_history import TokenCounts, TokenHistoryCache
+from mmis.engine.scheduling.sampling_params import SamplingParamsError, validate
 from mmis.protocol.messages import EngineCoreRequest, SamplingParams
 
 VOCAB = 40

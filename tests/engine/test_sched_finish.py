@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sched_harness import EOS, Engine, make, text
 
-from mmis.engine.request import Request
+from mmis.engine.scheduling.request import Request
 from mmis.protocol.messages import ErrorCode, FinishReason
 
 

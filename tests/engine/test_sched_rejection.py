@@ -16,9 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sched_harness import IMG, Engine, image, make, reference, text
 
-from mmis.engine.request import InvalidRequestError, Request
-from mmis.engine.sched_config import SchedulerConfig
-from mmis.engine.scheduler import Scheduler
+from mmis.engine.scheduling.request import InvalidRequestError, Request
+from mmis.engine.scheduling.sched_config import SchedulerConfig
+from mmis.engine.scheduling.scheduler import Scheduler
 from mmis.protocol.messages import ErrorCode, FinishReason
 
 

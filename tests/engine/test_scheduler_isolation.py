@@ -20,9 +20,9 @@ CHILD = textwrap.dedent(
     sys.modules["torch"] = None
     sys.meta_path.insert(0, Block())
 
-    from mmis.engine.request import Request
-    from mmis.engine.sched_config import SchedulerConfig
-    from mmis.engine.scheduler import Scheduler
+    from mmis.engine.scheduling.request import Request
+    from mmis.engine.scheduling.sched_config import SchedulerConfig
+    from mmis.engine.scheduling.scheduler import Scheduler
     from mmis.protocol.messages import MultiModalFeature, PlaceholderRange, SamplingParams
 
     sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16, max_num_batched_tokens=8))

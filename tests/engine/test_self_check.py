@@ -36,4 +36,4 @@ def test_a_forward_that_drifts_from_transformers_refuses_to_start(
     monkeypatch.setattr(type(family.adapter), "compute_logits", drifted)
     with pytest.raises(SelfCheckError, match="differs from transformers'") as info:
         run_self_check(runner)
-    assert "engine/model/" in str(info.value) and not info.value.retryable
+    assert "engine/execution/model/" in str(info.value) and not info.value.retryable

@@ -1,7 +1,8 @@
-"""The grammar engine (``engine/structured.py``) on the tiny model's real tokenizer: masks that
+"""The grammar engine (``engine/execution/structured.py``) on the tiny model's real tokenizer: masks
+that
 only let the grammar's tokens through (so random logits still give schema-valid JSON), the
 bounded compile cache, compile errors naming the parameter, and the request's stop/violation
-handling (``engine/request.py``)."""
+handling (``engine/scheduling/request.py``)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,15 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from mmis.engine.request import Request
-from mmis.engine.sampler import Sampler
-from mmis.engine.structured import WORKER_MIN_SECONDS, GrammarEngine, StructuredOutputError
-from mmis.engine.tiny_model import tiny_model_dir
+from mmis.engine.execution.sampler import Sampler
+from mmis.engine.execution.structured import (
+    WORKER_MIN_SECONDS,
+    GrammarEngine,
+    StructuredOutputError,
+)
+from mmis.engine.scheduling.request import Request
 from mmis.protocol.messages import FinishReason, SamplingParams, StructuredOutputs
+from mmis.tiny_models.tiny_model import tiny_model_dir
 
 SCHEMA = {
     "type": "object",

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from mmis.cli import main as cli_main
-from mmis.engine.tiny_model import (
+from mmis.tiny_models.tiny_model import (
     FAMILIES,
     TinyModelError,
     build_tiny_model,
@@ -111,7 +111,7 @@ def test_cli_writes_a_model(tmp_path: Path, capsys):
 
 _FIRST_USE = """
 import sys
-from mmis.engine.tiny_model import default_model_dir
+from mmis.tiny_models.tiny_model import default_model_dir
 print("ready", flush=True)
 sys.stdin.readline()  # the barrier: wait until the parent says go
 print(default_model_dir(), flush=True)

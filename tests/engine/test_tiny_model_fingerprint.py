@@ -1,5 +1,5 @@
 """A cached tiny model built from another chat template is rebuilt on first use (the cache
-fingerprint of ``mmis.engine.tiny_model``); one with the current fingerprint is kept."""
+fingerprint of ``mmis.tiny_models.tiny_model``); one with the current fingerprint is kept."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mmis.engine import tiny_model
+from mmis.tiny_models import tiny_model
 
 
 def test_stale_cache_is_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,8 +2,8 @@
 
     python tp_sizing_rank.py RANK PORT MODEL_DIR READINGS_JSON
 
-Both ranks load the tiny checkpoint on CPU, split it (``engine/tensor_parallel.py``) and join
-a gloo group; rank 0 runs ``kv_sizing.gpu_kv_blocks`` under tensor parallelism and sends the
+Both ranks load the tiny checkpoint on CPU, split it (``engine/execution/tensor_parallel.py``) and
+join a gloo group; rank 0 runs ``kv_sizing.gpu_kv_blocks`` under tensor parallelism and sends the
 pool size, rank 1 runs ``worker_pool_size``. Every profiling step is a real forward on both
 ranks; only the memory readings are scripted (:class:`ScriptedMemory`: CPU devices have no
 allocator statistics), in units of this rank's KV block bytes. Prints a JSON line.
@@ -17,10 +17,10 @@ from collections.abc import Callable
 
 import torch
 
-from mmis.engine.attn_backends import select_backend
-from mmis.engine.kv_sizing import gpu_kv_blocks
-from mmis.engine.model import load_adapter
-from mmis.engine.tensor_parallel import (
+from mmis.engine.execution.attn_backends import select_backend
+from mmis.engine.execution.kv_sizing import gpu_kv_blocks
+from mmis.engine.execution.model import load_adapter
+from mmis.engine.execution.tensor_parallel import (
     TensorParallel,
     WorkerRank,
     init_group,

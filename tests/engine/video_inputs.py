@@ -82,7 +82,7 @@ def video_request(
     max_tokens: int = 8,
 ) -> EngineCoreRequest:
     """A complete request whose items carry their tensors, in prompt order."""
-    from mmis.engine.model.qwen2_vl import is_video
+    from mmis.engine.execution.model.qwen2_vl import is_video
 
     inputs = _inputs(kit, text, videos, images)
     ids = [int(t) for t in inputs["input_ids"][0].tolist()]
@@ -118,7 +118,7 @@ def video_request(
 
 def _split(batch: dict[str, np.ndarray]) -> list[dict[str, Any]]:
     """The batch per item, with the adapter's own split (images, then videos)."""
-    from mmis.engine.model.qwen2_vl import Qwen2VLAdapter
+    from mmis.engine.execution.model.qwen2_vl import Qwen2VLAdapter
 
     return Qwen2VLAdapter.split_processor_output(None, batch)  # type: ignore[arg-type]
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from mmis.engine.tiny_model import tiny_model_dir
+from mmis.tiny_models.tiny_model import tiny_model_dir
 
 REPO = "acme/tiny"
 MAIN_COMMIT = "a" * 40

@@ -18,9 +18,9 @@ from typing import Any, Protocol
 
 from fake_engine import FakeEngine, RunningFrontend, ScriptedCore
 
-from mmis.engine.tiny_model import tiny_model_dir
 from mmis.frontend.config import FrontendConfig
 from mmis.telemetry.tracing import Tracing
+from mmis.tiny_models.tiny_model import tiny_model_dir
 
 
 class EngineAddresses(Protocol):

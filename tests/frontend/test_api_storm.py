@@ -21,8 +21,8 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine, RunningFrontend, image_data_url, image_part
 
-from mmis.engine.tiny_model import tiny_model_dir
 from mmis.frontend.config import FrontendConfig
+from mmis.tiny_models.tiny_model import tiny_model_dir
 
 
 def _png(size: tuple[int, int] = (16, 16)) -> bytes:

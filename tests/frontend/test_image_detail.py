@@ -18,11 +18,11 @@ import pytest
 from PIL import Image
 from transformers import AutoProcessor
 
-from mmis.engine.tiny_model import tiny_model_dir
 from mmis.frontend.renderer import ImageRef
 from mmis.frontend.state import FrontendState, load_processor
 from mmis.telemetry.tracing import setup_tracing
 from mmis.telemetry.tracing_config import TracingConfig
+from mmis.tiny_models.tiny_model import tiny_model_dir
 
 from .test_processor_kwargs import settings_for
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmis.engine.tiny_model import tiny_model_dir
 from mmis.frontend.processor import ModelProcessor, ProcessedImage
+from mmis.tiny_models.tiny_model import tiny_model_dir
 
 pytestmark = pytest.mark.model
 

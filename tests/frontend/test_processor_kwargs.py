@@ -19,13 +19,13 @@ import pytest
 from PIL import Image
 from transformers import AutoProcessor
 
-from mmis.engine.tiny_model import tiny_model_dir
 from mmis.entrypoints import frontend as frontend_cli
 from mmis.frontend.config import FrontendConfig
 from mmis.frontend.renderer import SourceItem, SourcePrompt
 from mmis.frontend.state import FrontendState, load_processor
 from mmis.telemetry.tracing import Tracing, setup_tracing
 from mmis.telemetry.tracing_config import TracingConfig
+from mmis.tiny_models.tiny_model import tiny_model_dir
 
 # per tiny family, kwargs that really change the processor's output
 KWARGS: dict[str, dict[str, Any]] = {

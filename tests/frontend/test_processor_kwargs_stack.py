@@ -22,9 +22,9 @@ import openai
 import pytest
 from PIL import Image
 
-from mmis.engine.tiny_model import tiny_model_dir
 from mmis.entrypoints import frontend as frontend_cli
 from mmis.frontend.processor import ModelProcessor
+from mmis.tiny_models.tiny_model import tiny_model_dir
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine, RunningFrontend

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from mmis.engine.tiny_model import tiny_model_dir
 from mmis.frontend.config import FrontendConfig
 from mmis.frontend.errors import (
     ContextLengthExceededError,
@@ -32,6 +31,7 @@ from mmis.frontend.processor import ModelProcessor, ProcessedImage
 from mmis.frontend.renderer import ImageRef, Renderer, SourceItem, SourcePrompt
 from mmis.multimodal.cache import SenderCache
 from mmis.shm import ShmWriter
+from mmis.tiny_models.tiny_model import tiny_model_dir
 
 WAIT = 10.0
 

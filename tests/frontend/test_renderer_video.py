@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmis.engine.tiny_model import tiny_model_dir
 from mmis.frontend.config import FrontendConfig
 from mmis.frontend.errors import InvalidRequestError, TooManyImagesError
 from mmis.frontend.media import DecodedVideo, MediaLoader
@@ -23,6 +22,7 @@ from mmis.frontend.pending_invalidations import PendingInvalidations
 from mmis.frontend.processor import ModelProcessor
 from mmis.frontend.renderer import VIDEO, ImageRef, Renderer
 from mmis.multimodal.cache import SenderCache
+from mmis.tiny_models.tiny_model import tiny_model_dir
 
 
 def mp4_url(num_frames: int = 8, fps: int = 4, size: int = 64) -> str:

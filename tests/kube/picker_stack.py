@@ -36,7 +36,7 @@ from kubecluster import Cluster, apply_crds, inference_pool_crd
 from procs import Proc
 from tools import Daemon, free_port, wait_until
 
-from mmis.engine.tiny_model import tiny_model_dir
+from mmis.tiny_models.tiny_model import tiny_model_dir
 from mmis_operator.picker_config import EventPorts, engine_event_args, picker_config, render
 
 LABEL = ("app.kubernetes.io/name", "mmis-picker-test")

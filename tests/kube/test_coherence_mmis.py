@@ -27,9 +27,9 @@ from kubecluster import Cluster
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from procs import Engine, Frontend, chat_body
 
-from mmis.engine.tiny_model import tiny_model_dir
 from mmis.protocol.codec import WireCodec
 from mmis.protocol.messages import UtilityCall
+from mmis.tiny_models.tiny_model import tiny_model_dir
 from mmis_operator.runner import OperatorThread
 from mmis_operator.settings import Options
 

@@ -46,7 +46,7 @@ from kubecluster import Cluster, KubectlError
 from kubecluster.realnode import IMAGE, RealNode, missing, port_forward
 from PIL import Image
 
-from mmis.engine.tiny_model import build_tiny_model
+from mmis.tiny_models.tiny_model import build_tiny_model
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.realnode, pytest.mark.model]
 

@@ -12,15 +12,15 @@ Invariants:
 - On CUDA when a flag fixes the KV pool's size (no profiling step runs):
   :data:`FIXED_MAX_NUM_SEQS` sequences and :data:`FIXED_MAX_NUM_BATCHED_TOKENS` tokens.
 - On CUDA with the KV cache sized from memory (``--gpu-memory-utilization``, the default there:
-  ``engine/kv_sizing.py``), both come from the profile:
+  ``engine/execution/kv_sizing.py``), both come from the profile:
   a step's tokens are the largest of :data:`STEP_TOKEN_CHOICES` whose profiling step's
   activation peak takes at most 1/:data:`ACTIVATION_SHARE` of the memory the KV cache and the
   activations share (the last choice whatever it takes); running sequences are the pool's
   usable tokens / :data:`TOKENS_PER_SEQ`, within [:data:`FIXED_MAX_NUM_SEQS`,
   :data:`MAX_AUTO_SEQS`] (the upper bound is the largest decode batch CUDA graphs capture,
-  ``engine/decode_graphs.py``).
+  ``engine/execution/decode_graphs.py``).
 - Under tensor parallelism every rank takes the same decision: the minimum over the ranks
-  (``engine/tensor_parallel.py``).
+  (``engine/execution/tensor_parallel.py``).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ Invariants:
 - A value that cannot work raises :class:`~mmis.config.ConfigError`, naming the flag.
 - The KV pool's size: ``--num-kv-blocks`` wins, then ``--kv-cache-gb``, then
   ``--gpu-memory-utilization`` (CUDA only; :data:`DEFAULT_GPU_MEMORY_UTILIZATION` there when
-  no KV flag is given), else :data:`DEFAULT_KV_BLOCKS` (``engine/kv_sizing.py`` resolves it,
-  and ``engine/dtype.py`` the ``--dtype``, once the model's device is known).
+  no KV flag is given), else :data:`DEFAULT_KV_BLOCKS` (``engine/execution/kv_sizing.py`` resolves
+  it, and ``engine/execution/dtype.py`` the ``--dtype``, once the model's device is known).
 - ``max_num_seqs`` / ``max_num_batched_tokens`` left ``None`` are chosen at start-up
   (``engine/batch_limits.py``: fixed on CPU, from the KV sizing profile on CUDA).
 """
@@ -30,7 +30,7 @@ DEFAULT_MODEL = "mmis-tiny"
 DEFAULT_KV_BLOCKS = 2048  # the KV pool's size when no KV sizing setting applies
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # on CUDA when no KV sizing flag is given
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
-CPU_LINEAR_CHOICES = ("auto", "onednn", "torch")  # engine/cpu_linear.py
+CPU_LINEAR_CHOICES = ("auto", "onednn", "torch")  # engine/execution/cpu_linear.py
 MIN_ENCODER_CACHE_TOKENS = 8192  # the encoder cache's floor when sized from the processor
 
 
@@ -139,8 +139,8 @@ class EngineConfig:
             f"must be one of {', '.join(CPU_LINEAR_CHOICES)}",
         ),
         help="CPU only: the language model's linears on oneDNN with prepacked weights "
-        "(engine/cpu_linear.py); auto: per weight shape, where it measures faster than torch's "
-        "at start-up; onednn: all; torch: none",
+        "(engine/execution/cpu_linear.py); auto: per weight shape, where it measures faster "
+        "than torch's at start-up; onednn: all; torch: none",
     )
     health_port: int | None = setting(
         None,
@@ -193,7 +193,7 @@ class EngineConfig:
     def kv_pool_size(self) -> tuple[int | None, int | None]:
         """``(num_blocks, budget_bytes)`` for the KV pool: the block count wins, then the GiB
         budget, then :data:`DEFAULT_KV_BLOCKS` (``--gpu-memory-utilization`` comes before the
-        default on CUDA: ``engine/kv_sizing.py``)."""
+        default on CUDA: ``engine/execution/kv_sizing.py``)."""
         if self.num_kv_blocks is None and self.kv_cache_gb is None:
             return DEFAULT_KV_BLOCKS, None
         budget = None if self.kv_cache_gb is None else int(self.kv_cache_gb * GiB)

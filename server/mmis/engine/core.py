@@ -15,7 +15,8 @@ Invariants:
   no tokenizer.
 - The runner reads the scheduler's requests (their token lists) for penalties; only the
   scheduler changes them, between steps.
-- Structured outputs (``engine/structured.py``): a request whose params carry ``structured``
+- Structured outputs (``engine/execution/structured.py``): a request whose params carry
+``structured``
   gets its own params copy and a fresh grammar state at admission (the grammar compiled
   once per distinct constraint, cached); a constraint that does not compile, or an engine
   without a grammar engine, is an ``invalid_request`` output naming the request parameter
@@ -40,13 +41,13 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
-from mmis.engine.admission import ModelLimits, Problem, check_request
-from mmis.engine.request import Request
-from mmis.engine.runner import ModelRunner
-from mmis.engine.sampler import SamplingParamsError
-from mmis.engine.sampler import validate as validate_sampling
-from mmis.engine.sched_output import SchedulerOutput
-from mmis.engine.scheduler import Scheduler
+from mmis.engine.execution.runner import ModelRunner
+from mmis.engine.scheduling.admission import ModelLimits, Problem, check_request
+from mmis.engine.scheduling.request import Request
+from mmis.engine.scheduling.sampling_params import SamplingParamsError
+from mmis.engine.scheduling.sampling_params import validate as validate_sampling
+from mmis.engine.scheduling.sched_output import SchedulerOutput
+from mmis.engine.scheduling.scheduler import Scheduler
 from mmis.protocol.errors import MMISError
 from mmis.protocol.kv_events import RESET_PREFIX_CACHE
 from mmis.protocol.messages import (
@@ -61,8 +62,8 @@ from mmis.protocol.messages import (
 from mmis.telemetry.engine_stats import EngineStats
 
 if TYPE_CHECKING:
+    from mmis.engine.execution.structured import GrammarEngine, GrammarState
     from mmis.engine.kv_events import KVEventStream
-    from mmis.engine.structured import GrammarEngine, GrammarState
     from mmis.telemetry.request_spans import RequestSpans
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ class EngineCore:
             self.spans.admit(request.request_id, request.trace_context)
 
     def _start_constraint(self, params: SamplingParams) -> GrammarState:
-        from mmis.engine.structured import StructuredOutputError
+        from mmis.engine.execution.structured import StructuredOutputError
 
         param = params.structured.param if params.structured is not None else None
         if self.grammar is None:

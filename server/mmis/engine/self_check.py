@@ -1,13 +1,13 @@
 """The start-up self-check: one prompt through the engine's own path (scheduler, runner, paged
 attention, the model adapter, prompt logprobs) against the plain transformers forward of the
-same prompt. The adapters reach into transformers' modules (``engine/model/``,
-``engine/paged_attention.py``); a transformers release that changes those internals then fails
-at start-up, naming the gap, instead of serving wrong tokens.
+same prompt. The adapters reach into transformers' modules (``engine/execution/model/``,
+``engine/execution/paged_attention.py``); a transformers release that changes those internals then
+fails at start-up, naming the gap, instead of serving wrong tokens.
 
 Invariants:
 - It runs on the runner the serving core will use, before that core exists, with a scheduler
   of its own; it leaves nothing behind: its one request finishes (its KV blocks freed), and a
-  prompt-logprobs request never reads or writes the prefix cache (``engine/request.py``).
+  prompt-logprobs request never reads or writes the prefix cache (``engine/scheduling/request.py``).
 - Text only, so it needs no image processor (the image path is held to transformers by
   ``tests/engine/test_engine_parity.py``); the prompt spans several prefill chunks, so the
   paged read of already-computed context is part of what is compared.
@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from mmis.engine.attn_backends import TorchBackend
 from mmis.engine.core import EngineCore
-from mmis.engine.runner import ModelRunner
-from mmis.engine.sched_config import SchedulerConfig
-from mmis.engine.scheduler import Scheduler
+from mmis.engine.execution.attn_backends import TorchBackend
+from mmis.engine.execution.runner import ModelRunner
+from mmis.engine.scheduling.sched_config import SchedulerConfig
+from mmis.engine.scheduling.scheduler import Scheduler
 from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import EngineCoreRequest, ErrorCode, SamplingParams
 
@@ -137,7 +137,7 @@ def _check(runner: ModelRunner, ids: list[int]) -> float:
             f"the engine's forward differs from transformers' for this model (a prompt "
             f"token's log-probability off by {worst:.3g}, tolerance {tolerance:g} in "
             f"{str(adapter.dtype).removeprefix('torch.')}): the installed transformers "
-            "may have changed module internals the adapters rely on (engine/model/)"
+            "may have changed module internals the adapters rely on (engine/execution/model/)"
         )
     log.info("self-check passed: prompt log-probabilities within %.2g of transformers", worst)
     return worst

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 
-# the built-in names, one per family of mmis/engine/tiny_model.py (a test keeps them in step;
+# the built-in names, one per family of mmis/tiny_models/tiny_model.py (a test keeps them in step;
 # importing that module here would load torch into every command)
 TINY_MODELS = {
     "mmis-tiny": "llava",
@@ -36,7 +36,7 @@ def resolve_model(model: str) -> str:
     family = TINY_MODELS.get(model)
     if family is None:
         return model
-    from mmis.engine.tiny_model import tiny_model_dir
+    from mmis.tiny_models.tiny_model import tiny_model_dir
 
     return str(tiny_model_dir(family))
 

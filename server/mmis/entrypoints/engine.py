@@ -5,11 +5,11 @@ Invariants:
   ``MMIS_ENGINE_*`` env > default); the flags are derived from its fields.
 - The KV pool is preallocated before the engine reports ready, sized by ``--num-kv-blocks``,
   else ``--kv-cache-gb``, else ``--gpu-memory-utilization`` (CUDA, 0.9 by default there:
-  after a profiling step on every rank), else the default (``engine/kv_sizing.py``); the
+  after a profiling step on every rank), else the default (``engine/execution/kv_sizing.py``); the
   scheduler's block count is the pool's, and the start-up log line names the count and the
   setting that chose it. Batch limits left unset are resolved right after
   (``engine/batch_limits.py``) and logged (``batch limits: ...``).
-- The model loads in ``--dtype`` (``auto`` resolved per device, ``engine/dtype.py``),
+- The model loads in ``--dtype`` (``auto`` resolved per device, ``engine/execution/dtype.py``),
   straight onto the device; the KV cache has the model's dtype.
 - ``--revision`` reaches every ``from_pretrained`` of P1 (config and model) through
   :func:`load_model` and the tokenizer. P1 reads the tokenizer only for its grammar engine
@@ -18,9 +18,9 @@ Invariants:
   no processor kwargs: it receives the tensors P0 made (their shapes carry everything it
   derives, e.g. placeholder counts). It runs the model's image processor once, at start-up,
   on synthetic images, only to size its encoder cache for the largest photo
-  (``engine/encoder_sizing.py``; ``--encoder-cache-tokens`` skips that).
+  (``engine/execution/encoder_sizing.py``; ``--encoder-cache-tokens`` skips that).
 - Before the model loads, glibc is told to keep freed memory mapped
-  (``engine/host_memory.py``): a step does not fault its activations in anew.
+  (``engine/execution/host_memory.py``): a step does not fault its activations in anew.
 - SIGTERM/SIGINT stop the busy loop; the sockets close; the process exits 0.
 - A start that fails (a missing dependency, a model that does not load, a bad setting found
   late) exits 1 at once with the cause as the last stderr line, ``mmis engine: ...`` (the
@@ -32,7 +32,8 @@ Invariants:
   (``engine/health_server.py``): the engine container's own probe.
 - On CUDA, after the KV pool and the self-check, decode steps are captured as CUDA graphs
   and verified against eager unless ``--enforce-eager`` or tensor parallelism
-  (``engine/decode_graphs.py``); a ``CUDA graphs:`` log line says what was captured or why not.
+  (``engine/execution/decode_graphs.py``); a ``CUDA graphs:`` log line says what was captured or why
+  not.
 """
 
 from __future__ import annotations
@@ -51,11 +52,11 @@ from mmis.entrypoints.common import one_line, resolve_model, setup_logging
 if TYPE_CHECKING:
     from mmis.engine.core import EngineCore
     from mmis.engine.core_process import EngineCoreProc
+    from mmis.engine.execution.model import ModelAdapter
+    from mmis.engine.execution.runner import ModelRunner
+    from mmis.engine.execution.structured import GrammarEngine
     from mmis.engine.kv_events import KVEventStream
     from mmis.engine.mm_events import MMEventStream
-    from mmis.engine.model import ModelAdapter
-    from mmis.engine.runner import ModelRunner
-    from mmis.engine.structured import GrammarEngine
     from mmis.telemetry.request_spans import RequestSpans
     from mmis.telemetry.tracing import Tracing
 
@@ -78,9 +79,9 @@ def load_model(cfg: EngineConfig) -> ModelAdapter:
     """The model adapter of ``cfg.model`` at ``cfg.revision``."""
     import torch
 
-    from mmis.engine.dtype import DtypeError, resolve_dtype
-    from mmis.engine.model import UnsupportedModelError, load_adapter
-    from mmis.engine.model.adapter import default_device
+    from mmis.engine.execution.dtype import DtypeError, resolve_dtype
+    from mmis.engine.execution.model import UnsupportedModelError, load_adapter
+    from mmis.engine.execution.model.adapter import default_device
 
     path = resolve_model(cfg.model)
     device = torch.device(cfg.device) if cfg.device is not None else default_device()
@@ -111,15 +112,16 @@ def make_core(
     limits: batch_limits.BatchLimits | None = None,
 ) -> EngineCore:
     """A scheduler sized from ``cfg``, the runner's KV pool and the largest image item
-    (:mod:`mmis.engine.encoder_sizing`), and the core around both (what ``mmis engine``
+    (:mod:`mmis.engine.execution.encoder_sizing`), and the core around both (what ``mmis engine``
     runs; benchmarks build theirs here too). The structured-output grammar engine is built
     from the tokenizer in ``tokenizer_dir`` (the runner's model directory); without one the
     core refuses structured requests. ``limits``: the batch limits ``mmis engine`` resolved
-    (default: ``cfg``'s where set, else the fixed defaults of ``engine/batch_limits.py``)."""
+    (default: ``cfg``'s where set, else the fixed defaults of
+    ``engine/batch_limits.py``)."""
     from mmis.engine.core import EngineCore
-    from mmis.engine.encoder_sizing import encoder_cache_tokens
-    from mmis.engine.sched_config import SchedulerConfig
-    from mmis.engine.scheduler import Scheduler
+    from mmis.engine.execution.encoder_sizing import encoder_cache_tokens
+    from mmis.engine.scheduling.sched_config import SchedulerConfig
+    from mmis.engine.scheduling.scheduler import Scheduler
 
     adapter = runner.adapter
     if limits is None:
@@ -174,7 +176,7 @@ def load_grammar(cfg: EngineConfig, adapter: ModelAdapter, path: str) -> Grammar
     when it has no tokenizer that loads)."""
     import time
 
-    from mmis.engine.structured import GrammarEngine
+    from mmis.engine.execution.structured import GrammarEngine
 
     started = time.perf_counter()
     try:
@@ -195,23 +197,28 @@ def load_grammar(cfg: EngineConfig, adapter: ModelAdapter, path: str) -> Grammar
 def build(cfg: EngineConfig) -> EngineCoreProc:
     """Load the model and wire scheduler, runner, receiver cache and process shell."""
     from mmis.engine.core_process import EngineCoreProc
-    from mmis.engine.encoder_sizing import largest_item_tokens, load_image_processor
-    from mmis.engine.kv_sizing import KVSizingError, plan_kv_pool
-    from mmis.engine.paged_attention import PagedAttentionError
-    from mmis.engine.runner import ModelRunner
+    from mmis.engine.execution.encoder_sizing import largest_item_tokens, load_image_processor
+    from mmis.engine.execution.kv_sizing import KVSizingError, plan_kv_pool
+    from mmis.engine.execution.paged_attention import PagedAttentionError
+    from mmis.engine.execution.runner import ModelRunner
     from mmis.multimodal.cache import ReceiverCache
     from mmis.shm.reader_set import ShmReaderSet
     from mmis.telemetry.request_spans import RequestSpans
 
     tp = None
     if cfg.tensor_parallel_size > 1:
-        from mmis.engine.tensor_parallel import start_workers
+        from mmis.engine.execution.tensor_parallel import start_workers
 
-        tp, port = start_workers(cfg)  # they load the model meanwhile
+        # they load the model meanwhile
+        tp, port = start_workers(cfg, resolve_model(cfg.model), setup_logging)
         tp.watch()
     adapter = load_model(cfg)
     if tp is not None:
-        from mmis.engine.tensor_parallel import TensorParallelError, init_group, shard_adapter
+        from mmis.engine.execution.tensor_parallel import (
+            TensorParallelError,
+            init_group,
+            shard_adapter,
+        )
 
         try:
             shard_adapter(adapter, 0, tp.size)
@@ -219,7 +226,7 @@ def build(cfg: EngineConfig) -> EngineCoreProc:
             raise SystemExit(f"mmis engine: cannot split {cfg.model}: {exc}") from None
         init_group(adapter.device, 0, tp.size, port)
         log.info("tensor parallel: %d ranks (%s)", tp.size, adapter.device.type)
-    from mmis.engine.cpu_linear import pack_adapter
+    from mmis.engine.execution.cpu_linear import pack_adapter
 
     pack_adapter(adapter, cfg.cpu_linear)  # after the split: it packs each rank's own slice
     max_len = cfg.max_model_len or getattr(adapter.text_config, "max_position_embeddings", None)
@@ -262,7 +269,7 @@ def build(cfg: EngineConfig) -> EngineCoreProc:
             raise SystemExit(
                 f"mmis engine: self-check failed: {exc} (--no-self-check skips it)"
             ) from None
-    from mmis.engine.decode_graphs import setup as setup_decode_graphs
+    from mmis.engine.execution.decode_graphs import setup as setup_decode_graphs
 
     runner.decode_graphs = setup_decode_graphs(  # logs "CUDA graphs: ..." either way
         adapter,
@@ -383,7 +390,7 @@ def build_or_exit(cfg: EngineConfig) -> EngineCoreProc:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mmis.engine.host_memory import keep_freed_memory
+    from mmis.engine.execution.host_memory import keep_freed_memory
 
     cfg = config_from_args(args)
     setup_logging(cfg.log_level)

@@ -1,6 +1,6 @@
 """``mmis tiny-model DIR [--family F] [--seed N]``: write a tiny random model of a family.
 
-Families (``mmis/engine/tiny_model.py``): ``llava`` (CLIP tower), ``llava-siglip`` (SigLIP
+Families (``mmis/tiny_models/tiny_model.py``): ``llava`` (CLIP tower), ``llava-siglip`` (SigLIP
 tower, no CLS token), ``qwen2-vl``, ``qwen2.5-vl``, and ``qwen2-vl-hub`` (Qwen2-VL with the
 hub checkpoints' image settings and context, for real photos).
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mmis.engine.tiny_model import DEFAULT_FAMILY, MODELS, TinyModelError, build_tiny_model
+from mmis.tiny_models.tiny_model import DEFAULT_FAMILY, MODELS, TinyModelError, build_tiny_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

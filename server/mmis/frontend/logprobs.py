@@ -1,6 +1,6 @@
 """P0's side of logprobs: P1's :class:`~mmis.protocol.messages.TokenLogprobs` rows as text.
 
-P1 computes the numbers (``engine/logprobs.py``); here each token id becomes its text (the
+P1 computes the numbers (``engine/execution/logprobs.py``); here each token id becomes its text (the
 tokenizer's decoding of that one token, special tokens included, as vLLM shows them) and its
 UTF-8 bytes, and the rows become the two OpenAI layouts: chat's ``content`` list (token,
 logprob, bytes, top_logprobs) and completions' columns (tokens, token_logprobs,

@@ -2,8 +2,8 @@
 
 A constraint is a :class:`~mmis.protocol.messages.StructuredOutputs` on
 ``SamplingParams.structured``; P1 compiles it with its grammar engine and masks every token it
-does not allow before sampling (``engine/structured.py``). The request fields that make one
-(``frontend/schemas/sampling.py``):
+does not allow before sampling (``engine/execution/structured.py``). The request fields that make
+one (``frontend/schemas/sampling.py``):
 
 - ``response_format`` (OpenAI): ``{"type": "json_object"}`` -> :func:`json_object`;
   ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`` -> :func:`json_schema`

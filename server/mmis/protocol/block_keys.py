@@ -1,7 +1,7 @@
 """Prefix-cache block keys: the chained hash both sides compute (docs/ROUTING.md).
 
-P1's prefix cache keys its blocks with them (``engine/kv_cache.py``) and announces them in
-its KV events. P0 computes the same keys for a request before it is sent
+P1's prefix cache keys its blocks with them (``engine/scheduling/kv_cache.py``) and announces them
+in its KV events. P0 computes the same keys for a request before it is sent
 (``POST /internal/block_keys``), so a router can ask any replica what a request's blocks are
 called and look them up in each replica's announcements.
 

@@ -92,7 +92,7 @@ class StructuredOutputs(msgspec.Struct, array_like=True):
     """A constraint on a request's output text, enforced token by token in P1.
 
     ``kind`` names what ``spec`` holds (P1 compiles it once per distinct pair and caches it,
-    ``engine/structured.py``; P0 builds it, ``frontend/structured_outputs.py``):
+    ``engine/execution/structured.py``; P0 builds it, ``frontend/structured_outputs.py``):
 
     - ``"json"``: ``spec`` is a JSON Schema, as JSON text; the output is one JSON value that
       validates against it;
@@ -114,7 +114,8 @@ class StructuredOutputs(msgspec.Struct, array_like=True):
 
 
 class SamplingParams(msgspec.Struct, array_like=True):
-    """How to pick each output token (P1 checks the ranges: ``engine/sampler.py`` ``validate``).
+    """How to pick each output token (P1 checks the ranges:
+    ``engine/scheduling/sampling_params.py`` ``validate``).
 
     ``presence_penalty`` / ``frequency_penalty`` (OpenAI, [-2, 2], 0 off) count the tokens
     generated so far; ``repetition_penalty`` (> 0, 1 off) covers prompt and output;
@@ -199,7 +200,7 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     Row ``i``: ``token_ids[i][0]`` is the sampled token, the rest its most likely
     alternatives in decreasing order; ``logprobs[i][j]`` belongs to ``token_ids[i][j]``;
     ``ranks[i]`` is the sampled token's rank (1 = the most likely). Computed in P1 from the
-    model's logits of that step, before any sampling parameter (``engine/logprobs.py``).
+    model's logits of that step, before any sampling parameter (``engine/execution/logprobs.py``).
     As prompt logprobs (``EngineCoreOutput.prompt_logprobs``) there is one row per prompt
     token, ``token_ids[i][0]`` being prompt token ``i``; row 0 has no value (nothing comes
     before it): ``token_ids[0] == [first prompt token]``, ``logprobs[0] == []``, rank 0.

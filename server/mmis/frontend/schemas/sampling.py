@@ -9,7 +9,7 @@ validation context, default :data:`DEFAULT_MAX_N`), ``temperature`` in [0, 2], `
 ``logit_bias`` at most :data:`MAX_LOGIT_BIAS` entries of token id (a decimal string key, as
 JSON objects need) -> bias in [-100, 100]. Every float must be finite. Token ids beyond the
 model's vocabulary are refused by the engine (also a 400 that names ``logit_bias``).
-The limits are the engine's (``mmis.engine.sampler``); the two sides check them alike.
+The limits are the engine's (``mmis.engine.execution.sampler``); the two sides check them alike.
 
 Structured outputs (``mmis.frontend.structured_outputs`` turns them into the wire constraint):
 ``response_format`` is ``{"type": "text"}``, ``{"type": "json_object"}`` or
@@ -35,7 +35,7 @@ DEFAULT_MAX_N = 16
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit; P1 checks the same)
 MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs (OpenAI's limit)
 MAX_STOP = 16
-MAX_LOGIT_BIAS = 300  # = mmis.engine.sampler.MAX_LOGIT_BIAS (P0 does not import the engine)
+MAX_LOGIT_BIAS = 300  # = engine/scheduling/sampling_params.py MAX_LOGIT_BIAS (P0 imports no engine)
 
 
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]  # JSON object keys are strings

@@ -1,0 +1,505 @@
+"""Attention kernels behind one interface: queries of a step attend through the block table.
+
+:class:`AttentionBackend` ``.attend(query, key_cache, value_cache, new_key, new_value, meta,
+scale, window)``: ``query`` ``[N, H, D]`` packed rows of the step, ``key_cache`` /
+``value_cache`` one layer's pool ``[num_blocks, block_size, KVH, D]`` (this step's keys
+already written at ``meta.slot_mapping``), ``new_key`` / ``new_value`` ``[N, KVH, D]`` this
+step's keys; returns ``[N, H, D]``. ``window`` is the layer's sliding window (None: full
+causal). :func:`select_backend` picks one at start-up (below):
+
+- :class:`TorchBackend` (any device, no extra dependency; the CPU path): the decode rows
+  attend in batched SDPA calls over their blocks gathered with one ``index_select`` per tensor
+  and call (block granularity: ``block_size`` contiguous slots per index), grouped query heads
+  folded into query rows, masked only when their lengths differ or a window applies (mask
+  built once per step). On CUDA that is one call for all rows. On CPU a call takes as many
+  whole rows as keep their gathered K + V within :data:`CPU_GATHER_BYTES`
+  (:func:`decode_rows_per_call`), so SDPA reads them from the cache the gather just wrote, and
+  every gather writes into buffers kept across calls, layers and steps (:class:`GatherSpace`):
+  a fresh gather of more than glibc's largest mmap threshold (32 MiB,
+  ``engine/execution/host_memory.py``) is a new mapping each time, its pages faulted in anew. At 32
+  rows x 2k of context, one layer took 78 ms with one gather of all rows, 19 ms in calls within 4
+  MiB (``benchmarks/README.md``, "Decode attention in cache-sized calls"). Each ``n > 1``
+  chunk gets its own SDPA call: a fresh prefill (start 0) attends its own new keys with the
+  kernel's causal flag and never reads the pool, a chunk on cached context gathers its own
+  blocks. Chosen by measurement over FlexAttention (``benchmarks/bench_attention.py``,
+  README): eager ``flex_attention`` materialises the scores; compiled it needs inductor + a
+  C++ compiler at run time and recompiles across step shapes.
+- :class:`VarlenBackend` (CUDA): one varlen flash-attention call per layer for the whole
+  step, reading K/V in place through ``meta.block_tables`` (``seqused_k``), causal and window
+  as the kernel's own ``window_size``. The kernel is ``flash_attn.flash_attn_varlen_func``
+  (the optional ``flash-attn`` package, ``pip install 'mmis[cuda]'``) or PyTorch's own
+  ``torch.nn.attention.varlen.varlen_attn``, called as the installed release's signature
+  allows (:func:`torch_varlen_kernel`: without ``enable_gqa``, torch 2.11, the K/V heads are
+  repeated to the query heads first). Paged reads need ``block_size % 256 == 0``
+  (FlashAttention-2's page-size rule), a kernel that takes ``block_table``, and native GQA
+  for a GQA model (else repeating the heads would copy the whole pool); otherwise the step's
+  context is gathered once per layer into the packed varlen layout instead.
+  Bidirectional spans are not a flash argument, and flash runs only in fp16/bf16: such steps
+  fall back to :class:`TorchBackend`. So does a static decode step (``meta.static``,
+  ``decode_graphs.py``) without paged reads: the packed gather's length is a host int; with
+  paged reads it runs as any step, ``max_seqlen_k`` being its upper bound.
+
+Selection (:func:`select_backend`; ``runner.py`` calls it with the model's
+:class:`ProbeShape`): the name ``torch`` or a device other than CUDA is
+:class:`TorchBackend`. On CUDA the candidates are tried in the order of :data:`KERNELS`
+(flash-attn, then torch's ``varlen_attn``), then :class:`TorchBackend`. A candidate is
+chosen only if it imports AND passes :meth:`VarlenBackend.probe`: the exact call a step makes
+(paged or packed, same keywords), run on a tiny step in the model's head size, query and KV
+heads (GQA) and dtype, at the pool's block size (page size), without and with a sliding
+window, must not raise and must equal :class:`TorchBackend` within
+:data:`PROBE_TOLERANCE` (a float32 model fails it uncalled: flash runs in fp16/bf16 only).
+So a signature mismatch is a start-up rejection, never a ``TypeError`` in the first step;
+the candidates are a parameter, so selection runs on CPU with fake kernels in tests. Every
+rejection is logged (warning) with its reason (the exception, or the difference), the choice
+at info with paged or packed reads. The start-up self-check (``self_check.py``) then
+compares one prompt's logits with transformers on the chosen backend; if that fails on a
+varlen backend it switches the runner to :class:`TorchBackend`, logs why, and checks again
+(not under tensor parallelism: the other ranks chose their own backends).
+
+Invariants:
+- A gathered K/V view (:meth:`GatherSpace.gather`) is read only before the next gather into
+  its buffer; nothing outside a backend's ``attend`` holds one.
+- A backend never writes the pool;
+:func:`~mmis.engine.execution.paged_attention.paged_attention_forward`
+  writes the new keys before calling it.
+- Optional kernels are imported lazily, only when a CUDA device is used; a missing or
+  failing import or a failed probe moves on to the next candidate, and a kernel that still
+  raises later (no build for this GPU) falls back to :class:`TorchBackend` for good (each
+  reason logged; out-of-memory is re-raised).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from mmis.engine.execution.attn_metadata import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+FLASH_PAGE_MULTIPLE = 256  # FlashAttention-2 reads a paged KV only in pages of k * 256
+CPU_GATHER_BYTES = 4 << 20  # K + V bytes one CPU SDPA call gathers at most (whole rows)
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        new_key: torch.Tensor,
+        new_value: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float | None,
+        window: int | None,
+    ) -> torch.Tensor: ...
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+class GatherSpace:
+    """Reused CPU buffers for the K/V blocks one SDPA call reads (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    def gather(self, cache: torch.Tensor, block_index: torch.Tensor, slot: int) -> torch.Tensor:
+        """``cache.index_select(0, block_index)``; on CPU written into buffer ``slot`` (0:
+        keys, 1: values), valid until the next gather into that slot."""
+        if cache.device.type != "cpu":
+            return cache.index_select(0, block_index)
+        need = int(block_index.shape[0])
+        buffer = self._buffers.get(slot)
+        if (
+            buffer is None
+            or buffer.shape[0] < need
+            or buffer.shape[1:] != cache.shape[1:]
+            or buffer.dtype != cache.dtype
+        ):
+            buffer = torch.empty((need, *cache.shape[1:]), dtype=cache.dtype)
+            self._buffers[slot] = buffer
+        return torch.index_select(cache, 0, block_index, out=buffer[:need])
+
+
+def decode_rows_per_call(rows: int, bytes_per_row: int, device: torch.device) -> int:
+    """How many decode rows one SDPA call takes: on CPU as many as keep their gathered K + V
+    within :data:`CPU_GATHER_BYTES` (at least one), elsewhere all of them."""
+    if device.type != "cpu":
+        return rows
+    return max(1, min(rows, CPU_GATHER_BYTES // max(1, bytes_per_row)))
+
+
+class TorchBackend:
+    """SDPA over per-step views of the pool (see the module docstring)."""
+
+    name = "torch-sdpa"
+
+    def __init__(self) -> None:
+        self.space = GatherSpace()
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        new_key: torch.Tensor,
+        new_value: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float | None,
+        window: int | None,
+    ) -> torch.Tensor:
+        kv_heads, dim = key_cache.shape[2], key_cache.shape[3]
+        gqa = query.shape[1] != kv_heads
+        out = torch.empty_like(query)
+        rows = meta.decode
+        if rows is not None:
+            # GQA folded into query rows: the rep query heads of a KV head are rows of one
+            # [Bd, KVH, rep, D] query (head h = g * rep + r, as repeat_interleave maps them),
+            # 2.5x faster than enable_gqa on CPU at 256 x 2k and no K/V repeat
+            q = query.index_select(0, rows.token_index)
+            q = q.view(rows.num, kv_heads, query.shape[1] // kv_heads, dim)
+            attended = torch.empty_like(q)
+            mask = rows.mask(window)
+            slots = rows.num_blocks * meta.block_size
+            blocks = rows.block_index.view(rows.num, rows.num_blocks)
+            per_call = decode_rows_per_call(
+                rows.num, 2 * slots * kv_heads * dim * key_cache.element_size(), query.device
+            )
+            for lo in range(0, rows.num, per_call):
+                hi = min(lo + per_call, rows.num)
+                index = blocks[lo:hi].reshape(-1)
+                # [n, ctx, KVH, D] -> [n, KVH, ctx, D]: views of ONE gather per tensor
+                shape = (hi - lo, slots, kv_heads, dim)
+                keys = self.space.gather(key_cache, index, 0).view(shape)[:, : rows.ctx]
+                values = self.space.gather(value_cache, index, 1).view(shape)[:, : rows.ctx]
+                attended[lo:hi] = F.scaled_dot_product_attention(
+                    q[lo:hi],
+                    _as(keys, q.dtype).transpose(1, 2),
+                    _as(values, q.dtype).transpose(1, 2),
+                    attn_mask=None if mask is None else mask[lo:hi],
+                    scale=scale,
+                )
+            out.index_copy_(0, rows.token_index, attended.reshape(rows.num, -1, dim))
+        for chunk in meta.chunks:
+            q = query[chunk.lo : chunk.hi].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            if chunk.start == 0:  # everything it attends is this step's own keys
+                keys, values = new_key[chunk.lo : chunk.hi], new_value[chunk.lo : chunk.hi]
+            else:
+                flat = (-1, kv_heads, dim)
+                keys = self.space.gather(key_cache, chunk.block_index, 0).view(flat)
+                values = self.space.gather(value_cache, chunk.block_index, 1).view(flat)
+                keys, values = keys[: chunk.seq_len], values[: chunk.seq_len]
+            mask = chunk.mask(window)
+            attended = F.scaled_dot_product_attention(
+                q,
+                _as(keys, q.dtype).transpose(0, 1).unsqueeze(0),
+                _as(values, q.dtype).transpose(0, 1).unsqueeze(0),
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+            out[chunk.lo : chunk.hi] = attended[0].transpose(0, 1)
+        return out
+
+
+Kernel = Callable[..., torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class VarlenKernel:
+    """A loaded varlen flash kernel (``run(q, k, v, **VarlenBackend._flash's keywords)``) and
+    what its signature takes."""
+
+    name: str
+    run: Kernel
+    paged_reads: bool = True  # takes block_table + seqused_k: reads the pool in place
+    native_gqa: bool = True  # takes fewer K/V heads than query heads (else run repeats them)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeShape:
+    """The attention a model asks of a kernel: what :meth:`VarlenBackend.probe` runs (the
+    default: a GQA bf16 model, for callers that do not say)."""
+
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 128
+    dtype: torch.dtype = torch.bfloat16
+
+    @classmethod
+    def of(cls, adapter: Any) -> ProbeShape:
+        """A model adapter's (``engine/execution/model/adapter.py``) heads, head size and dtype."""
+        return cls(adapter.num_heads, adapter.num_kv_heads, adapter.head_dim, adapter.dtype)
+
+
+KernelLoader = Callable[[], VarlenKernel | None]
+
+
+def _flash_attn_kernel() -> VarlenKernel | None:
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception as exc:  # any import failure: not usable
+        log.info("flash-attn not usable (%s); trying torch's varlen_attn", exc)
+        return None
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
+        left = kw["window"]
+        out: torch.Tensor = flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            cu_seqlens_q=kw["cu_seqlens_q"],
+            cu_seqlens_k=kw["cu_seqlens_k"],
+            max_seqlen_q=kw["max_seqlen_q"],
+            max_seqlen_k=kw["max_seqlen_k"],
+            softmax_scale=kw["scale"],
+            causal=True,
+            window_size=(left, 0),
+            block_table=kw["block_table"],
+        )
+        return out
+
+    return VarlenKernel("flash-attn", run)
+
+
+def torch_varlen_kernel(varlen_attn: Callable[..., Any]) -> VarlenKernel:
+    """``torch.nn.attention.varlen.varlen_attn`` called as its signature allows:
+    ``enable_gqa`` when it has one (torch 2.14; torch 2.11 has none: K/V heads are then
+    repeated to the query heads, ``repeat_interleave``, before the call), ``seqused_k`` +
+    ``block_table`` when it has them (else no paged reads: the packed gather), ``is_causal``
+    when it has one. ``scale`` and ``window_size`` are always passed: a release without them
+    fails the probe with its own ``TypeError``."""
+    params = inspect.signature(varlen_attn).parameters
+    gqa, causal = "enable_gqa" in params, "is_causal" in params
+    paged = "block_table" in params and "seqused_k" in params
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
+        table = kw["block_table"]
+        extra: dict[str, Any] = {}
+        if gqa:
+            extra["enable_gqa"] = q.shape[1] != k.shape[-2]
+        elif q.shape[1] != k.shape[-2]:  # head h reads KV head h // rep, as enable_gqa would
+            rep = q.shape[1] // k.shape[-2]
+            k, v = k.repeat_interleave(rep, dim=-2), v.repeat_interleave(rep, dim=-2)
+        if paged:
+            extra["seqused_k"] = kw["seqused_k"] if table is not None else None
+            extra["block_table"] = table
+        if causal:
+            extra["is_causal"] = True
+        out = varlen_attn(
+            q,
+            k,
+            v,
+            kw["cu_seqlens_q"],
+            kw["cu_seqlens_k"],
+            kw["max_seqlen_q"],
+            kw["max_seqlen_k"],
+            scale=kw["scale"],
+            window_size=(kw["window"], 0),
+            **extra,
+        )
+        return out if isinstance(out, torch.Tensor) else out[0]
+
+    return VarlenKernel("torch-varlen", run, paged_reads=paged, native_gqa=gqa)
+
+
+def _torch_varlen_kernel() -> VarlenKernel | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+
+        return torch_varlen_kernel(varlen_attn)
+    except Exception as exc:
+        log.info("torch.nn.attention.varlen not usable (%s)", exc)
+        return None
+
+
+KERNELS: tuple[KernelLoader, ...] = (_flash_attn_kernel, _torch_varlen_kernel)  # CUDA, in order
+PROBE_WINDOW = 3  # the probe's sliding window (keys)
+PROBE_SCALE = 2.0  # x 1/sqrt(head_dim), the kernels' default scale: ignoring scale fails
+# max |kernel - torch SDPA| of the probe's outputs, by dtype (flash runs in these only)
+PROBE_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+
+class VarlenBackend:
+    """One varlen flash-attention call per layer (CUDA; see the module docstring)."""
+
+    def __init__(
+        self, kernel: Kernel, name: str, block_size: int, *, paged_reads: bool = True
+    ) -> None:
+        self.kernel = kernel
+        self.name = name
+        self.block_size = block_size
+        self.paged = paged_reads and block_size % FLASH_PAGE_MULTIPLE == 0
+        self.fallback = TorchBackend()
+        self.broken: str | None = None  # why the kernel failed once (then: always fallback)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        new_key: torch.Tensor,
+        new_value: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float | None,
+        window: int | None,
+    ) -> torch.Tensor:
+        if (
+            self.broken is not None
+            or meta.has_spans
+            or (meta.static and not self.paged)
+            or query.dtype not in (torch.float16, torch.bfloat16)
+        ):
+            return self.fallback.attend(
+                query, key_cache, value_cache, new_key, new_value, meta, scale, window
+            )
+        try:
+            return self._flash(query, key_cache, value_cache, meta, scale, window)
+        except (RuntimeError, NotImplementedError) as exc:  # e.g. no kernel for this GPU
+            if isinstance(exc, torch.OutOfMemoryError):
+                raise
+            self.broken = f"{type(exc).__name__}: {exc}"
+            log.warning("%s failed (%s); attention falls back to torch SDPA", self.name, exc)
+            return self.fallback.attend(
+                query, key_cache, value_cache, new_key, new_value, meta, scale, window
+            )
+
+    def _flash(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float | None,
+        window: int | None,
+    ) -> torch.Tensor:
+        if self.paged:
+            keys, values, table = key_cache, value_cache, meta.block_tables
+        else:  # one packed gather of every context, in cu_seqlens_k order
+            slots = packed_context_slots(meta)
+            flat = (-1, key_cache.shape[2], key_cache.shape[3])
+            keys = key_cache.view(flat).index_select(0, slots)
+            values = value_cache.view(flat).index_select(0, slots)
+            table = None
+        return self.kernel(
+            query,
+            keys,
+            values,
+            cu_seqlens_q=meta.cu_seqlens_q,
+            cu_seqlens_k=meta.cu_seqlens_k,
+            max_seqlen_q=meta.max_query_len,
+            max_seqlen_k=meta.max_seq_len,
+            seqused_k=meta.seq_lens,
+            block_table=table,
+            scale=scale,
+            window=-1 if window is None else window - 1,
+        )
+
+    def probe(self, shape: ProbeShape, device: torch.device) -> str | None:
+        """Why this kernel cannot serve ``shape`` on ``device`` (None: it can). Runs the path
+        :meth:`attend` takes (paged or packed) once without and once with a sliding window, on
+        a tiny step in ``shape``'s heads, head size and dtype over shuffled blocks of
+        ``block_size`` (a fresh prefill, a chunk on cached context across a block boundary,
+        two decode rows of different lengths), and compares with :class:`TorchBackend`: an
+        exception (but out-of-memory) or a difference over :data:`PROBE_TOLERANCE` is the
+        reason."""
+        tolerance = PROBE_TOLERANCE.get(shape.dtype)
+        if tolerance is None:
+            return f"flash kernels run in float16/bfloat16 only; the model is {shape.dtype}"
+        bs, gen = self.block_size, torch.Generator().manual_seed(0)
+        scale = PROBE_SCALE / shape.head_dim**0.5
+        starts, lens = [0, bs - 1, 2 * bs - 1, 2], [5, 3, 1, 1]
+        needed = [-(-(s + n) // bs) for s, n in zip(starts, lens, strict=True)]
+        free = (torch.randperm(sum(needed), generator=gen) + 1).tolist()  # block 0: null
+        tables = [[free.pop() for _ in range(n)] for n in needed]
+        pool_shape = (sum(needed) + 1, bs, shape.num_kv_heads, shape.head_dim)
+
+        def rand(*size: int) -> torch.Tensor:
+            return torch.randn(size, generator=gen).to(device=device, dtype=shape.dtype)
+
+        key_cache, value_cache = rand(*pool_shape), rand(*pool_shape)
+        meta = AttentionMetadata.build(lens, starts, tables, bs, pool_shape[0] * bs, device)
+        query = rand(meta.num_tokens, shape.num_heads, shape.head_dim)
+        flat = (-1, shape.num_kv_heads, shape.head_dim)
+        new_key = key_cache.view(flat)[meta.slot_mapping]
+        new_value = value_cache.view(flat)[meta.slot_mapping]
+        for window in (None, PROBE_WINDOW):
+            with torch.inference_mode():
+                want = TorchBackend().attend(
+                    query, key_cache, value_cache, new_key, new_value, meta, scale, window
+                )
+                try:
+                    got = self._flash(query, key_cache, value_cache, meta, scale, window)
+                except torch.OutOfMemoryError:
+                    raise
+                except Exception as exc:  # any failure (TypeError included): not usable
+                    return f"{type(exc).__name__}: {exc}"
+            if got.shape != want.shape:
+                return f"it returned shape {tuple(got.shape)}, not {tuple(want.shape)}"
+            worst = float((got.float() - want.float()).abs().max())
+            if not worst <= tolerance:  # NaN fails too
+                return (
+                    f"its output differs from torch SDPA by {worst:.3g} (window {window}, "
+                    f"tolerance {tolerance:g})"
+                )
+        return None
+
+
+def packed_context_slots(meta: AttentionMetadata) -> torch.Tensor:
+    """``[sum(seq_lens)]`` slot of every context position, sequences concatenated; built
+    on the device with vectorised ops (only the CUDA non-paged path needs it)."""
+    seq_lens = meta.seq_lens.long()
+    total = int((meta.starts_host + meta.query_lens_host).sum())  # host ints: no device sync
+    row = torch.repeat_interleave(torch.arange(meta.num_seqs, device=seq_lens.device), seq_lens)
+    pos = torch.arange(total, device=seq_lens.device) - meta.cu_seqlens_k[:-1].long()[row]
+    block = meta.block_tables.long()[row, pos // meta.block_size]
+    return block * meta.block_size + pos % meta.block_size
+
+
+def select_backend(
+    device: torch.device,
+    block_size: int,
+    name: str = "auto",
+    *,
+    shape: ProbeShape | None = None,
+    kernels: Sequence[KernelLoader] | None = None,
+) -> AttentionBackend:
+    """``torch``: always :class:`TorchBackend`; ``auto``: the first of ``kernels`` (default
+    :data:`KERNELS`, on a CUDA device only) that loads and passes :meth:`VarlenBackend.probe`
+    for ``shape`` (default :class:`ProbeShape`), else :class:`TorchBackend`. Each rejection is
+    logged with its reason, the choice too."""
+    if name not in ("auto", "torch"):
+        raise ValueError(f"unknown attention backend {name!r} (auto, torch)")
+    if name == "torch" or (kernels is None and device.type != "cuda"):
+        return TorchBackend()
+    shape = shape or ProbeShape()
+    for load in KERNELS if kernels is None else kernels:
+        kernel = load()
+        if kernel is None:
+            continue
+        grouped = shape.num_heads != shape.num_kv_heads
+        paged_reads = kernel.paged_reads and (kernel.native_gqa or not grouped)
+        backend = VarlenBackend(kernel.run, kernel.name, block_size, paged_reads=paged_reads)
+        reason = backend.probe(shape, device)
+        if reason is None:
+            log.info(
+                "attention: %s (%s reads, block size %d)",
+                kernel.name,
+                "paged" if backend.paged else "packed",
+                block_size,
+            )
+            return backend
+        log.warning("attention: %s failed the start-up probe (%s)", kernel.name, reason)
+    log.warning("attention: no varlen flash kernel usable on %s; torch SDPA", device)
+    return TorchBackend()

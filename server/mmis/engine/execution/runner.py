@@ -1,0 +1,419 @@
+"""The batched model runner: one forward pass per scheduling step.
+
+Per step it: drops freed encoder outputs; runs the vision encoder ONCE for every item that
+brought tensors and is not yet stored; embeds all scheduled tokens packed as one sequence;
+overwrites each image's placeholder rows with its embeddings (a chunk may start or end inside
+a placeholder range); runs the language model once with paged attention over the KV pool;
+samples after the last token of every chunk that asks for it, and pools for pooling requests.
+Rows with a presence/frequency/repetition penalty also need the request's token history: the
+caller passes the requests themselves (``histories``: request id -> an object with
+``prompt_token_ids`` and ``output_token_ids``, the core passes the scheduler's requests), read
+only, through its ``TokenHistoryCache`` (``engine/execution/token_history.py``).
+Prompt logprobs (``SamplingParams.prompt_logprobs``): for such a request that has no output
+token yet, the logits of every scheduled row before the prompt's last token score the NEXT
+prompt token (read from ``histories``: a chunk's last row scores the first token of the next
+chunk), in ``StepOutput.prompt_logprobs``; the core joins the chunks.
+
+Invariants:
+- Exactly one language-model forward per step, whatever the number of sequences; under
+  tensor parallelism the step's inputs are broadcast right before it, so every rank runs
+  the same forward (``tensor_parallel.py``). With ``decode_graphs`` set (``mmis engine`` on
+  CUDA, not under tensor parallelism) a step of decode rows only runs that forward as a
+  fixed-shape replay of a captured CUDA graph (``decode_graphs.py``); every other step eager.
+- The step's attention metadata (block tables, cumulative lengths, new-token slots,
+  positions: ``attn_metadata.py``) is built once by ``step_builder.build_step``, vectorised,
+  before the forward, from the
+  runner's persistent block tables (``block_tables.BlockTables``: a request's row gains only
+  its new block ids; ended requests release theirs), and every host input of the step (token
+  ids, sample rows, metadata) goes to the device in one copy; the
+  attention backend (``attn_backends.py``, chosen per device at construction) reads it in
+  every layer. ``hidden`` keeps every packed row, so logits at any prompt position (prompt
+  logprobs) are one ``compute_logits`` away.
+- The encoder runs at most once per mm_hash while it stays in the store (the scheduler frees
+  it through ``freed_encoder_hashes``).
+- It reads the scheduler's :class:`SchedulerOutput` as is (``sched_output.py``).
+- Per-request state is only the partial sum of mean-pooling requests whose prompt spans
+  several chunks, the device token counts of requests with penalties (always equal to
+  their token lists, see ``sampler.py``) and the block table rows; ``ended_request_ids``
+  drops all three.
+- Inconsistent input raises a typed :class:`StepInputError` (or the adapter's
+  ``ModelInputError``) before the KV pool is written.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from mmis.engine.execution import logprobs
+from mmis.engine.execution.attn_backends import AttentionBackend, ProbeShape, select_backend
+from mmis.engine.execution.block_tables import BlockTables
+from mmis.engine.execution.model.adapter import ModelAdapter
+from mmis.engine.execution.paged_attention import DEFAULT_BLOCK_SIZE, PagedKVPool, PagedStep
+from mmis.engine.execution.sampler import Sampler
+from mmis.engine.execution.step_builder import HostToDevice, build_step
+from mmis.engine.execution.token_history import TokenCounts, TokenHistory, TokenHistoryCache
+from mmis.engine.scheduling.sched_output import ScheduledRequest, SchedulerOutput, StepOutput
+from mmis.protocol.errors import MMISError
+from mmis.protocol.messages import ErrorCode, SamplingParams
+
+if TYPE_CHECKING:
+    from mmis.engine.execution.decode_graphs import DecodeGraphs
+    from mmis.engine.execution.tensor_parallel import TensorParallel
+
+
+_REQUEST_ID = operator.attrgetter("request_id")
+_PROMPT_LOGPROBS = operator.attrgetter("prompt_logprobs")
+
+
+class StepInputError(MMISError, ValueError):
+    """A step the runner cannot execute (a scheduler/glue bug or bad request data)."""
+
+    code = ErrorCode.INVALID_REQUEST.value
+
+
+class EncoderOutputMissingError(StepInputError):
+    """A chunk overlaps an item whose embeddings are neither stored nor given tensors."""
+
+    code = ErrorCode.INTERNAL.value
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        pool: PagedKVPool,
+        sampler: Sampler | None = None,
+        backend: AttentionBackend | None = None,
+    ):
+        self.adapter = adapter
+        self.pool = pool
+        self.backend = backend or select_backend(
+            adapter.device, pool.block_size, shape=ProbeShape.of(adapter)
+        )
+        self.sampler = sampler or Sampler()
+        self.encoder_outputs: dict[str, torch.Tensor] = {}
+        self._pool_sums: dict[str, tuple[torch.Tensor, int]] = {}
+        self.token_history = TokenHistoryCache()
+        # persistent per-request block table rows and the step's one host->device copy
+        self.block_tables = BlockTables(pool.block_size, pool.num_slots, adapter.device)
+        self.upload = HostToDevice(adapter.device)
+        self.num_forwards = 0
+        self.num_encoder_calls = 0
+        # set by ``mmis engine`` under --tensor-parallel-size > 1
+        # (engine/execution/tensor_parallel.py)
+        self.tensor_parallel: TensorParallel | None = None
+        # set by ``mmis engine`` on CUDA unless --enforce-eager (engine/execution/decode_graphs.py)
+        self.decode_graphs: DecodeGraphs | None = None
+
+    @classmethod
+    def create(
+        cls,
+        adapter: ModelAdapter,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        num_blocks: int | None = None,
+        kv_budget_bytes: int | None = None,
+        attention_backend: str = "auto",
+    ) -> ModelRunner:
+        spec = adapter.kv_cache_spec(block_size)
+        pool = PagedKVPool.from_budget(spec, num_blocks=num_blocks, budget_bytes=kv_budget_bytes)
+        backend = select_backend(
+            adapter.device, block_size, attention_backend, shape=ProbeShape.of(adapter)
+        )
+        return cls(adapter, pool, backend=backend)
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    @torch.inference_mode()
+    def execute(
+        self, batch: SchedulerOutput, histories: Mapping[str, TokenHistory] | None = None
+    ) -> StepOutput:
+        """Run one step; ``histories`` is required when a sampled row has a penalty."""
+        out = StepOutput()
+        for mm_hash in batch.freed_encoder_hashes:
+            self.encoder_outputs.pop(mm_hash, None)
+        ended = batch.ended_request_ids
+        for request_id in ended:
+            self._pool_sums.pop(request_id, None)
+        self.token_history.drop(ended)
+        self.block_tables.release(ended)
+        seqs = list(batch.scheduled)
+        if not seqs:
+            return out
+        # every later stage reads columns: one transpose of the rows (named tuples)
+        (
+            ids,
+            chunks,
+            starts,
+            tables,
+            mm_items,
+            samples,
+            params_all,
+            poolings,
+            _,
+            encode,
+            plains,
+        ) = zip(*seqs, strict=True)
+        sizes = list(map(len, chunks))
+        offset = sum(sizes)
+        token_ids = list(itertools.chain.from_iterable(chunks))
+        items = any(mm_items) or any(encode)
+        plain = all(plains)  # no pooling, logprobs, penalties: checked per request
+        pooling = not plain and poolings.count(None) != len(seqs)
+        extras = not plain and (
+            pooling
+            or None in params_all
+            or list(map(_PROMPT_LOGPROBS, params_all)).count(None) != len(params_all)
+        )
+        if not pooling and all(samples):  # every chunk samples (every decode step)
+            chosen = seqs
+            sample_rows = list(itertools.accumulate(sizes, initial=-1))[1:]  # last rows
+        else:
+            chosen, sample_rows, end = [], [], 0
+            for s, size in zip(seqs, sizes, strict=True):
+                end += size
+                if s.pooling_params is None and s.sample:
+                    sample_rows.append(end - 1)
+                    chosen.append(s)
+        flat = np.array(token_ids, dtype=np.int64)
+        vocab = self.adapter.vocab_size
+        if (
+            items
+            or min(sizes) == 0
+            or len(set(ids)) != len(ids)
+            or (flat.size and (int(flat.min()) < 0 or int(flat.max()) >= vocab))
+        ):
+            self._validate(seqs)  # raises the first problem, as the checks run row by row
+        spans = self.adapter.bidirectional_spans(seqs)
+        everything = len(sample_rows) == offset  # every packed row samples: no gather
+        meta, (token_tensor, rows_tensor) = build_step(
+            sizes,
+            starts,
+            ids,
+            tables,
+            self.block_tables,
+            self.upload,
+            bidirectional_spans=spans,
+            extra=[(flat, torch.long), (np.array(sample_rows, dtype=np.int64), torch.long)],
+        )
+        out.encoded_mm_hashes = self._encode(seqs) if items else []
+        embeds = self.adapter.embed_tokens(token_tensor)
+        if items:
+            self._scatter(embeds, seqs)
+        positions = self.adapter.step_positions(seqs, meta)
+        if self.tensor_parallel is not None:  # the other ranks run the same forward
+            self.tensor_parallel.broadcast_step(sizes, starts, tables, spans, embeds, positions)
+        graphs = self.decode_graphs
+        if graphs is not None and self.tensor_parallel is None and graphs.usable(seqs, meta):
+            hidden = graphs.forward(embeds, positions, meta)
+        else:
+            step = PagedStep(self.pool, meta, self.backend)
+            hidden = self.adapter.forward(embeds, positions, step)
+        self.num_forwards += 1
+        if chosen:
+            out.sampled_ids = ids if chosen is seqs else list(map(_REQUEST_ID, chosen))
+            if chosen is seqs:  # each row's end position: where its sampled token goes
+                ends = list(map(operator.add, starts, sizes))
+            else:
+                ends = [s.start_position + len(s.token_ids) for s in chosen]
+            rows = hidden if everything else hidden[rows_tensor]
+            params = params_all if chosen is seqs else [s.sampling_params for s in chosen]
+            self._sample(rows, chosen, params, ends, out, histories, plain)
+        if extras:
+            self._prompt_logprobs(hidden, seqs, out, histories)
+            self._pool(hidden, seqs, out)
+        return out
+
+    # -- steps -----------------------------------------------------------------------------
+    def _validate(self, seqs: Sequence[ScheduledRequest]) -> None:
+        ids = [s.request_id for s in seqs]
+        if len(set(ids)) != len(ids):
+            raise StepInputError(f"a request is scheduled twice in one step: {ids}")
+        vocab = self.adapter.vocab_size
+        for s in seqs:
+            s.check_encoder_inputs()
+            if not s.token_ids:
+                raise StepInputError(f"request {s.request_id}: no tokens scheduled")
+            if min(s.token_ids) < 0 or max(s.token_ids) >= vocab:
+                raise StepInputError(f"request {s.request_id}: token id outside [0, {vocab})")
+            for item in s.mm_items:
+                if item.length < 1 or item.offset < 0:
+                    raise StepInputError(
+                        f"request {s.request_id}: bad placeholder {item.offset}+{item.length}"
+                    )
+
+    def _encode(self, seqs: Sequence[ScheduledRequest]) -> list[str]:
+        todo: dict[str, tuple[int, object]] = {}
+        for s in seqs:
+            for item in s.mm_items:
+                if item.data is None or item.mm_hash in self.encoder_outputs:
+                    continue
+                todo.setdefault(item.mm_hash, (item.length, item.data))
+        if not todo:
+            return []
+        hashes = list(todo)
+        embeddings = self.adapter.encode_images([todo[h][1] for h in hashes])  # type: ignore[misc]
+        self.num_encoder_calls += 1
+        for mm_hash, emb in zip(hashes, embeddings, strict=True):
+            if emb.shape[0] != todo[mm_hash][0]:
+                raise StepInputError(
+                    f"item {mm_hash}: encoder gave {emb.shape[0]} embeddings for a placeholder "
+                    f"of {todo[mm_hash][0]} tokens"
+                )
+            self.encoder_outputs[mm_hash] = emb
+        return hashes
+
+    def _scatter(self, embeds: torch.Tensor, seqs: Sequence[ScheduledRequest]) -> None:
+        offset = 0
+        for s in seqs:
+            start, end = s.start_position, s.end_position
+            for item in s.mm_items:
+                lo, hi = max(item.offset, start), min(item.end, end)
+                if lo >= hi:
+                    continue
+                stored = self.encoder_outputs.get(item.mm_hash)
+                if stored is None:
+                    raise EncoderOutputMissingError(
+                        f"request {s.request_id}: no encoder output for item {item.mm_hash}"
+                    )
+                rows = stored[lo - item.offset : hi - item.offset]
+                embeds[offset + lo - start : offset + hi - start] = rows.to(embeds.dtype)
+            offset += s.num_tokens
+
+    def _sample(
+        self,
+        hidden: torch.Tensor,
+        chosen: Sequence[ScheduledRequest],
+        params: Sequence[SamplingParams | None],
+        positions: Sequence[int],
+        out: StepOutput,
+        histories: Mapping[str, TokenHistory] | None,
+        plain: bool,
+    ) -> None:
+        """Sample after the last row of every ``chosen`` chunk (``hidden``: those rows;
+        ``params``, ``positions``: their sampling params and end positions; ``plain``:
+        every row ``is_plain``, so no history, logprobs or per-row checks)."""
+        logits = self.adapter.compute_logits(hidden)
+        if plain:
+            counts, pending = None, None
+        else:
+            counts = self._token_counts(chosen, histories, logits)
+            pending = logprobs.prepare(logits, params)  # before the sampler touches the logits
+        sampled = self.sampler(logits, params, positions, counts, plain=plain)
+        out.sampled = sampled.tolist()
+        if pending is not None:
+            for row, lp in logprobs.finish(pending, sampled).items():
+                out.logprobs[out.sampled_ids[row]] = lp
+
+    def _prompt_logprobs(
+        self,
+        hidden: torch.Tensor,
+        seqs: Sequence[ScheduledRequest],
+        out: StepOutput,
+        histories: Mapping[str, TokenHistory] | None,
+    ) -> None:
+        offset = 0
+        for s in seqs:
+            base, offset = offset, offset + s.num_tokens
+            params = s.sampling_params
+            if params is None or params.prompt_logprobs is None or s.pooling_params is not None:
+                continue
+            request = None if histories is None else histories.get(s.request_id)
+            if request is None:
+                raise StepInputError(f"request {s.request_id}: prompt logprobs need its prompt")
+            if request.output_token_ids:  # sent with the first output already
+                continue
+            prompt = request.prompt_token_ids
+            end = min(s.end_position, len(prompt) - 1)  # rows before the last prompt token
+            lp = logprobs.first_prompt_row(prompt[0]) if s.start_position == 0 else None
+            if end > s.start_position:
+                logits = self.adapter.compute_logits(hidden[base : base + end - s.start_position])
+                rows = logprobs.score(
+                    logits, prompt[s.start_position + 1 : end + 1], params.prompt_logprobs
+                )
+                if lp is None:
+                    lp = rows
+                else:
+                    lp.token_ids.extend(rows.token_ids)
+                    lp.logprobs.extend(rows.logprobs)
+                    lp.ranks.extend(rows.ranks)
+            if lp is not None:
+                out.prompt_logprobs[s.request_id] = (
+                    0 if s.start_position == 0 else s.start_position + 1,
+                    lp,
+                )
+
+    def _token_counts(
+        self,
+        chosen: Sequence[ScheduledRequest],
+        histories: Mapping[str, TokenHistory] | None,
+        logits: torch.Tensor,
+    ) -> TokenCounts | None:
+        rows, ids, repetition = [], [], False
+        for k, s in enumerate(chosen):
+            params = s.sampling_params
+            if params is not None and (  # needs_history, inlined (a check per row per step)
+                params.presence_penalty != 0
+                or params.frequency_penalty != 0
+                or params.repetition_penalty != 1
+            ):
+                rows.append(k)
+                ids.append(s.request_id)
+                repetition = repetition or params.repetition_penalty != 1
+        if not rows:
+            return None
+        missing = [rid for rid in ids if histories is None or rid not in histories]
+        if histories is None or missing:
+            raise StepInputError(f"requests {missing}: penalties need their token history")
+        return self.token_history.counts(
+            rows,
+            ids,
+            [histories[rid] for rid in ids],
+            with_prompt=repetition,
+            vocab_size=logits.shape[-1],
+            device=logits.device,
+        )
+
+    def _pool(
+        self, hidden: torch.Tensor, seqs: Sequence[ScheduledRequest], out: StepOutput
+    ) -> None:
+        offset = 0
+        for s in seqs:
+            rows = hidden[offset : offset + s.num_tokens].float()
+            offset += s.num_tokens
+            params = s.pooling_params
+            if params is None:
+                continue
+            if params.pooling_type == "last":
+                vector = rows[-1] if s.sample else None
+            elif params.pooling_type == "mean":
+                vector = self._mean(s, rows)
+            else:
+                raise StepInputError(f"unknown pooling_type {params.pooling_type!r}")
+            if vector is None:
+                continue
+            if params.normalize:
+                vector = torch.nn.functional.normalize(vector, dim=-1)
+            out.pooled[s.request_id] = vector.cpu().numpy().astype(np.float32)
+
+    def _mean(self, s: ScheduledRequest, rows: torch.Tensor) -> torch.Tensor | None:
+        total, count = self._pool_sums.pop(s.request_id, (None, 0))
+        if total is None and s.start_position != 0:
+            raise StepInputError(
+                f"request {s.request_id}: mean pooling needs every prompt token computed "
+                "(start at 0; no prefix-cache hit)"
+            )
+        total = rows.sum(dim=0) if total is None else total + rows.sum(dim=0)
+        count += rows.shape[0]
+        if not s.sample:
+            self._pool_sums[s.request_id] = (total, count)
+            return None
+        return total / count

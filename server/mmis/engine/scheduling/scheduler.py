@@ -1,0 +1,473 @@
+"""The continuous-batching scheduler of P1: who computes which tokens in the next step.
+
+One pass (:meth:`Scheduler.schedule`) first continues the running requests in priority order
+(earliest arrival first), then admits waiting requests first-come first-served, within a
+per-step token budget (chunked prefill), ``max_num_seqs`` and an encoder compute budget. The
+caller runs the step, then hands the sampled tokens to :meth:`Scheduler.update_from_output`.
+The scheduler owns the queues and the policy; it *uses* a :class:`KVCacheManager` (blocks and
+the prefix cache) and an :class:`EncoderCacheManager` (encoder-output slots), and hands the
+runner one :class:`SchedulerOutput` (``sched_output.py``).
+
+Invariants:
+- Every live request is in ``requests`` and in exactly one of ``waiting`` (FCFS; preempted
+  requests re-enter at the front) or ``running`` (sorted by ``Request.priority_key``, i.e.
+  arrival order, so ``running[-1]`` is always the latest arrival).
+- When KV blocks run out, the latest-arrived request not yet scheduled in this pass is
+  preempted (recompute: its blocks and encoder references are released, ``num_computed_tokens
+  = 0``, output tokens kept, it goes to the front of ``waiting``). No request is admitted in a
+  pass that preempted one.
+- A chunk's range is trimmed around its request's items and their encoder runs reserved by
+  ``engine/scheduling/encoder_plan.py`` (an item is encoded whole by the first chunk that reaches
+  it, so a 12 MP photo's placeholder range may be split across chunks; with ``whole_mm_spans`` a
+  chunk never ends inside an item); a chunk not scheduled after all is rolled back exactly.
+- A prefix-cache hit sets ``num_computed_tokens`` to the hit length at admission: those tokens
+  (and the encoder runs of items they cover) are skipped.
+- A request that can never be scheduled (prompt beyond ``max_model_len`` or the KV pool, an
+  item larger than the encoder cache or a step's budgets: :func:`never_schedulable`) finishes
+  with a typed error, delivered as an output by the next ``update_from_output``; the others
+  keep being scheduled.
+- Leaving ``running`` other than by preemption (finish, abort, rejection) releases the
+  request's KV blocks and encoder references, removes it from ``requests`` and reports its id
+  once in the next pass's ``finished_request_ids``. Encoder references are also released once
+  the request's computed tokens pass an item.
+- ``num_computed_tokens`` advances when a chunk is scheduled; KV blocks are registered in the
+  prefix cache in ``update_from_output``, after the step computed them.
+- Importable and runnable without torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+from mmis.engine.scheduling.encoder_cache import EncoderCacheManager
+from mmis.engine.scheduling.encoder_plan import Budget, EncoderPlan, plan_chunk, rollback
+from mmis.engine.scheduling.kv_cache import KVCacheManager
+from mmis.engine.scheduling.request import InvalidRequestError, Request, RequestStatus
+from mmis.engine.scheduling.sched_config import SchedulerConfig, never_schedulable
+from mmis.engine.scheduling.sched_output import MultiModalInput, ScheduledRequest, SchedulerOutput
+from mmis.protocol.errors import MMISError
+from mmis.protocol.messages import EngineCoreOutput, ErrorCode, FinishReason, RequestError
+
+new_row = tuple.__new__  # builds a ScheduledRequest (a named tuple) from its field values
+
+
+def _spread(scheduled: Sequence[ScheduledRequest], sampled: Sequence[int]) -> list[int | None]:
+    """``sampled`` (one token per chunk that samples: ``sample`` set, no pooling) placed
+    beside its chunk, ``None`` beside the others; a count that does not match raises."""
+    tokens = iter(sampled)
+    out = [
+        next(tokens, None) if item.sample and item.pooling_params is None else None
+        for item in scheduled
+    ]
+    if next(tokens, None) is not None:
+        raise SchedulerError(f"{len(sampled)} sampled tokens for a step that sampled fewer")
+    return out
+
+
+class SchedulerError(MMISError):
+    """The runner's results do not match what was scheduled (an engine bug, not user input)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    encoder_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_rejected: int
+
+
+def _output(request: Request, new_token_ids: list[int]) -> EngineCoreOutput:
+    """The wire output of ``request`` after it gained ``new_token_ids`` (its end, if ended)."""
+    reason = request.finish_reason
+    return EngineCoreOutput(
+        request_id=request.request_id,
+        new_token_ids=new_token_ids,
+        finish_reason=None if reason is None else reason.value,
+        error=request.error,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=max(request.num_cached_tokens, 0),
+        stop_reason=request.stop_reason,
+    )
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig | None = None,
+        *,
+        kv: KVCacheManager | None = None,
+        encoder_cache: EncoderCacheManager | None = None,
+    ) -> None:
+        self.config = cfg = config or SchedulerConfig()
+        self.kv = kv or KVCacheManager(
+            cfg.num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching
+        )
+        self.encoder_cache = encoder_cache or EncoderCacheManager(cfg.encoder_cache_size)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []
+        self._pending_outputs: list[EngineCoreOutput] = []
+        self._seq = itertools.count()
+        self._step = 0
+        self.num_preemptions = 0
+        self.num_rejected = 0
+
+    # -- intake and queries ------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+            raise InvalidRequestError(f"{request!r} is not a fresh request")
+        request.seq = next(self._seq)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(
+        self, request_id: str, reason: FinishReason, *, stop_reason: int | str | None = None
+    ) -> bool:
+        """Finish a request from outside (abort, failed step). False if it is unknown/done."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.finish(reason, stop_reason=stop_reason)
+        self._release(request)
+        return True
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Abort waiting or running requests; returns those that were still live."""
+        return [rid for rid in request_ids if self.finish_request(rid, FinishReason.ABORT)]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def has_pending_outputs(self) -> bool:
+        return bool(self._pending_outputs)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_usage=self.kv.usage(),
+            encoder_cache_usage=self.encoder_cache.usage(),
+            prefix_cache_queries=self.kv.prefix_stats.queries,
+            prefix_cache_hits=self.kv.prefix_stats.hits,
+            num_preemptions=self.num_preemptions,
+            num_rejected=self.num_rejected,
+        )
+
+    # -- one pass ----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        self._step += 1
+        budget = Budget(self.config.max_num_batched_tokens, self.config.encoder_compute_budget)
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        self._schedule_running(budget, scheduled, preempted)
+        if not preempted:
+            self._schedule_waiting(budget, scheduled)
+        out = SchedulerOutput(
+            scheduled=scheduled,
+            freed_encoder_hashes=self.encoder_cache.take_freed(),
+            finished_request_ids=self._finished_ids,
+            preempted_request_ids=preempted,
+            step=self._step,
+        )
+        self._finished_ids = []
+        return out
+
+    def _schedule_running(
+        self, budget: Budget, scheduled: list[ScheduledRequest], preempted: list[str]
+    ) -> None:
+        running, kv = self.running, self.kv
+        held = kv.block_ids  # a request's persistent block ids
+        i = 0
+        while i < len(running) and budget.tokens > 0:
+            request = running[i]
+            start = request.num_computed_tokens
+            tokens = request.all_token_ids
+            num_new = len(tokens) - start
+            if num_new > budget.tokens:
+                num_new = budget.tokens
+            plan: EncoderPlan | None = None
+            if start < request.mm_end:  # an item may still be ahead: plan its encoder run
+                plan = self._plan_encoder(request, start, num_new, budget)
+                num_new = plan.num_new_tokens
+            # else every item lies behind the chunk: the plan would be the tokens alone
+            if num_new == 0:
+                if plan is not None:
+                    self._rollback(request, plan)
+                i += 1
+                continue
+            # most decode steps fit in the held blocks, where allocate_slots would do nothing
+            table = held.get(request.request_id) if start + num_new <= request.kv_capacity else None
+            while table is None and (table := kv.allocate_slots(request, num_new)) is None:
+                victim = running[-1]
+                if victim is request:
+                    if plan is not None:
+                        self._rollback(request, plan)
+                    break
+                self._preempt(victim, preempted)
+            if table is not None:
+                if plan is None:  # _commit without encoder runs, inlined (every decode row)
+                    end = start + num_new
+                    request.num_computed_tokens = end
+                    budget.tokens -= num_new
+                    scheduled.append(
+                        new_row(  # ScheduledRequest(...) without its Python-level __new__
+                            ScheduledRequest,
+                            (
+                                request.request_id,
+                                tokens[start:end],
+                                start,
+                                table,
+                                request.mm_items,  # every item starts before the chunk
+                                end == len(tokens),
+                                request.sampling_params,
+                                request.pooling_params,
+                                False,
+                                (),
+                                request.plain,
+                            ),
+                        )
+                    )
+                else:
+                    scheduled.append(self._commit(request, plan, num_new, budget, is_new=False))
+                i += 1
+                continue
+            self._preempt(request, preempted)  # it was the latest-arrived: nothing after it
+            break
+
+    def _schedule_waiting(self, budget: Budget, scheduled: list[ScheduledRequest]) -> None:
+        while self.waiting and budget.tokens > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            problem = never_schedulable(self.config, request)
+            if problem is not None:
+                self._reject_head(*problem)
+                continue
+            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget.tokens)
+            plan = self._plan_encoder(request, num_hit, num_new, budget)
+            if plan.num_new_tokens == 0:
+                self._rollback(request, plan)
+                break
+            if not self.kv.can_ever_fit(request.num_tokens):
+                self._rollback(request, plan)
+                self._reject_head_kv_overflow()
+                continue
+            if self.kv.allocate_slots(request, plan.num_new_tokens, hit_blocks) is None:
+                self._rollback(request, plan)
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=lambda r: r.priority_key)
+            request.num_computed_tokens = num_hit
+            if not request.skip_cache:
+                self.kv.record_prefix_lookup(request.num_tokens, num_hit)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            scheduled.append(self._commit(request, plan, plan.num_new_tokens, budget, is_new=True))
+
+    def _plan_encoder(
+        self, request: Request, start: int, num_new: int, budget: Budget
+    ) -> EncoderPlan:
+        return plan_chunk(self.encoder_cache, self.config, request, start, num_new, budget)
+
+    def _rollback(self, request: Request, plan: EncoderPlan) -> None:
+        rollback(self.encoder_cache, request, plan)
+
+    def _commit(
+        self,
+        request: Request,
+        plan: EncoderPlan | None,
+        num_new: int,
+        budget: Budget,
+        *,
+        is_new: bool,
+    ) -> ScheduledRequest:
+        """Schedule ``num_new`` tokens of ``request`` (``plan``: its encoder runs; ``None``
+        when no item lies at or after the chunk's start)."""
+        start = request.num_computed_tokens
+        end = start + num_new
+        request.num_computed_tokens = end
+        budget.tokens -= num_new
+        items: Sequence[MultiModalInput]
+        encoder_inputs: list[int] = []
+        if plan is not None and plan.encoder_inputs:
+            budget.encoder -= plan.encoder_tokens
+            # the items up to the chunk's end; tensors only for this step's encoder runs (the
+            # request keeps its full features: a preempted request may need them again)
+            encode = set(plan.encoder_inputs)
+            items = []
+            for idx, item in enumerate(request.mm_items):
+                if item.offset >= end:
+                    continue
+                if idx in encode:
+                    data = request.mm_features[idx].data
+                    encoder_inputs.append(len(items))
+                    item = dataclasses.replace(item, data=data if isinstance(data, dict) else None)
+                items.append(item)
+        elif end >= request.mm_end:  # every item starts before the end: all of them, as they are
+            items = request.mm_items
+        else:
+            items = [item for item in request.mm_items if item.offset < end]
+        return ScheduledRequest(
+            request.request_id,
+            request.all_token_ids[start:end],
+            start,
+            self.kv.block_table(request.request_id),
+            items,
+            end == request.num_tokens,
+            request.sampling_params,
+            request.pooling_params,
+            is_new,
+            encoder_inputs,
+            request.plain,
+        )
+
+    # -- after the step ----------------------------------------------------------------------
+
+    def update_from_output(
+        self, sched_out: SchedulerOutput, sampled: Sequence[int]
+    ) -> list[EngineCoreOutput]:
+        """Apply a step's sampled tokens; returns one wire output per request that progressed
+        or ended (also for requests rejected by the pass). Requests aborted since the pass are
+        skipped.
+
+        ``sampled`` holds one token per scheduled chunk that samples (``sample`` set, no
+        ``pooling_params``: the rows ``runner.py`` samples), in schedule order. A chunk's
+        full KV blocks are registered in the prefix cache only when it crossed a block
+        boundary: every earlier update registered every block full by then (a prefix hit
+        registers its blocks at admission, ``kv_cache.py``), so a chunk inside one block
+        completes none.
+        """
+        outputs, self._pending_outputs = self._pending_outputs, []
+        requests, cache_blocks = self.requests, self.kv.cache_computed_blocks
+        bs, limit = self.kv.block_size, self.config.max_model_len or float("inf")
+        running, finished = RequestStatus.RUNNING, RequestStatus.FINISHED
+        scheduled = sched_out.scheduled
+        if len(sampled) == len(scheduled):  # every chunk sampled (every decode step)
+            pairs: Iterable[tuple[ScheduledRequest, int | None]] = zip(
+                scheduled, sampled, strict=True
+            )
+        else:
+            pairs = zip(scheduled, _spread(scheduled, sampled), strict=True)
+        for item, token in pairs:
+            if token is not None and (not item.sample or item.pooling_params is not None):
+                raise SchedulerError(
+                    f"a sampled token for {item.request_id!r}, which did not sample"
+                )
+            request = requests.get(item.request_id)
+            if request is None or request.status is not running:
+                continue
+            if item.start_position // bs != request.num_computed_tokens // bs:
+                cache_blocks(request)  # the chunk completed a block
+            if request.mm_features:
+                self._release_passed_items(request)
+            if not item.sample:
+                continue
+            if item.pooling_params is not None:
+                request.finish(FinishReason.STOP)  # a pooling request: done after its prompt
+                outputs.append(_output(request, []))
+                self._finish_running(request)
+                continue
+            if token is None:
+                raise SchedulerError(f"no sampled token for scheduled request {item.request_id!r}")
+            if request.constraint is None:  # append_output_token, inlined (every row)
+                request.output_token_ids.append(token)
+                tokens = request.all_token_ids
+                tokens.append(token)
+                size = len(tokens)
+            else:
+                request.append_output_token(token)
+                size = len(request.all_token_ids)
+            if (
+                token in request.stop_ids
+                or size >= request.length_cap
+                or request.constraint is not None
+            ):
+                request.check_stop(token)  # else it cannot stop this request
+            if size >= limit and request.status is running:
+                request.finish(FinishReason.LENGTH)
+            if request.status is finished:
+                outputs.append(_output(request, [token]))
+                self._finish_running(request)
+            else:  # _output of a running request: no reason, error or stop reason yet
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=request.request_id,
+                        new_token_ids=[token],
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        num_cached_tokens=request.num_cached_tokens,  # set (>= 0) at admission
+                    )
+                )
+        return outputs
+
+    def _release_passed_items(self, request: Request) -> None:
+        for feature in request.mm_features:
+            placeholder = feature.placeholder
+            if placeholder.offset + placeholder.length <= request.num_computed_tokens:
+                self.encoder_cache.release(request.request_id, feature.mm_hash)
+
+    # -- transitions -------------------------------------------------------------------------
+
+    def _preempt(self, request: Request, preempted: list[str]) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        self.encoder_cache.release_all(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        preempted.append(request.request_id)
+
+    def _finish_running(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
+        self.kv.free(request)
+        self.encoder_cache.release_all(request.request_id)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    def _reject_head(self, code: ErrorCode, message: str) -> None:
+        """waiting[0] can never be scheduled: finish it with a typed, non-retryable error."""
+        request = self.waiting.popleft()
+        request.finish(FinishReason.ERROR, error=RequestError(code.value, message, False))
+        self._end_by_scheduler(request)
+
+    def _reject_head_kv_overflow(self) -> None:
+        request = self.waiting[0]
+        if request.num_output_tokens:  # it grew past the pool while running: stop it there
+            self.waiting.popleft()
+            request.finish(FinishReason.LENGTH)
+            self._end_by_scheduler(request)
+            return
+        capacity = self.kv.num_usable_blocks * self.kv.block_size
+        self._reject_head(
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            f"the prompt has {request.num_tokens} tokens; the KV cache holds {capacity} "
+            "(raise it with --kv-cache-gb or --num-kv-blocks)",
+        )
+
+    def _end_by_scheduler(self, request: Request) -> None:
+        self.num_rejected += 1
+        self._pending_outputs.append(_output(request, []))
+        self._release(request)
