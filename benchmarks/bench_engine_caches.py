@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_engine_caches.py [--model mmis-tiny|DIR]
         [--images 4] [--repeat 15] [--threads 1] [--device cpu|cuda]
 
-The engine is wired exactly as ``mmis engine`` wires it (``entrypoints.engine.build``) and
+The engine is wired exactly as ``mmis engine`` wires it (``engine/builder.py`` ``build``) and
 driven in-process (no sockets, so only the engine's own work is timed); requests are built
 by P0's real :class:`ModelProcessor`. Every request asks for ONE token, so its time is the
 prefill step. Both sides of each ratio are measured in the same run, interleaved, medians:
@@ -30,9 +30,10 @@ import numpy as np
 import torch
 from PIL import Image
 
+from mmis.engine.builder import build
+from mmis.engine.config import EngineConfig
 from mmis.engine.core import EngineCore
-from mmis.entrypoints.common import resolve_model
-from mmis.entrypoints.engine import EngineConfig, build
+from mmis.entrypoints.common import resolve_model, setup_logging
 from mmis.frontend.processor import ModelProcessor
 from mmis.protocol.messages import (
     EngineCoreRequest,
@@ -88,7 +89,7 @@ def timed(core: EngineCore, request: EngineCoreRequest) -> float:
 
 def engine(model: str, device: str, prefix: bool) -> EngineCore:
     cfg = EngineConfig(model=model, device=device, enable_prefix_caching=prefix, num_kv_blocks=4096)
-    core: EngineCore = build(cfg).core
+    core: EngineCore = build(cfg, str(resolve_model(model)), setup_logging).core
     return core
 
 

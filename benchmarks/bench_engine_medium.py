@@ -123,18 +123,21 @@ def run_engine_child(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     from transformers import AutoProcessor
+    from tree_compat import module
 
     import mmis
 
     try:  # the process setup `mmis engine` does before loading (trees before it had none)
-        from mmis.engine.execution.host_memory import keep_freed_memory
+        keep_freed_memory = module("mmis.engine.execution.host_memory").keep_freed_memory
     except ImportError:
         pass
     else:
         keep_freed_memory()
-    from mmis.engine.execution.model import load_adapter
-    from mmis.engine.execution.runner import ModelRunner
-    from mmis.entrypoints.engine import EngineConfig, make_core
+    from mmis.engine.config import EngineConfig
+
+    load_adapter = module("mmis.engine.execution.model").load_adapter
+    ModelRunner = module("mmis.engine.execution.runner").ModelRunner
+    make_core = module("mmis.engine.builder").make_core
     from mmis.protocol.messages import (
         EngineCoreRequest,
         FinishReason,
@@ -148,7 +151,7 @@ def run_engine_child(args: argparse.Namespace) -> None:
     adapter = load_adapter(args.model_dir, args.device, _dtype(args))
     linears = "torch (a tree without engine/execution/cpu_linear.py)"
     try:  # as `mmis engine` packs the language model's linears (trees before it had none)
-        from mmis.engine.execution.cpu_linear import pack_adapter
+        pack_adapter = module("mmis.engine.execution.cpu_linear").pack_adapter
     except ImportError:
         pass
     else:
@@ -159,7 +162,7 @@ def run_engine_child(args: argparse.Namespace) -> None:
     graphs = 0
     if args.device == "cuda" and not args.enforce_eager:  # as `mmis engine` sets them up
         try:
-            from mmis.engine.execution.decode_graphs import setup as setup_graphs
+            setup_graphs = module("mmis.engine.execution.decode_graphs").setup
         except ImportError:  # a tree before CUDA graphs
             pass
         else:

@@ -49,16 +49,23 @@ from typing import Any
 
 import numpy as np
 import torch
+from tree_compat import module
 
 from mmis.engine import core_process
 from mmis.engine.config import EngineConfig
 from mmis.engine.core import EngineCore
-from mmis.engine.execution.model import ModelAdapter, load_adapter
-from mmis.engine.execution.paged_attention import KVCacheSpec, PagedKVPool, PagedStep
-from mmis.engine.execution.runner import ModelRunner
-from mmis.entrypoints.engine import make_core
 from mmis.protocol.messages import EngineCoreRequest, FinishReason, SamplingParams
-from mmis.tiny_models.tiny_model import tiny_model_dir
+
+# imported by name so that an older tree runs this script too (PYTHONPATH=OLD/server)
+_model, _pool = (
+    module("mmis.engine.execution.model"),
+    module("mmis.engine.execution.paged_attention"),
+)
+ModelAdapter, load_adapter = _model.ModelAdapter, _model.load_adapter
+KVCacheSpec, PagedKVPool, PagedStep = _pool.KVCacheSpec, _pool.PagedKVPool, _pool.PagedStep
+ModelRunner = module("mmis.engine.execution.runner").ModelRunner
+make_core = module("mmis.engine.builder").make_core
+tiny_model_dir = module("mmis.tiny_models.tiny_model").tiny_model_dir
 
 TARGET_256_MS = 1.0
 TARGET_32_MS = 0.3

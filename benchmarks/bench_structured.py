@@ -46,7 +46,7 @@ from engine_workload import (
     run_engine,
 )
 
-from mmis.entrypoints.engine import make_core
+from mmis.engine.builder import make_core
 from mmis.protocol.messages import StructuredOutputs
 
 _ITEM = {

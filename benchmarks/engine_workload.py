@@ -26,11 +26,12 @@ import torch
 from PIL import Image
 
 from mmis.config import GiB
+from mmis.engine.builder import make_core
+from mmis.engine.config import EngineConfig
 from mmis.engine.core import EngineCore
 from mmis.engine.execution.model import ModelAdapter
 from mmis.engine.execution.runner import ModelRunner
 from mmis.engine.scheduling.sched_output import MultiModalInput, ScheduledRequest, SchedulerOutput
-from mmis.entrypoints.engine import EngineConfig, make_core
 from mmis.protocol.messages import (
     EngineCoreRequest,
     FinishReason,

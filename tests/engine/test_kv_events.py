@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import zmq
 
+from mmis.engine.builder import make_core
 from mmis.engine.config import EngineConfig
 from mmis.engine.event_publisher import END_SEQ, EventPublisher
 from mmis.engine.kv_events import KVEventLog
 from mmis.engine.mm_events import MMEventLog
 from mmis.engine.scheduling.kv_cache import KVCacheManager
 from mmis.engine.scheduling.request import Request
-from mmis.entrypoints.engine import make_core
 from mmis.multimodal.cache import ReceiverCache, item_nbytes
 from mmis.protocol.kv_events import (
     KV_DECODER,

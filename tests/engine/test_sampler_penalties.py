@@ -291,7 +291,8 @@ def test_in_range_edges_are_accepted():
 
 @pytest.fixture
 def core_run(family):
-    from mmis.entrypoints.engine import EngineConfig, make_core
+    from mmis.engine.builder import make_core
+    from mmis.engine.config import EngineConfig
 
     runner = family.runner()
     ids, _, _ = family.request("The quick brown fox jumps over the lazy dog.", [])

@@ -4,9 +4,9 @@ A Hugging Face cache holds one repo id, ``acme/tiny``, with two commits: ``refs/
 tiny LLaVA, ``refs/v2`` the tiny Qwen2-VL whose config also says ``max_position_embeddings:
 2048``. With ``HF_HUB_OFFLINE=1`` transformers resolves revisions from that cache exactly as it
 does after a download. A child process parses the real command lines of ``mmis engine`` and
-``mmis frontend`` and runs their loaders (``engine.load_model``, ``state.load_processor``):
-whichever ``from_pretrained`` missed the revision would load the other family (model, tokenizer,
-processor) or the other context window (config).
+``mmis frontend`` and runs their loaders (``engine/builder.py`` ``load_model``,
+``state.load_processor``): whichever ``from_pretrained`` missed the revision would load the
+other family (model, tokenizer, processor) or the other context window (config).
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ V2_COMMIT = "b" * 40
 
 CHILD = r"""
 import argparse, json, sys
+from mmis.engine.builder import load_model
 from mmis.entrypoints import engine, frontend
+from mmis.entrypoints.common import resolve_model
 from mmis.frontend.state import load_processor
 
 def parse(module, argv):
@@ -39,7 +41,7 @@ def parse(module, argv):
 
 flags = sys.argv[1:]
 cfg = engine.config_from_args(parse(engine, ["--model", "acme/tiny", "--device", "cpu", *flags]))
-adapter = engine.load_model(cfg)
+adapter = load_model(cfg, resolve_model(cfg.model))
 settings = frontend.settings_from(parse(frontend, ["--model", "acme/tiny", *flags]))
 processor, max_len = load_processor(settings)
 print(json.dumps({

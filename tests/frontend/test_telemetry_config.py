@@ -7,7 +7,8 @@ import argparse
 import pytest
 
 from mmis.config import ConfigError
-from mmis.entrypoints import engine as engine_cli
+from mmis.engine.builder import EngineStartError, engine_tracing
+from mmis.engine.config import EngineConfig
 from mmis.entrypoints import frontend as frontend_cli
 from mmis.entrypoints import serve as serve_cli
 from mmis.frontend.config import FrontendConfig
@@ -60,7 +61,7 @@ def test_flag_and_env_turn_tracing_on_with_role_service_names(
         tracing.shutdown()
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:4318/v1/traces")
     monkeypatch.setenv("OTEL_SERVICE_NAME", "pod-7")
-    p1 = engine_cli.engine_tracing(engine_cli.EngineConfig())
+    p1 = engine_tracing(EngineConfig())
     try:
         assert p1.provider is not None
         assert p1.provider.resource.attributes["service.name"] == "pod-7"
@@ -75,8 +76,8 @@ def test_bad_tracing_settings_are_config_errors(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
     with pytest.raises(ConfigError, match="OTEL_TRACES_SAMPLER_ARG"):
         frontend_cli.settings_from(_frontend_args())
-    with pytest.raises(SystemExit, match="OTEL_TRACES_SAMPLER_ARG"):
-        engine_cli.engine_tracing(engine_cli.EngineConfig())
+    with pytest.raises(EngineStartError, match="OTEL_TRACES_SAMPLER_ARG"):
+        engine_tracing(EngineConfig())
     with pytest.raises(ConfigError, match="drift-window-s"):
         frontend_cli.settings_from(_frontend_args("--drift-window-s", "0"))
 

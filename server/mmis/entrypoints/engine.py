@@ -1,39 +1,23 @@
-"""``mmis engine``: run P1, the engine core, as a process of its own.
+"""``mmis engine``: run P1, the engine core, as a process of its own. It parses the flags
+and calls the engine's builder (``engine/builder.py``: model, KV pool, batch limits, wiring).
 
 Invariants:
 - Settings come from one frozen :class:`~mmis.engine.config.EngineConfig` (CLI >
   ``MMIS_ENGINE_*`` env > default); the flags are derived from its fields.
-- The KV pool is preallocated before the engine reports ready, sized by ``--num-kv-blocks``,
-  else ``--kv-cache-gb``, else ``--gpu-memory-utilization`` (CUDA, 0.9 by default there:
-  after a profiling step on every rank), else the default (``engine/execution/kv_sizing.py``); the
-  scheduler's block count is the pool's, and the start-up log line names the count and the
-  setting that chose it. Batch limits left unset are resolved right after
-  (``engine/batch_limits.py``) and logged (``batch limits: ...``).
-- The model loads in ``--dtype`` (``auto`` resolved per device, ``engine/execution/dtype.py``),
-  straight onto the device; the KV cache has the model's dtype.
-- ``--revision`` reaches every ``from_pretrained`` of P1 (config and model) through
-  :func:`load_model` and the tokenizer. P1 reads the tokenizer only for its grammar engine
-  (structured outputs: the vocabulary's token bytes, once, at start-up; without a loadable
-  tokenizer structured requests are refused with a 400); stop strings stay P0's. P1 takes
-  no processor kwargs: it receives the tensors P0 made (their shapes carry everything it
-  derives, e.g. placeholder counts). It runs the model's image processor once, at start-up,
-  on synthetic images, only to size its encoder cache for the largest photo
-  (``engine/execution/encoder_sizing.py``; ``--encoder-cache-tokens`` skips that).
+- ``cfg.model`` is resolved here (a built-in tiny model's name becomes its directory,
+  ``entrypoints/common.py``) and handed to the builder as a path.
 - Before the model loads, glibc is told to keep freed memory mapped
   (``engine/execution/host_memory.py``): a step does not fault its activations in anew.
 - SIGTERM/SIGINT stop the busy loop; the sockets close; the process exits 0.
 - A start that fails (a missing dependency, a model that does not load, a bad setting found
-  late) exits 1 at once with the cause as the last stderr line, ``mmis engine: ...`` (the
-  traceback of an unexpected exception is logged before it); with ``--status-file`` that line
-  is also written there, and ``ready`` once the engine serves (``mmis serve`` reads it: a
-  child that never got ready is not restarted, ``entrypoints/serve.py``).
+  late: the builder's :class:`~mmis.engine.builder.EngineStartError`) exits 1 at once with
+  the cause as the last stderr line, ``mmis engine: ...`` (the traceback of an unexpected
+  exception is logged before it); with ``--status-file`` that line is also written there, and
+  ``ready`` once the engine serves (``mmis serve`` reads it: a child that never got ready is
+  not restarted, ``entrypoints/serve.py``).
 - ``hello`` answers carry the serving dtype and device (P0 shows them in ``/v1/models``).
 - With ``--health-port``, ``GET /health`` answers there once the model is loaded
   (``engine/health_server.py``): the engine container's own probe.
-- On CUDA, after the KV pool and the self-check, decode steps are captured as CUDA graphs
-  and verified against eager unless ``--enforce-eager`` or tensor parallelism
-  (``engine/execution/decode_graphs.py``); a ``CUDA graphs:`` log line says what was captured or why
-  not.
 """
 
 from __future__ import annotations
@@ -44,21 +28,13 @@ import logging
 import signal
 from typing import TYPE_CHECKING, Any
 
-from mmis.config import ConfigError, GiB, add_flags, settings_from_args
-from mmis.engine import batch_limits
+from mmis.config import ConfigError, add_flags, settings_from_args
+from mmis.engine.builder import EngineStartError, build
 from mmis.engine.config import EngineConfig
 from mmis.entrypoints.common import one_line, resolve_model, setup_logging
 
 if TYPE_CHECKING:
-    from mmis.engine.core import EngineCore
     from mmis.engine.core_process import EngineCoreProc
-    from mmis.engine.execution.model import ModelAdapter
-    from mmis.engine.execution.runner import ModelRunner
-    from mmis.engine.execution.structured import GrammarEngine
-    from mmis.engine.kv_events import KVEventStream
-    from mmis.engine.mm_events import MMEventStream
-    from mmis.telemetry.request_spans import RequestSpans
-    from mmis.telemetry.tracing import Tracing
 
 log = logging.getLogger("mmis.engine")
 
@@ -75,293 +51,6 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         raise SystemExit(f"mmis engine: {exc}") from None
 
 
-def load_model(cfg: EngineConfig) -> ModelAdapter:
-    """The model adapter of ``cfg.model`` at ``cfg.revision``."""
-    import torch
-
-    from mmis.engine.execution.dtype import DtypeError, resolve_dtype
-    from mmis.engine.execution.model import UnsupportedModelError, load_adapter
-    from mmis.engine.execution.model.adapter import default_device
-
-    path = resolve_model(cfg.model)
-    device = torch.device(cfg.device) if cfg.device is not None else default_device()
-    try:
-        dtype = resolve_dtype(cfg.dtype, device, path)
-    except DtypeError as exc:
-        raise SystemExit(f"mmis engine: {exc}") from None
-    log.info(
-        "loading model %s (revision %s) on %s in %s",
-        path,
-        cfg.revision or "default",
-        device,
-        str(dtype).removeprefix("torch."),
-    )
-    try:
-        return load_adapter(path, device=device, dtype=dtype, revision=cfg.revision)
-    except UnsupportedModelError as exc:  # refused before serving anything, saying why
-        raise SystemExit(f"mmis engine: cannot serve {cfg.model}: {exc}") from None
-
-
-def make_core(
-    cfg: EngineConfig,
-    runner: ModelRunner,
-    spans: RequestSpans | None = None,
-    *,
-    largest_item: int | None = None,
-    tokenizer_dir: str | None = None,
-    limits: batch_limits.BatchLimits | None = None,
-) -> EngineCore:
-    """A scheduler sized from ``cfg``, the runner's KV pool and the largest image item
-    (:mod:`mmis.engine.execution.encoder_sizing`), and the core around both (what ``mmis engine``
-    runs; benchmarks build theirs here too). The structured-output grammar engine is built
-    from the tokenizer in ``tokenizer_dir`` (the runner's model directory); without one the
-    core refuses structured requests. ``limits``: the batch limits ``mmis engine`` resolved
-    (default: ``cfg``'s where set, else the fixed defaults of
-    ``engine/batch_limits.py``)."""
-    from mmis.engine.core import EngineCore
-    from mmis.engine.execution.encoder_sizing import encoder_cache_tokens
-    from mmis.engine.scheduling.sched_config import SchedulerConfig
-    from mmis.engine.scheduling.scheduler import Scheduler
-
-    adapter = runner.adapter
-    if limits is None:
-        limits = batch_limits.resolve(
-            cfg.max_num_seqs, cfg.max_num_batched_tokens, on_cpu=adapter.device.type == "cpu"
-        )
-    max_len = cfg.max_model_len or getattr(adapter.text_config, "max_position_embeddings", None)
-    encoder_tokens = encoder_cache_tokens(cfg.encoder_cache_tokens, largest_item)
-    scheduler = Scheduler(
-        SchedulerConfig(
-            max_num_seqs=limits.max_num_seqs,
-            max_num_batched_tokens=limits.max_num_batched_tokens,
-            num_blocks=runner.pool.num_blocks,
-            block_size=cfg.block_size,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            encoder_cache_size=encoder_tokens,
-            encoder_compute_budget=encoder_tokens,
-            max_model_len=max_len,
-            whole_mm_spans=adapter.bidirectional_images,
-        )
-    )
-    return EngineCore(
-        scheduler,
-        runner,
-        eos_token_ids=adapter.eos_token_ids,
-        max_model_len=max_len,
-        spans=spans,
-        grammar=None if tokenizer_dir is None else load_grammar(cfg, adapter, tokenizer_dir),
-        kv_events=kv_event_stream(cfg),
-    )
-
-
-def kv_event_stream(cfg: EngineConfig) -> KVEventStream | None:
-    """The prefix-cache event stream of ``--kv-events-endpoint`` (docs/ROUTING.md), or None.
-    It lives as long as the process (its sockets do not linger)."""
-    if not cfg.kv_events_endpoint:
-        return None
-    import zmq
-
-    from mmis.engine.event_publisher import EventPublisher
-    from mmis.engine.kv_events import KVEventLog, KVEventStream
-
-    publisher = EventPublisher(
-        zmq.Context.instance(), cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint
-    )
-    log.info("KV events on %s (replay: %s)", publisher.endpoint, publisher.replay_endpoint)
-    return KVEventStream(KVEventLog(cfg.block_size), publisher)
-
-
-def load_grammar(cfg: EngineConfig, adapter: ModelAdapter, path: str) -> GrammarEngine | None:
-    """The structured-output grammar engine for the tokenizer in ``path`` (``None``, logged,
-    when it has no tokenizer that loads)."""
-    import time
-
-    from mmis.engine.execution.structured import GrammarEngine
-
-    started = time.perf_counter()
-    try:
-        grammar = GrammarEngine.from_model_dir(
-            path,
-            vocab_size=int(adapter.vocab_size),
-            eos_token_ids=adapter.eos_token_ids,
-            revision=cfg.revision,
-            cache_size=cfg.grammar_cache_size,
-        )
-    except Exception as exc:  # no usable tokenizer: serve everything else
-        log.warning("structured outputs are off: the tokenizer did not load (%s)", exc)
-        return None
-    log.info("grammar engine ready in %.2f s", time.perf_counter() - started)
-    return grammar
-
-
-def build(cfg: EngineConfig) -> EngineCoreProc:
-    """Load the model and wire scheduler, runner, receiver cache and process shell."""
-    from mmis.engine.core_process import EngineCoreProc
-    from mmis.engine.execution.encoder_sizing import largest_item_tokens, load_image_processor
-    from mmis.engine.execution.kv_sizing import KVSizingError, plan_kv_pool
-    from mmis.engine.execution.paged_attention import PagedAttentionError
-    from mmis.engine.execution.runner import ModelRunner
-    from mmis.multimodal.cache import ReceiverCache
-    from mmis.shm.reader_set import ShmReaderSet
-    from mmis.telemetry.request_spans import RequestSpans
-
-    tp = None
-    if cfg.tensor_parallel_size > 1:
-        from mmis.engine.execution.tensor_parallel import start_workers
-
-        # they load the model meanwhile
-        tp, port = start_workers(cfg, resolve_model(cfg.model), setup_logging)
-        tp.watch()
-    adapter = load_model(cfg)
-    if tp is not None:
-        from mmis.engine.execution.tensor_parallel import (
-            TensorParallelError,
-            init_group,
-            shard_adapter,
-        )
-
-        try:
-            shard_adapter(adapter, 0, tp.size)
-        except TensorParallelError as exc:
-            raise SystemExit(f"mmis engine: cannot split {cfg.model}: {exc}") from None
-        init_group(adapter.device, 0, tp.size, port)
-        log.info("tensor parallel: %d ranks (%s)", tp.size, adapter.device.type)
-    from mmis.engine.execution.cpu_linear import pack_adapter
-
-    pack_adapter(adapter, cfg.cpu_linear)  # after the split: it packs each rank's own slice
-    max_len = cfg.max_model_len or getattr(adapter.text_config, "max_position_embeddings", None)
-    try:
-        plan = plan_kv_pool(cfg, adapter, max_len, tp)
-    except KVSizingError as exc:
-        raise SystemExit(f"mmis engine: {exc}") from None
-    try:
-        runner = ModelRunner.create(
-            adapter,
-            block_size=cfg.block_size,
-            num_blocks=plan.num_blocks,
-            kv_budget_bytes=plan.budget_bytes,
-        )
-    except PagedAttentionError as exc:
-        raise SystemExit(f"mmis engine: {exc}; raise --kv-cache-gb") from None
-    if runner.pool.num_blocks < 2:
-        raise SystemExit(
-            f"mmis engine: --kv-cache-gb {cfg.kv_cache_gb} holds {runner.pool.num_blocks} KV "
-            f"block(s) of {runner.pool.spec.bytes_per_block} bytes; at least 2 are needed"
-        )
-    if tp is not None:
-        tp.send_pool_size(runner.pool.num_blocks)
-        runner.tensor_parallel = tp
-    limits = batch_limits.resolve(
-        cfg.max_num_seqs,
-        cfg.max_num_batched_tokens,
-        profiled_tokens=plan.step_tokens,
-        pool_blocks=None if plan.step_tokens is None else runner.pool.num_blocks,
-        block_size=cfg.block_size,
-        on_cpu=adapter.device.type == "cpu",
-    )
-    log.info("batch limits: %s", limits.describe())
-    if cfg.self_check:
-        from mmis.engine.self_check import SelfCheckError, run_self_check
-
-        try:
-            run_self_check(runner)
-        except SelfCheckError as exc:
-            raise SystemExit(
-                f"mmis engine: self-check failed: {exc} (--no-self-check skips it)"
-            ) from None
-    from mmis.engine.execution.decode_graphs import setup as setup_decode_graphs
-
-    runner.decode_graphs = setup_decode_graphs(  # logs "CUDA graphs: ..." either way
-        adapter,
-        runner.pool,
-        runner.backend,
-        enforce_eager=cfg.enforce_eager,
-        max_num_seqs=limits.max_num_seqs,
-        max_model_len=max_len,
-        tensor_parallel=tp is not None,
-    )
-    tracing = engine_tracing(cfg)
-    spans = RequestSpans(tracing, background=True) if tracing.enabled else None
-    largest = None
-    if cfg.encoder_cache_tokens is None:
-        image_processor = load_image_processor(str(resolve_model(cfg.model)), cfg.revision)
-        if image_processor is not None:
-            largest = largest_item_tokens(adapter, image_processor)
-    core = make_core(
-        cfg,
-        runner,
-        spans,
-        largest_item=largest,
-        tokenizer_dir=str(resolve_model(cfg.model)),
-        limits=limits,
-    )
-    readers = ShmReaderSet(cfg.shm_dir)
-    readers.start()  # drops the mappings of removed segments (their memory is then freed)
-    receiver = ReceiverCache(int(cfg.mm_cache_gb * GiB), shm_reader=readers.receive)
-    log.info(
-        "engine ready: %d KV blocks of %d tokens (%s, %s), encoder cache %d tokens (largest "
-        "image %s), receiver cache %.2f GiB, epoch %s",
-        runner.pool.num_blocks,
-        cfg.block_size,
-        plan.source,
-        str(adapter.dtype).removeprefix("torch."),
-        core.scheduler.config.encoder_cache_size,
-        largest,
-        cfg.mm_cache_gb,
-        receiver.epoch,
-    )
-    return EngineCoreProc(
-        core,
-        receiver,
-        cfg.input_address,
-        cfg.output_address,
-        cache_epoch=receiver.epoch,
-        fault_evict_rate=cfg.fault_evict_rate,
-        seed=cfg.seed,
-        model_info={
-            "dtype": str(adapter.dtype).removeprefix("torch."),
-            "device": adapter.device.type,
-            "block_size": str(cfg.block_size),  # P0's block keys (protocol/block_keys.py)
-        },
-        mm_events=mm_event_stream(cfg, receiver.epoch),
-    )
-
-
-def mm_event_stream(cfg: EngineConfig, epoch: str) -> MMEventStream | None:
-    """The receiver cache's event stream of ``--mm-events-endpoint`` (docs/ROUTING.md), or
-    None. It lives as long as the process (its sockets do not linger)."""
-    if not cfg.mm_events_endpoint:
-        return None
-    import zmq
-
-    from mmis.engine.event_publisher import EventPublisher
-    from mmis.engine.mm_events import MMEventLog, MMEventStream
-
-    publisher = EventPublisher(
-        zmq.Context.instance(), cfg.mm_events_endpoint, cfg.mm_events_replay_endpoint
-    )
-    log.info("multimodal events on %s (replay: %s)", publisher.endpoint, publisher.replay_endpoint)
-    return MMEventStream(MMEventLog(), publisher, epoch)
-
-
-def engine_tracing(cfg: EngineConfig) -> Tracing:
-    """P1's tracing: ``--otlp-traces-endpoint`` over ``OTEL_*``; off (no-op) when unset."""
-    import os
-
-    from mmis.telemetry.errors import TracingConfigError
-    from mmis.telemetry.tracing import setup_tracing
-    from mmis.telemetry.tracing_config import TracingConfig
-
-    try:
-        config = TracingConfig.from_env(
-            otlp_traces_endpoint=cfg.otlp_traces_endpoint,
-            service_name=os.environ.get("OTEL_SERVICE_NAME") or "mmis-engine",
-        )
-    except TracingConfigError as exc:
-        raise SystemExit(f"mmis engine: {exc}") from None
-    return setup_tracing(config)
-
-
 def _write_status(path: str | None, text: str) -> None:
     if path is None:
         return
@@ -373,15 +62,14 @@ def _write_status(path: str | None, text: str) -> None:
 
 
 def build_or_exit(cfg: EngineConfig) -> EngineCoreProc:
-    """:func:`build`, or exit 1 with the cause as one last line (also in ``--status-file``)."""
+    """The builder's engine (``engine/builder.py``) for ``cfg``, or exit 1 with the cause as
+    one last line (also in ``--status-file``)."""
     try:
-        return build(cfg)
-    except SystemExit as exc:  # our own refusals: already one line saying why
-        if exc.code in (None, 0):
-            raise
-        cause = str(exc.code)
+        return build(cfg, str(resolve_model(cfg.model)), setup_logging)
+    except EngineStartError as exc:  # the builder's refusals: one line saying why
+        cause = f"mmis engine: {exc}"
         _write_status(cfg.status_file, cause)
-        raise
+        raise SystemExit(cause) from None
     except Exception as exc:  # anything else: keep the traceback, end on the cause
         log.error("the engine failed to start", exc_info=True)
         cause = f"mmis engine: failed to start: {one_line(exc)}"
