@@ -38,10 +38,9 @@ import kubernetes.client
 import kubernetes.watch
 import yaml
 
-from mmis_operator import resource as r
+from mmis_operator import kube as r
 from mmis_operator.kube import APPLY, Kube, object_path, service_path
-from mmis_operator.runner import OperatorThread
-from mmis_operator.settings import Options
+from mmis_operator.main import OperatorThread, Options
 
 ROOT = Path(__file__).resolve().parents[1]
 

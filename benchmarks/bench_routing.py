@@ -8,7 +8,7 @@ forwarding each request where the picker says. Two configurations of the same pi
 
 - ``random``: only the framework's ``random-picker`` (what a Service's round robin gives: a
   repeat finds its photo on the replica it lands on about 1/N of the time);
-- ``picker``: the configuration the operator deploys (``mmis_operator.picker_config``): the
+- ``picker``: the configuration the operator deploys (``mmis_operator.routing.picker_config``): the
   mmis cache scorer beside the queue and KV-utilisation scorers.
 
 Each configuration gets fresh replicas (cold caches). ``--users`` users, ``--concurrency`` of
@@ -54,7 +54,7 @@ from picker_stack import DESTINATION, PickerStack
 from tools import go_tool
 
 from mmis.tiny_models.tiny_model import tiny_model_dir
-from mmis_operator.picker_config import picker_config
+from mmis_operator.routing import picker_config
 
 QUESTIONS = (
     "What is in the picture?",

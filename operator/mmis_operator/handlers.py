@@ -14,7 +14,7 @@ Invariants:
   an older operator is removed by kopf on its first look at the object.
 - Deployment and pod events of managed children never call the API on kopf's event loop nor
   hold one of kopf's worker threads: they hand the newest body to a per-resource coalescing
-  :class:`~mmis_operator.refresh.Refresher` (``Reconciler.deployment_changed`` /
+  :class:`~mmis_operator.reconciler.Refresher` (``Reconciler.deployment_changed`` /
   ``pod_changed`` run once per burst, ``refresh_delay`` seconds after its first event).
   The reconcile runs in a worker thread too (``asyncio.to_thread``) and, once it succeeded,
   queues a status refresh from the Deployment as it is then (``Refresher.submit_fresh``), so
@@ -29,11 +29,10 @@ from typing import Any
 
 import kopf
 
-from mmis_operator import resource as r
+from mmis_operator import kube as r  # the resource's names (kube.py's first section)
 from mmis_operator.kube import Kube, KubeError, object_path
 from mmis_operator.probe import CoherenceProbe
-from mmis_operator.reconciler import ApplyError, Reconciler
-from mmis_operator.refresh import Refresher
+from mmis_operator.reconciler import ApplyError, Reconciler, Refresher
 from mmis_operator.spec import InvalidSpecError, parse_spec
 
 RETRY_DELAY = 5.0

@@ -1,6 +1,15 @@
-"""A small, dict-in/dict-out Kubernetes REST client for the operator (one per operator).
+"""The Kubernetes side of the operator: the resource's names, and a small REST client.
+
+Owns (each a section below): the names shared by the CRD, the builders and the handlers (one
+place, so they never disagree: API group and kind, labels, container names and ports,
+condition types; imported elsewhere as ``r``), and :class:`Kube`, a dict-in/dict-out
+Kubernetes REST client (one per operator), with :class:`KubeError` and the object paths.
 
 Invariants:
+- The API group, version, plural and kind match ``crds/mminferenceservice.yaml`` exactly.
+- Everything the operator stores on objects (finalizer, kopf progress annotations, labels)
+  lives under the ``mmis.dev`` prefix.
+- The engine <-> front end ZMQ addresses are defined here once and passed to both containers.
 - Each :class:`Kube` owns its own client configuration (never the process-global default), so
   several operators with different credentials can run in one process (tests, benchmarks).
 - Every failure surfaces as :class:`KubeError` carrying the HTTP status (0: no answer, e.g. the
@@ -24,7 +33,73 @@ import kubernetes.client
 import kubernetes.config
 import urllib3
 
-from mmis_operator import resource as r
+# --- The resource's names (was resource.py) -------------------------------------------------------
+
+GROUP = "mmis.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "MMInferenceService"
+PLURAL = "mminferenceservices"
+SHORT_NAME = "mmis"
+
+FINALIZER = f"{GROUP}/finalizer"
+ANNOTATION_PREFIX = GROUP
+FIELD_MANAGER = "mmis-operator"
+REPORTING_COMPONENT = "mmis-operator"
+
+# labels on every child and on the pods
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_SERVICE = f"{GROUP}/service"  # the owning MMInferenceService's name
+APP_NAME = "mmis"
+COMPONENT = "inference"
+MANAGED_BY = "mmis-operator"
+
+# containers and ports of an inference pod
+FRONTEND = "frontend"
+ENGINE = "engine"
+HTTP_PORT = 8000
+HTTP_PORT_NAME = "http"
+# /metrics and /stats/cache (front end's --ops-port): pod to pod only, never on the Service
+OPS_PORT = 8001
+OPS_PORT_NAME = "ops"
+# the engine's own probe endpoint (mmis engine --health-port): kubelet only
+ENGINE_HEALTH_PORT = 8002
+ENGINE_HEALTH_PORT_NAME = "engine-health"
+ENGINE_INPUT_ADDRESS = "tcp://127.0.0.1:5570"
+ENGINE_OUTPUT_ADDRESS = "tcp://127.0.0.1:5571"
+SHM_VOLUME = "dshm"
+SHM_MOUNT = "/dev/shm"
+GPU_RESOURCE = "nvidia.com/gpu"
+RUN_AS_USER = 1000
+
+# condition types the operator owns (CacheCoherent: the coherence probe, the others: reconciler;
+# Routing only while spec.routing is set)
+READY = "Ready"
+PROGRESSING = "Progressing"
+DEGRADED = "Degraded"
+CACHE_COHERENT = "CacheCoherent"
+ROUTING = "Routing"
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """The labels that select one service's pods (stable for the Deployment's lifetime)."""
+    return {LABEL_NAME: APP_NAME, LABEL_INSTANCE: name, LABEL_SERVICE: name}
+
+
+def selector_string(name: str) -> str:
+    """``selector_labels`` as a label-selector string (``status.selector``, scale subresource)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+
+
+def child_labels(name: str) -> dict[str, str]:
+    """Labels on every child object and pod: the selector plus component and manager."""
+    return {**selector_labels(name), LABEL_COMPONENT: COMPONENT, LABEL_MANAGED_BY: MANAGED_BY}
+
+
+# --- The REST client (was kube.py) ----------------------------------------------------------------
 
 _PLURALS = {
     "Deployment": "deployments",
@@ -43,7 +118,7 @@ _PLURALS = {
     "Role": "roles",  # rbac.authorization.k8s.io
     "RoleBinding": "rolebindings",
     "InferencePool": "inferencepools",  # inference.networking.k8s.io
-    r.KIND: r.PLURAL,
+    KIND: PLURAL,
 }
 JSON = "application/json"
 APPLY = "application/apply-patch+yaml"
@@ -72,7 +147,7 @@ def object_path(api_version: str, kind: str, namespace: str | None, name: str | 
 
 
 def service_path(namespace: str, name: str | None = None) -> str:
-    return object_path(r.API_VERSION, r.KIND, namespace, name)
+    return object_path(API_VERSION, KIND, namespace, name)
 
 
 class Kube:
@@ -150,7 +225,7 @@ class Kube:
         path = object_path(
             manifest["apiVersion"], manifest["kind"], meta.get("namespace"), meta["name"]
         )
-        query = {"fieldManager": r.FIELD_MANAGER, "force": "true", "fieldValidation": "Strict"}
+        query = {"fieldManager": FIELD_MANAGER, "force": "true", "fieldValidation": "Strict"}
         return self.request("PATCH", path, dict(manifest), query, APPLY)
 
     def list(self, path: str, label_selector: str) -> list[dict[str, Any]]:
@@ -185,8 +260,8 @@ class Kube:
             "kind": "Event",
             "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
             "involvedObject": {
-                "apiVersion": involved.get("apiVersion", r.API_VERSION),
-                "kind": involved.get("kind", r.KIND),
+                "apiVersion": involved.get("apiVersion", API_VERSION),
+                "kind": involved.get("kind", KIND),
                 "name": meta["name"],
                 "namespace": meta["namespace"],
                 "uid": meta.get("uid"),
@@ -194,8 +269,8 @@ class Kube:
             "reason": reason,
             "message": message[:1024],
             "type": kind,
-            "source": {"component": r.REPORTING_COMPONENT},
-            "reportingComponent": r.REPORTING_COMPONENT,
+            "source": {"component": REPORTING_COMPONENT},
+            "reportingComponent": REPORTING_COMPONENT,
             "reportingInstance": self.instance,
             "firstTimestamp": now,
             "lastTimestamp": now,

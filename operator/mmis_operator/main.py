@@ -1,12 +1,30 @@
-"""``mmis operator``: run the MMInferenceService operator (kopf) in the foreground.
+"""``mmis operator`` / ``mmis-operator``: run the MMInferenceService operator (kopf), in the
+foreground or in a thread (tests, benchmarks).
+
+Owns (each a section below): the operator's options (:class:`Options`) and the kopf settings
+derived from them (:func:`configure`), the command line (``add_arguments``/``run``, the
+``mmis operator`` subcommand, and :func:`main`, the ``mmis-operator`` console script: the
+operator image's entry point), and running it (:func:`serve`, :class:`OperatorThread`).
 
 Invariants:
 - With no ``--namespace`` the operator watches every namespace (needs the ClusterRole);
   with one or more it watches only those.
 - Bad options exit with status 2 and a message, before any connection is made.
-- Each option's default is its :class:`~mmis_operator.settings.Options` field's (the parser's
-  are ``None``: an option left out keeps the field default).
+- Each option's default is its :class:`Options` field's (the parser's are ``None``: an option
+  left out keeps the field default).
 - ``run`` returns 0 after a clean stop (SIGTERM/SIGINT, handled by kopf).
+- Everything kopf stores on objects lives under ``mmis.dev``: handler progress and the
+  last-handled spec as ``mmis.dev/...`` annotations; nothing is written into ``status`` by
+  kopf. No handler needs a finalizer (``handlers._no_finalizer``): ``mmis.dev/finalizer``
+  is only the name kopf looks for to remove it from resources an older operator finalized.
+- Watches always have a server-side and a client-side timeout, and requests a timeout, so a
+  restarted or silent API server never wedges the operator: watches re-establish themselves.
+- Peering is off (standalone) unless a peering name is given; then a standby replica with a
+  lower priority waits while the active one holds the peering object.
+- One function, :func:`serve`, builds the registry, settings and client for both modes, so the
+  threaded operator tests exercise exactly what ``mmis operator`` runs.
+- :class:`OperatorThread` stops through kopf's stop flag (no signals, no thread killing) and
+  ``start`` returns only after kopf reports readiness (or raises if it died first).
 """
 
 from __future__ import annotations
@@ -17,8 +35,82 @@ import dataclasses
 import logging
 import random
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
-from mmis_operator.settings import Options
+import kopf
+
+from mmis_operator import kube as r  # the resource's names (kube.py's first section)
+from mmis_operator.handlers import build_registry
+from mmis_operator.kube import Kube
+from mmis_operator.probe import CoherenceProbe
+
+# --- Options and kopf settings (was settings.py) --------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    namespaces: tuple[str, ...] = ()  # empty: cluster-wide
+    peering: str | None = None
+    priority: int = 0
+    liveness_endpoint: str | None = None
+    watch_server_timeout: int = 60  # sent as ?timeoutSeconds=, which must be an integer
+    watch_client_timeout: float = 90.0
+    connect_timeout: float = 10.0
+    request_timeout: float = 60.0
+    resync_seconds: float = 60.0
+    workers: int | None = None
+    event_level: int = logging.WARNING
+    # the CacheCoherent probe: interval, per-pod HTTP timeout, and whether the test-only
+    # ``mmis.dev/stats-endpoints`` annotation may redirect it (never in production)
+    probe_seconds: float = 30.0
+    probe_timeout: float = 2.0
+    allow_stats_endpoint_override: bool = False
+    # testing knobs in a resource (spec.engine.faultEvictRate) are refused unless this is set
+    allow_fault_injection: bool = False
+
+    def __post_init__(self) -> None:
+        if self.watch_client_timeout <= self.watch_server_timeout:
+            raise ValueError(
+                "watch client timeout must exceed the server timeout "
+                f"({self.watch_client_timeout} <= {self.watch_server_timeout})"
+            )
+        if self.resync_seconds <= 0:
+            raise ValueError(f"resync interval must be positive, got {self.resync_seconds}")
+        if self.probe_seconds <= 0 or self.probe_timeout <= 0:
+            raise ValueError(
+                f"probe interval and timeout must be positive, got {self.probe_seconds}, "
+                f"{self.probe_timeout}"
+            )
+
+
+def configure(settings: kopf.OperatorSettings, options: Options) -> kopf.OperatorSettings:
+    """Apply ``options`` to ``settings`` (in place) and return it."""
+    settings.persistence.finalizer = r.FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix=r.ANNOTATION_PREFIX
+    )
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=r.ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
+    settings.watching.server_timeout = int(options.watch_server_timeout)
+    settings.watching.client_timeout = options.watch_client_timeout
+    settings.watching.connect_timeout = options.connect_timeout
+    settings.networking.request_timeout = options.request_timeout
+    settings.networking.connect_timeout = options.connect_timeout
+    settings.posting.level = options.event_level
+    settings.posting.reporting_component = r.REPORTING_COMPONENT
+    settings.peering.standalone = options.peering is None
+    settings.peering.name = options.peering or "default"
+    settings.peering.priority = options.priority
+    settings.peering.clusterwide = not options.namespaces
+    if options.workers is not None:
+        settings.execution.max_workers = options.workers
+    return settings
+
+
+# --- The command line (was main.py) ---------------------------------------------------------------
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,9 +176,6 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from mmis_operator.kube import Kube  # imported late: `mmis --help` stays fast
-    from mmis_operator.runner import serve
-
     kube = Kube.from_kubeconfig(args.kubeconfig)
     try:
         asyncio.run(serve(kube, options))
@@ -102,6 +191,78 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_arguments(parser)
     return run(parser.parse_args(argv))
+
+
+# --- Running the operator: foreground or a thread (was runner.py) ---------------------------------
+
+
+async def serve(
+    kube: Kube,
+    options: Options,
+    stop_flag: threading.Event | None = None,
+    ready_flag: threading.Event | None = None,
+) -> None:
+    settings = configure(kopf.OperatorSettings(), options)
+    if options.workers is not None:  # the reconciles and status refreshes (asyncio.to_thread)
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(options.workers, thread_name_prefix="mmis-operator")
+        )
+    await kopf.operator(
+        registry=build_registry(
+            kube,
+            options.resync_seconds,
+            CoherenceProbe(kube, options.probe_timeout, options.allow_stats_endpoint_override),
+            options.probe_seconds,
+            options.allow_fault_injection,
+        ),
+        settings=settings,
+        clusterwide=not options.namespaces,
+        namespaces=list(options.namespaces),
+        liveness_endpoint=options.liveness_endpoint,
+        stop_flag=stop_flag,
+        ready_flag=ready_flag,
+    )
+
+
+class OperatorThread:
+    """The operator in a background thread with its own event loop and credentials."""
+
+    def __init__(self, kubeconfig: Path | str, options: Options) -> None:
+        self.kube = Kube.from_kubeconfig(kubeconfig)
+        self.options = options
+        self.stop_flag = threading.Event()
+        self.ready_flag = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="mmis-operator", daemon=True)
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(serve(self.kube, self.options, self.stop_flag, self.ready_flag))
+        except BaseException as exc:  # reported by start()/stop()
+            self.error = exc
+        finally:
+            self.ready_flag.set()  # unblock start() if kopf died before becoming ready
+
+    def start(self, timeout: float = 60.0) -> OperatorThread:
+        self._thread.start()
+        if not self.ready_flag.wait(timeout):
+            raise TimeoutError(f"the operator was not ready within {timeout}s")
+        if self.error is not None or not self._thread.is_alive():
+            raise RuntimeError(f"the operator stopped during start-up: {self.error!r}")
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.stop_flag.set()
+        self._thread.join(timeout)
+        self.kube.close()
+        if self._thread.is_alive():
+            raise TimeoutError(f"the operator did not stop within {timeout}s")
+
+    def __enter__(self) -> OperatorThread:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
 
 
 if __name__ == "__main__":  # pragma: no cover

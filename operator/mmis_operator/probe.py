@@ -3,7 +3,7 @@
 One cycle (:meth:`CoherenceProbe.run`, called by the operator's ``coherence`` timer): list the
 service's pods, GET ``http://<podIP>:8001/stats/cache`` (the front end's operations port,
 never exposed by the Service, no API key) on each ready one concurrently, judge
-the answers (:mod:`mmis_operator.coherence`) and write ``status.cache`` plus the
+the answers (:func:`mmis_operator.status.evaluate`) and write ``status.cache`` plus the
 ``CacheCoherent`` condition, posting one Event per status flip.
 
 Invariants:
@@ -13,7 +13,7 @@ Invariants:
   endpoint standing in for the i-th ready pod by name) is honoured only when the operator was
   started with ``allow_endpoint_override``; otherwise it is ignored, so a resource's author
   cannot point the operator at arbitrary URLs in production.
-- The status write (:func:`status_writer.write`: fresh read, 409 -> retry) touches only
+- The status write (:func:`status.write`: fresh read, 409 -> retry) touches only
   ``status.cache`` and the ``CacheCoherent`` condition: Ready/Progressing/Degraded survive, and
   ``CacheCoherent`` never feeds ``Ready``.
 """
@@ -30,8 +30,8 @@ from typing import Any
 
 import httpx
 
-from mmis_operator import coherence, conditions, status, status_writer
-from mmis_operator import resource as r
+from mmis_operator import kube as r  # the resource's names (kube.py's first section)
+from mmis_operator import status
 from mmis_operator.kube import Kube
 
 logger = logging.getLogger(__name__)
@@ -48,9 +48,9 @@ class Target:
 def _ready(pod: Mapping[str, Any]) -> bool:
     if pod.get("metadata", {}).get("deletionTimestamp"):
         return False
-    status = pod.get("status") or {}
-    ready = conditions.find(status.get("conditions") or (), "Ready")
-    return bool(status.get("podIP")) and ready is not None and ready.get("status") == "True"
+    pod_status = pod.get("status") or {}
+    ready = status.find(pod_status.get("conditions") or (), "Ready")
+    return bool(pod_status.get("podIP")) and ready is not None and ready.get("status") == "True"
 
 
 def targets(
@@ -74,16 +74,16 @@ def targets(
     ]
 
 
-async def _fetch(client: httpx.AsyncClient, target: Target) -> coherence.ProbeResult:
+async def _fetch(client: httpx.AsyncClient, target: Target) -> status.ProbeResult:
     try:
         response = await client.get(target.url)
         response.raise_for_status()
-        stats = coherence.parse_stats(response.json())
+        stats = status.parse_stats(response.json())
     except httpx.HTTPError as exc:
-        return coherence.ProbeResult(target.pod, error=f"{type(exc).__name__}: {exc}"[:200])
+        return status.ProbeResult(target.pod, error=f"{type(exc).__name__}: {exc}"[:200])
     except ValueError as exc:  # bad JSON or a StatsError
-        return coherence.ProbeResult(target.pod, error=f"bad answer: {exc}"[:200])
-    return coherence.ProbeResult(target.pod, stats=stats)
+        return status.ProbeResult(target.pod, error=f"bad answer: {exc}"[:200])
+    return status.ProbeResult(target.pod, stats=stats)
 
 
 @functools.cache
@@ -94,7 +94,7 @@ def _tls() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
-async def fetch_all(found: Sequence[Target], timeout: float) -> list[coherence.ProbeResult]:
+async def fetch_all(found: Sequence[Target], timeout: float) -> list[status.ProbeResult]:
     """Probe every target concurrently, each bounded by ``timeout`` seconds."""
     if not found:
         return []
@@ -120,16 +120,16 @@ class CoherenceProbe:
         found = self.kube.request("GET", path, query={"labelSelector": r.selector_string(name)})
         return list(found.get("items") or [])
 
-    async def run(self, body: Mapping[str, Any], threshold: float) -> coherence.Coherence:
+    async def run(self, body: Mapping[str, Any], threshold: float) -> status.Coherence:
         """Probe, judge and store; returns what was stored."""
         meta = body["metadata"]
         pods = await asyncio.to_thread(self.list_pods, meta["namespace"], meta["name"])
         results = await fetch_all(targets(body, pods, self.allow_override), self.timeout)
-        judged = coherence.evaluate(results, threshold)
+        judged = status.evaluate(results, threshold)
         await asyncio.to_thread(self.store, meta["namespace"], meta["name"], judged)
         return judged
 
-    def store(self, namespace: str, name: str, judged: coherence.Coherence) -> None:
+    def store(self, namespace: str, name: str, judged: status.Coherence) -> None:
         """Write ``status.cache`` and ``CacheCoherent`` (an Event when its status flips)."""
         update = status.DesiredStatus({"cache": judged.cache}, (judged.condition,))
-        status_writer.write(self.kube, namespace, name, lambda _: update)
+        status.write(self.kube, namespace, name, lambda _: update)

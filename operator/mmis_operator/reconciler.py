@@ -1,14 +1,19 @@
 """Reconciling one MMInferenceService: apply its children, keep its status, record events.
 
+Owns (each a section below): :class:`Reconciler` (the reconcile of one resource, and the status
+refreshes its children's events cause), the operator's optional integrations (its setting
+and the API discovery that finds KEDA, prometheus-operator and the InferencePool API), and
+:class:`Refresher`, which coalesces those refreshes per resource.
+
 Invariants:
 - ``reconcile`` is idempotent: it server-side-applies the same manifests for the same spec, so
   create, update, resume and the periodic resync can all call it.
 - ``observedGeneration`` is raised only after every child of that generation was applied.
-- Status goes through :func:`status_writer.write` (fresh read, 409 -> retry), so conditions
+- Status goes through :func:`status.write` (fresh read, 409 -> retry), so conditions
   written by others (``CacheCoherent``) survive.
 - An invalid spec never raises past the handler as anything but :class:`InvalidSpecError`,
   after the status says why (Degraded=True, reason InvalidSpec) and a Warning event is posted.
-- Each condition transition posts one Event, typed by :func:`status_writer.event_type`.
+- Each condition transition posts one Event, typed by :func:`status.event_type`.
 - A field the operator's settings refuse (``faultEvictRate`` without
   ``--allow-fault-injection``) is reported like an invalid spec (Degraded, reason
   FieldRefused, the field named) and nothing is applied: no pod ever runs with it.
@@ -19,38 +24,73 @@ Invariants:
 - Optional children (Ingress, PodDisruptionBudget, the model claim) that the spec no longer
   asks for are deleted, only when this resource owns them.
 - The integrations (an HPA or a KEDA ScaledObject for ``spec.autoscaling``, a PodMonitor) are
-  chosen by API discovery and the operator's :class:`~integrations.Integrations` setting; one
-  that is no longer wanted (autoscaling off, HPA replaced by a ScaledObject) is deleted. Their
-  absence is checked on a resource's first reconcile in this process, afterwards only for the
-  kinds this process applied to it (``_integrations``, an in-memory hint), so a steady
-  reconcile costs no extra request.
+  chosen by API discovery and the operator's :class:`Integrations` setting; one that is no
+  longer wanted (autoscaling off, HPA replaced by a ScaledObject) is deleted. Their absence is
+  checked on a resource's first reconcile in this process, afterwards only for the kinds this
+  process applied to it (``_integrations``, an in-memory hint), so a steady reconcile costs no
+  extra request.
 - ``spec.routing``: the InferencePool and the endpoint picker's objects (routing.py) are
   applied only when the cluster serves inference.networking.k8s.io/v1 InferencePool; the
   ``Routing`` condition says which (True, or False with reason InferencePoolAPIMissing and what
   to install). Without ``spec.routing`` those objects are deleted (the same in-memory hint,
   ``_routed``) and the Routing condition is removed.
+
+Integrations:
+- :class:`Integrations` is the operator's setting for them, read from the environment (the
+  chart sets it; ``mmis operator`` has no flag for it yet):
+  ``MMIS_OPERATOR_AUTOSCALER`` = ``auto`` (default: a ScaledObject when KEDA's CRD is served,
+  else an HPA) | ``hpa`` | ``keda``; ``MMIS_OPERATOR_POD_MONITORS`` = ``auto`` (default: a
+  PodMonitor per resource when the CRD is served) | ``off`` (e.g. the chart's own cluster-wide
+  PodMonitor is enabled instead). A bad value fails at start-up, naming the variable.
+- :class:`Discovery` asks the API server's discovery endpoint (readable by every
+  authenticated user: no RBAC) and caches each answer for ``ttl`` seconds, so a CRD installed
+  later is used within a minute and a reconcile costs no discovery request otherwise. An
+  unreachable API server raises ``KubeError`` (retryable), never "absent".
+
+Refreshes: the operator's watch handlers (``handlers.deployment_event`` / ``pod_event``) run on
+kopf's event loop and only submit to the :class:`Refresher`; the refresh itself (API calls: a
+LIST of pods, a GET and a PUT of the status) runs in one of the refresher's own threads, never
+queued behind the reconciles of 100 resources created at once (they use the loop's default
+executor). A Deployment rolling out emits several status updates within a second and each of
+its pods several more: one refresh per burst instead of one per event
+(benchmarks/bench_operator.py, benchmarks/README.md).
+- At most one refresh per resource runs at a time, and it uses the newest Deployment event
+  seen for it (``latest wins``): a stale event is never written after a newer one.
+- Nothing submitted is lost: an event arriving while that resource's refresh runs is taken
+  by the next round of the same drain task, which starts ``delay`` seconds later.
+- A round runs the newest Deployment event first (it reads the pods itself while they are not all
+  ready), then each pod's newest event (``Reconciler.pod_changed``: cheap unless a pod shows a
+  problem or the resource's last status had one), so a pod problem surfaces in that round.
+- A reconcile's own status write uses the Deployment as it applied it, which the Deployment's
+  events may have overtaken meanwhile (under load, a resource was left "ReplicasNotReady" with
+  its pod ready): after each successful reconcile a ``fresh`` job (GET the Deployment, write)
+  runs last in the next round, so the last write of a burst always reads the current state.
+- A refresh that fails is logged and dropped: the next event or the resync timer repairs it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
-from collections.abc import Mapping
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from mmis_operator import children, routing, status, status_writer
-from mmis_operator import resource as r
-from mmis_operator.conditions import Condition
-from mmis_operator.integrations import (
-    Discovery,
-    Integrations,
-    autoscaler_kind,
-    pod_monitors_wanted,
-)
+from mmis_operator import builders, routing, status
+from mmis_operator import kube as r  # the resource's names (kube.py's first section)
+from mmis_operator.builders import created_claim_name
 from mmis_operator.kube import Kube, KubeError, object_path, service_path
-from mmis_operator.pod import created_claim_name
 from mmis_operator.spec import InvalidSpecError, ServiceSpec, parse_spec, refused_by_policy
+from mmis_operator.status import Condition
 
 logger = logging.getLogger(__name__)
+
+
+# --- Reconciling one resource (was reconciler.py) -------------------------------------------------
 
 
 class ApplyError(Exception):
@@ -133,15 +173,15 @@ class Reconciler:
         serves (an HPA always; a ScaledObject or PodMonitor when discovery finds its CRD)."""
         wanted: dict[str, dict[str, Any] | None] = {}
         kind = autoscaler_kind(self.integrations, self.discovery) if spec.autoscaling else None
-        for candidate in children.AUTOSCALER_KINDS:
+        for candidate in builders.AUTOSCALER_KINDS:
             if candidate == "ScaledObject" and kind != candidate and not self.discovery.keda():
                 continue  # KEDA is not installed: there can be no ScaledObject to delete
             wanted[candidate] = (
-                children.autoscaler(body, spec, candidate) if candidate == kind else None
+                builders.autoscaler(body, spec, candidate) if candidate == kind else None
             )
         if self.discovery.pod_monitors():
             monitors = pod_monitors_wanted(self.integrations, self.discovery)
-            wanted["PodMonitor"] = children.pod_monitor(body, spec) if monitors else None
+            wanted["PodMonitor"] = builders.pod_monitor(body, spec) if monitors else None
         return wanted
 
     def _drop_unwanted(
@@ -169,7 +209,7 @@ class Reconciler:
             f"{routing.POOL_GROUP}, kind {routing.POOL_KIND}, name {name})"
         )
         condition = Condition(r.ROUTING, "True", "InferencePoolApplied", message)
-        return children.routing_objects(body, spec), condition
+        return builders.routing_objects(body, spec), condition
 
     def _drop_routing(self, meta: Mapping[str, Any], wanted: bool) -> None:
         """Delete the routing objects the resource owns when it has none any more: looked for
@@ -214,7 +254,7 @@ class Reconciler:
             )
             return status.DesiredStatus(desired.fields, desired.conditions + extra, dropped)
 
-        stored = status_writer.write(self.kube, namespace, name, compute, observed_generation)
+        stored = status.write(self.kube, namespace, name, compute, observed_generation)
         key = (namespace, name)
         if stored is not None and status.pod_problem(pods) is not None:
             self._pod_problem_owners.add(key)
@@ -238,15 +278,15 @@ class Reconciler:
         except InvalidSpecError:
             self._write_failure(namespace, name, None)  # the status says InvalidSpec / refused
             raise
-        claim = children.model_claim(body, spec)
+        claim = builders.model_claim(body, spec)
         manifests = [
             *([claim] if claim is not None else []),
-            children.deployment(body, spec),
-            children.service(body, spec),
+            builders.deployment(body, spec),
+            builders.service(body, spec),
         ]
         optional = {
-            "Ingress": children.ingress(body, spec),
-            "PodDisruptionBudget": children.disruption_budget(body, spec),
+            "Ingress": builders.ingress(body, spec),
+            "PodDisruptionBudget": builders.disruption_budget(body, spec),
         }
         manifests += [m for m in optional.values() if m is not None]
         integrations = self._wanted_integrations(body, spec)
@@ -328,3 +368,160 @@ class Reconciler:
             self.reconcile(body)
         except (InvalidSpecError, ApplyError) as exc:
             logger.warning("re-creating the Deployment of %s failed: %s", owner, exc)
+
+
+# --- Optional integrations: the setting and API discovery (was integrations.py) -------------------
+
+AUTOSCALERS = ("auto", "hpa", "keda")
+POD_MONITORS = ("auto", "off")
+ENV_AUTOSCALER = "MMIS_OPERATOR_AUTOSCALER"
+ENV_POD_MONITORS = "MMIS_OPERATOR_POD_MONITORS"
+KEDA = ("keda.sh/v1alpha1", "scaledobjects")
+PROMETHEUS_OPERATOR = ("monitoring.coreos.com/v1", "podmonitors")
+INFERENCE_POOL = ("inference.networking.k8s.io/v1", "inferencepools")
+
+
+@dataclasses.dataclass(frozen=True)
+class Integrations:
+    autoscaler: str = "auto"  # which object spec.autoscaling becomes: auto | hpa | keda
+    pod_monitors: str = "auto"  # a PodMonitor per resource: auto | off
+
+    def __post_init__(self) -> None:
+        if self.autoscaler not in AUTOSCALERS:
+            raise ValueError(
+                f"{ENV_AUTOSCALER} must be one of {', '.join(AUTOSCALERS)}, got {self.autoscaler!r}"
+            )
+        if self.pod_monitors not in POD_MONITORS:
+            raise ValueError(
+                f"{ENV_POD_MONITORS} must be one of {', '.join(POD_MONITORS)}, "
+                f"got {self.pod_monitors!r}"
+            )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Integrations:
+        env = os.environ if env is None else env
+        return cls(
+            autoscaler=env.get(ENV_AUTOSCALER, "auto").strip().lower() or "auto",
+            pod_monitors=env.get(ENV_POD_MONITORS, "auto").strip().lower() or "auto",
+        )
+
+
+class Discovery:
+    """Which optional resources the API server serves, cached for ``ttl`` seconds."""
+
+    def __init__(
+        self, kube: Kube, ttl: float = 60.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.kube = kube
+        self.ttl = ttl
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._seen: dict[tuple[str, str], tuple[float, bool]] = {}
+
+    def serves(self, group_version: str, plural: str) -> bool:
+        key = (group_version, plural)
+        now = self.clock()
+        with self._lock:
+            cached = self._seen.get(key)
+        if cached is not None and now - cached[0] < self.ttl:
+            return cached[1]
+        found = self.kube.get(f"/apis/{group_version}")  # 404: the group is not served
+        names = {res.get("name") for res in (found or {}).get("resources") or []}
+        served = plural in names
+        with self._lock:
+            self._seen[key] = (now, served)
+        return served
+
+    def keda(self) -> bool:
+        return self.serves(*KEDA)
+
+    def pod_monitors(self) -> bool:
+        return self.serves(*PROMETHEUS_OPERATOR)
+
+    def inference_pools(self) -> bool:
+        return self.serves(*INFERENCE_POOL)
+
+
+def autoscaler_kind(settings: Integrations, discovery: Discovery) -> str:
+    """The kind ``spec.autoscaling`` becomes: HorizontalPodAutoscaler or ScaledObject."""
+    if settings.autoscaler == "hpa":
+        return "HorizontalPodAutoscaler"
+    if settings.autoscaler == "keda" or discovery.keda():
+        return "ScaledObject"
+    return "HorizontalPodAutoscaler"
+
+
+def pod_monitors_wanted(settings: Integrations, discovery: Discovery) -> bool:
+    return settings.pod_monitors != "off" and discovery.pod_monitors()
+
+
+# --- Coalesced status refreshes (was refresh.py) --------------------------------------------------
+
+THREADS = 4  # own threads: refreshes never queue behind a burst of reconciles
+Key = tuple[str, str]  # (namespace, resource name)
+Job = Callable[[], None]
+
+
+@dataclasses.dataclass
+class _Pending:
+    deployment: Job | None = None
+    pods: dict[str, Job] = dataclasses.field(default_factory=dict)  # pod name -> newest
+    fresh: Job | None = None  # after a reconcile: status from the Deployment as it is now
+
+
+class Refresher:
+    """Per-resource latest-wins refreshes; ``submit_*`` must be called on the event loop."""
+
+    def __init__(self, delay: float = 0.2, threads: int = THREADS) -> None:
+        if delay < 0:
+            raise ValueError(f"refresh delay must not be negative, got {delay}")
+        self.delay = delay
+        self.threads = threads
+        self._executor: ThreadPoolExecutor | None = None  # made on first use
+        self._pending: dict[Key, _Pending] = {}
+        self._drains: dict[Key, asyncio.Task[None]] = {}
+
+    def submit_deployment(self, key: Key, job: Job) -> None:
+        self._slot(key).deployment = job
+
+    def submit_pod(self, key: Key, pod: str, job: Job) -> None:
+        self._slot(key).pods[pod] = job
+
+    def submit_fresh(self, key: Key, job: Job) -> None:
+        self._slot(key).fresh = job
+
+    def _slot(self, key: Key) -> _Pending:
+        slot = self._pending.setdefault(key, _Pending())
+        if key not in self._drains:
+            self._drains[key] = asyncio.get_running_loop().create_task(self._drain(key))
+        return slot
+
+    async def _drain(self, key: Key) -> None:
+        try:
+            while True:
+                await asyncio.sleep(self.delay)  # let the rest of the burst arrive
+                slot = self._pending.pop(key, None)
+                if slot is None:
+                    return  # no await between this check and the finally: nothing is missed
+                jobs = [slot.deployment, *slot.pods.values(), slot.fresh]
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(self.threads, "mmis-refresh")
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(self._executor, _run_all, key, jobs)
+        finally:
+            self._drains.pop(key, None)
+
+    async def idle(self) -> None:
+        """Wait until every submitted refresh has run (tests)."""
+        while self._drains:
+            await asyncio.gather(*list(self._drains.values()), return_exceptions=True)
+
+
+def _run_all(key: Key, jobs: list[Job | None]) -> None:
+    for job in filter(None, jobs):
+        try:
+            job()
+        except KubeError as exc:  # the next event or the resync timer will catch up
+            logger.warning("status refresh of %s/%s failed: %s", *key, exc)
+        except Exception:  # a bug: say so loudly, but keep refreshing the other resources
+            logger.exception("status refresh of %s/%s failed", *key)

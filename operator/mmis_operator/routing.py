@@ -3,48 +3,156 @@
 endpoint picker (``mmis-epp``, ``router/``) scores them for each request; a gateway that
 supports InferencePool (Istio, kgateway, GKE Gateway) asks the picker where to send it.
 
+Owns (each a section below): the picker's configuration, the one owner of the text
+``mmis-epp`` reads (used by the operator's routing objects and by the routing tests and
+benchmarks, so what is tested is what is deployed), and the pure builders of the routing
+objects. ``spec.routing`` itself is parsed by :mod:`mmis_operator.spec`. Kept apart from
+:mod:`mmis_operator.builders` (the pod and the other children, which call in here): together
+they would pass 1,100 lines, and nothing here but ``engine_args`` / ``engine_ports`` reaches the
+inference pod.
+
 Invariants:
 - Pure: (owner metadata, parsed ``spec.routing``) in, manifests out. Whether the cluster serves
-  the InferencePool API is the reconciler's business (:mod:`mmis_operator.integrations`); without
+  the InferencePool API is the reconciler's business (:mod:`mmis_operator.reconciler`); without
   it nothing here is applied (a picker without a pool has nothing to pick for).
-- Without ``spec.routing`` (:func:`parse_routing` gives None) nothing changes: no object, no
-  pod argument, no port (the operator's output is the same as before routing existed).
-- The pool selects exactly the inference pods (``resource.selector_labels``) on the front
-  end's ``http`` port; the picker's own pods never carry those labels, nor ``mmis.dev/service``,
-  so neither the Service, the pool, the status' pod list nor the operator's Deployment watcher
+- The pool selects exactly the inference pods (``kube.selector_labels``) on the front end's
+  ``http`` port; the picker's own pods never carry those labels, nor ``mmis.dev/service``, so
+  neither the Service, the pool, the status' pod list nor the operator's Deployment watcher
   ever takes them for inference pods.
-- The picker's configuration and the engines' event flags come from one owner
-  (:mod:`mmis_operator.picker_config`, :data:`EVENT_PORTS`), so the ports the engines publish
-  on are the ones the picker subscribes to; the front end's ops port (``resource.OPS_PORT``)
-  serves its metrics and ``POST /internal/block_keys``.
+- The picker's configuration and the engines' event flags come from one owner (:class:`EventPorts`,
+  :data:`EVENT_PORTS`): the event ports are the engine container's ``--kv-events-endpoint`` /
+  ``--kv-events-replay-endpoint`` / ``--mm-events-endpoint`` / ``--mm-events-replay-endpoint``
+  (:func:`engine_event_args`) and the picker's ``mmis-cache-scorer`` parameters, so the ports
+  the engines publish on are the ones the picker subscribes to. The front end's ops port
+  (``kube.OPS_PORT``) serves its metrics and ``POST /internal/block_keys``.
+- The metrics the framework scrapes are mmis's three model-server-protocol gauges
+  (``server/mmis/telemetry/catalog.py``: ``mmis:num_requests_waiting``,
+  ``mmis:num_requests_running``, ``mmis:kv_cache_usage_perc``), read from the front end's
+  operations port.
+- The profile composes the cache scorer with the framework's queue and KV-utilisation
+  scorers; a request whose keys or events are missing scores 0 on the cache scorer for every
+  pod, so load alone decides and the request never fails for lack of cache data.
 - The picker pod meets Pod Security ``restricted``; its ServiceAccount may only read pods,
   InferencePools, InferenceObjectives and InferenceModelRewrites in its namespace (and, with
   more than one replica, hold the leader-election lease). Every object is owned by the
   resource (controller owner reference), so garbage collection removes them with it.
 - A change of the picker's configuration changes its pod template (a hash annotation), so the
   picker restarts with it (it reads the file once, at start).
-- Defaults live in :data:`DEFAULTS` (merged into ``spec.DEFAULTS``, equal to the CRD's); the
-  image's default follows the operator's version (:func:`default_image`), so it has no CRD
-  default (one stored in the resource would pin an old picker across operator upgrades).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.metadata
+import json
 from collections.abc import Mapping
 from typing import Any
 
-from mmis_operator import picker_config
-from mmis_operator import resource as r
-from mmis_operator.spec_errors import InvalidSpecError
+from mmis_operator import kube as r  # the resource's names (kube.py's first section)
+from mmis_operator.spec import CACHE_WEIGHT, RoutingSpec
+
+# --- The endpoint picker's configuration (was picker_config.py) -----------------------------------
+
+CACHE_SCORER = "mmis-cache-scorer"
+ENGINE_NAME = "mmis"  # the framework's engine label for our metric names
+METRICS = {
+    "queuedRequestsSpec": "mmis:num_requests_waiting",
+    "runningRequestsSpec": "mmis:num_requests_running",
+    "kvUsageSpec": "mmis:kv_cache_usage_perc",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class EventPorts:
+    """Where a pod's engine publishes its cache events (ZMQ, vLLM's framing)."""
+
+    kv: int = 5557
+    kv_replay: int = 5558
+    mm: int = 5559
+    mm_replay: int = 5560
+
+
+def engine_event_args(ports: EventPorts, host: str = "*") -> list[str]:
+    """The engine flags that publish both streams on ``host`` (``*``: every interface)."""
+    return [
+        "--kv-events-endpoint", f"tcp://{host}:{ports.kv}",
+        "--kv-events-replay-endpoint", f"tcp://{host}:{ports.kv_replay}",
+        "--mm-events-endpoint", f"tcp://{host}:{ports.mm}",
+        "--mm-events-replay-endpoint", f"tcp://{host}:{ports.mm_replay}",
+    ]  # fmt: skip
+
+
+def picker_config(
+    ops_port: int,
+    ports: EventPorts | None = None,
+    *,
+    cache_weight: int = CACHE_WEIGHT,
+    keys_timeout_ms: int = 300,
+    silence_seconds: float = 10.0,
+) -> dict[str, Any]:
+    """The ``EndpointPickerConfig`` (GIE v1.5.0's schema) as a dict; :func:`render` for text.
+
+    ``ops_port`` is the front end's operations port: its ``/metrics`` and its
+    ``POST /internal/block_keys``. ``silence_seconds``: a pod whose replay socket has not
+    answered for that long is scored as holding nothing until it answers again.
+    """
+    ports = ports or EventPorts()
+    scorer_params = {
+        "kvEventsPort": ports.kv,
+        "kvReplayPort": ports.kv_replay,
+        "mmEventsPort": ports.mm,
+        "mmReplayPort": ports.mm_replay,
+        "keysPort": ops_port,
+        "keysTimeoutMs": keys_timeout_ms,
+        "silenceSeconds": silence_seconds,
+    }
+    return {
+        "apiVersion": "inference.networking.x-k8s.io/v1alpha1",
+        "kind": "EndpointPickerConfig",
+        "plugins": [
+            {"type": CACHE_SCORER, "parameters": scorer_params},
+            {"type": "queue-scorer"},
+            {"type": "kv-cache-utilization-scorer"},
+            {"type": "max-score-picker"},
+            {"type": "openai-parser"},
+            {
+                "type": "metrics-data-source",
+                "parameters": {"scheme": "http", "path": "/metrics"},
+            },
+            {
+                "type": "core-metrics-extractor",
+                "parameters": {
+                    "defaultEngine": ENGINE_NAME,
+                    "engineConfigs": [{"name": ENGINE_NAME, **METRICS}],
+                },
+            },
+        ],
+        "schedulingProfiles": [
+            {
+                "name": "default",
+                "plugins": [
+                    {"pluginRef": CACHE_SCORER, "weight": cache_weight},
+                    {"pluginRef": "queue-scorer", "weight": 1},
+                    {"pluginRef": "kv-cache-utilization-scorer", "weight": 1},
+                    {"pluginRef": "max-score-picker"},
+                ],
+            }
+        ],
+        "parser": {"pluginRef": "openai-parser"},
+    }
+
+
+def render(config: dict[str, Any]) -> str:
+    """The config as the picker's ``--config-text`` (JSON is YAML)."""
+    return json.dumps(config, indent=1, sort_keys=False)
+
+
+# --- The InferencePool and the endpoint picker's objects (was routing.py) -------------------------
 
 POOL_GROUP = "inference.networking.k8s.io"
 POOL_API_VERSION = f"{POOL_GROUP}/v1"
 POOL_KIND = "InferencePool"
 OBJECTIVE_GROUP = "inference.networking.x-k8s.io"  # InferenceObjective, InferenceModelRewrite
-IMAGE_REPOSITORY = "ghcr.io/mmis-dev/mmis-epp"
 PICKER = "epp"  # the picker's container, and the suffix of its objects' names
 GRPC_PORT = 9002  # ext_proc, what the gateway calls
 HEALTH_PORT = 9003  # gRPC health (the probes)
@@ -55,63 +163,13 @@ CONFIG_HASH = f"{r.GROUP}/picker-config-hash"
 RUN_AS_USER = 65532  # distroless "nonroot"
 # as the inference extension's reference EPP: about the longest grace period of a pool's pods
 GRACE_SECONDS = 130
-MAX_REPLICAS = 5
-MAX_CACHE_WEIGHT = 100
-EVENT_PORTS = picker_config.EventPorts()
-# CRD path (below spec) -> default; merged into spec.DEFAULTS
-DEFAULTS: dict[str, Any] = {
-    "routing.picker.replicas": 1,
-    "routing.cacheWeight": picker_config.CACHE_WEIGHT,
-}
+EVENT_PORTS = EventPorts()
 _READ = ["get", "list", "watch"]
-
-
-@dataclasses.dataclass(frozen=True)
-class RoutingSpec:
-    image: str  # the picker's image
-    replicas: int  # picker pods (more than one elect a leader)
-    cache_weight: int  # the cache scorer's weight (queue and KV usage weigh 1 each)
-
-
-def default_image() -> str:
-    """``mmis-epp`` tagged with this operator's version (``latest`` when it has none)."""
-    try:
-        version = importlib.metadata.version("mmis-operator")
-    except importlib.metadata.PackageNotFoundError:
-        version = "latest"
-    return f"{IMAGE_REPOSITORY}:{version}"
-
-
-def _bounded(section: Mapping[str, Any], field: str, low: int, high: int) -> int:
-    value = section.get(field.rsplit(".", 1)[1], DEFAULTS[field.removeprefix("spec.")])
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise InvalidSpecError(field, f"must be a whole number in [{low}, {high}], got {value!r}")
-    return value
-
-
-def parse_routing(spec: Mapping[str, Any]) -> RoutingSpec | None:
-    """``spec.routing``, or None when absent (no picker)."""
-    section = spec.get("routing")
-    if section is None:
-        return None
-    if not isinstance(section, Mapping):
-        raise InvalidSpecError("spec.routing", f"must be an object, got {type(section).__name__}")
-    picker = section.get("picker") or {}
-    if not isinstance(picker, Mapping):
-        raise InvalidSpecError("spec.routing.picker", "must be an object")
-    image = picker.get("image") or default_image()
-    if not isinstance(image, str):
-        raise InvalidSpecError("spec.routing.picker.image", f"must be a string, got {image!r}")
-    return RoutingSpec(
-        image=image,
-        replicas=_bounded(picker, "spec.routing.picker.replicas", 1, MAX_REPLICAS),
-        cache_weight=_bounded(section, "spec.routing.cacheWeight", 0, MAX_CACHE_WEIGHT),
-    )
 
 
 def engine_args() -> list[str]:
     """The engine flags that publish its cache events where the picker subscribes."""
-    return picker_config.engine_event_args(EVENT_PORTS)
+    return engine_event_args(EVENT_PORTS)
 
 
 def engine_ports() -> list[dict[str, Any]]:
@@ -145,10 +203,10 @@ def _labels(name: str) -> dict[str, str]:
 
 def config_text(routing: RoutingSpec) -> str:
     """The picker's ``EndpointPickerConfig`` (its ``--config-file``)."""
-    config = picker_config.picker_config(
+    config = picker_config(
         ops_port=r.OPS_PORT, ports=EVENT_PORTS, cache_weight=routing.cache_weight
     )
-    return picker_config.render(config)
+    return render(config)
 
 
 def picker_args(pool: str, namespace: str, routing: RoutingSpec) -> list[str]:

@@ -1,42 +1,581 @@
 """The MMInferenceService spec, parsed into frozen dataclasses with every default applied.
 
+Owns (each a section below): the error every parser raises (:class:`InvalidSpecError`), the
+Kubernetes quantities spec fields hold, ``spec.autoscaling``, ``spec.monitoring`` and
+``spec.routing`` as parsed specs (the objects they become are :mod:`mmis_operator.builders`' and
+:mod:`mmis_operator.routing`'s), the defaults (:data:`DEFAULTS`) and the typed readers of one
+field, ``spec.model``, the whole spec (:func:`parse_spec`, the checks across fields, policy) and
+the merge of a user's ``podTemplate`` over the generated pod template (:func:`merge`). Pure: no
+I/O, and no import of any other module of the operator.
+
 Invariants:
-- Defaults and the typed reading of one field are ``spec_fields.py`` (:data:`DEFAULTS`, the
-  one home, equal to the CRD's ``default:`` values); ``spec.model`` is ``spec_model.py``,
-  ``spec.autoscaling`` ``autoscaling.py``, ``spec.monitoring`` ``monitoring.py``,
-  ``spec.routing`` ``routing.py``; this module parses the other sections, makes the checks
-  across fields, and derives what the builders need (the SHM store and /dev/shm volume sizes).
+- Errors: :class:`InvalidSpecError` carries ``field``, the CRD path of the offending field
+  (``spec.autoscaling.target``), and a message that says what to change; the reconciler turns
+  it into ``Degraded`` (InvalidSpec) and an event, never a crash loop. Nothing here raises
+  anything else on user input.
 - Every check the API server's schema/CEL rules make is repeated here, plus checks CEL cannot
-  make (does the cache fit in the memory it lives in?). A violation raises
-  :class:`InvalidSpecError` naming the field and what to change; the handlers turn it into a
-  ``Degraded`` condition and an event, never a crash loop.
-- Sizes are whole bytes; the builders never re-parse strings.
+  make (does the cache fit in the memory it lives in?).
 - Policy is apart from validity: :func:`refused_by_policy` says which valid fields this
   operator's settings refuse (``engine.faultEvictRate`` without ``--allow-fault-injection``);
   the builders stay pure and build any valid spec.
+- Quantities: parsing is exact (``Decimal``): "1.5Gi" is exactly 1.5 * 2**30. A malformed
+  quantity raises :class:`QuantityError` naming the field, never ``ValueError``.
+  :func:`format_bytes` writes the largest binary suffix that represents the value exactly, so
+  a round trip through the API server never changes the number.
+- Sizes are parsed once, to whole bytes (:func:`read_bytes`); the builders never re-parse
+  strings. CPU amounts stay the strings the user wrote, checked positive (:func:`read_cpu`).
+  The builders get what they need derived here (the SHM store and /dev/shm volume sizes).
+- Defaults: :data:`DEFAULTS` is the operator's one home for defaults (``spec.autoscaling``,
+  ``spec.monitoring`` and ``spec.routing`` bring theirs: :data:`AUTOSCALING_DEFAULTS`,
+  :data:`MONITORING_DEFAULTS`, :data:`ROUTING_DEFAULTS`, merged into it); the CRD's
+  ``default:`` values equal it (``tests/operator/test_spec.py`` walks the CRD), so a resource
+  stored before a default existed reconciles the same as a new one.
+- Server settings get no default here unless the operator needs the value itself: the cache
+  type and size (they size the /dev/shm volume and the memory limits). Those equal the
+  server's one definition (``tests/contract/test_settings_defaults.py``); every other server
+  setting is ``None`` when unset and its flag is then not passed (the server's default holds).
+- Rollout defaults (``maxSurge 0, maxUnavailable 1``) cannot deadlock a node whose GPUs are
+  all taken: an old pod is stopped before its replacement asks for a GPU.
+- A reader is given the field's CRD path (``spec.engine.maxNumSeqs``) and reads its last part
+  from the section; an absent field is its default (``None`` when it has none). A value of the
+  wrong type or out of range raises :class:`InvalidSpecError` naming that path and what to
+  change.
+- ``spec.model``: exactly one of ``id`` (a Hugging Face model id, downloaded into the cache)
+  or ``path`` (an absolute directory inside the pod, never downloaded) is set; ``name`` is
+  whichever it is, and the served name defaults to it. ``tokenSecretRef`` (``HF_TOKEN`` of the
+  download) names a Secret and only goes with ``id``. The cache is an emptyDir or a
+  PersistentVolumeClaim: an existing one (``claimName``, neither created nor deleted by the
+  operator) or one the operator creates (optionally of ``storageClassName``), never both; its
+  size is positive whole bytes.
+- ``spec.autoscaling``: the metric is one the front end exports on its ops port
+  (server/mmis/telemetry/catalog.py) under the Gateway API Inference Extension's model-server
+  protocol names: ``mmis:num_requests_waiting`` (TotalQueuedRequests; vLLM:
+  ``vllm:num_requests_waiting``) and ``mmis:kv_cache_usage_perc`` (KVCacheUtilization, a
+  fraction in [0, 1]; vLLM: ``vllm:kv_cache_usage_perc``). ``target`` is the per-pod average
+  the autoscaler aims at. Absent or not enabled, it parses to None.
+- ``spec.routing``: absent, it parses to None and nothing changes (no object, no pod argument,
+  no port). The picker image's default follows the operator's version (:func:`default_image`),
+  so it has no CRD default (one stored in the resource would pin an old picker across operator
+  upgrades).
+- The ``podTemplate`` override (:func:`merge`): mappings merge recursively; the override wins
+  on scalars. Lists of named items (containers, volumes, env, volumeMounts, ports, ...) merge
+  item by item on ``name``: an override entry updates the generated entry of the same name,
+  new names are appended, generated entries the override does not mention are kept. Except
+  ``volumes``: an override volume replaces the generated volume of the same name whole (a
+  volume has exactly one source; merging an ``emptyDir`` with a ``persistentVolumeClaim``
+  would give two, which the API server rejects). Any other list is replaced as a whole
+  (``tolerations``, ``args``, ``command``). Inputs are never mutated; the result shares no
+  mutable structure with them.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import importlib.metadata
+import re
 from collections.abc import Mapping
+from decimal import Decimal
 from typing import Any
 
-from mmis_operator import quantity
-from mmis_operator.autoscaling import AutoscalingSpec, parse_autoscaling
-from mmis_operator.monitoring import MonitoringSpec, parse_monitoring
-from mmis_operator.routing import RoutingSpec, parse_routing
-from mmis_operator.spec_errors import InvalidSpecError as InvalidSpecError
-from mmis_operator.spec_fields import DEFAULTS as DEFAULTS
-from mmis_operator.spec_fields import (
-    read_bytes,
-    read_cpu,
-    read_int,
-    read_int_or_percent,
-    read_ratio,
-    read_section,
+# --- Errors (was spec_errors.py) ------------------------------------------------------------------
+
+
+class InvalidSpecError(ValueError):
+    """The spec cannot be turned into pods; ``field`` says where, the message says how to fix."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+# --- Quantities (was quantity.py) -----------------------------------------------------------------
+
+_BINARY = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
+_DECIMAL = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+_PATTERN = re.compile(
+    r"^(?P<num>[+-]?(?:\d+\.?\d*|\.\d+))(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?\d+)?$"
 )
-from mmis_operator.spec_model import ModelSpec, parse_model
+GiB = 1 << 30
+
+
+class QuantityError(ValueError):
+    """A spec field holds something that is not a Kubernetes quantity."""
+
+    def __init__(self, field: str, value: object) -> None:
+        super().__init__(
+            f"{field}: {value!r} is not a Kubernetes quantity (examples: 4Gi, 512Mi, 2, 500m)"
+        )
+        self.field = field
+        self.value = value
+
+
+def parse(value: object, field: str) -> Decimal:
+    """Parse an int, float or quantity string; returns the value in base units."""
+    if isinstance(value, bool):
+        raise QuantityError(field, value)
+    if isinstance(value, int | float):
+        return Decimal(str(value))
+    if not isinstance(value, str):
+        raise QuantityError(field, value)
+    match = _PATTERN.match(value.strip())
+    if match is None:
+        raise QuantityError(field, value)
+    number = Decimal(match["num"])  # the pattern admits only decimals
+    suffix = match["suffix"] or ""
+    if suffix in _BINARY:
+        return number * (Decimal(1024) ** _BINARY[suffix])
+    if suffix in _DECIMAL:
+        return number * (Decimal(10) ** _DECIMAL[suffix])
+    return number * (Decimal(10) ** int(suffix[1:]))
+
+
+def parse_bytes(value: object, field: str) -> int:
+    """Parse a memory quantity into whole bytes (rounded up); negative is an error."""
+    amount = parse(value, field)
+    if amount < 0:
+        raise QuantityError(field, value)
+    return int(amount.to_integral_value(rounding="ROUND_CEILING"))
+
+
+def format_bytes(count: int) -> str:
+    """Write a byte count with the largest exact binary suffix (``3221225472`` -> ``3Gi``)."""
+    if count < 0:
+        raise ValueError(f"negative byte count {count}")
+    for suffix, power in sorted(_BINARY.items(), key=lambda kv: -kv[1]):
+        unit = 1024**power
+        if count and count % unit == 0:
+            return f"{count // unit}{suffix}"
+    return str(count)
+
+
+def gib(count: int) -> str:
+    """Bytes as a GiB decimal string for the ``--*-gb`` CLI flags (at most 4 decimals)."""
+    text = f"{count / GiB:.4f}".rstrip("0").rstrip(".")
+    return text or "0"
+
+
+# --- spec.autoscaling (was the parsing half of autoscaling.py) ------------------------------------
+
+WAITING = "mmis:num_requests_waiting"
+KV_USAGE = "mmis:kv_cache_usage_perc"
+METRICS = (WAITING, KV_USAGE)
+AUTOSCALING_MAX_REPLICAS = 1000
+MAX_WINDOW_SECONDS = 3600
+# CRD path (below spec) -> default; merged into DEFAULTS (below)
+AUTOSCALING_DEFAULTS: dict[str, Any] = {
+    "autoscaling.enabled": False,
+    "autoscaling.minReplicas": 1,
+    "autoscaling.metric": WAITING,
+    "autoscaling.scaleUpStabilizationSeconds": 0,
+    # GPU pods take minutes to load a model: do not give one back on a short lull
+    "autoscaling.scaleDownStabilizationSeconds": 300,
+    # prometheus-operator's Service for a Prometheus named "k8s"/any in namespace monitoring
+    "autoscaling.prometheusAddress": "http://prometheus-operated.monitoring.svc:9090",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoscalingSpec:
+    min_replicas: int
+    max_replicas: int
+    metric: str  # one of METRICS
+    target: float  # per-pod average
+    scale_up_window_seconds: int
+    scale_down_window_seconds: int
+    prometheus_address: str  # the KEDA trigger's Prometheus
+
+    def clamp(self, replicas: int) -> int:
+        """``replicas`` within [min, max]: what the Deployment runs until the autoscaler acts."""
+        return max(self.min_replicas, min(self.max_replicas, replicas))
+
+
+def _window(section: Mapping[str, Any], key: str) -> int:
+    value = section.get(key, AUTOSCALING_DEFAULTS[f"autoscaling.{key}"])
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    if not whole or not 0 <= value <= MAX_WINDOW_SECONDS:
+        raise InvalidSpecError(
+            f"spec.autoscaling.{key}",
+            f"must be whole seconds in [0, {MAX_WINDOW_SECONDS}], got {value!r}",
+        )
+    return value
+
+
+def _replicas(section: Mapping[str, Any], key: str) -> int:
+    value = section.get(key, AUTOSCALING_DEFAULTS.get(f"autoscaling.{key}"))
+    if value is None:
+        raise InvalidSpecError(f"spec.autoscaling.{key}", "is required when enabled is true")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not 1 <= value <= AUTOSCALING_MAX_REPLICAS
+    ):
+        raise InvalidSpecError(
+            f"spec.autoscaling.{key}",
+            f"must be an integer in [1, {AUTOSCALING_MAX_REPLICAS}], got {value!r}",
+        )
+    return value
+
+
+def parse_autoscaling(spec: Mapping[str, Any]) -> AutoscalingSpec | None:
+    """``spec.autoscaling`` parsed; None when it is absent or not enabled."""
+    section = spec.get("autoscaling") or {}
+    if not isinstance(section, Mapping):
+        raise InvalidSpecError("spec.autoscaling", "must be an object")
+    enabled = section.get("enabled", AUTOSCALING_DEFAULTS["autoscaling.enabled"])
+    if not isinstance(enabled, bool):
+        raise InvalidSpecError("spec.autoscaling.enabled", f"must be a boolean, got {enabled!r}")
+    if not enabled:
+        return None
+    low, high = _replicas(section, "minReplicas"), _replicas(section, "maxReplicas")
+    if low > high:
+        raise InvalidSpecError(
+            "spec.autoscaling", f"minReplicas ({low}) must not exceed maxReplicas ({high})"
+        )
+    metric = section.get("metric", AUTOSCALING_DEFAULTS["autoscaling.metric"])
+    if metric not in METRICS:
+        raise InvalidSpecError(
+            "spec.autoscaling.metric", f"must be one of {', '.join(METRICS)}, got {metric!r}"
+        )
+    target = section.get("target")
+    if target is None:
+        raise InvalidSpecError(
+            "spec.autoscaling.target",
+            "is required when enabled is true: the per-pod average of the metric to aim at",
+        )
+    if isinstance(target, bool) or not isinstance(target, int | float) or target <= 0:
+        raise InvalidSpecError("spec.autoscaling.target", f"must be positive, got {target!r}")
+    if metric == KV_USAGE and target > 1:
+        raise InvalidSpecError(
+            "spec.autoscaling.target",
+            f"{KV_USAGE} is a fraction in [0, 1] (1 = full); got {target!r}, e.g. use 0.8",
+        )
+    address = (
+        section.get("prometheusAddress") or AUTOSCALING_DEFAULTS["autoscaling.prometheusAddress"]
+    )
+    return AutoscalingSpec(
+        min_replicas=low,
+        max_replicas=high,
+        metric=metric,
+        target=float(target),
+        scale_up_window_seconds=_window(section, "scaleUpStabilizationSeconds"),
+        scale_down_window_seconds=_window(section, "scaleDownStabilizationSeconds"),
+        prometheus_address=str(address),
+    )
+
+
+# --- spec.monitoring (was the parsing half of monitoring.py) --------------------------------------
+
+MONITORING_DEFAULTS: dict[str, Any] = {
+    "monitoring.podMonitor": True,
+    "monitoring.scrapeAnnotations": True,
+    "monitoring.interval": "15s",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MonitoringSpec:
+    pod_monitor: bool  # a PodMonitor, when the cluster has the CRD
+    scrape_annotations: bool  # prometheus.io/scrape, port, path on the pods
+    interval: str
+
+
+def _flag(section: Mapping[str, Any], key: str) -> bool:
+    value = section.get(key, MONITORING_DEFAULTS[f"monitoring.{key}"])
+    if not isinstance(value, bool):
+        raise InvalidSpecError(f"spec.monitoring.{key}", f"must be a boolean, got {value!r}")
+    return value
+
+
+def parse_monitoring(spec: Mapping[str, Any]) -> MonitoringSpec:
+    section = spec.get("monitoring") or {}
+    if not isinstance(section, Mapping):
+        raise InvalidSpecError("spec.monitoring", "must be an object")
+    interval = str(section.get("interval") or MONITORING_DEFAULTS["monitoring.interval"])
+    digits = interval.rstrip("smh")
+    if not digits.isdigit() or interval[-1:] not in ("s", "m", "h") or int(digits) <= 0:
+        raise InvalidSpecError(
+            "spec.monitoring.interval", f"must be a duration such as 15s or 1m, got {interval!r}"
+        )
+    return MonitoringSpec(
+        pod_monitor=_flag(section, "podMonitor"),
+        scrape_annotations=_flag(section, "scrapeAnnotations"),
+        interval=interval,
+    )
+
+
+# --- spec.routing (was the parsing half of routing.py) --------------------------------------------
+
+CACHE_WEIGHT = 3  # the cache scorer's weight against 1 each for queue and KV usage (routing.py)
+IMAGE_REPOSITORY = "ghcr.io/mmis-dev/mmis-epp"
+PICKER_MAX_REPLICAS = 5
+MAX_CACHE_WEIGHT = 100
+# CRD path (below spec) -> default; merged into DEFAULTS (below)
+ROUTING_DEFAULTS: dict[str, Any] = {
+    "routing.picker.replicas": 1,
+    "routing.cacheWeight": CACHE_WEIGHT,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingSpec:
+    image: str  # the picker's image
+    replicas: int  # picker pods (more than one elect a leader)
+    cache_weight: int  # the cache scorer's weight (queue and KV usage weigh 1 each)
+
+
+def default_image() -> str:
+    """``mmis-epp`` tagged with this operator's version (``latest`` when it has none)."""
+    try:
+        version = importlib.metadata.version("mmis-operator")
+    except importlib.metadata.PackageNotFoundError:
+        version = "latest"
+    return f"{IMAGE_REPOSITORY}:{version}"
+
+
+def _bounded(section: Mapping[str, Any], field: str, low: int, high: int) -> int:
+    value = section.get(field.rsplit(".", 1)[1], ROUTING_DEFAULTS[field.removeprefix("spec.")])
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidSpecError(field, f"must be a whole number in [{low}, {high}], got {value!r}")
+    return value
+
+
+def parse_routing(spec: Mapping[str, Any]) -> RoutingSpec | None:
+    """``spec.routing``, or None when absent (no picker)."""
+    section = spec.get("routing")
+    if section is None:
+        return None
+    if not isinstance(section, Mapping):
+        raise InvalidSpecError("spec.routing", f"must be an object, got {type(section).__name__}")
+    picker = section.get("picker") or {}
+    if not isinstance(picker, Mapping):
+        raise InvalidSpecError("spec.routing.picker", "must be an object")
+    image = picker.get("image") or default_image()
+    if not isinstance(image, str):
+        raise InvalidSpecError("spec.routing.picker.image", f"must be a string, got {image!r}")
+    return RoutingSpec(
+        image=image,
+        replicas=_bounded(picker, "spec.routing.picker.replicas", 1, PICKER_MAX_REPLICAS),
+        cache_weight=_bounded(section, "spec.routing.cacheWeight", 0, MAX_CACHE_WEIGHT),
+    )
+
+
+# --- Defaults and field readers (was spec_fields.py) ----------------------------------------------
+
+# CRD path (below spec) -> default
+DEFAULTS: dict[str, Any] = {
+    "replicas": 1,
+    "image": "ghcr.io/mmis-dev/mmis-server:0.1.0",
+    "imagePullPolicy": "IfNotPresent",
+    "resources.gpus": 1,
+    "resources.memory": "16Gi",
+    "resources.cpu": "4",
+    "resources.frontendMemory": "4Gi",
+    "resources.frontendCpu": "2",
+    "cache.type": "lru",  # server: mm_cache_type
+    "cache.size": "4Gi",  # server: mm_cache_gb
+    "cache.driftThreshold": 0.01,
+    "telemetry.samplingRatio": 1.0,
+    "auth.apiKeySecretRef.key": "api-key",
+    "service.type": "ClusterIP",
+    "service.port": 8000,
+    "ingress.enabled": False,
+    "ingress.path": "/",
+    "probes.startupTimeoutSeconds": 1800,
+    "probes.drainSeconds": 15,
+    "model.storage.type": "EmptyDir",
+    "model.storage.size": "50Gi",
+    "model.storage.accessMode": "ReadWriteOnce",
+    "model.tokenSecretRef.key": "token",
+    # surge 0 / unavailable 1: a rollout frees a pod's GPUs before the new pod asks for them,
+    # so it completes on a node with no spare GPU (surge 1 would wait for one forever)
+    "rollout.maxSurge": 0,
+    "rollout.maxUnavailable": 1,
+    "disruption.enabled": True,
+    "disruption.maxUnavailable": 1,
+    **AUTOSCALING_DEFAULTS,  # spec.autoscaling (above)
+    **MONITORING_DEFAULTS,  # spec.monitoring (above)
+    **ROUTING_DEFAULTS,  # spec.routing (above)
+}
+
+
+def read_section(spec: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    """``spec[key]``, an object (``{}`` when absent or null)."""
+    value = spec.get(key) or {}
+    if not isinstance(value, Mapping):
+        raise InvalidSpecError(f"spec.{key}", f"must be an object, got {type(value).__name__}")
+    return value
+
+
+def default(field: str) -> Any:
+    return DEFAULTS.get(field.removeprefix("spec."))
+
+
+def read_int(section: Mapping[str, Any], field: str, low: int = 0) -> Any:
+    value = section.get(field.rsplit(".", 1)[1], default(field))
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidSpecError(field, f"must be an integer, got {value!r}")
+    if value < low:
+        raise InvalidSpecError(field, f"must be at least {low}, got {value}")
+    return value
+
+
+def read_ratio(section: Mapping[str, Any], field: str) -> float | None:
+    value = section.get(field.rsplit(".", 1)[1], default(field))
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise InvalidSpecError(field, f"must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def read_bytes(section: Mapping[str, Any], field: str) -> int | None:
+    value = section.get(field.rsplit(".", 1)[1], default(field))
+    if value is None:
+        return None
+    try:
+        return parse_bytes(value, field)
+    except QuantityError as exc:
+        raise InvalidSpecError(field, str(exc).split(": ", 1)[1]) from exc
+
+
+def read_cpu(section: Mapping[str, Any], field: str) -> str:
+    value = section.get(field.rsplit(".", 1)[1], default(field))
+    try:
+        amount = parse(value, field)
+    except QuantityError as exc:
+        raise InvalidSpecError(field, str(exc).split(": ", 1)[1]) from exc
+    if amount <= 0:
+        raise InvalidSpecError(field, f"must be positive, got {value!r}")
+    return str(value)
+
+
+def read_int_or_percent(section: Mapping[str, Any], field: str) -> int | str:
+    """A whole number of pods or a percentage (``"25%"``, at most 100%)."""
+    value = section.get(field.rsplit(".", 1)[1], default(field))
+    if isinstance(value, str) and value.endswith("%") and value[:-1].isdigit():
+        if int(value[:-1]) > 100:
+            raise InvalidSpecError(field, f"a percentage must be at most 100%, got {value!r}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidSpecError(
+            field, f"must be a whole number of pods or a percentage such as 25%, got {value!r}"
+        )
+    return value
+
+
+# --- spec.model (was spec_model.py) ---------------------------------------------------------------
+
+STORAGE_TYPES = ("EmptyDir", "PersistentVolumeClaim")
+ACCESS_MODES = ("ReadWriteOnce", "ReadWriteOncePod", "ReadWriteMany")
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageSpec:
+    """Where the model cache lives: an emptyDir (``sizeLimit`` = ``size_bytes``, the same
+    ephemeral-storage request), a claim the operator creates (``create_claim``, ``size_bytes``,
+    ``storage_class``, ``access_mode``) or an existing claim (``claim_name``)."""
+
+    type: str  # EmptyDir | PersistentVolumeClaim
+    size_bytes: int
+    claim_name: str | None  # an existing claim (not created, not deleted)
+    storage_class: str | None
+    access_mode: str
+
+    @property
+    def create_claim(self) -> bool:
+        return self.type == "PersistentVolumeClaim" and self.claim_name is None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    name: str  # the id or the path, whichever is set
+    is_path: bool
+    revision: str | None
+    served_name: str
+    processor_kwargs: Mapping[str, Any]
+    storage: StorageSpec
+    token_secret: tuple[str, str] | None  # (secret name, key): HF_TOKEN of the download
+
+
+def parse_model(spec: Mapping[str, Any]) -> ModelSpec:
+    """``spec.model`` of a raw spec (required)."""
+    if "model" not in spec:
+        raise InvalidSpecError("spec.model", "is required: set model.id or model.path")
+    model = read_section(spec, "model")
+    ident, path = model.get("id"), model.get("path")
+    if bool(ident) == bool(path):
+        raise InvalidSpecError(
+            "spec.model",
+            "set exactly one of id (a Hugging Face model id) or path (a directory inside the pod)",
+        )
+    if path and not str(path).startswith("/"):
+        raise InvalidSpecError("spec.model.path", f"must be an absolute path, got {path!r}")
+    name = str(ident or path)
+    kwargs = model.get("processorKwargs") or {}
+    if not isinstance(kwargs, Mapping):
+        raise InvalidSpecError("spec.model.processorKwargs", "must be an object")
+    token = model.get("tokenSecretRef")
+    if token is not None and (not isinstance(token, Mapping) or not token.get("name")):
+        raise InvalidSpecError("spec.model.tokenSecretRef", "needs name (a Secret)")
+    if token and path:
+        raise InvalidSpecError(
+            "spec.model.tokenSecretRef", "is for downloading model.id; model.path is not downloaded"
+        )
+    return ModelSpec(
+        name=name,
+        is_path=bool(path),
+        revision=model.get("revision") or None,
+        served_name=str(model.get("servedName") or name),
+        processor_kwargs=dict(kwargs),
+        storage=_storage(model),
+        token_secret=(
+            (str(token["name"]), str(token.get("key") or DEFAULTS["model.tokenSecretRef.key"]))
+            if token
+            else None
+        ),
+    )
+
+
+def _storage(model: Mapping[str, Any]) -> StorageSpec:
+    raw = model.get("storage") or {}
+    if not isinstance(raw, Mapping):
+        raise InvalidSpecError("spec.model.storage", "must be an object")
+    kind = raw.get("type", DEFAULTS["model.storage.type"])
+    if kind not in STORAGE_TYPES:
+        raise InvalidSpecError(
+            "spec.model.storage.type", f"must be one of {', '.join(STORAGE_TYPES)}, got {kind!r}"
+        )
+    mode = raw.get("accessMode", DEFAULTS["model.storage.accessMode"])
+    if mode not in ACCESS_MODES:
+        raise InvalidSpecError(
+            "spec.model.storage.accessMode",
+            f"must be one of {', '.join(ACCESS_MODES)}, got {mode!r}",
+        )
+    claim = raw.get("claimName") or None
+    if claim and kind != "PersistentVolumeClaim":
+        raise InvalidSpecError("spec.model.storage", "claimName needs type PersistentVolumeClaim")
+    if claim and raw.get("storageClassName"):
+        raise InvalidSpecError(
+            "spec.model.storage",
+            "set claimName (an existing claim) or storageClassName (a claim the operator "
+            "creates), not both",
+        )
+    size = read_bytes(raw, "spec.model.storage.size") or 0
+    if size <= 0:
+        raise InvalidSpecError("spec.model.storage.size", "must be positive")
+    return StorageSpec(
+        type=kind,
+        size_bytes=size,
+        claim_name=claim,
+        storage_class=raw.get("storageClassName") or None,
+        access_mode=mode,
+    )
+
+
+# --- The whole spec (was spec.py) -----------------------------------------------------------------
 
 MiB = 1 << 20
 SHM_HEADROOM_MIN = 512 * MiB  # /dev/shm space beyond the store: torch, tokenizers, IPC
@@ -137,8 +676,8 @@ def _cache(spec: Mapping[str, Any]) -> CacheSpec:
     if kind == "shm" and shm is not None and shm < size:
         raise InvalidSpecError(
             "spec.cache",
-            f"with type shm, shmSize ({quantity.format_bytes(shm)}) must be at least size "
-            f"({quantity.format_bytes(size)}): the shared-memory store holds every cached item",
+            f"with type shm, shmSize ({format_bytes(shm)}) must be at least size "
+            f"({format_bytes(size)}): the shared-memory store holds every cached item",
         )
     store = (size if shm is None else shm) if kind == "shm" else (shm or 0)
     threshold = read_ratio(cache, "spec.cache.driftThreshold")
@@ -165,10 +704,10 @@ def _fits(spec: ServiceSpec) -> None:
     receiver = spec.cache.size_bytes if engine_cache is None else engine_cache
     kv = spec.kv_cache_bytes if spec.gpus == 0 and spec.kv_cache_bytes else 0
     if receiver + kv >= spec.engine_memory_bytes:
-        need = quantity.format_bytes(receiver + kv)
+        need = format_bytes(receiver + kv)
         raise InvalidSpecError(
             "spec.resources.memory",
-            f"{quantity.format_bytes(spec.engine_memory_bytes)} cannot hold the engine's "
+            f"{format_bytes(spec.engine_memory_bytes)} cannot hold the engine's "
             f"multimodal cache{' and CPU KV cache' if kv else ''} ({need}) plus the model: "
             "raise resources.memory or lower cache.engineSize / cache.size",
         )
@@ -242,3 +781,63 @@ def refused_by_policy(spec: ServiceSpec, allow_fault_injection: bool) -> Invalid
             "refuses it: remove the field, or run the operator with --allow-fault-injection",
         )
     return None
+
+
+# --- The podTemplate override (was overrides.py) --------------------------------------------------
+
+NAMED_LISTS = frozenset(
+    {
+        "containers",
+        "initContainers",
+        "ephemeralContainers",
+        "volumes",
+        "env",
+        "volumeMounts",
+        "ports",
+        "imagePullSecrets",
+        "hostAliases",
+        "resourceClaims",
+    }
+)
+
+
+class OverrideError(ValueError):
+    """The override has the wrong shape (e.g. a container entry without a name)."""
+
+
+REPLACED_BY_NAME = frozenset({"volumes"})
+
+
+def _merge_named(base: list[Any], override: list[Any], path: str, whole: bool = False) -> list[Any]:
+    merged = [copy.deepcopy(item) for item in base]
+    index = {item.get("name"): i for i, item in enumerate(merged) if isinstance(item, Mapping)}
+    for item in override:
+        if not isinstance(item, Mapping) or not item.get("name"):
+            raise OverrideError(f"{path}: every entry needs a name, got {item!r}")
+        name = item["name"]
+        if name in index:
+            merged[index[name]] = (
+                copy.deepcopy(dict(item))
+                if whole
+                else merge(merged[index[name]], item, f"{path}[{name}]")
+            )
+        else:
+            index[name] = len(merged)
+            merged.append(copy.deepcopy(dict(item)))
+    return merged
+
+
+def merge(base: Mapping[str, Any], override: Mapping[str, Any], path: str = "") -> dict[str, Any]:
+    """Return ``base`` with ``override`` merged over it (see the module invariants)."""
+    result: dict[str, Any] = copy.deepcopy(dict(base))
+    for key, value in override.items():
+        where = f"{path}.{key}" if path else key
+        current = result.get(key)
+        if isinstance(current, Mapping) and isinstance(value, Mapping):
+            result[key] = merge(current, value, where)
+        elif key in NAMED_LISTS and isinstance(value, list):
+            base_list = current if isinstance(current, list) else []
+            result[key] = _merge_named(base_list, value, where, key in REPLACED_BY_NAME)
+        else:
+            result[key] = copy.deepcopy(value)
+    return result

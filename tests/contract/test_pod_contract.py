@@ -28,14 +28,14 @@ from mmis.engine.config import EngineConfig
 from mmis.entrypoints import engine as engine_cli
 from mmis.entrypoints import frontend as frontend_cli
 from mmis.frontend.config import FrontendConfig
-from mmis_operator import children
-from mmis_operator import resource as r
+from mmis_operator import builders
+from mmis_operator import kube as r
 from mmis_operator.spec import ServiceSpec, parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 SECRET_VALUE = "from-secret"  # stands in for a secretKeyRef the kubelet would resolve
-GB_ROUNDING = 0.00005  # quantity.gib keeps 4 decimals
+GB_ROUNDING = 0.00005  # spec.gib keeps 4 decimals
 # spec.model.revision / processorKwargs as a platform engineer writes them (nested, unicode)
 MODEL_EXTRAS: dict[str, Any] = {
     "revision": "v1.2-rc",
@@ -92,7 +92,7 @@ def _deployment(obj: dict[str, Any]) -> tuple[ServiceSpec, dict[str, Any]]:
     obj = copy.deepcopy(obj)
     obj["metadata"].update(namespace="ns", uid="u")
     spec = parse_spec(obj["spec"])
-    return spec, children.deployment(obj, spec)
+    return spec, builders.deployment(obj, spec)
 
 
 def _env_value(item: dict[str, Any]) -> str:
@@ -278,7 +278,7 @@ def test_routing_event_endpoints_bind_the_named_engine_ports(
 ) -> None:
     """With spec.routing the engine publishes both event streams (and their replays) on the
     ports its container declares, which are the ones the picker's config subscribes to."""
-    from mmis_operator import picker_config, routing
+    from mmis_operator import routing
 
     _, dep = _deployment(VARIANTS["routing"])
     engine_c = {c["name"]: c for c in dep["spec"]["template"]["spec"]["containers"]}[r.ENGINE]
@@ -292,11 +292,11 @@ def test_routing_event_endpoints_bind_the_named_engine_ports(
         "mm-replay": engine.mm_events_replay_endpoint,
     }
     assert endpoints == {name: f"tcp://*:{ports[name]}" for name in endpoints}
-    params = picker_config.picker_config(ops_port=r.OPS_PORT)["plugins"][0]["parameters"]
+    params = routing.picker_config(ops_port=r.OPS_PORT)["plugins"][0]["parameters"]
     assert [
         params[k] for k in ("kvEventsPort", "kvReplayPort", "mmEventsPort", "mmReplayPort")
     ] == [ports[name] for name in endpoints]
-    assert picker_config.EventPorts() == routing.EVENT_PORTS
+    assert routing.EventPorts() == routing.EVENT_PORTS
     # and without spec.routing the engine publishes nothing
     _, plain = _deployment(VARIANTS["llava-lru"])
     plain_engine = plain["spec"]["template"]["spec"]["containers"][1]

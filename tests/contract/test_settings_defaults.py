@@ -29,7 +29,7 @@ from mmis.entrypoints import engine as engine_cli
 from mmis.entrypoints import frontend as frontend_cli
 from mmis.entrypoints import serve as serve_cli
 from mmis.frontend.config import FrontendConfig
-from mmis_operator import children
+from mmis_operator import builders
 from mmis_operator import spec as operator_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,9 +74,7 @@ CRD_TO_SERVER: dict[str, tuple[type, str, Any]] = {
 
 
 def _bytes(value: str) -> int:
-    from mmis_operator import quantity
-
-    return quantity.parse_bytes(value, "test")
+    return operator_spec.parse_bytes(value, "test")
 
 
 def _parser(module: Any) -> argparse.ArgumentParser:
@@ -208,7 +206,7 @@ def test_a_minimal_resource_runs_the_server_defaults(
 ) -> None:
     obj = copy.deepcopy(MINIMAL)
     parsed = operator_spec.parse_spec(obj["spec"])
-    pod = children.deployment(obj, parsed)["spec"]["template"]["spec"]
+    pod = builders.deployment(obj, parsed)["spec"]["template"]["spec"]
     by_name = {c["name"]: c for c in pod["containers"]}
     for name, module, build in (
         ("frontend", frontend_cli, frontend_cli.settings_from),

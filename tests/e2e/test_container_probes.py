@@ -2,8 +2,8 @@
 liveness passes (real ``mmis engine`` and ``mmis frontend`` processes, the tiny model).
 
 The operator points the engine container's probes at ``mmis engine --health-port`` and the
-front end's liveness at its ``/health`` (``operator/mmis_operator/pod.py``), so kubelet restarts
-the hung container, not the healthy one.
+front end's liveness at its ``/health`` (``operator/mmis_operator/builders.py``), so kubelet
+restarts the hung container, not the healthy one.
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ def test_operator_image_runs_the_charts_command(tmp_path: Path) -> None:
     assert "--liveness-endpoint" in out
     probe = (
         "import importlib.util, sys\n"
-        "import mmis_operator.main, mmis_operator.runner, mmis_operator.handlers\n"
+        "import mmis_operator.main, mmis_operator.reconciler, mmis_operator.handlers\n"
         "import mmis_operator.probe, mmis_operator.kube\n"
         f"heavy = [m for m in {HEAVY!r} if importlib.util.find_spec(m)]\n"
         "sys.exit(f'installed but not needed: {heavy}' if heavy else 0)\n"
@@ -83,12 +83,12 @@ def test_operator_image_runs_the_charts_command(tmp_path: Path) -> None:
 
 
 def _server_pod() -> dict:
-    from mmis_operator import children
+    from mmis_operator import builders
     from mmis_operator.spec import parse_spec
 
     obj = yaml.safe_load((ROOT / "examples" / "llava-lru.yaml").read_text())
     obj["spec"].setdefault("model", {}).pop("path", None)
-    return children.pod_template(parse_spec(obj["spec"]), obj["metadata"]["name"])["spec"]
+    return builders.pod_template(parse_spec(obj["spec"]), obj["metadata"]["name"])["spec"]
 
 
 @pytest.mark.slow

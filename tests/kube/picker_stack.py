@@ -10,7 +10,7 @@ routing benchmark's stack (docs/ROUTING.md).
   extension's CRD, applied from its pinned module) selecting them by label, as the operator's
   does. The picker discovers them as it discovers real pods, through its pool.
 - ``mmis-epp`` (router/: GIE v1.5.0's runner with the mmis cache scorer) configured by
-  ``mmis_operator.picker_config`` (what the operator deploys), and ``mmis-gateway``, the
+  ``mmis_operator.routing.picker_config`` (what the operator deploys), and ``mmis-gateway``, the
   gateway's side of its ext_proc protocol, which forwards each request where the picker says.
 
 Invariant: every wait is a bounded poll of an observable (an HTTP answer, a metric), never a
@@ -37,7 +37,7 @@ from procs import Proc
 from tools import Daemon, free_port, wait_until
 
 from mmis.tiny_models.tiny_model import tiny_model_dir
-from mmis_operator.picker_config import EventPorts, engine_event_args, picker_config, render
+from mmis_operator.routing import EventPorts, engine_event_args, picker_config, render
 
 LABEL = ("app.kubernetes.io/name", "mmis-picker-test")
 DESTINATION = "x-gateway-destination-endpoint"

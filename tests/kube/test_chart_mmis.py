@@ -12,8 +12,7 @@ import pytest
 import yaml
 from kubecluster import Cluster, apply_crds, kubectl_wait
 
-from mmis_operator.runner import OperatorThread
-from mmis_operator.settings import Options
+from mmis_operator.main import OperatorThread, Options
 
 pytestmark = pytest.mark.controlplane
 

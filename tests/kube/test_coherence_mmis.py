@@ -30,8 +30,7 @@ from procs import Engine, Frontend, chat_body
 from mmis.protocol.codec import WireCodec
 from mmis.protocol.messages import UtilityCall
 from mmis.tiny_models.tiny_model import tiny_model_dir
-from mmis_operator.runner import OperatorThread
-from mmis_operator.settings import Options
+from mmis_operator.main import OperatorThread, Options
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.model, pytest.mark.slow]
 

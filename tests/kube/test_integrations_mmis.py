@@ -24,9 +24,8 @@ import pytest
 import yaml
 from kubecluster import Cluster, apply_crds, kubectl_wait
 
-from mmis_operator import integrations
-from mmis_operator.runner import OperatorThread
-from mmis_operator.settings import Options
+from mmis_operator import reconciler
+from mmis_operator.main import OperatorThread, Options
 
 pytestmark = pytest.mark.controlplane
 
@@ -121,7 +120,7 @@ def _owned_by_the_resource(obj: dict[str, Any], cluster: Cluster, namespace: str
 def test_hpa_follows_the_resource_and_the_hpa_controller_reads_its_scale(
     cluster: Cluster, crd: None, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(integrations.ENV_AUTOSCALER, "hpa")  # whatever another test installed
+    monkeypatch.setenv(reconciler.ENV_AUTOSCALER, "hpa")  # whatever another test installed
     with _operator(cluster, namespace) as running:
         _apply(cluster, namespace, SAMPLE)
         _wait(cluster, namespace, HPA, "--for=create")
@@ -181,8 +180,8 @@ def test_keda_scaled_object_and_pod_monitor_when_their_crds_are_served(
     third_party_crds: None,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.delenv(integrations.ENV_AUTOSCALER, raising=False)
-    monkeypatch.delenv(integrations.ENV_POD_MONITORS, raising=False)
+    monkeypatch.delenv(reconciler.ENV_AUTOSCALER, raising=False)
+    monkeypatch.delenv(reconciler.ENV_POD_MONITORS, raising=False)
     with _operator(cluster, namespace) as running:
         _apply(cluster, namespace, SAMPLE)
         _wait(cluster, namespace, SCALED_OBJECT, "--for=create")

@@ -18,8 +18,7 @@ from typing import Any
 import pytest
 from kubecluster import Cluster, kubectl_wait
 
-from mmis_operator.runner import OperatorThread
-from mmis_operator.settings import Options
+from mmis_operator.main import OperatorThread, Options
 
 pytestmark = pytest.mark.controlplane
 

@@ -29,10 +29,9 @@ from typing import Any
 import pytest
 from kubecluster import Cluster, ToolsMissing, apply_crds, inference_pool_crd, kubectl_wait
 
-from mmis_operator import children, picker_config, routing
-from mmis_operator import resource as r
-from mmis_operator.runner import OperatorThread
-from mmis_operator.settings import Options
+from mmis_operator import builders, routing
+from mmis_operator import kube as r
+from mmis_operator.main import OperatorThread, Options
 from mmis_operator.spec import parse_spec
 
 pytestmark = pytest.mark.controlplane
@@ -149,7 +148,7 @@ def _assert_deployment_as_before_routing(cluster: Cluster, namespace: str) -> No
     owner = _get(cluster, namespace, f"mmis/{NAME}")
     live = _get(cluster, namespace, f"deployment/{NAME}")
     # the builders, fed the spec as stored (CRD defaults filled in), give the bytes of before
-    built = children.deployment(owner, parse_spec(owner["spec"]))
+    built = builders.deployment(owner, parse_spec(owner["spec"]))
     assert _bytes(built["spec"]) == _bytes(BEFORE["deployment"]["spec"])
     # and that is what the operator applied: applying the manifest of before, as the
     # operator's field manager, changes nothing (no new generation, the same template)
@@ -257,7 +256,7 @@ def test_routing_adds_the_pool_and_the_picker_and_removing_it_deletes_them(
         owner = _get(cluster, namespace, f"mmis/{NAME}")
         applied = _condition(owner, r.ROUTING)
         assert applied is not None and applied["reason"] == "InferencePoolApplied"
-        built = children.routing_objects(owner, parse_spec(owner["spec"]))
+        built = builders.routing_objects(owner, parse_spec(owner["spec"]))
         for manifest in built:
             kind, name = manifest["kind"], manifest["metadata"]["name"]
             live = _get(cluster, namespace, f"{TYPES[kind]}/{name}")
@@ -273,8 +272,8 @@ def test_routing_adds_the_pool_and_the_picker_and_removing_it_deletes_them(
         assert pool["endpointPickerRef"]["name"] == PICKER
         assert pool["endpointPickerRef"]["port"] == {"number": 9002}
         config = _get(cluster, namespace, f"configmap/{PICKER}")["data"]["config.yaml"]
-        weighted = picker_config.picker_config(ops_port=r.OPS_PORT, cache_weight=4)
-        assert config == picker_config.render(weighted)
+        weighted = routing.picker_config(ops_port=r.OPS_PORT, cache_weight=4)
+        assert config == routing.render(weighted)
         # the picker's pods pass Pod Security "restricted" (the namespace enforces it)
         picker = _get(cluster, namespace, f"deployment/{PICKER}")
         _admitted(cluster, namespace, picker["spec"]["template"])
@@ -294,7 +293,7 @@ def test_routing_adds_the_pool_and_the_picker_and_removing_it_deletes_them(
             assert proc.stdout.strip() == "no", args
         # the engine publishes its cache events on named ports
         engine = _containers(_get(cluster, namespace, f"deployment/{NAME}"))[r.ENGINE]
-        flags = picker_config.engine_event_args(picker_config.EventPorts())
+        flags = routing.engine_event_args(routing.EventPorts())
         assert engine["args"][-len(flags) :] == flags
         assert {p["name"] for p in engine["ports"]} >= {
             "kv-events", "kv-replay", "mm-events", "mm-replay",

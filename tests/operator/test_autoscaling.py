@@ -9,11 +9,10 @@ from typing import Any
 
 import pytest
 
-from mmis_operator import autoscaling, children, integrations
-from mmis_operator.integrations import Discovery, Integrations
+from mmis_operator import builders, reconciler
 from mmis_operator.kube import KubeError
-from mmis_operator.reconciler import Reconciler
-from mmis_operator.spec import InvalidSpecError, parse_spec
+from mmis_operator.reconciler import Discovery, Integrations, Reconciler
+from mmis_operator.spec import KV_USAGE, InvalidSpecError, parse_spec
 
 AUTO = {"enabled": True, "minReplicas": 2, "maxReplicas": 6, "target": 4}
 
@@ -28,7 +27,7 @@ def test_off_unless_enabled(sample: dict[str, Any]) -> None:
     assert parse_spec(sample["spec"]).autoscaling is None
     off = _owner(sample, autoscaling={**AUTO, "enabled": False})["spec"]
     assert parse_spec(off).autoscaling is None
-    assert children.autoscaler(sample, parse_spec(off), "HorizontalPodAutoscaler") is None
+    assert builders.autoscaler(sample, parse_spec(off), "HorizontalPodAutoscaler") is None
 
 
 @pytest.mark.parametrize(
@@ -39,7 +38,7 @@ def test_off_unless_enabled(sample: dict[str, Any]) -> None:
         ({**AUTO, "minReplicas": 7}, "spec.autoscaling", "must not exceed"),
         ({**AUTO, "metric": "vllm:foo"}, "spec.autoscaling.metric", "mmis:num_requests_waiting"),
         ({**AUTO, "target": 0}, "spec.autoscaling.target", "positive"),
-        ({**AUTO, "metric": autoscaling.KV_USAGE, "target": 80}, "spec.autoscaling.target", "0.8"),
+        ({**AUTO, "metric": KV_USAGE, "target": 80}, "spec.autoscaling.target", "0.8"),
         ({**AUTO, "scaleDownStabilizationSeconds": -1}, "spec.autoscaling.scaleDown", "seconds"),
         ({**AUTO, "minReplicas": 0}, "spec.autoscaling.minReplicas", "[1, 1000]"),
     ],
@@ -54,7 +53,7 @@ def test_invalid_autoscaling_names_the_field(
 
 def test_hpa_targets_the_resources_scale_subresource(sample: dict[str, Any]) -> None:
     owner = _owner(sample, autoscaling={**AUTO, "scaleDownStabilizationSeconds": 600})
-    hpa = children.autoscaler(owner, parse_spec(owner["spec"]), "HorizontalPodAutoscaler")
+    hpa = builders.autoscaler(owner, parse_spec(owner["spec"]), "HorizontalPodAutoscaler")
     assert hpa is not None
     assert hpa["apiVersion"] == "autoscaling/v2"
     assert hpa["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
@@ -75,17 +74,17 @@ def test_hpa_targets_the_resources_scale_subresource(sample: dict[str, Any]) -> 
 
 
 def test_kv_usage_target_is_a_milli_quantity(sample: dict[str, Any]) -> None:
-    owner = _owner(sample, autoscaling={**AUTO, "metric": autoscaling.KV_USAGE, "target": 0.8})
-    hpa = children.autoscaler(owner, parse_spec(owner["spec"]), "HorizontalPodAutoscaler")
+    owner = _owner(sample, autoscaling={**AUTO, "metric": KV_USAGE, "target": 0.8})
+    hpa = builders.autoscaler(owner, parse_spec(owner["spec"]), "HorizontalPodAutoscaler")
     assert hpa is not None
     target = hpa["spec"]["metrics"][0]["pods"]["target"]
     assert target["averageValue"] == "800m"
-    assert autoscaling.quantity(2.5) == "2500m" and autoscaling.quantity(3.0) == "3"
+    assert builders.quantity(2.5) == "2500m" and builders.quantity(3.0) == "3"
 
 
 def test_scaled_object_has_a_prometheus_trigger(sample: dict[str, Any]) -> None:
     owner = _owner(sample, autoscaling={**AUTO, "prometheusAddress": "http://prom:9090"})
-    so = children.autoscaler(owner, parse_spec(owner["spec"]), "ScaledObject")
+    so = builders.autoscaler(owner, parse_spec(owner["spec"]), "ScaledObject")
     assert so is not None
     assert so["apiVersion"] == "keda.sh/v1alpha1"
     body = so["spec"]
@@ -106,18 +105,18 @@ def test_scaled_object_has_a_prometheus_trigger(sample: dict[str, Any]) -> None:
 def test_deployment_replicas_stay_within_the_autoscalers_bounds(sample: dict[str, Any]) -> None:
     for replicas, expected in ((0, 2), (4, 4), (9, 6)):
         owner = _owner(sample, replicas=replicas, autoscaling=AUTO)
-        dep = children.deployment(owner, parse_spec(owner["spec"]))
+        dep = builders.deployment(owner, parse_spec(owner["spec"]))
         assert dep["spec"]["replicas"] == expected
-    assert children.deployment(sample, parse_spec(sample["spec"]))["spec"]["replicas"] == 2
+    assert builders.deployment(sample, parse_spec(sample["spec"]))["spec"]["replicas"] == 2
 
 
 def test_scrape_annotations_and_pod_monitor(sample: dict[str, Any]) -> None:
     spec = parse_spec(sample["spec"])
-    annotations = children.deployment(sample, spec)["spec"]["template"]["metadata"]["annotations"]
+    annotations = builders.deployment(sample, spec)["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
     assert annotations["prometheus.io/port"] == "8001"
     assert annotations["prometheus.io/path"] == "/metrics"
-    pm = children.pod_monitor(sample, spec)
+    pm = builders.pod_monitor(sample, spec)
     assert pm is not None and pm["apiVersion"] == "monitoring.coreos.com/v1"
     assert pm["spec"]["selector"]["matchLabels"]["mmis.dev/service"] == "llava"
     assert pm["spec"]["podMetricsEndpoints"] == [
@@ -126,8 +125,8 @@ def test_scrape_annotations_and_pod_monitor(sample: dict[str, Any]) -> None:
     assert pm["metadata"]["ownerReferences"][0]["kind"] == "MMInferenceService"
     off = parse_spec({**sample["spec"], "monitoring": {"podMonitor": False,
                                                        "scrapeAnnotations": False}})  # fmt: skip
-    assert children.pod_monitor(sample, off) is None
-    template = children.deployment(sample, off)["spec"]["template"]["metadata"]
+    assert builders.pod_monitor(sample, off) is None
+    template = builders.deployment(sample, off)["spec"]["template"]["metadata"]
     assert not any(k.startswith("prometheus.io/") for k in template["annotations"])
     with pytest.raises(InvalidSpecError, match="duration"):
         parse_spec({**sample["spec"], "monitoring": {"interval": "soon"}})
@@ -135,10 +134,10 @@ def test_scrape_annotations_and_pod_monitor(sample: dict[str, Any]) -> None:
 
 def test_integration_settings_from_the_environment() -> None:
     assert Integrations.from_env({}) == Integrations("auto", "auto")
-    env = {integrations.ENV_AUTOSCALER: "KEDA", integrations.ENV_POD_MONITORS: "off"}
+    env = {reconciler.ENV_AUTOSCALER: "KEDA", reconciler.ENV_POD_MONITORS: "off"}
     assert Integrations.from_env(env) == Integrations("keda", "off")
-    with pytest.raises(ValueError, match=integrations.ENV_AUTOSCALER):
-        Integrations.from_env({integrations.ENV_AUTOSCALER: "vpa"})
+    with pytest.raises(ValueError, match=reconciler.ENV_AUTOSCALER):
+        Integrations.from_env({reconciler.ENV_AUTOSCALER: "vpa"})
 
 
 class FakeApi:

@@ -4,8 +4,8 @@ from typing import Any
 
 import pytest
 
-from mmis_operator import children, pod
-from mmis_operator import resource as r
+from mmis_operator import builders
+from mmis_operator import kube as r
 from mmis_operator.spec import parse_spec
 
 
@@ -19,7 +19,7 @@ def _args(container: dict[str, Any], flag: str) -> str:
 
 
 def test_deployment_has_frontend_and_engine_sharing_shm(sample: dict[str, Any]) -> None:
-    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    dep = builders.deployment(sample, parse_spec(sample["spec"]))
     pods = dep["spec"]["template"]["spec"]
     by_name = _containers(dep)
     assert set(by_name) == {r.FRONTEND, r.ENGINE}
@@ -35,7 +35,7 @@ def test_deployment_has_frontend_and_engine_sharing_shm(sample: dict[str, Any]) 
 
 
 def test_frontend_memory_counts_the_shm_volume(sample: dict[str, Any]) -> None:
-    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    dep = builders.deployment(sample, parse_spec(sample["spec"]))
     front = _containers(dep)[r.FRONTEND]["resources"]
     # frontendMemory 4Gi + the 6759Mi volume
     assert front["limits"]["memory"] == "10855Mi"
@@ -44,27 +44,27 @@ def test_frontend_memory_counts_the_shm_volume(sample: dict[str, Any]) -> None:
 
 
 def test_gpu_limits_only_on_engine(sample: dict[str, Any]) -> None:
-    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    dep = builders.deployment(sample, parse_spec(sample["spec"]))
     engine = _containers(dep)[r.ENGINE]["resources"]
     assert engine["limits"][r.GPU_RESOURCE] == "2"
     assert engine["limits"]["memory"] == "32Gi"
     sample["spec"]["resources"]["gpus"] = 0
-    cpu_only = children.deployment(sample, parse_spec(sample["spec"]))
+    cpu_only = builders.deployment(sample, parse_spec(sample["spec"]))
     assert r.GPU_RESOURCE not in _containers(cpu_only)[r.ENGINE]["resources"]["limits"]
     assert "tolerations" not in cpu_only["spec"]["template"]["spec"]
 
 
 def test_tensor_parallel_size_follows_the_gpus(sample: dict[str, Any]) -> None:
-    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    dep = builders.deployment(sample, parse_spec(sample["spec"]))
     assert _args(_containers(dep)[r.ENGINE], "--tensor-parallel-size") == "2"
     for gpus in (0, 1):  # one rank: no flag
         sample["spec"]["resources"]["gpus"] = gpus
-        single = children.deployment(sample, parse_spec(sample["spec"]))
+        single = builders.deployment(sample, parse_spec(sample["spec"]))
         assert "--tensor-parallel-size" not in _containers(single)[r.ENGINE]["args"]
 
 
 def test_addresses_and_cache_flags_come_from_one_place(sample: dict[str, Any]) -> None:
-    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    dep = builders.deployment(sample, parse_spec(sample["spec"]))
     front, engine = _containers(dep)[r.FRONTEND], _containers(dep)[r.ENGINE]
     for flag in ("--engine-input-address", "--engine-output-address", "--mm-cache-type"):
         assert _args(front, flag) == _args(engine, flag)
@@ -72,7 +72,7 @@ def test_addresses_and_cache_flags_come_from_one_place(sample: dict[str, Any]) -
     assert _args(front, "--mm-cache-gb") == "4"
     assert _args(front, "--port") == str(r.HTTP_PORT)
     assert _args(front, "--ops-port") == str(r.OPS_PORT)
-    service = children.service(sample, parse_spec(sample["spec"]))
+    service = builders.service(sample, parse_spec(sample["spec"]))
     assert [p["name"] for p in service["spec"]["ports"]] == [r.HTTP_PORT_NAME]  # never ops
     assert _args(front, "--shm-gb") == "6"
     assert _args(front, "--shm-dir") == _args(engine, "--shm-dir") == r.SHM_MOUNT
@@ -86,7 +86,7 @@ def test_optional_flags(sample: dict[str, Any]) -> None:
         auth={"apiKeySecretRef": {"name": "keys"}},
         allowedLocalMediaPath="/data",
     )
-    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    dep = builders.deployment(sample, parse_spec(sample["spec"]))
     front, engine = _containers(dep)[r.FRONTEND], _containers(dep)[r.ENGINE]
     assert _args(engine, "--engine-mm-cache-gb") == "2"
     assert _args(engine, "--fault-evict-rate") == "0.25"
@@ -100,7 +100,7 @@ def test_optional_flags(sample: dict[str, Any]) -> None:
 
 def test_probes_and_drain(sample: dict[str, Any]) -> None:
     sample["spec"]["probes"] = {"startupTimeoutSeconds": 1200, "drainSeconds": 20}
-    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    dep = builders.deployment(sample, parse_spec(sample["spec"]))
     front, engine = _containers(dep)[r.FRONTEND], _containers(dep)[r.ENGINE]
     # a probe per container: the front end's liveness is about the front end only
     assert front["readinessProbe"]["httpGet"]["path"] == "/ready"
@@ -128,7 +128,7 @@ def test_probes_and_drain(sample: dict[str, Any]) -> None:
 
 
 def test_security_context_is_non_root(sample: dict[str, Any]) -> None:
-    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    dep = builders.deployment(sample, parse_spec(sample["spec"]))
     pods = dep["spec"]["template"]["spec"]
     assert pods["securityContext"]["runAsNonRoot"] is True
     assert pods["securityContext"]["runAsUser"] != 0
@@ -143,9 +143,9 @@ def test_owner_references_and_labels_on_every_child(sample: dict[str, Any]) -> N
     sample["spec"]["ingress"] = {"enabled": True, "host": "llava.example.com"}
     parsed = parse_spec(sample["spec"])
     objs = [
-        children.deployment(sample, parsed),
-        children.service(sample, parsed),
-        children.ingress(sample, parsed),
+        builders.deployment(sample, parsed),
+        builders.service(sample, parsed),
+        builders.ingress(sample, parsed),
     ]
     for obj in objs:
         assert obj is not None
@@ -164,7 +164,7 @@ def test_owner_references_and_labels_on_every_child(sample: dict[str, Any]) -> N
 
 def test_service_selects_the_pods(sample: dict[str, Any]) -> None:
     parsed = parse_spec(sample["spec"])
-    dep, svc = children.deployment(sample, parsed), children.service(sample, parsed)
+    dep, svc = builders.deployment(sample, parsed), builders.service(sample, parsed)
     labels = dep["spec"]["template"]["metadata"]["labels"]
     assert svc["spec"]["selector"].items() <= labels.items()
     assert dep["spec"]["selector"]["matchLabels"] == svc["spec"]["selector"]
@@ -173,14 +173,14 @@ def test_service_selects_the_pods(sample: dict[str, Any]) -> None:
 
 def test_ingress_only_when_enabled_and_endpoint(sample: dict[str, Any]) -> None:
     parsed = parse_spec(sample["spec"])
-    assert children.ingress(sample, parsed) is None
-    assert children.endpoint(sample, parsed) == "http://llava.ml.svc:8000/v1"
+    assert builders.ingress(sample, parsed) is None
+    assert builders.endpoint(sample, parsed) == "http://llava.ml.svc:8000/v1"
     sample["spec"]["ingress"] = {"enabled": True, "host": "h.example", "tlsSecretName": "tls"}
     parsed = parse_spec(sample["spec"])
-    ing = children.ingress(sample, parsed)
+    ing = builders.ingress(sample, parsed)
     assert ing is not None
     assert ing["spec"]["tls"] == [{"hosts": ["h.example"], "secretName": "tls"}]
-    assert children.endpoint(sample, parsed) == "https://h.example/v1"
+    assert builders.endpoint(sample, parsed) == "https://h.example/v1"
 
 
 def test_pod_template_override_merges_but_keeps_the_selector(sample: dict[str, Any]) -> None:
@@ -194,7 +194,7 @@ def test_pod_template_override_merges_but_keeps_the_selector(sample: dict[str, A
             "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "m"}}],
         },
     }
-    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    dep = builders.deployment(sample, parse_spec(sample["spec"]))
     template = dep["spec"]["template"]
     assert template["metadata"]["labels"]["team"] == "vision"
     assert template["metadata"]["labels"][r.LABEL_INSTANCE] == "llava"
@@ -207,32 +207,32 @@ def test_pod_template_override_merges_but_keeps_the_selector(sample: dict[str, A
 
 def test_builders_are_deterministic(sample: dict[str, Any]) -> None:
     parsed = parse_spec(sample["spec"])
-    assert children.deployment(sample, parsed) == children.deployment(sample, parsed)
-    assert pod.address_args() == pod.address_args()
+    assert builders.deployment(sample, parsed) == builders.deployment(sample, parsed)
+    assert builders.address_args() == builders.address_args()
 
 
 def test_owner_without_uid_is_refused(sample: dict[str, Any]) -> None:
     del sample["metadata"]["uid"]
-    with pytest.raises(children.OwnerError, match="uid"):
-        children.deployment(sample, parse_spec(sample["spec"]))
+    with pytest.raises(builders.OwnerError, match="uid"):
+        builders.deployment(sample, parse_spec(sample["spec"]))
 
 
 def test_model_cache_defaults_to_a_sized_empty_dir(sample: dict[str, Any]) -> None:
-    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    dep = builders.deployment(sample, parse_spec(sample["spec"]))
     pods = dep["spec"]["template"]["spec"]
-    (cache,) = [v for v in pods["volumes"] if v["name"] == pod.MODEL_CACHE_VOLUME]
+    (cache,) = [v for v in pods["volumes"] if v["name"] == builders.MODEL_CACHE_VOLUME]
     assert cache == {"name": "model-cache", "emptyDir": {"sizeLimit": "50Gi"}}
     engine = _containers(dep)[r.ENGINE]
     assert engine["resources"]["requests"]["ephemeral-storage"] == "50Gi"
-    assert children.model_claim(sample, parse_spec(sample["spec"])) is None
+    assert builders.model_claim(sample, parse_spec(sample["spec"])) is None
 
 
 def test_one_download_per_pod_shared_by_both_containers(sample: dict[str, Any]) -> None:
     sample["spec"]["model"].update(revision="r1", tokenSecretRef={"name": "hf"})
-    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    dep = builders.deployment(sample, parse_spec(sample["spec"]))
     pods = dep["spec"]["template"]["spec"]
     (init,) = pods["initContainers"]
-    assert init["name"] == pod.DOWNLOAD
+    assert init["name"] == builders.DOWNLOAD
     assert init["args"] == ["llava-hf/llava-1.5-7b-hf", "r1"]
     (token,) = [e for e in init["env"] if e["name"] == "HF_TOKEN"]
     assert token["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
@@ -243,9 +243,9 @@ def test_one_download_per_pod_shared_by_both_containers(sample: dict[str, Any]) 
         assert env["HF_HOME"] == home and env["HF_HUB_OFFLINE"] == "1"
         assert "HF_TOKEN" not in env  # only the download gets the token
         mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-        assert mounts[pod.MODEL_CACHE_VOLUME] == pod.CACHE_DIR
+        assert mounts[builders.MODEL_CACHE_VOLUME] == builders.CACHE_DIR
     sample["spec"]["model"] = {"path": "/models/x"}
-    local = children.deployment(sample, parse_spec(sample["spec"]))
+    local = builders.deployment(sample, parse_spec(sample["spec"]))
     assert "initContainers" not in local["spec"]["template"]["spec"]
 
 
@@ -254,20 +254,20 @@ def test_model_cache_on_a_claim(sample: dict[str, Any]) -> None:
         "type": "PersistentVolumeClaim", "size": "100Gi", "storageClassName": "fast",
     }  # fmt: skip
     parsed = parse_spec(sample["spec"])
-    claim = children.model_claim(sample, parsed)
+    claim = builders.model_claim(sample, parsed)
     assert claim is not None
     assert claim["metadata"]["name"] == "llava-model-cache"
     assert claim["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
     assert claim["spec"]["resources"]["requests"]["storage"] == "100Gi"
     assert claim["spec"]["storageClassName"] == "fast"
-    dep = children.deployment(sample, parsed)
+    dep = builders.deployment(sample, parsed)
     (cache,) = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "model-cache"]
     assert cache["persistentVolumeClaim"] == {"claimName": "llava-model-cache"}
     assert "ephemeral-storage" not in _containers(dep)[r.ENGINE]["resources"]["requests"]
     sample["spec"]["model"]["storage"] = {"type": "PersistentVolumeClaim", "claimName": "mine"}
     existing = parse_spec(sample["spec"])
-    assert children.model_claim(sample, existing) is None
-    dep = children.deployment(sample, existing)
+    assert builders.model_claim(sample, existing) is None
+    dep = builders.deployment(sample, existing)
     (cache,) = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "model-cache"]
     assert cache["persistentVolumeClaim"] == {"claimName": "mine"}
 
@@ -275,45 +275,45 @@ def test_model_cache_on_a_claim(sample: dict[str, Any]) -> None:
 def test_pod_template_volume_replaces_the_model_cache(sample: dict[str, Any]) -> None:
     pvc = {"name": "model-cache", "persistentVolumeClaim": {"claimName": "shared"}}
     sample["spec"]["podTemplate"] = {"spec": {"volumes": [pvc]}}
-    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    dep = builders.deployment(sample, parse_spec(sample["spec"]))
     (cache,) = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "model-cache"]
     assert cache == pvc
 
 
 def test_rollout_defaults_never_wait_for_a_spare_gpu(sample: dict[str, Any]) -> None:
-    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    dep = builders.deployment(sample, parse_spec(sample["spec"]))
     assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
     sample["spec"]["rollout"] = {"maxSurge": 1, "maxUnavailable": 0}
-    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    dep = builders.deployment(sample, parse_spec(sample["spec"]))
     assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
 
 
 def test_disruption_budget(sample: dict[str, Any]) -> None:
     parsed = parse_spec(sample["spec"])
-    pdb = children.disruption_budget(sample, parsed)
+    pdb = builders.disruption_budget(sample, parsed)
     assert pdb is not None
     assert pdb["spec"]["maxUnavailable"] == 1
     assert pdb["spec"]["selector"]["matchLabels"] == r.selector_labels("llava")
     assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
     assert pdb["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
     sample["spec"]["disruption"] = {"enabled": False}
-    assert children.disruption_budget(sample, parse_spec(sample["spec"])) is None
+    assert builders.disruption_budget(sample, parse_spec(sample["spec"])) is None
 
 
 def test_ingress_routes_only_the_api_and_health(sample: dict[str, Any]) -> None:
     sample["spec"]["ingress"] = {"enabled": True, "host": "h.example", "path": "/llava/"}
-    ing = children.ingress(sample, parse_spec(sample["spec"]))
+    ing = builders.ingress(sample, parse_spec(sample["spec"]))
     assert ing is not None
     paths = [p["path"] for p in ing["spec"]["rules"][0]["http"]["paths"]]
     assert paths == ["/llava/v1", "/llava/health"]
     sample["spec"]["ingress"] = {"enabled": True, "host": "h.example"}
-    ing = children.ingress(sample, parse_spec(sample["spec"]))
+    ing = builders.ingress(sample, parse_spec(sample["spec"]))
     assert ing is not None
     assert [p["path"] for p in ing["spec"]["rules"][0]["http"]["paths"]] == ["/v1", "/health"]
 
 
 def test_inference_pods_get_no_token_and_the_front_end_no_gpu(sample: dict[str, Any]) -> None:
-    dep = children.deployment(sample, parse_spec(sample["spec"]))
+    dep = builders.deployment(sample, parse_spec(sample["spec"]))
     assert dep["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
     env = {e["name"]: e.get("value") for e in _containers(dep)[r.FRONTEND]["env"]}
     assert env["NVIDIA_VISIBLE_DEVICES"] == "void"

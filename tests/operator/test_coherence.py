@@ -1,4 +1,4 @@
-"""CacheCoherent from pods' /stats/cache answers (pure: mmis_operator.coherence)."""
+"""CacheCoherent from pods' /stats/cache answers (pure: mmis_operator.status.evaluate)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from mmis_operator.coherence import ProbeResult, StatsError, evaluate, parse_stats
+from mmis_operator.status import ProbeResult, StatsError, evaluate, parse_stats
 
 
 def body(**over: float) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 A probe whose pods answer with no shadow hit in the window (no traffic reusing images) is
 ``NoTraffic``: it keeps the stored True/False verdict (message: since when, and the last
 verdict), or is ``Unknown`` where no verdict was ever given, and posts no Event. Driven
-through the real judge (:func:`coherence.evaluate`) and the real status write
+through the real judge (:func:`status.evaluate`) and the real status write
 (:meth:`CoherenceProbe.store`) against the in-memory resource store (conftest.FakeStore).
 """
 
@@ -12,16 +12,16 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from mmis_operator import coherence, conditions, status
+from mmis_operator import status
 from mmis_operator.probe import CoherenceProbe
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ"
 
 
-def judged(shadow_hits: float, misses: float = 0.0, failed: bool = False) -> coherence.Coherence:
+def judged(shadow_hits: float, misses: float = 0.0, failed: bool = False) -> status.Coherence:
     if failed:
-        return coherence.evaluate([coherence.ProbeResult("p", error="ConnectError")], 0.1)
+        return status.evaluate([status.ProbeResult("p", error="ConnectError")], 0.1)
     answer = {
         "drift_rate": misses / shadow_hits if shadow_hits else 0.0,
         "hit_rate": 0.5,
@@ -33,14 +33,14 @@ def judged(shadow_hits: float, misses: float = 0.0, failed: bool = False) -> coh
         "retries": misses,
         "requests": 2 * shadow_hits,
     }
-    return coherence.evaluate([coherence.ProbeResult("p", coherence.parse_stats(answer))], 0.1)
+    return status.evaluate([status.ProbeResult("p", status.parse_stats(answer))], 0.1)
 
 
 BUSY, IDLE, DRIFTING = judged(10), judged(0), judged(10, misses=5)
 
 
 def coherent(store: Any) -> dict[str, Any]:
-    found = conditions.find(store.obj["status"]["conditions"], "CacheCoherent")
+    found = status.find(store.obj["status"]["conditions"], "CacheCoherent")
     assert found is not None
     return dict(found)
 
@@ -104,16 +104,16 @@ def test_idle_after_a_failed_probe_stays_unknown_without_an_event(
 
 
 def test_held_condition_text_and_times_are_exact() -> None:
-    verdict = conditions.upsert([], BUSY.condition, 3, T0)
-    idle = conditions.upsert(verdict, IDLE.condition, 3, T1)
+    verdict = status.upsert([], BUSY.condition, 3, T0)
+    idle = status.upsert(verdict, IDLE.condition, 3, T1)
     assert idle[0]["lastTransitionTime"] == T0
     assert idle[0]["message"] == (
         f"{IDLE.condition.message} (since {T1}); "
         f"last verdict DriftRateNormal: {BUSY.condition.message}"
     )
-    assert conditions.upsert(idle, IDLE.condition, 3, "2026-01-01T01:00:00Z") == idle
-    assert conditions.transitions(verdict, [IDLE.condition]) == []
-    assert conditions.transitions([], [IDLE.condition]) == []
+    assert status.upsert(idle, IDLE.condition, 3, "2026-01-01T01:00:00Z") == idle
+    assert status.transitions(verdict, [IDLE.condition]) == []
+    assert status.transitions([], [IDLE.condition]) == []
 
 
 def test_cache_coherent_stays_out_of_ready(sample: dict[str, Any]) -> None:
@@ -127,9 +127,7 @@ def test_cache_coherent_stays_out_of_ready(sample: dict[str, Any]) -> None:
             "observedGeneration": 1,
         },
     }
-    held_false = conditions.upsert(
-        conditions.upsert([], DRIFTING.condition, 3, T0), IDLE.condition, 3, T1
-    )
+    held_false = status.upsert(status.upsert([], DRIFTING.condition, 3, T0), IDLE.condition, 3, T1)
     merged = status.merged_status(
         {"conditions": held_false}, status.desired_status(sample, deployment), 3, now=T1
     )

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from mmis_operator import coherence
 from mmis_operator.kube import KubeError
 from mmis_operator.probe import OVERRIDE_ANNOTATION, CoherenceProbe, Target, fetch_all, targets
+from mmis_operator.status import Coherence, ProbeResult, evaluate, parse_stats
 
 STATS = {
     "drift_rate": 0.5,
@@ -81,7 +81,7 @@ async def test_fetch_all_reports_answers_and_failures(server: str) -> None:
     found = [Target(n, f"{server}/{n}/stats/cache") for n in ("good", "bad", "err")]
     found.append(Target("closed", "http://127.0.0.1:9/stats/cache"))
     results = {r.pod: r for r in await fetch_all(found, timeout=2.0)}
-    assert results["good"].stats == coherence.parse_stats(STATS)
+    assert results["good"].stats == parse_stats(STATS)
     assert results["bad"].stats is None and "drift_rate" in (results["bad"].error or "")
     assert results["err"].stats is None and "500" in (results["err"].error or "")
     assert results["closed"].stats is None and results["closed"].error
@@ -92,9 +92,9 @@ def _ready_elsewhere(status: dict[str, Any]) -> None:
     status.update({"conditions": [foreign], "readyReplicas": 2})
 
 
-def _judged(rate: float) -> coherence.Coherence:
+def _judged(rate: float) -> Coherence:
     stats = {**STATS, "drift_rate": rate, "drift_misses": rate * 4}
-    return coherence.evaluate([coherence.ProbeResult("p", coherence.parse_stats(stats))], 0.1)
+    return evaluate([ProbeResult("p", parse_stats(stats))], 0.1)
 
 
 def test_store_keeps_other_conditions_and_posts_events_only_on_flips(store: Any) -> None:

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from mmis_operator import conditions
-from mmis_operator.conditions import Condition
+from mmis_operator import status
+from mmis_operator.status import Condition
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 
@@ -11,7 +11,7 @@ T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 def test_upsert_keeps_other_conditions_in_place() -> None:
     coherent = {"type": "CacheCoherent", "status": "True", "reason": "LowDrift", "message": "m"}
     start = [coherent]
-    out = conditions.upsert(start, Condition("Ready", "True", "AllReplicasReady", "ok"), 4, T0)
+    out = status.upsert(start, Condition("Ready", "True", "AllReplicasReady", "ok"), 4, T0)
     assert out[0] == coherent
     assert out[1]["type"] == "Ready"
     assert out[1]["observedGeneration"] == 4
@@ -19,11 +19,11 @@ def test_upsert_keeps_other_conditions_in_place() -> None:
 
 
 def test_transition_time_moves_only_with_status() -> None:
-    first = conditions.upsert([], Condition("Ready", "False", "Creating", "a"), 1, T0)
-    same = conditions.upsert(first, Condition("Ready", "False", "ReplicasNotReady", "b"), 2, T1)
+    first = status.upsert([], Condition("Ready", "False", "Creating", "a"), 1, T0)
+    same = status.upsert(first, Condition("Ready", "False", "ReplicasNotReady", "b"), 2, T1)
     assert same[0]["lastTransitionTime"] == T0
     assert same[0]["reason"] == "ReplicasNotReady"
-    flipped = conditions.upsert(same, Condition("Ready", "True", "AllReplicasReady", "c"), 2, T1)
+    flipped = status.upsert(same, Condition("Ready", "True", "AllReplicasReady", "c"), 2, T1)
     assert flipped[0]["lastTransitionTime"] == T1
 
 
@@ -34,7 +34,7 @@ def test_transitions() -> None:
         Condition("Degraded", "False", "AsExpected", ""),
         Condition("Progressing", "True", "RollingOut", ""),
     ]
-    found = {(t.type, t.old_status, t.new.status) for t in conditions.transitions(before, new)}
+    found = {(t.type, t.old_status, t.new.status) for t in status.transitions(before, new)}
     assert found == {("Ready", "False", "True"), ("Progressing", None, "True")}
 
 

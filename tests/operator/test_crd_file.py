@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from mmis_operator import resource as r
+from mmis_operator import kube as r
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "mminferenceservice.yaml"

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from mmis_operator import children
+from mmis_operator import builders
 from mmis_operator.spec import parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,7 +90,7 @@ def test_example_builds(path: Path) -> None:
     obj = yaml.safe_load(path.read_text())
     assert obj["apiVersion"] == "mmis.dev/v1alpha1"
     obj["metadata"].update(namespace="ns", uid="u")
-    dep = children.deployment(obj, parse_spec(obj["spec"]))
+    dep = builders.deployment(obj, parse_spec(obj["spec"]))
     names = [c["name"] for c in dep["spec"]["template"]["spec"]["containers"]]
     assert names[:2] == ["frontend", "engine"]
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from mmis_operator.overrides import OverrideError, merge
+from mmis_operator.spec import OverrideError, merge
 
 
 def test_named_lists_merge_by_name_and_others_replace() -> None:

@@ -4,7 +4,7 @@ from decimal import Decimal
 
 import pytest
 
-from mmis_operator import quantity
+from mmis_operator import spec
 
 
 @pytest.mark.parametrize(
@@ -21,19 +21,19 @@ from mmis_operator import quantity
     ],
 )
 def test_parse(text: object, expected: Decimal) -> None:
-    assert quantity.parse(text, "f") == expected
+    assert spec.parse(text, "f") == expected
 
 
 @pytest.mark.parametrize("bad", ["", "4GiB", "four", "1.2.3", "Gi", True, None, [1]])
 def test_parse_rejects_with_field(bad: object) -> None:
-    with pytest.raises(quantity.QuantityError, match=r"^spec\.x: .* is not a Kubernetes quantity"):
-        quantity.parse(bad, "spec.x")
+    with pytest.raises(spec.QuantityError, match=r"^spec\.x: .* is not a Kubernetes quantity"):
+        spec.parse(bad, "spec.x")
 
 
 def test_parse_bytes_rounds_up_and_rejects_negative() -> None:
-    assert quantity.parse_bytes("1.1", "f") == 2
-    with pytest.raises(quantity.QuantityError):
-        quantity.parse_bytes("-1Gi", "f")
+    assert spec.parse_bytes("1.1", "f") == 2
+    with pytest.raises(spec.QuantityError):
+        spec.parse_bytes("-1Gi", "f")
 
 
 @pytest.mark.parametrize(
@@ -41,11 +41,11 @@ def test_parse_bytes_rounds_up_and_rejects_negative() -> None:
     [(3 * 2**30, "3Gi"), (2**29 + 2**30, "1536Mi"), (1000, "1000"), (0, "0"), (2048, "2Ki")],
 )
 def test_format_bytes_is_exact_and_round_trips(count: int, text: str) -> None:
-    assert quantity.format_bytes(count) == text
-    assert quantity.parse_bytes(text, "f") == count
+    assert spec.format_bytes(count) == text
+    assert spec.parse_bytes(text, "f") == count
 
 
 def test_gib() -> None:
-    assert quantity.gib(4 * 2**30) == "4"
-    assert quantity.gib(2**29) == "0.5"
-    assert quantity.gib(0) == "0"
+    assert spec.gib(4 * 2**30) == "4"
+    assert spec.gib(2**29) == "0.5"
+    assert spec.gib(0) == "0"

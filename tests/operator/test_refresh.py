@@ -1,4 +1,4 @@
-"""Unit tests of the per-resource coalescing of status refreshes (mmis_operator/refresh.py)."""
+"""Unit tests of the per-resource coalescing of status refreshes (``reconciler.Refresher``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from mmis_operator.kube import KubeError
-from mmis_operator.refresh import Refresher
+from mmis_operator.reconciler import Refresher
 
 KEY = ("ns", "svc")
 

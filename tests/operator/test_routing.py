@@ -14,9 +14,16 @@ from typing import Any
 import pytest
 import yaml
 
-from mmis_operator import children, picker_config, routing
-from mmis_operator import resource as r
-from mmis_operator.spec import InvalidSpecError, parse_spec
+from mmis_operator import builders, routing
+from mmis_operator import kube as r
+from mmis_operator.spec import (
+    MAX_CACHE_WEIGHT,
+    PICKER_MAX_REPLICAS,
+    InvalidSpecError,
+    RoutingSpec,
+    default_image,
+    parse_spec,
+)
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "children_without_routing.json"
 CRD = Path(__file__).resolve().parents[2] / "crds" / "mminferenceservice.yaml"
@@ -35,7 +42,7 @@ def _routed(sample: dict[str, Any], **routing_spec: Any) -> dict[str, Any]:
 
 
 def _objects(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    built = children.routing_objects(obj, parse_spec(obj["spec"]))
+    built = builders.routing_objects(obj, parse_spec(obj["spec"]))
     by_kind = {m["kind"]: m for m in built}
     assert len(by_kind) == len(built)  # one of each kind
     return by_kind
@@ -50,17 +57,17 @@ def test_without_routing_the_children_are_byte_identical_to_before(case: str) ->
     body = CASES[case]["resource"]
     spec = parse_spec(body["spec"])
     assert spec.routing is None
-    assert _bytes(children.deployment(body, spec)) == _bytes(CASES[case]["deployment"])
-    assert _bytes(children.service(body, spec)) == _bytes(CASES[case]["service"])
-    assert children.routing_objects(body, spec) == []
+    assert _bytes(builders.deployment(body, spec)) == _bytes(CASES[case]["deployment"])
+    assert _bytes(builders.service(body, spec)) == _bytes(CASES[case]["service"])
+    assert builders.routing_objects(body, spec) == []
 
 
 def test_routing_adds_only_the_engine_event_flags_and_ports() -> None:
     golden = CASES["sample"]
     body = _routed(golden["resource"])
-    dep = children.deployment(body, parse_spec(body["spec"]))
+    dep = builders.deployment(body, parse_spec(body["spec"]))
     engine = _containers(dep)[r.ENGINE]
-    flags = picker_config.engine_event_args(picker_config.EventPorts())
+    flags = routing.engine_event_args(routing.EventPorts())
     assert engine["args"][-len(flags) :] == flags
     assert flags == [
         "--kv-events-endpoint", "tcp://*:5557", "--kv-events-replay-endpoint", "tcp://*:5558",
@@ -76,10 +83,10 @@ def test_routing_adds_only_the_engine_event_flags_and_ports() -> None:
 
 def test_parse_routing_defaults_and_refusals(sample: dict[str, Any]) -> None:
     spec = parse_spec(_routed(sample)["spec"])
-    assert spec.routing == routing.RoutingSpec(
-        image=routing.default_image(), replicas=1, cache_weight=picker_config.CACHE_WEIGHT
+    assert spec.routing == RoutingSpec(
+        image=default_image(), replicas=1, cache_weight=routing.CACHE_WEIGHT
     )
-    assert routing.default_image() == "ghcr.io/mmis-dev/mmis-epp:0.1.0"  # the operator's version
+    assert default_image() == "ghcr.io/mmis-dev/mmis-epp:0.1.0"  # the operator's version
     custom = parse_spec(_routed(sample, picker={"image": "reg/epp:x", "replicas": 2})["spec"])
     assert custom.routing is not None
     assert (custom.routing.image, custom.routing.replicas) == ("reg/epp:x", 2)
@@ -101,7 +108,7 @@ def test_parse_routing_defaults_and_refusals(sample: dict[str, Any]) -> None:
 
 def test_routing_objects_are_owned_and_in_apply_order(sample: dict[str, Any]) -> None:
     obj = _routed(sample)
-    built = children.routing_objects(obj, parse_spec(obj["spec"]))
+    built = builders.routing_objects(obj, parse_spec(obj["spec"]))
     kinds = [m["kind"] for m in built]
     assert kinds == [
         "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Deployment", "Service",
@@ -123,7 +130,7 @@ def test_inference_pool_selects_the_inference_pods_on_http() -> None:
     pool = _objects(body)["InferencePool"]
     assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
     assert pool["metadata"]["name"] == "llava"
-    dep = children.deployment(body, parse_spec(body["spec"]))
+    dep = builders.deployment(body, parse_spec(body["spec"]))
     assert pool["spec"] == {
         "selector": {"matchLabels": dep["spec"]["selector"]["matchLabels"]},
         "targetPorts": [{"number": 8000}],
@@ -138,7 +145,7 @@ def test_picker_deployment(sample: dict[str, Any]) -> None:
     assert dep["metadata"]["name"] == "llava-epp"
     assert dep["spec"]["replicas"] == 1
     (epp,) = dep["spec"]["template"]["spec"]["containers"]
-    assert epp["image"] == routing.default_image()
+    assert epp["image"] == default_image()
     assert epp["args"] == [
         "--pool-name", "llava", "--pool-namespace", "ml",
         "--pool-group", "inference.networking.k8s.io",
@@ -192,11 +199,11 @@ def test_picker_pods_are_never_taken_for_inference_pods(sample: dict[str, Any]) 
 
 def test_config_map_is_the_picker_config_with_the_spec_weight(sample: dict[str, Any]) -> None:
     default = _objects(_routed(sample))
-    expected = picker_config.render(picker_config.picker_config(ops_port=8001))
+    expected = routing.render(routing.picker_config(ops_port=8001))
     assert default["ConfigMap"]["data"] == {"config.yaml": expected}
     heavy = _objects(_routed(sample, cacheWeight=7))
     text = heavy["ConfigMap"]["data"]["config.yaml"]
-    assert text == picker_config.render(picker_config.picker_config(ops_port=8001, cache_weight=7))
+    assert text == routing.render(routing.picker_config(ops_port=8001, cache_weight=7))
     # a new configuration restarts the picker (it reads the file once)
     annotations = [
         objs["Deployment"]["spec"]["template"]["metadata"]["annotations"][routing.CONFIG_HASH]
@@ -248,9 +255,9 @@ def test_crd_schema_of_routing_matches_the_parser() -> None:
     # the image's default follows the operator's version, so the CRD stores none
     assert "default" not in picker["image"]
     assert (picker["replicas"]["minimum"], picker["replicas"]["maximum"]) == (
-        1, routing.MAX_REPLICAS,
+        1, PICKER_MAX_REPLICAS,
     )  # fmt: skip
     weight = section["properties"]["cacheWeight"]
-    assert (weight["minimum"], weight["maximum"]) == (0, routing.MAX_CACHE_WEIGHT)
+    assert (weight["minimum"], weight["maximum"]) == (0, MAX_CACHE_WEIGHT)
     for field in (section, picker["image"], picker["replicas"], weight):
         assert field["description"]

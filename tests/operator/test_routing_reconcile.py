@@ -7,12 +7,11 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from mmis_operator import resource as r
-from mmis_operator import routing, status, status_writer
-from mmis_operator.conditions import Condition, Transition
-from mmis_operator.integrations import Integrations
+from mmis_operator import kube as r
+from mmis_operator import routing, status
 from mmis_operator.kube import KubeError, object_path
-from mmis_operator.reconciler import Reconciler
+from mmis_operator.reconciler import Integrations, Reconciler
+from mmis_operator.status import Condition, Transition
 
 ROUTING_KINDS = {kind for _, kind, _ in routing.object_refs("llava")}
 
@@ -139,9 +138,9 @@ def test_dropped_conditions_and_routing_events() -> None:
     assert [c["type"] for c in merged["conditions"]] == ["Ready"]
     assert "conditions" not in status.merged_status({}, desired, 1)  # nothing to drop: no write
     missing = Condition(r.ROUTING, "False", "InferencePoolAPIMissing", "install")
-    assert status_writer.event_type(Transition(r.ROUTING, None, missing)) == "Warning"
+    assert status.event_type(Transition(r.ROUTING, None, missing)) == "Warning"
     applied = Condition(r.ROUTING, "True", "InferencePoolApplied", "ok")
-    assert status_writer.event_type(Transition(r.ROUTING, "False", applied)) == "Normal"
+    assert status.event_type(Transition(r.ROUTING, "False", applied)) == "Normal"
 
 
 def test_rbac_from_before_routing_is_no_failure_without_routing(

@@ -8,7 +8,6 @@ import pytest
 
 from mmis.cli import main as cli_main
 from mmis_operator import main as operator_main
-from mmis_operator import settings
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -18,7 +17,7 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 
 def test_everything_kopf_stores_is_under_mmis_dev() -> None:
-    got = settings.configure(kopf.OperatorSettings(), settings.Options())
+    got = operator_main.configure(kopf.OperatorSettings(), operator_main.Options())
     assert got.persistence.finalizer == "mmis.dev/finalizer"
     progress = got.persistence.progress_storage
     assert isinstance(progress, kopf.AnnotationsProgressStorage)
@@ -46,7 +45,7 @@ def test_watch_timeouts_and_peering_from_the_command_line() -> None:
     )
     options = operator_main.options_from_args(args)
     assert options.namespaces == ("a", "b")
-    got = settings.configure(kopf.OperatorSettings(), options)
+    got = operator_main.configure(kopf.OperatorSettings(), options)
     assert got.watching.server_timeout == 30
     assert isinstance(got.watching.server_timeout, int)  # the API server rejects 30.0
     assert got.watching.client_timeout == 45
@@ -57,7 +56,9 @@ def test_watch_timeouts_and_peering_from_the_command_line() -> None:
 
 
 def test_default_is_standalone_and_clusterwide() -> None:
-    got = settings.configure(kopf.OperatorSettings(), operator_main.options_from_args(_parse()))
+    got = operator_main.configure(
+        kopf.OperatorSettings(), operator_main.options_from_args(_parse())
+    )
     assert got.peering.standalone is True
     assert got.peering.clusterwide is True
     assert got.watching.server_timeout is not None
@@ -80,7 +81,7 @@ def test_options_have_one_default_the_dataclass_field() -> None:
         if a.dest not in ("help", "namespace", "log_level") and a.default is not None
     }
     assert not own, f"operator options with a default besides Options': {own}"
-    assert operator_main.options_from_args(_parse()) == settings.Options()
+    assert operator_main.options_from_args(_parse()) == operator_main.Options()
     assert operator_main.options_from_args(_parse("--probe-seconds", "5")).probe_seconds == 5.0
 
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from mmis_operator import status, status_writer
-from mmis_operator.conditions import Condition, Transition
+from mmis_operator import status
 from mmis_operator.kube import KubeError
+from mmis_operator.status import Condition, Transition
 
 DRIFT = Condition("CacheCoherent", "False", "DriftRateHigh", "m")
 
@@ -34,7 +34,7 @@ DRIFT = Condition("CacheCoherent", "False", "DriftRateHigh", "m")
 )
 def test_event_type(kind: str, old: str | None, new: str, expected: str | None) -> None:
     change = Transition(kind, old, Condition(kind, new, "SomeReason", ""))
-    assert status_writer.event_type(change) == expected
+    assert status.event_type(change) == expected
 
 
 def _drift(_: Any) -> status.DesiredStatus:
@@ -43,8 +43,8 @@ def _drift(_: Any) -> status.DesiredStatus:
 
 def test_a_resource_being_deleted_or_gone_is_left_alone(store: Any) -> None:
     store.obj["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-    assert status_writer.write(store, "ml", "llava", _drift) is None
-    assert status_writer.write(store, "ml", "other", _drift) is None
+    assert status.write(store, "ml", "llava", _drift) is None
+    assert status.write(store, "ml", "other", _drift) is None
     assert (store.tries, store.events) == (0, [])
 
 
@@ -53,7 +53,7 @@ def test_events_are_best_effort(store: Any) -> None:
         raise KubeError(403, "events are forbidden")
 
     store.post_event = refuse
-    stored = status_writer.write(store, "ml", "llava", _drift)
+    stored = status.write(store, "ml", "llava", _drift)
     assert stored is not None and stored["status"]["cache"] == {"driftRate": 0.5}
 
 
@@ -64,7 +64,7 @@ def test_other_errors_are_not_retried(store: Any) -> None:
 
     store.replace_status = forbidden
     with pytest.raises(KubeError, match="forbidden"):
-        status_writer.write(store, "ml", "llava", _drift)
+        status.write(store, "ml", "llava", _drift)
     assert store.tries == 1
 
 
@@ -74,5 +74,5 @@ def test_a_resource_deleted_between_read_and_write_is_left_alone(store: Any) -> 
         raise KubeError(404, 'mminferenceservices.mmis.dev "llava" not found', "NotFound")
 
     store.replace_status = gone
-    assert status_writer.write(store, "ml", "llava", _drift) is None
+    assert status.write(store, "ml", "llava", _drift) is None
     assert (store.tries, store.events) == (1, [])

@@ -79,8 +79,8 @@ def test_chart_lints_strictly_with_the_new_templates() -> None:
 def test_pod_monitor_scrapes_the_operations_port_of_the_operators_pods() -> None:
     """The chart's scrape object (opt-in: the operator makes one per resource by default)
     selects the pods the operator builds, on their ops port."""
-    from mmis_operator import children
-    from mmis_operator import resource as r
+    from mmis_operator import builders
+    from mmis_operator import kube as r
     from mmis_operator.spec import parse_spec
 
     assert _of_kind(_render(), "PodMonitor") == []
@@ -88,7 +88,7 @@ def test_pod_monitor_scrapes_the_operations_port_of_the_operators_pods() -> None
     (monitor,) = _of_kind(_render("--set", "podMonitor.enabled=true"), "PodMonitor")
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     assert endpoint["path"] == "/metrics"
-    pod = children.pod_template(parse_spec({"model": {"id": "acme/vlm"}}), "m")
+    pod = builders.pod_template(parse_spec({"model": {"id": "acme/vlm"}}), "m")
     labels = pod["metadata"]["labels"]
     assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert labels[r.LABEL_SERVICE] == "m"  # the service name, which podTargetLabels keeps
