@@ -1,6 +1,6 @@
 // mmis-epp: the Gateway API Inference Extension's endpoint picker (v1.5.0's runner) with the
 // mmis cache scorer registered (pkg/mmiscache; docs/ROUTING.md). Flags and configuration are
-// the framework's; operator/mmis_operator/picker_config.py writes the configuration.
+// the framework's; operator/mmis_operator/routing.py writes the configuration.
 package main
 
 import (

@@ -34,7 +34,7 @@ const (
 	mmWeight = 0.3
 )
 
-// Params are the plugin's parameters (operator/mmis_operator/picker_config.py writes them).
+// Params are the plugin's parameters (operator/mmis_operator/routing.py writes them).
 type Params struct {
 	KVEventsPort   int     `json:"kvEventsPort"`
 	KVReplayPort   int     `json:"kvReplayPort"`

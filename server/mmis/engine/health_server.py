@@ -1,6 +1,6 @@
 """P1's own probe endpoint: ``GET /health`` on ``--health-port``, for the engine container.
 
-Kubelet probes each container of a pod on its own (``operator/mmis_operator/pod.py``): the
+Kubelet probes each container of a pod on its own (``operator/mmis_operator/builders.py``): the
 engine container's startup, readiness and liveness probes hit this endpoint, so a hung or
 stopped engine is restarted itself, and the front end's liveness (its ``GET /health``) is about
 the front end only.
