@@ -34,7 +34,6 @@ from mmis_operator import spec as operator_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 CRDS = [
-    ROOT / "crds" / "mminferenceservice.yaml",
     ROOT / "charts/mmis/crds/mminferenceservice.yaml",
 ]
 SECTIONS = {"ENGINE": EngineConfig, "FRONTEND": FrontendConfig}

@@ -10,7 +10,7 @@ Stable interface (mark such tests ``@pytest.mark.controlplane``):
   * ``namespace`` (function): a fresh namespace (with its ``default`` ServiceAccount) that
     enforces Pod Security Admission ``restricted`` (the apiserver's PodSecurity plugin is on
     by default), deleted afterwards;
-  * ``crd`` (session): the MMInferenceService CRD (``crds/``) applied and Established
+  * ``crd`` (session): the MMInferenceService CRD (``charts/mmis/crds/``) applied and Established
     (``kubecluster.apply_crds``; ``kubecluster.kubectl_wait`` is the retrying wait).
 
 Tools come from ``$MMIS_TOOLS_DIR/bin`` (``scripts/gotools``) and etcd from
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kubecluster import Cluster, Tools, ToolsMissing, apply_crds, find_tools
 
 PSA = "pod-security.kubernetes.io"
-CRD = Path(__file__).resolve().parents[2] / "crds" / "mminferenceservice.yaml"
+CRD = Path(__file__).resolve().parents[2] / "charts" / "mmis" / "crds" / "mminferenceservice.yaml"
 
 _tools: Tools | None = None
 _tools_error: str | None = None

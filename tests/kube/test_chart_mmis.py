@@ -142,7 +142,7 @@ def test_template_includes_the_crd_unchanged(cluster: Cluster) -> None:
     out = _helm(cluster, "template", "rel", str(CHART), "--include-crds").stdout
     docs = [doc for doc in yaml.safe_load_all(out) if doc]
     (crd,) = [d for d in docs if d["metadata"]["name"] == "mminferenceservices.mmis.dev"]
-    assert crd == yaml.safe_load((ROOT / "crds" / "mminferenceservice.yaml").read_text())
+    assert crd == yaml.safe_load((CHART / "crds" / "mminferenceservice.yaml").read_text())
 
 
 @pytest.mark.parametrize("kind", VALUE_SETS)
