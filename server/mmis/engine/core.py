@@ -44,8 +44,6 @@ import numpy as np
 from mmis.engine.execution.runner import ModelRunner
 from mmis.engine.scheduling.admission import ModelLimits, Problem, check_request
 from mmis.engine.scheduling.request import Request
-from mmis.engine.scheduling.sampling_params import SamplingParamsError
-from mmis.engine.scheduling.sampling_params import validate as validate_sampling
 from mmis.engine.scheduling.sched_output import SchedulerOutput
 from mmis.engine.scheduling.scheduler import Scheduler
 from mmis.protocol.errors import MMISError
@@ -117,8 +115,6 @@ class EngineCore:
     ) -> None:
         """Admit ``request`` (or answer it with an error output); never raises for bad input."""
         problem = check_request(request, mm_inputs, self.limits, self.runner.adapter)
-        if problem is None and request.sampling_params is not None:
-            problem = self._check_logit_bias(request.sampling_params)
         if problem is None and request.request_id in self.scheduler.requests:
             problem = Problem(
                 ErrorCode.INVALID_REQUEST, f"request id {request.request_id!r} is in use"
@@ -166,14 +162,6 @@ class EngineCore:
                 param,
             )
         return self.grammar.start(params)
-
-    def _check_logit_bias(self, params: SamplingParams) -> Problem | None:
-        """``logit_bias`` token ids must be in the vocabulary (``admission`` checks the rest)."""
-        try:
-            validate_sampling(params, self.vocab_size)
-        except SamplingParamsError as exc:
-            return Problem(ErrorCode.INVALID_REQUEST, str(exc))
-        return None
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)

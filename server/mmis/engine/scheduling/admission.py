@@ -3,7 +3,8 @@
 Invariants:
 - Every problem a client can put in a request -- token ids outside the vocabulary, ``n != 1``
   (P0 owns the choices: one engine request per choice), sampling/pooling parameters out of
-  range, a prompt plus ``max_tokens`` beyond the context,
+  range (``logit_bias`` token ids outside the vocabulary included: the one place they are
+  checked), a prompt plus ``max_tokens`` beyond the context,
   placeholder ranges outside the prompt, item tensors that do not match their placeholder --
   is found here, before the request reaches the scheduler, and named in a typed
   :class:`Problem` (an :class:`ErrorCode` and a message a client can act on).
@@ -49,7 +50,7 @@ def check_request(
     """The first problem that keeps ``request`` from ever running, or ``None``."""
     return (
         _check_tokens(request, limits)
-        or _check_params(request)
+        or _check_params(request, limits.vocab_size)
         or _check_items(request, mm_inputs, adapter)
     )
 
@@ -73,7 +74,7 @@ def _check_tokens(request: EngineCoreRequest, limits: ModelLimits) -> Problem | 
     return None
 
 
-def _check_params(request: EngineCoreRequest) -> Problem | None:
+def _check_params(request: EngineCoreRequest, vocab_size: int) -> Problem | None:
     sampling, pooling = request.sampling_params, request.pooling_params
     if sampling is not None:
         if sampling.n != 1:
@@ -85,7 +86,7 @@ def _check_params(request: EngineCoreRequest) -> Problem | None:
         if sampling.max_tokens < 1:
             return Problem(ErrorCode.INVALID_REQUEST, "max_tokens must be at least 1")
         try:
-            validate_sampling(sampling)
+            validate_sampling(sampling, vocab_size)  # logit_bias ids in the vocabulary too
         except MMISError as exc:
             return Problem(ErrorCode.INVALID_REQUEST, str(exc))
     if pooling is not None and pooling.pooling_type not in POOLING_TYPES:
