@@ -34,7 +34,7 @@ from mmis.engine.builder import build
 from mmis.engine.config import EngineConfig
 from mmis.engine.core import EngineCore
 from mmis.entrypoints.common import resolve_model, setup_logging
-from mmis.frontend.processor import ModelProcessor
+from mmis.frontend.client.processor import ModelProcessor
 from mmis.protocol.messages import (
     EngineCoreRequest,
     MultiModalFeature,

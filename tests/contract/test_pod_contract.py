@@ -246,7 +246,7 @@ def test_revision_and_processor_kwargs_reach_the_server(monkeypatch: pytest.Monk
 
 
 def test_probe_and_scrape_paths_are_front_end_routes(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mmis.frontend.api_server import create_app
+    from mmis.frontend.api.api_server import create_app
 
     _, dep = _deployment(VARIANTS["llava-lru"])
     front_c = dep["spec"]["template"]["spec"]["containers"][0]

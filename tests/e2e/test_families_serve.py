@@ -2,7 +2,7 @@
 
 For every family whose P0 path differs from LLaVA's and Qwen2-VL's (Gemma 3: the template's
 ``<start_of_image>`` marker becomes ``\\n\\n<start_of_image>`` + soft tokens +
-``<end_of_image>\\n\\n``, ``frontend/processor.py``; LLaVA-NeXT / OneVision: the placeholder
+``<end_of_image>\\n\\n``, ``frontend/client/processor.py``; LLaVA-NeXT / OneVision: the placeholder
 count depends on the photo's size), a chat request with two photos of different sizes is
 answered with 200, its prompt token count is exactly the length of the model processor's own
 ``input_ids``, and its greedy text equals plain transformers ``generate()`` on the same decoded

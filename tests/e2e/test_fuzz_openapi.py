@@ -1,7 +1,7 @@
 """Schemathesis fuzzes a real ``mmis serve`` against the server's own ``GET /openapi.json``.
 
 - One ``mmis serve`` on the tiny model with small limits (``--max-model-len 48 --max-n 2``)
-  and an API key. The document states those limits (``server/mmis/frontend/openapi.py``), so
+  and an API key. The document states those limits (``server/mmis/frontend/api/openapi.py``), so
   the largest valid generation the fuzzer can ask for is short; bigger values must be a 400.
 - ``st run`` (schemathesis' CLI, a subprocess) over every operation of the document: phases
   examples and fuzzing, a fixed seed, at most :data:`MAX_EXAMPLES` cases per operation, no

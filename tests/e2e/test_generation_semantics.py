@@ -5,7 +5,7 @@
   at ``<|endoftext|>`` on a request without ``max_tokens`` (``logit_bias`` makes the tiny
   random model pick it).
 - The generation config's sampling values are the defaults of requests that omit them
-  (``frontend/generation_defaults.py``): with ``temperature: 0`` and ``max_new_tokens: 5``
+  (``frontend/api/generation_defaults.py``): with ``temperature: 0`` and ``max_new_tokens: 5``
   there, two requests with different seeds give the same five tokens; what a request sets
   wins.
 """

@@ -2,7 +2,7 @@
 
 The serve runs with the fault knob on (``--fault-evict-rate 1``: P1 drops every cached item
 before resolving), so every repeat of an image is a drift miss that the recovery chain must
-heal, as for chat (``frontend/serving_responses.py``). Whole and streamed: the text equals
+heal, as for chat (``frontend/api/serving_responses.py``). Whole and streamed: the text equals
 chat's greedy answer to the same turn, the stream's events come in the documented order and
 its deltas add up to the final text; limits and unsupported fields are 4xx naming them.
 """

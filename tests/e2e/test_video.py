@@ -7,6 +7,9 @@
   a prefix-cache hit (``usage.prompt_tokens_details.cached_tokens`` > 0), same tokens.
 - A long clip is sampled within ``--video-max-frames`` (6 frames: 3 temporal patches of 16
   tokens), a clip over ``--video-max-duration-s`` and a corrupt file are 400s with a message.
+- ``POST /v1/responses`` takes the clip as an ``input_video`` part (the same templating as
+  chat, ``frontend/api/templating.py``): the same prompt and the same answer as chat's; a
+  video from an assistant turn is a 400 naming ``input_video``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from procs import Proc
 
-from mmis.frontend.media.video import VideoLimits, decode_video
+from mmis.frontend.client.media.video import VideoLimits, decode_video
 from mmis.tiny_models.tiny_model import tiny_model_dir
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -155,6 +158,41 @@ def test_a_long_clip_is_sampled_within_the_frame_limit(served: Proc) -> None:
     long = ask(served, mp4(40, fps=8, seed=3))  # 5 s: 10 wanted, capped at 6: 3 patches
     assert short.usage is not None and long.usage is not None
     assert long.usage.prompt_tokens - short.usage.prompt_tokens == TOKENS_PER_PATCH
+
+
+def _video_turn(role: str, video: bytes) -> list[dict[str, object]]:
+    return [
+        {
+            "role": role,
+            "content": [
+                {"type": "input_video", "video_url": data_url(video)},
+                {"type": "input_text", "text": PROMPT},
+            ],
+        }
+    ]
+
+
+def test_responses_take_a_video_part_as_chat_does(served: Proc) -> None:
+    video = mp4(8, fps=4, seed=6)
+    chat = ask(served, video)
+    response = client(served).responses.create(
+        model="q",
+        input=_video_turn("user", video),  # type: ignore[arg-type]
+        max_output_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage is not None and chat.usage is not None
+    assert response.usage.input_tokens == chat.usage.prompt_tokens  # the same prompt
+    assert response.usage.output_tokens == MAX_TOKENS
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(served).responses.create(
+            model="q",
+            input=_video_turn("assistant", video),  # type: ignore[arg-type]
+            max_output_tokens=MAX_TOKENS,
+        )
+    assert "input_video" in str(caught.value), str(caught.value)
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,7 @@ import uvicorn
 from PIL import Image
 
 from mmis.engine.core_process import EngineCoreProc
-from mmis.frontend.api_server import create_app
+from mmis.frontend.api.api_server import create_app
 from mmis.frontend.config import FrontendConfig
 from mmis.frontend.state import FrontendState
 from mmis.multimodal.cache import ReceiverCache

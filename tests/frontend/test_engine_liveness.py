@@ -1,5 +1,5 @@
-"""P0's view of P1's liveness (``frontend/engine_liveness.py``) and the recovery rules for an
-engine loss (``frontend/recovery.py``), against the scripted P1 (the real P1 shell, sockets,
+"""P0's view of P1's liveness (``frontend/client/engine_liveness.py``) and the recovery rules for an
+engine loss (``frontend/client/recovery.py``), against the scripted P1 (the real P1 shell, sockets,
 codec and receiver cache in threads; only the model is scripted).
 
 - A crash (P1's sockets closed) is seen by the socket monitor, not by a timeout: the client
@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine, RunningFrontend, image_part
 from scripted_stack import tiny_settings
 
-from mmis.frontend.engine_client import EngineClient, EngineUnavailableError
-from mmis.frontend.recovery import ENDPOINT_ROUTES
+from mmis.frontend.client.engine_client import EngineClient, EngineUnavailableError
+from mmis.frontend.client.recovery import ENDPOINT_ROUTES
 from mmis.protocol.messages import EngineCoreOutput, EngineCoreRequest, SamplingParams
 from mmis.telemetry import catalog
 

@@ -13,6 +13,17 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
+from mmis.frontend.api.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    install_exception_handlers,
+    sse_chunk,
+)
 from mmis.frontend.errors import (
     SSE_DONE,
     ContextLengthExceededError,
@@ -28,17 +39,6 @@ from mmis.frontend.errors import (
     error_status,
     from_request_error,
     sse_error_event,
-)
-from mmis.frontend.schemas import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatDelta,
-    install_exception_handlers,
-    sse_chunk,
 )
 from mmis.protocol.errors import MMISError, MultiModalCacheMissError, ProtocolError
 from mmis.protocol.messages import RequestError

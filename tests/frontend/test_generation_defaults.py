@@ -6,8 +6,8 @@ from pathlib import Path
 
 from transformers import GenerationConfig
 
-from mmis.frontend import generation_defaults
-from mmis.frontend.schemas import ChatCompletionRequest, CompletionRequest
+from mmis.frontend.api import generation_defaults
+from mmis.frontend.api.schemas import ChatCompletionRequest, CompletionRequest
 
 
 def _model(tmp_path: Path, **values: object) -> str:

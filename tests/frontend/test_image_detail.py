@@ -1,6 +1,6 @@
 """``image_url.detail``: ``low`` renders at the processor's minimum pixel budget.
 
-With the real tiny processors (``mmis/frontend/processor.py`` states the rule): a Qwen2-VL
+With the real tiny processors (``mmis/frontend/client/processor.py`` states the rule): a Qwen2-VL
 processor with the hub's budget (min 3136 pixels) gives a 1920x1080 photo a handful of
 placeholder tokens instead of ~2.7k; a LLaVA processor (fixed input size) renders it the same
 way whatever the detail; the two renderings of one image are two cache items (two mm_hashes,
@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 from transformers import AutoProcessor
 
-from mmis.frontend.renderer import ImageRef
+from mmis.frontend.client.renderer import ImageRef
 from mmis.frontend.state import FrontendState, load_processor
 from mmis.telemetry.tracing import setup_tracing
 from mmis.telemetry.tracing_config import TracingConfig

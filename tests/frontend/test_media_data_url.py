@@ -6,8 +6,8 @@ import base64
 
 import pytest
 
+from mmis.frontend.client.media.data_url import parse_data_url
 from mmis.frontend.errors import InvalidMediaError, MediaTooLargeError
-from mmis.frontend.media.data_url import parse_data_url
 
 PAYLOAD = bytes(range(256)) * 4
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFile
 
+from mmis.frontend.client.media.decode import decode_image
 from mmis.frontend.config import DEFAULT_IMAGE_FORMATS
 from mmis.frontend.errors import InvalidMediaError, MediaTooLargeError
-from mmis.frontend.media.decode import decode_image
 
 LIMIT = 25_000_000
 

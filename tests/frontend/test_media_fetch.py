@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
+from mmis.frontend.client.media.fetch import MediaFetcher
+from mmis.frontend.client.ssrf import SSRFGuard
 from mmis.frontend.config import FrontendConfig
 from mmis.frontend.errors import MediaFetchError, MediaForbiddenError, MediaTooLargeError
-from mmis.frontend.media.fetch import MediaFetcher
-from mmis.frontend.ssrf import SSRFGuard
 
 IMAGE = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 8
 LIMIT = 64 * 1024

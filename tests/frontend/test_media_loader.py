@@ -16,6 +16,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from mmis.frontend.client.media import MediaLoader, check_image_count
+from mmis.frontend.client.media.fetch import MediaFetcher
+from mmis.frontend.client.ssrf import SSRFGuard
 from mmis.frontend.config import FrontendConfig
 from mmis.frontend.errors import (
     InvalidMediaError,
@@ -23,9 +26,6 @@ from mmis.frontend.errors import (
     MediaTooLargeError,
     TooManyImagesError,
 )
-from mmis.frontend.media import MediaLoader, check_image_count
-from mmis.frontend.media.fetch import MediaFetcher
-from mmis.frontend.ssrf import SSRFGuard
 
 
 def png(seed: int, size: int = 16) -> bytes:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from mmis.frontend.client.media.local import LocalMediaReader
 from mmis.frontend.errors import InvalidMediaError, MediaForbiddenError, MediaTooLargeError
-from mmis.frontend.media.local import LocalMediaReader
 
 CONTENT = b"\x89PNG not really, but bytes are bytes"
 

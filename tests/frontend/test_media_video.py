@@ -1,7 +1,7 @@
-"""The video decoder and frame sampler (``mmis.frontend.media.video``) on clips built here with
-PyAV: evenly spread targets at the configured rate within the frame limits, distinct frames
-in order, every frame of a clip shorter than the minimum, the sampled rate reported, and typed
-400s for corrupt data, unknown containers and limits read from the headers."""
+"""The video decoder and frame sampler (``mmis.frontend.client.media.video``) on clips built
+here with PyAV: evenly spread targets at the configured rate within the frame limits, distinct
+frames in order, every frame of a clip shorter than the minimum, the sampled rate reported, and
+typed 400s for corrupt data, unknown containers and limits read from the headers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import io
 import numpy as np
 import pytest
 
-from mmis.frontend.media.video import (
+from mmis.frontend.client.media.video import (
     InvalidVideoError,
     VideoLimits,
     VideoTooLargeError,

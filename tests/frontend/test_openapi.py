@@ -1,4 +1,4 @@
-"""``GET /openapi.json`` (``server/mmis/frontend/openapi.py``): complete, resolvable, honest.
+"""``GET /openapi.json`` (``server/mmis/frontend/api/openapi.py``): complete, resolvable, honest.
 
 - Every route of the app is described; every POST route has a JSON request body referencing
   the model it is parsed with; every ``$ref`` resolves; the error statuses are declared.
@@ -19,11 +19,9 @@ import jsonschema_rs
 import pytest
 from fastapi import FastAPI
 
-from mmis.frontend.api_server import create_app
-from mmis.frontend.config import FrontendConfig
-from mmis.frontend.errors import InvalidRequestError
-from mmis.frontend.openapi import OPERATIONS, Limits, build_document, undescribed
-from mmis.frontend.schemas import (
+from mmis.frontend.api.api_server import create_app
+from mmis.frontend.api.openapi import OPERATIONS, Limits, build_document, undescribed
+from mmis.frontend.api.schemas import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -32,6 +30,8 @@ from mmis.frontend.schemas import (
     ErrorResponse,
     parse_request,
 )
+from mmis.frontend.config import FrontendConfig
+from mmis.frontend.errors import InvalidRequestError
 
 BODIES = {
     "/v1/chat/completions": "ChatCompletionRequest",

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from mmis.frontend.pending_invalidations import PendingInvalidations
+from mmis.frontend.client.pending_invalidations import PendingInvalidations
 from mmis.multimodal.cache import SenderCache, ShadowEntry, ShadowItem
 from mmis.protocol.messages import MultiModalFeature, PlaceholderRange
 

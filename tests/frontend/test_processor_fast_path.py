@@ -1,8 +1,9 @@
-"""``ModelProcessor.process_image``'s fast path (``mmis/frontend/processor.py`` states the rule):
-an image whose size, mode, kwargs and processed shapes were measured before runs the image
-processor alone, and gets exactly the tensors and placeholder count of the processor's full
-call; an image of a size not measured yet costs one full call and no more image processing;
-a processor whose full call does more than its image processor keeps the full call.
+"""``ModelProcessor.process_image``'s fast path (``mmis/frontend/client/processor.py`` states
+the rule): an image whose size, mode, kwargs and processed shapes were measured before runs the
+image processor alone, and gets exactly the tensors and placeholder count of the processor's
+full call; an image of a size not measured yet costs one full call and no more image
+processing; a processor whose full call does more than its image processor keeps the full
+call.
 
 Real tiny processors with the hub's image settings (Qwen2-VL's pixel budget: the count
 depends on the size), photos of several sizes, the default and the ``low`` renderings.
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmis.frontend.processor import ModelProcessor, ProcessedImage
+from mmis.frontend.client.processor import ModelProcessor, ProcessedImage
 from mmis.tiny_models.tiny_model import tiny_model_dir
 
 pytestmark = pytest.mark.model

@@ -20,8 +20,8 @@ from PIL import Image
 from transformers import AutoProcessor
 
 from mmis.entrypoints import frontend as frontend_cli
+from mmis.frontend.client.renderer import SourceItem, SourcePrompt
 from mmis.frontend.config import FrontendConfig
-from mmis.frontend.renderer import SourceItem, SourcePrompt
 from mmis.frontend.state import FrontendState, load_processor
 from mmis.telemetry.tracing import Tracing, setup_tracing
 from mmis.telemetry.tracing_config import TracingConfig

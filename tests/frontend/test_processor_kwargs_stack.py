@@ -23,7 +23,7 @@ import pytest
 from PIL import Image
 
 from mmis.entrypoints import frontend as frontend_cli
-from mmis.frontend.processor import ModelProcessor
+from mmis.frontend.client.processor import ModelProcessor
 from mmis.tiny_models.tiny_model import tiny_model_dir
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -19,8 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine, RunningFrontend, image_part
 
+from mmis.frontend.client.recovery import RecoveryPolicy
 from mmis.frontend.config import FrontendConfig
-from mmis.frontend.recovery import RecoveryPolicy
 from mmis.telemetry import catalog
 from mmis.telemetry.metrics import MMISMetrics
 from mmis.tiny_models.tiny_model import tiny_model_dir

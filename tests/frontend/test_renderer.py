@@ -19,16 +19,16 @@ from typing import Any
 import pytest
 from PIL import Image
 
+from mmis.frontend.client.media import MediaLoader
+from mmis.frontend.client.pending_invalidations import PendingInvalidations
+from mmis.frontend.client.processor import ModelProcessor, ProcessedImage
+from mmis.frontend.client.renderer import ImageRef, Renderer, SourceItem, SourcePrompt
 from mmis.frontend.config import FrontendConfig
 from mmis.frontend.errors import (
     ContextLengthExceededError,
     HashOnlyCacheMissError,
     InvalidRequestError,
 )
-from mmis.frontend.media import MediaLoader
-from mmis.frontend.pending_invalidations import PendingInvalidations
-from mmis.frontend.processor import ModelProcessor, ProcessedImage
-from mmis.frontend.renderer import ImageRef, Renderer, SourceItem, SourcePrompt
 from mmis.multimodal.cache import SenderCache
 from mmis.shm import ShmWriter
 from mmis.tiny_models.tiny_model import tiny_model_dir

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from mmis.frontend.client.media import DecodedVideo, MediaLoader
+from mmis.frontend.client.pending_invalidations import PendingInvalidations
+from mmis.frontend.client.processor import ModelProcessor
+from mmis.frontend.client.renderer import VIDEO, ImageRef, Renderer
 from mmis.frontend.config import FrontendConfig
 from mmis.frontend.errors import InvalidRequestError, TooManyImagesError
-from mmis.frontend.media import DecodedVideo, MediaLoader
-from mmis.frontend.pending_invalidations import PendingInvalidations
-from mmis.frontend.processor import ModelProcessor
-from mmis.frontend.renderer import VIDEO, ImageRef, Renderer
 from mmis.multimodal.cache import SenderCache
 from mmis.tiny_models.tiny_model import tiny_model_dir
 

@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 
-from mmis.frontend.errors import InvalidRequestError, error_body
-from mmis.frontend.schemas import (
+from mmis.frontend.api.schemas import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -21,6 +20,7 @@ from mmis.frontend.schemas import (
     parse_request,
     sse_chunk,
 )
+from mmis.frontend.errors import InvalidRequestError, error_body
 
 USER = {"role": "user", "content": "hello"}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mmis.frontend.detokenizer import IncrementalDetokenizer
+from mmis.frontend.api.detokenizer import IncrementalDetokenizer
 
 
 # a byte-level "tokenizer": token i is byte i; decoding replaces broken UTF-8 by U+FFFD

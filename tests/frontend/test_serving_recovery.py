@@ -22,8 +22,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine, RunningFrontend, image_part
 
+from mmis.frontend.client.recovery import ENDPOINT_ROUTES
 from mmis.frontend.config import FrontendConfig
-from mmis.frontend.recovery import ENDPOINT_ROUTES
 from mmis.frontend.state import FrontendState
 from mmis.telemetry import catalog
 from mmis.tiny_models.tiny_model import tiny_model_dir

@@ -6,8 +6,8 @@ import ipaddress
 
 import pytest
 
+from mmis.frontend.client.ssrf import SSRFGuard, forbidden_reason
 from mmis.frontend.errors import MediaFetchError, MediaForbiddenError
-from mmis.frontend.ssrf import SSRFGuard, forbidden_reason
 
 FORBIDDEN = [
     "127.0.0.1",

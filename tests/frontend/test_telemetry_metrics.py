@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine, RunningFrontend, ScriptedCore, image_part
 from scripted_stack import scripted_stack
 
-from mmis.frontend.engine_client import EngineClient
+from mmis.frontend.client.engine_client import EngineClient
 from mmis.telemetry import catalog
 from mmis.telemetry.engine_stats import EngineStats
 

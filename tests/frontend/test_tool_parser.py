@@ -1,4 +1,4 @@
-"""The tool-call parsers (``mmis.frontend.tool_calls``) on their own: whole answers, and
+"""The tool-call parsers (``mmis.frontend.api.tool_calls``) on their own: whole answers, and
 streams split at every character boundary (and fed one character at a time) give the same
 content and calls, with no markup in any content delta."""
 
@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from mmis.frontend.tool_calls import (
+from mmis.frontend.api.tool_calls import (
     HermesParser,
     NamedParser,
     Parsed,

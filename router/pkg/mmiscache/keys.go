@@ -25,13 +25,13 @@ type requestKeys struct {
 }
 
 // keysClient asks a front end for a request's keys (POST /internal/block_keys on its
-// operations port: server/mmis/frontend/api_server.py).
+// operations port: server/mmis/frontend/api/api_server.py).
 //
 // Invariants: one fetch spends at most timeout in all, trying the candidates in turn. A
 // request with images starts at the front end its images hash to (over the sorted
 // addresses), so repeats of one image ask the front end that already knows its placeholder
-// length and runs no processor (server/mmis/frontend/renderer.py); other requests start at a
-// rotating one, so no single front end carries every lookup.
+// length and runs no processor (server/mmis/frontend/client/renderer.py); other requests
+// start at a rotating one, so no single front end carries every lookup.
 type keysClient struct {
 	port    int
 	timeout time.Duration

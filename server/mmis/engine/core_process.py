@@ -28,7 +28,8 @@ answer arrives, which proves its subscription is live.
 Liveness: ``hello`` is also P0's heartbeat (every ``--ping-interval-s``). It is answered on the
 input thread, never queued behind the busy loop, so a long prefill or step does not look like a
 hang; the answer only needs this process scheduled and its input and output threads running.
-P0 sees a crash through its sockets, not through missing answers (``frontend/engine_liveness.py``).
+P0 sees a crash through its sockets, not through missing answers
+(``frontend/client/engine_liveness.py``).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Invariants:
   ``mmis frontend listening on http://HOST:PORT``, so a supervisor (or a test) can find it.
   With ``--ops-port`` the second line is ``mmis frontend operations on http://HOST:PORT``
   (``/metrics``, ``/stats/cache``): one server, one app, two sockets; the app tells them
-  apart by the port a connection arrived on (:mod:`mmis.frontend.http_gate`).
+  apart by the port a connection arrived on (:mod:`mmis.frontend.api.http_gate`).
 - SIGTERM/SIGINT drain: uvicorn stops accepting, waits up to ``--graceful-shutdown-s`` for
   in-flight requests, then the lifespan closes the engine client. Exit status 0 after a clean
   shutdown, 2 for bad settings, 1 when start-up failed (the engine never answered, the
@@ -87,7 +87,7 @@ def serve(settings: FrontendConfig, engine_failed: Callable[[], str | None] | No
     (``mmis serve``'s supervisor): why P1 will never answer, so start-up stops waiting."""
     import uvicorn
 
-    from mmis.frontend.api_server import create_app
+    from mmis.frontend.api.api_server import create_app
 
     sock = _listen(settings.host, settings.port)
     host, port = sock.getsockname()[:2]

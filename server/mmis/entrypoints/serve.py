@@ -18,8 +18,8 @@ Invariants:
   failure retried as a crash would only hide its cause behind minutes of restarts.
 - If P1 exits unexpectedly after it was ready it is restarted (as a pod's container would
   be); P0 stays up, sees the loss at once (its socket monitor,
-  ``frontend/engine_liveness.py``), ends the streams that sent bytes, holds or fails fast the
-  other requests (``frontend/recovery.py``), reports ``/ready`` false until the new P1
+  ``frontend/client/engine_liveness.py``), ends the streams that sent bytes, holds or fails fast the
+  other requests (``frontend/client/recovery.py``), reports ``/ready`` false until the new P1
   answers, and heals the drift through the cache epoch change. Restarts back off
   exponentially (1 s to 30 s); a child that ran for a minute resets the backoff.
 - A *hung* P1 (alive but silent, e.g. SIGSTOP) is not killed here: P0 takes it as down after

@@ -33,13 +33,14 @@ The body carries ``"retryable": true`` and ``"missing_uuids": [...]``.
 The 503 for a miss after the retry carries ``"retryable": true`` and ``"missing_mm_hashes"``.
 
 :class:`EngineUnavailableError` (P1 down, restarting or hung; 503, ``engine_unavailable``) and
-its subclass ``EngineRestartedError`` (``frontend/generation.py``, ``engine_restarted``) carry
-``"retryable": true`` and a ``Retry-After`` header (:func:`json_response`).
+its subclass ``EngineRestartedError`` (``frontend/client/generation.py``,
+``engine_restarted``) carry ``"retryable": true`` and a ``Retry-After`` header
+(:func:`json_response`).
 
 Streams that already sent bytes cannot change their status: they end with
 :func:`sse_error_event` (``data: {"error": {...}}``, the event the OpenAI SDK raises on),
 followed by :data:`SSE_DONE`. FastAPI wiring (validation errors included) is
-:func:`mmis.frontend.schemas.install_exception_handlers`.
+:func:`mmis.frontend.api.schemas.install_exception_handlers`.
 
 Invariant: the message of every error is written for the client; internal errors never leak
 their exception text (only a generic message), the rest always name what was wrong.
@@ -258,8 +259,8 @@ class EngineUnavailableError(FrontendError):
     The response carries ``Retry-After`` (:attr:`retry_after_s`, whole seconds, at least 1) so
     a gateway or client retries later, on this replica or another one; the body says
     ``"retryable": true``. A stream that already sent bytes gets the same error as its SSE
-    error event. Raised by ``frontend/engine_client.py``, ``frontend/engine_liveness.py`` and
-    ``frontend/recovery.py``.
+    error event. Raised by ``frontend/client/engine_client.py``,
+    ``frontend/client/engine_liveness.py`` and ``frontend/client/recovery.py``.
     """
 
     status = 503

@@ -15,13 +15,13 @@ Invariants:
   never served for a request that would have processed it another way.
 - ``ready`` becomes true only after a synthetic image request went P0 -> cache -> P1 ->
   output since this process started; :attr:`FrontendState.healthy` is the engine link being
-  up (``frontend/engine_liveness.py``: false the moment P1's process is gone, and after
+  up (``frontend/client/engine_liveness.py``: false the moment P1's process is gone, and after
   ``liveness_timeout_s`` of silence; true again once the restarted or resumed P1 answered).
   ``/ready`` is ``ready and healthy``, so it is false while P1 is down or restarting;
   ``/health`` answers for this process alone (the pod's liveness probe must not restart
   P0 while P1 restarts: ``tests/kube/test_realnode_mmis.py``).
 - While P1 is down, requests wait for it (at most ``engine_wait_s``) or, with ``fail_fast``,
-  get a 503 with ``Retry-After`` at once (the rules are in ``frontend/recovery.py``).
+  get a 503 with ``Retry-After`` at once (the rules are in ``frontend/client/recovery.py``).
 - :meth:`close` stops the stats poller, the engine client (failing whatever is still in
   flight), the media loader, the executor and the SHM writer (unlinking its segment), in
   that order, then flushes the traces of a tracing setup it built itself.
@@ -45,15 +45,15 @@ from typing import Any
 from PIL import Image
 
 from mmis.config import GiB
+from mmis.frontend.client.engine_client import EngineClient
+from mmis.frontend.client.levels import FrontendLevels
+from mmis.frontend.client.media import MediaLoader
+from mmis.frontend.client.pending_invalidations import PendingInvalidations
+from mmis.frontend.client.processor import ModelProcessor
+from mmis.frontend.client.recovery import RecoveryPolicy
+from mmis.frontend.client.renderer import Renderer, SourceItem, SourcePrompt
+from mmis.frontend.client.stats_poller import StatsPoller
 from mmis.frontend.config import FrontendConfig
-from mmis.frontend.engine_client import EngineClient
-from mmis.frontend.levels import FrontendLevels
-from mmis.frontend.media import MediaLoader
-from mmis.frontend.pending_invalidations import PendingInvalidations
-from mmis.frontend.processor import ModelProcessor
-from mmis.frontend.recovery import RecoveryPolicy
-from mmis.frontend.renderer import Renderer, SourceItem, SourcePrompt
-from mmis.frontend.stats_poller import StatsPoller
 from mmis.multimodal.cache import SenderCache
 from mmis.protocol.messages import EngineCoreRequest, SamplingParams
 from mmis.shm import ShmWriter

@@ -22,9 +22,9 @@ The mirror invariant:
   it can, then raises ONE typed, retryable
   :class:`~mmis.protocol.errors.MultiModalCacheMissError` naming every missing hash. P0
   queues those hashes (and reported evictions, and a full clear on a new epoch) as a batch
-  (:mod:`mmis.frontend.pending_invalidations`), applies them on its render worker, and
+  (:mod:`mmis.frontend.client.pending_invalidations`), applies them on its render worker, and
   retries the request ONCE with every item carrying its data
-  (:mod:`mmis.frontend.recovery`); a miss on the retry is a 503, never a crash.
+  (:mod:`mmis.frontend.client.recovery`); a miss on the retry is a 503, never a crash.
 
 Threads: the shadow is mutated only on P0's multimodal render worker (``is_cached`` is a
 single dict membership test, safe to call from the asyncio output handler); the receiver is
@@ -240,7 +240,7 @@ class SenderCache:
     placeholder information). :meth:`lookup` counts hits and misses without changing the
     order; :meth:`record_request` then applies the request the way :meth:`ReceiverCache.resolve`
     will. A clear on a change of P1's cache epoch is requested through
-    :class:`~mmis.frontend.pending_invalidations.PendingInvalidations`, which applies it on
+    :class:`~mmis.frontend.client.pending_invalidations.PendingInvalidations`, which applies it on
     the render worker like any other invalidation.
     """
 

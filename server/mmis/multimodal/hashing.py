@@ -5,7 +5,7 @@ Invariants:
   (a decoded PIL image, the original encoded bytes, or a numpy array) and the processor
   kwargs that change the processor's output. A video item (modality ``"video"``) is hashed as
   its sampled frames (one ``[T, H, W, 3]`` uint8 array) with the sampled frame rate among its
-  kwargs (``frontend/renderer.py``), so the same clip sampled differently is another item.
+  kwargs (``frontend/client/renderer.py``), so the same clip sampled differently is another item.
 - The byte stream fed to the hash function is *uniquely decodable*: every value is written as
   ``tag (1 byte) | length (8 bytes, big endian) | payload``, containers as their tag, item
   count and framed items. Two different values therefore never produce the same stream:

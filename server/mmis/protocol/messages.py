@@ -92,7 +92,7 @@ class StructuredOutputs(msgspec.Struct, array_like=True):
     """A constraint on a request's output text, enforced token by token in P1.
 
     ``kind`` names what ``spec`` holds (P1 compiles it once per distinct pair and caches it,
-    ``engine/execution/structured.py``; P0 builds it, ``frontend/structured_outputs.py``):
+    ``engine/execution/structured.py``; P0 builds it, ``frontend/api/structured_outputs.py``):
 
     - ``"json"``: ``spec`` is a JSON Schema, as JSON text; the output is one JSON value that
       validates against it;

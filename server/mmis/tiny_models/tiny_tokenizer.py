@@ -6,7 +6,7 @@ Invariants:
 - Both chat templates accept a message content that is a string or a list of parts; a part of
   type "image" or "image_url" becomes the family's image marker, which the processor expands.
 - The Qwen template writes tools, assistant tool calls and tool results as Qwen2.5 does (the
-  format ``frontend/tool_calls.py`` parses); the LLaVA one has no tool format.
+  format ``frontend/api/tool_calls.py`` parses); the LLaVA one has no tool format.
 - A template change reaches cached models: ``tiny_model.fingerprint`` hashes the template.
 """
 

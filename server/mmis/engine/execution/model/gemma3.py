@@ -4,7 +4,7 @@ Invariants:
 - An item's tensors are ``{"pixel_values": [1, 3, S, S]}`` (a ``[3, S, S]`` array is
   accepted), ``S`` the tower's ``image_size``: the processor resizes every image to it, so
   every image has ``mm_tokens_per_image`` placeholder (soft) tokens. Pan-and-scan crops are
-  separate placeholder runs and are refused by P0 (``frontend/processor.py``).
+  separate placeholder runs and are refused by P0 (``frontend/client/processor.py``).
 - One image's soft tokens attend to each other in both directions, as transformers' Gemma 3
   mask does from ``token_type_ids`` (``bidirectional_images``): the runner passes each item's
   range as a span to the attention metadata and the scheduler never ends a chunk inside one

@@ -1,0 +1,255 @@
+"""The FastAPI application of P0: OpenAI routes, probes, metrics, the HTTP gate.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``,
+``POST /v1/embeddings``,
+``GET /v1/models`` (every served name), ``GET /version``, ``GET /health`` (this process
+answers: the front-end container's liveness, whatever the engine does), ``GET /ready`` (a
+synthetic image request completed since start, and the engine link up: readiness),
+and the operations routes ``GET /metrics`` (the process' one metrics registry: P0's series,
+P1's polled figures, the drift gauge and P0's level gauges; P1 is polled first when its
+snapshot is stale), ``GET /stats/cache``, ``POST /internal/block_keys`` (a chat request's
+prefix-cache block keys, for routers: docs/ROUTING.md) and ``POST /internal/reset_prefix_cache``
+(P1 forgets its cached prefix blocks and announces it; answers how many) — on ``--ops-port``
+when it is set.
+
+``GET /stats/cache`` (no key: the operator reads it on every ready pod) answers the drift
+window as JSON: ``drift_rate`` (drift misses / shadow hits over the window; 0.0 without
+shadow hits), ``hit_rate`` (sender-cache hits / lookups), ``retry_rate`` (retries /
+requests), the raw window deltas ``shadow_hits``, ``drift_misses``, ``queries``,
+``retries``, ``requests``, and ``window_seconds`` / ``span_seconds`` (the configured window,
+and how much of it the samples cover so far).
+
+Invariants:
+- Every request passes :class:`~mmis.frontend.api.http_gate.HttpGate` first (the outermost
+  middleware): operations routes on their port, the API key on every route of the serving
+  port but ``/health`` and ``/ready``, JSON bodies only (415), bounded bodies (413).
+- Every error leaves in the OpenAI shape (:mod:`mmis.frontend.errors`): malformed JSON
+  (deep nesting included) is 400, unknown paths 404, a model the server does not serve 404
+  ``model_not_found``, unexpected exceptions 500 (text not leaked).
+- A chat or completion request's unset sampling fields take the model's generation-config
+  values (:mod:`mmis.frontend.api.generation_defaults`, ``--generation-config``).
+- A body is parsed on a worker thread when it is large (:data:`INLINE_PARSE_BYTES`), so
+  no request stalls the event loop that answers ``/health`` and streams.
+- Each inference request is wrapped by :class:`RequestTelemetryMiddleware` (its server span,
+  latency / TTFT / TPOT histograms, request and token counters).
+- The app owns its :class:`FrontendState` through the lifespan: created on startup (engine
+  handshake included), closed on shutdown after uvicorn drained in-flight requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from importlib import metadata
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
+
+from mmis.frontend.api import generation_defaults
+from mmis.frontend.api.http_gate import HttpGate, MiB
+from mmis.frontend.api.openapi import install_openapi
+from mmis.frontend.api.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    ModelCard,
+    ModelList,
+    install_exception_handlers,
+    parse_request,
+)
+from mmis.frontend.api.schemas.responses_api import ResponsesRequest
+from mmis.frontend.api.schemas.sampling import SamplingRequest
+from mmis.frontend.api.serving_chat import ChatServing
+from mmis.frontend.api.serving_common import ClientGoneError
+from mmis.frontend.api.serving_completions import CompletionServing
+from mmis.frontend.api.serving_embeddings import EmbeddingServing
+from mmis.frontend.api.serving_responses import ResponsesServing
+from mmis.frontend.config import FrontendConfig
+from mmis.frontend.errors import (
+    FrontendError,
+    ModelNotFoundError,
+    error_body,
+    json_response,
+)
+from mmis.frontend.request_telemetry import RequestTelemetryMiddleware
+from mmis.frontend.state import FrontendState
+from mmis.protocol.kv_events import RESET_PREFIX_CACHE
+from mmis.telemetry.tracing import Tracing
+
+log = logging.getLogger(__name__)
+
+CLIENT_CLOSED_REQUEST = 499
+INLINE_PARSE_BYTES = 256 * 1024
+M = TypeVar("M", bound=BaseModel)
+
+
+def version() -> str:
+    try:
+        return metadata.version("mmis")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def create_app(
+    settings: FrontendConfig,
+    *,
+    on_state: Callable[[FrontendState], None] | None = None,
+    tracing: Tracing | None = None,
+    engine_failed: Callable[[], str | None] | None = None,
+) -> FastAPI:
+    """The P0 app; ``on_state`` sees the state once it exists (tests, embedding servers);
+    ``tracing`` replaces the one built from the settings (tests: an in-memory exporter);
+    ``engine_failed`` says why P1 will never answer (start-up then fails at once)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            state = await FrontendState.create(settings, tracing, engine_failed)
+        except Exception as exc:  # the launcher ends its output with why (entrypoints/)
+            app.state.startup_error = exc
+            raise
+        app.state.mmis = state
+        app.state.generation_defaults = await asyncio.to_thread(
+            generation_defaults.load, settings.model, settings.revision, settings.generation_config
+        )
+        app.state.chat = ChatServing(state)
+        app.state.completions = CompletionServing(state)
+        app.state.embeddings = EmbeddingServing(state)
+        app.state.responses = ResponsesServing(state)
+        if on_state is not None:
+            on_state(state)
+        try:
+            yield
+        finally:
+            await state.close()
+
+    app = FastAPI(title="mmis", lifespan=lifespan)
+    install_exception_handlers(app)
+
+    async def on_gone(_: Request, __: Exception) -> Response:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    async def on_unexpected(_: Request, exc: Exception) -> Response:
+        log.exception("unexpected error", exc_info=exc)
+        return JSONResponse(error_body(exc), status_code=500)
+
+    async def on_http(_: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        code = {404: "not_found", 405: "method_not_allowed"}.get(status, "invalid_request")
+        detail = exc.detail if isinstance(exc, HTTPException) else "error"
+        return json_response(FrontendError(str(detail), code=code, status=status))
+
+    app.add_exception_handler(ClientGoneError, on_gone)
+    app.add_exception_handler(HTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)
+    app.add_middleware(RequestTelemetryMiddleware, state_of=lambda: app.state.mmis)
+    app.add_middleware(  # outermost: nothing runs for a request it refuses
+        HttpGate,
+        api_key=settings.api_key,
+        max_body_bytes=int(settings.max_request_body_mb * MiB),
+        ops_port=settings.ops_port,
+    )
+    served = settings.served_names
+
+    def state_of(request: Request) -> FrontendState:
+        state: FrontendState = request.app.state.mmis
+        return state
+
+    async def parse(request: Request, model: type[M]) -> M:
+        """The body as ``model`` (400 when malformed), naming a served model (else 404)."""
+        body = await request.body()
+        if len(body) > INLINE_PARSE_BYTES:
+            req = await asyncio.to_thread(parse_request, model, body, max_n=settings.max_n)
+        else:
+            req = parse_request(model, body, max_n=settings.max_n)
+        name = getattr(req, "model", None)
+        if name is not None and name not in served:
+            raise ModelNotFoundError(name, served)
+        if isinstance(req, SamplingRequest):  # the model's own defaults for what is unset
+            req = generation_defaults.apply(req, request.app.state.generation_defaults)
+        return req
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        req = await parse(request, ChatCompletionRequest)
+        serving: ChatServing = request.app.state.chat
+        return await serving.create(request, req)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = await parse(request, CompletionRequest)
+        serving: CompletionServing = request.app.state.completions
+        return await serving.create(request, req)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        req = await parse(request, ResponsesRequest)
+        serving: ResponsesServing = request.app.state.responses
+        return await serving.create(request, req)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        req = await parse(request, EmbeddingRequest)
+        serving: EmbeddingServing = request.app.state.embeddings
+        return await serving.create(request, req)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> ModelList:
+        state = state_of(request)
+        engine = state.client.engine_info
+        cards = [
+            ModelCard(
+                id=name,
+                root=settings.model,
+                max_model_len=state.max_model_len,
+                dtype=engine.get("dtype"),
+                device=engine.get("device"),
+            )
+            for name in served
+        ]
+        return ModelList(data=cards)
+
+    @app.get("/version")
+    async def get_version() -> Response:
+        return JSONResponse({"version": version()})
+
+    @app.get("/health")
+    async def health() -> Response:  # the front end's liveness: this process only
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready(request: Request) -> Response:
+        state = state_of(request)
+        if state.ready and state.healthy:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "not ready"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        state = state_of(request)
+        await state.stats.refresh_if_stale()
+        body, content_type = state.telemetry.metrics.exposition(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
+
+    @app.get("/stats/cache")
+    async def cache_stats(request: Request) -> Response:
+        return JSONResponse(state_of(request).telemetry.drift.stats())
+
+    @app.post("/internal/block_keys")
+    async def block_keys(request: Request) -> Response:
+        req = await parse(request, ChatCompletionRequest)
+        serving: ChatServing = request.app.state.chat
+        return JSONResponse(await serving.block_keys(req))
+
+    @app.post("/internal/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> Response:
+        blocks = await state_of(request).client.call_utility(RESET_PREFIX_CACHE)
+        return JSONResponse({"blocks": int(blocks)})
+
+    install_openapi(app)
+    return app

@@ -1,0 +1,417 @@
+"""The renderer: a prompt with images -> the token ids and multimodal features sent to P1.
+
+Two stages:
+
+1. :meth:`Renderer.prepare` (asyncio): loads the images with the media loader (limits, SSRF
+   guard), hashes each one (the client's ``uuid`` wins) and tokenizes the prompt with one
+   image token per image, on a worker thread (a long prompt never stalls the event loop),
+   after refusing a prompt too long for the context from its length alone. The result, a
+   :class:`SourcePrompt`, is *retained* by the request's handler so a retry can render it
+   again with the cache bypassed.
+2. :meth:`Renderer.render` (the single multimodal worker thread): drains the pending
+   invalidations FIRST, then per item: a shadow hit (and no bypass) sends ``data=None`` (SHM
+   mode: the same descriptor issued again) with the placeholder length the shadow remembers;
+   otherwise the processor runs on that image and its tensors are sent (inline, or ``put``
+   into the SHM store). Then the prompt is expanded and checked against the context window.
+
+Invariants:
+- Every shadow mutation happens on the worker, inside one render, after its drain.
+- A request rejected during rendering (hash-only item not in the shadow -> 422 naming the
+  uuid, context window exceeded -> 400) leaves nothing behind: the shadow is updated and SHM
+  space is taken only after every check passed, as the last steps of the render.
+- With ``bypass`` every item that has data is sent with it; hash-only items (a uuid, no URL)
+  can only ever be sent as ``data=None``.
+- Video items (``modality == "video"``, Qwen2-VL family) follow the same path: loaded and
+  sampled in stage 1 (:meth:`MediaLoader.load_video`), hashed as their sampled frames with the
+  processor kwargs and the sampled rate (so one clip sampled differently is another item),
+  processed by :meth:`ModelProcessor.process_video`, cached in the shadow and sent like an
+  image, with the video placeholder token. A model without a video token refuses them (400).
+- ``copies`` renders the features for that many sibling requests (``n`` choices); each SHM
+  descriptor is issued once per copy, so the reader's acknowledgements balance.
+- Placeholder lengths by ``mm_hash`` (the hash covers the pixels and the processor kwargs, so
+  it fixes the length) are remembered for the last :data:`KNOWN_LENGTHS` items processed here,
+  whether the shadow still holds them or not: a router's repeated key request
+  (:meth:`Renderer.keys_sync`, ``POST /internal/block_keys``) runs no processor a second time.
+  Only the worker thread touches them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from typing import Any
+
+from PIL import Image
+
+from mmis.frontend.client.media import DecodedVideo, MediaLoader, check_image_count
+from mmis.frontend.client.pending_invalidations import PendingInvalidations
+from mmis.frontend.client.processor import ModelProcessor, PromptError
+from mmis.frontend.errors import (
+    ContextLengthExceededError,
+    HashOnlyCacheMissError,
+    InvalidRequestError,
+    TooManyImagesError,
+)
+from mmis.multimodal.cache import SenderCache, ShadowEntry, ShadowItem, item_nbytes
+from mmis.multimodal.hashing import item_mm_hash
+from mmis.protocol import block_keys
+from mmis.protocol.messages import MultiModalFeature, ShmAddress
+from mmis.shm import ShmError, ShmStoreFullError, ShmWriter
+from mmis.telemetry.metrics import MMISMetrics
+
+MODALITY = "image"
+VIDEO = "video"
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageRef:
+    """An image part of a request: its URL (None = hash-only), its uuid, its JSON path."""
+
+    url: str | None
+    uuid: str | None
+    param: str | None = None
+    detail: str | None = None  # image_url.detail: "low" = the processor's minimum budget
+    modality: str = MODALITY  # or VIDEO: a video_url part
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceItem:
+    mm_hash: str
+    uuid: str | None
+    image: Image.Image | DecodedVideo | None  # None: hash-only, the engine must still hold it
+    param: str | None
+    processor_kwargs: dict[str, Any] | None = None  # None: the processor's own (--processor-kwargs)
+    modality: str = MODALITY
+
+
+@dataclasses.dataclass(frozen=True)
+class SourcePrompt:
+    """A prepared request, kept so a retry can render it again with the cache bypassed."""
+
+    token_ids: list[int]  # one image token per item
+    items: list[SourceItem]
+    param: str = "messages"  # the request field errors about the prompt name
+
+    def hash_only_uuids(self, mm_hashes: Sequence[str]) -> list[str]:
+        """The uuids of hash-only items among ``mm_hashes`` (those a retry cannot heal)."""
+        wanted = set(mm_hashes)
+        return [
+            item.uuid
+            for item in self.items
+            if item.image is None and item.uuid is not None and item.mm_hash in wanted
+        ]
+
+
+@dataclasses.dataclass(frozen=True)
+class RenderedPrompt:
+    token_ids: list[int]
+    features: list[list[MultiModalFeature]]  # one list per copy
+    shadow_hits: int
+    processed: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclasses.dataclass
+class _Planned:
+    item: SourceItem
+    entry: ShadowEntry
+    tensors: dict[str, Any] | None  # None: a shadow hit
+
+
+KNOWN_LENGTHS = 4096  # placeholder lengths remembered by mm_hash (ints: a few hundred KiB)
+
+
+class Renderer:
+    def __init__(
+        self,
+        processor: ModelProcessor,
+        loader: MediaLoader,
+        shadow: SenderCache,
+        pending: PendingInvalidations,
+        executor: Executor,
+        *,
+        model_id: str,
+        max_model_len: int,
+        max_images: int,
+        hash_algorithm: str = "blake3",
+        shm_writer: ShmWriter | None = None,
+        metrics: MMISMetrics | None = None,
+    ) -> None:
+        self.processor = processor
+        self.loader = loader
+        self.shadow = shadow
+        self.pending = pending
+        self.executor = executor
+        self.model_id = model_id
+        self.max_model_len = max_model_len
+        self.max_images = max_images
+        self.hash_algorithm = hash_algorithm
+        self.shm_writer = shm_writer
+        self.metrics = metrics or MMISMetrics(model_id)
+        self._lengths: collections.OrderedDict[str, int] = collections.OrderedDict()
+
+    def _remember(self, mm_hash: str, length: int) -> None:
+        self._lengths[mm_hash] = length
+        self._lengths.move_to_end(mm_hash)
+        if len(self._lengths) > KNOWN_LENGTHS:
+            self._lengths.popitem(last=False)
+
+    # ------------------------------------------------------------------ stage 1 (asyncio)
+    async def prepare(
+        self, prompt: str | Sequence[int], images: Sequence[ImageRef], *, param: str = "messages"
+    ) -> SourcePrompt:
+        videos = [ref for ref in images if ref.modality == VIDEO]
+        check_image_count(len(images) - len(videos), self.max_images)
+        self._check_videos(videos)
+        with_data = [ref for ref in images if ref.url is not None and ref.modality != VIDEO]
+        loaded = await self.loader.load_images(
+            [ref.url for ref in with_data if ref.url is not None],
+            params=[ref.param for ref in with_data],
+        )
+        pictures = iter(loaded)
+        clips = iter(
+            [await self.loader.load_video(ref.url or "", param=ref.param) for ref in videos]
+        )
+        loop = asyncio.get_running_loop()
+        items: list[SourceItem] = []
+        for ref in images:
+            if ref.modality == VIDEO:
+                clip = next(clips)
+                kwargs = dict(self.processor.processor_kwargs)
+                mm_hash = await loop.run_in_executor(None, self.hash_video, clip, ref.uuid, kwargs)
+                items.append(SourceItem(mm_hash, ref.uuid, clip, ref.param, kwargs, VIDEO))
+                continue
+            image = next(pictures).image if ref.url is not None else None
+            kwargs = self.processor.image_kwargs(ref.detail)
+            mm_hash = await loop.run_in_executor(None, self.hash_image, image, ref.uuid, kwargs)
+            items.append(SourceItem(mm_hash, ref.uuid, image, ref.param, kwargs))
+        if isinstance(prompt, str):
+            self._check_prompt_chars(len(prompt), param)
+        token_ids = await loop.run_in_executor(None, self.processor.prompt_token_ids, prompt)
+        slots = sum(t == self.processor.image_token_id for t in token_ids)
+        if slots != len(items) - len(videos):
+            raise InvalidRequestError(
+                f"the prompt has {slots} image placeholder token(s) for "
+                f"{len(items) - len(videos)} image(s); "
+                f"do not write the image token {self.processor.image_token!r} in text",
+                param=param,
+            )
+        if self.processor.video_token_id is not None:
+            found = sum(t == self.processor.video_token_id for t in token_ids)
+            if found != len(videos):
+                raise InvalidRequestError(
+                    f"the prompt has {found} video placeholder token(s) for {len(videos)} "
+                    f"video(s); do not write the video token {self.processor.video_token!r} "
+                    "in text",
+                    param=param,
+                )
+        return SourcePrompt(token_ids=token_ids, items=items, param=param)
+
+    def _check_videos(self, videos: Sequence[ImageRef]) -> None:
+        if not videos:
+            return
+        if self.processor.video_token_id is None:
+            raise InvalidRequestError(
+                "this model takes no video input (its processor declares no video token)",
+                param=videos[0].param,
+            )
+        limit = self.loader.config.max_videos_per_prompt
+        if len(videos) > limit:
+            raise TooManyImagesError(
+                f"the prompt has {len(videos)} videos, more than the limit of {limit} "
+                "(max_videos_per_prompt)",
+                param="messages",
+            )
+
+    def hash_video(
+        self, video: DecodedVideo, uuid: str | None, processor_kwargs: dict[str, Any]
+    ) -> str:
+        """A video's mm_hash: its sampled frames, the processor kwargs and the sampled rate."""
+        return item_mm_hash(
+            model_id=self.model_id,
+            modality=VIDEO,
+            item=video.frames,
+            processor_kwargs={**processor_kwargs, "mmis_sampled_fps": float(video.fps)},
+            uuid=uuid,
+            algorithm=self.hash_algorithm,
+        )
+
+    def hash_image(
+        self,
+        image: Image.Image | None,
+        uuid: str | None,
+        processor_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        kwargs = self.processor.processor_kwargs if processor_kwargs is None else processor_kwargs
+        return item_mm_hash(
+            model_id=self.model_id,
+            modality=MODALITY,
+            item=image,
+            processor_kwargs=kwargs,
+            uuid=uuid,
+            algorithm=self.hash_algorithm,
+        )
+
+    # ------------------------------------------------------------------ stage 2 (worker)
+    async def render(
+        self, source: SourcePrompt, *, bypass: bool, reserve_tokens: int, copies: int = 1
+    ) -> RenderedPrompt:
+        """Render on the multimodal worker (see the module docstring)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self.executor, self.render_sync, source, bypass, reserve_tokens, copies
+        )
+
+    async def keys(self, source: SourcePrompt, block_size: int) -> tuple[int, list[bytes]]:
+        """:meth:`keys_sync` on the multimodal worker (it reads the shadow renders write)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self.keys_sync, source, block_size)
+
+    def render_sync(
+        self, source: SourcePrompt, bypass: bool, reserve_tokens: int, copies: int = 1
+    ) -> RenderedPrompt:
+        self.pending.drain()  # before the first lookup: invalidations reported so far apply
+        entries = self.shadow.lookup([item.mm_hash for item in source.items])
+        missing = [
+            item.uuid or item.mm_hash
+            for item, entry in zip(source.items, entries, strict=True)
+            if entry is None and item.image is None
+        ]
+        if missing:
+            raise HashOnlyCacheMissError(missing)
+        plan: list[_Planned] = []
+        for item, entry in zip(source.items, entries, strict=True):
+            if entry is not None and (item.image is None or not bypass):
+                plan.append(_Planned(item, entry, None))
+                continue
+            if item.image is None:  # unreachable: hash-only misses were rejected above
+                raise HashOnlyCacheMissError([item.uuid or item.mm_hash])
+            if isinstance(item.image, DecodedVideo):
+                processed = self.processor.process_video(item.image, item.processor_kwargs)
+            else:
+                processed = self.processor.process_image(item.image, item.processor_kwargs)
+            nbytes = item_nbytes(processed.tensors)
+            self._remember(item.mm_hash, processed.num_tokens)
+            plan.append(
+                _Planned(item, ShadowEntry(nbytes, processed.num_tokens), processed.tensors)
+            )
+        try:
+            token_ids, ranges = self.processor.expand(
+                source.token_ids,
+                [p.entry.placeholder_length for p in plan],
+                [self._placeholder_token(p.item) for p in plan],
+            )
+        except PromptError as exc:
+            raise InvalidRequestError(str(exc), param=source.param) from exc
+        self._check_context(len(token_ids), reserve_tokens, len(plan), source.param)
+        # every check passed: from here on the request is accepted
+        features: list[list[MultiModalFeature]] = [[] for _ in range(copies)]
+        recorded: list[ShadowItem] = []
+        for p, placeholder in zip(plan, ranges, strict=True):
+            datas, entry = self._payloads(p, copies)
+            recorded.append(ShadowItem(p.item.mm_hash, entry))
+            for copy, data in enumerate(datas):
+                features[copy].append(
+                    MultiModalFeature(
+                        p.item.modality, p.item.mm_hash, p.item.mm_hash, placeholder, data
+                    )
+                )
+        self.shadow.record_request(recorded)
+        hits = sum(p.tensors is None for p in plan)
+        self.metrics.processor_cache(len(plan), hits)
+        self.metrics.shadow_hits(hits)
+        return RenderedPrompt(token_ids, features, hits, len(plan) - hits)
+
+    def keys_sync(self, source: SourcePrompt, block_size: int) -> tuple[int, list[bytes]]:
+        """``(prompt tokens, block keys)`` of the prompt a render would send P1 now
+        (``protocol/block_keys.py``), changing nothing: the shadow, its counters and the
+        metrics stay as they were. An item the shadow knows keeps its recorded placeholder
+        length, else its remembered one; any other is processed to learn it (and its length
+        remembered). Hash-only items need the shadow."""
+        lengths: list[int] = []
+        for item in source.items:
+            entry = self.shadow.get(item.mm_hash)
+            known = self._lengths.get(item.mm_hash)
+            if entry is not None:
+                lengths.append(entry.placeholder_length)
+            elif known is not None:
+                lengths.append(known)
+            elif item.image is None:
+                raise HashOnlyCacheMissError([item.uuid or item.mm_hash])
+            else:
+                if isinstance(item.image, DecodedVideo):
+                    n = self.processor.process_video(item.image, item.processor_kwargs).num_tokens
+                else:
+                    n = self.processor.process_image(item.image, item.processor_kwargs).num_tokens
+                self._remember(item.mm_hash, n)
+                lengths.append(n)
+        try:
+            token_ids, ranges = self.processor.expand(
+                source.token_ids, lengths, [self._placeholder_token(i) for i in source.items]
+            )
+        except PromptError as exc:
+            raise InvalidRequestError(str(exc), param=source.param) from exc
+        features = [
+            MultiModalFeature(item.modality, item.mm_hash, item.mm_hash, placeholder)
+            for item, placeholder in zip(source.items, ranges, strict=True)
+        ]
+        return len(token_ids), block_keys.chain(token_ids, features, block_size)
+
+    def _placeholder_token(self, item: SourceItem) -> int:
+        if item.modality == VIDEO and self.processor.video_token_id is not None:
+            return self.processor.video_token_id
+        return self.processor.image_token_id
+
+    def _payloads(
+        self, p: _Planned, copies: int
+    ) -> tuple[list[dict[str, Any] | ShmAddress | None], ShadowEntry]:
+        """The ``data`` of each copy of one item, and the shadow entry to record."""
+        address = p.entry.metadata.get("shm")
+        writer = self.shm_writer
+        if p.tensors is None:
+            if writer is None or not isinstance(address, ShmAddress):
+                return [None] * copies, p.entry
+            try:  # SHM mode: a hit re-issues the live descriptor, once per copy
+                return [writer.share(address) for _ in range(copies)], p.entry
+            except ShmError:
+                pass  # reclaimed or expired since: P1 still holds the tensors by hash
+            return [None] * copies, dataclasses.replace(p.entry, metadata={})
+        if writer is not None:
+            try:
+                first = writer.put(p.tensors)
+                rest = [writer.share(first) for _ in range(copies - 1)]
+                return [first, *rest], dataclasses.replace(p.entry, metadata={"shm": first})
+            except ShmStoreFullError:
+                pass  # the store is full: send inline
+        return [p.tensors] * copies, p.entry
+
+    def _check_prompt_chars(self, chars: int, param: str) -> None:
+        """Refuse a prompt that cannot fit from its length alone, before tokenizing it."""
+        per_token = self.processor.max_token_chars
+        if chars <= self.max_model_len * per_token:
+            return
+        raise ContextLengthExceededError(
+            f"the prompt has {chars} characters, so at least {chars // per_token} tokens "
+            f"(this tokenizer's longest token has {per_token} characters), which exceeds the "
+            f"model's context window of {self.max_model_len} tokens",
+            param=param,
+        )
+
+    def _check_context(self, num_tokens: int, reserve: int, num_images: int, param: str) -> None:
+        if num_tokens + reserve <= self.max_model_len:
+            return
+        what = f"the prompt has {num_tokens} tokens"
+        if num_images:
+            what += f" (with {num_images} image(s))"
+        if reserve > 0:
+            what += f" and {reserve} more are requested (max_tokens)"
+        raise ContextLengthExceededError(
+            f"{what}, which exceeds the model's context window of {self.max_model_len} tokens",
+            param=param,
+        )
