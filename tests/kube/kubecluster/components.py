@@ -71,6 +71,11 @@ def apiserver_argv(tools: Tools, pki: PKI, ports: Ports) -> list[str]:
         "--allow-privileged=true",
         # reach a real kubelet (logs, exec) at its InternalIP, not its unresolvable hostname
         "--kubelet-preferred-address-types=InternalIP,Hostname",
+        # Debian's etcd 3.4 cannot answer watch progress requests, which a streamed list
+        # (WatchList, beta and on by default) needs: with it on, every client's watches
+        # ended in errors and were re-listed only every ~20-60 s (kwok acted that late).
+        # Off, clients fall back to plain LIST + WATCH at once.
+        "--feature-gates=WatchList=false",
         "--profiling=false",
         "--v=1",
     ]
