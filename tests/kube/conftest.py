@@ -11,7 +11,10 @@ Stable interface (mark such tests ``@pytest.mark.controlplane``):
     enforces Pod Security Admission ``restricted`` (the apiserver's PodSecurity plugin is on
     by default), deleted afterwards;
   * ``crd`` (session): the MMInferenceService CRD (``charts/mmis/crds/``) applied and Established
-    (``kubecluster.apply_crds``; ``kubecluster.kubectl_wait`` is the retrying wait).
+    (``kubecluster.apply_crds``; ``kubecluster.kubectl_wait`` is the retrying wait);
+  * ``operator`` (function): the operator (``mmis_operator.main.OperatorThread``) watching
+    ``namespace`` with ``operator_kit.options``; the test fails if it died. The kubectl helpers
+    the operator tests share are in ``operator_kit.py``.
 
 Tools come from ``$MMIS_TOOLS_DIR/bin`` (``scripts/gotools``) and etcd from
 ``scripts/system-deps``. When controlplane tests are selected and the Go tools are
@@ -32,7 +35,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import operator_kit
 from kubecluster import Cluster, Tools, ToolsMissing, apply_crds, find_tools
+
+from mmis_operator.main import OperatorThread
 
 PSA = "pod-security.kubernetes.io"
 CRD = Path(__file__).resolve().parents[2] / "charts" / "mmis" / "crds" / "mminferenceservice.yaml"
@@ -105,3 +111,10 @@ def namespace(cluster: Cluster) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def crd(cluster: Cluster) -> None:
     apply_crds(cluster, CRD, "mminferenceservices.mmis.dev")
+
+
+@pytest.fixture
+def operator(cluster: Cluster, crd: None, namespace: str) -> Iterator[OperatorThread]:
+    with OperatorThread(cluster.kubeconfig, operator_kit.options(namespace)) as running:
+        yield running
+    assert running.error is None, f"the operator died: {running.error!r}"

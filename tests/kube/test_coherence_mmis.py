@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import operator_kit as ok
 import pytest
 import zmq
 from kubecluster import Cluster
@@ -109,10 +110,6 @@ def stack(tmp_path: Path) -> Iterator[tuple[Engine, Frontend]]:
         engine.stop()
 
 
-def _get(cluster: Cluster, namespace: str, *what: str) -> dict[str, Any]:
-    return json.loads(cluster.kubectl("get", "-n", namespace, *what, "-o", "json").stdout)
-
-
 def _coherent(obj: dict[str, Any]) -> dict[str, Any]:
     for condition in (obj.get("status") or {}).get("conditions") or ():
         if condition["type"] == "CacheCoherent":
@@ -164,7 +161,7 @@ def test_fault_knob_flips_cache_coherent_and_back(
     traffic = Traffic(frontend)
 
     def fetch() -> dict[str, Any]:
-        return _get(cluster, namespace, "mmis/tiny")
+        return ok.get(cluster, namespace, "mmis/tiny")
 
     with OperatorThread(cluster.kubeconfig, options) as running:
         try:
@@ -172,7 +169,7 @@ def test_fault_knob_flips_cache_coherent_and_back(
             cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(resource))
             (pod,) = _poll(
                 "a running pod",
-                lambda: _get(cluster, namespace, "pods"),
+                lambda: ok.get(cluster, namespace, "pods"),
                 lambda pods: len(pods["items"]) == 1,
             )["items"]
             pod_name = pod["metadata"]["name"]
@@ -210,7 +207,7 @@ def test_fault_knob_flips_cache_coherent_and_back(
             knob.close()
     assert running.error is None, f"the operator died: {running.error!r}"
     assert traffic.failures == [], traffic.failures[:3]
-    events = _get(cluster, namespace, "events", "--field-selector=involvedObject.name=tiny")
+    events = ok.get(cluster, namespace, "events", "--field-selector=involvedObject.name=tiny")
     reasons = [e["reason"] for e in events["items"]]
     for reason in ("DriftRateHigh", "DriftRateNormal", "ProbeFailed"):
         assert reason in reasons, reasons

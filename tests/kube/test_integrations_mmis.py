@@ -20,12 +20,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import operator_kit as ok
 import pytest
 import yaml
-from kubecluster import Cluster, apply_crds, kubectl_wait
+from kubecluster import Cluster, apply_crds
 
 from mmis_operator import reconciler
-from mmis_operator.main import OperatorThread, Options
+from mmis_operator.main import OperatorThread
 
 pytestmark = pytest.mark.controlplane
 
@@ -72,18 +73,8 @@ TEST_CRDS = [
 ]
 
 
-def _options(namespace: str) -> Options:
-    return Options(
-        namespaces=(namespace,),
-        resync_seconds=600.0,
-        watch_server_timeout=20,
-        watch_client_timeout=30.0,
-        request_timeout=30.0,
-    )
-
-
 def _operator(cluster: Cluster, namespace: str) -> OperatorThread:
-    return OperatorThread(cluster.kubeconfig, _options(namespace))
+    return OperatorThread(cluster.kubeconfig, ok.options(namespace))
 
 
 def _sample(**auto: Any) -> dict[str, Any]:
@@ -92,25 +83,8 @@ def _sample(**auto: Any) -> dict[str, Any]:
     return obj
 
 
-def _apply(cluster: Cluster, namespace: str, obj: dict[str, Any]) -> None:
-    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(obj))
-
-
-def _get(cluster: Cluster, namespace: str, *what: str) -> dict[str, Any]:
-    return json.loads(cluster.kubectl("get", "-n", namespace, *what, "-o", "json").stdout)
-
-
-def _wait(cluster: Cluster, namespace: str, *args: str, timeout_s: float = 120) -> None:
-    proc = kubectl_wait(cluster, "-n", namespace, *args, timeout_s=timeout_s)
-    if proc.returncode != 0:
-        state = cluster.kubectl(
-            "get", "-n", namespace, "mmis,deploy,hpa,events", "-o", "yaml", check=False
-        )
-        pytest.fail(f"kubectl wait {' '.join(args)} failed: {proc.stderr}\n{state.stdout[-8000:]}")
-
-
 def _owned_by_the_resource(obj: dict[str, Any], cluster: Cluster, namespace: str) -> None:
-    uid = _get(cluster, namespace, "mmis/vlm")["metadata"]["uid"]
+    uid = ok.get(cluster, namespace, "mmis/vlm")["metadata"]["uid"]
     (ref,) = obj["metadata"]["ownerReferences"]
     assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == (
         "MMInferenceService", "vlm", uid, True,
@@ -122,9 +96,9 @@ def test_hpa_follows_the_resource_and_the_hpa_controller_reads_its_scale(
 ) -> None:
     monkeypatch.setenv(reconciler.ENV_AUTOSCALER, "hpa")  # whatever another test installed
     with _operator(cluster, namespace) as running:
-        _apply(cluster, namespace, SAMPLE)
-        _wait(cluster, namespace, HPA, "--for=create")
-        hpa = _get(cluster, namespace, HPA)
+        ok.apply(cluster, namespace, SAMPLE)
+        ok.wait(cluster, namespace, HPA, "--for=create")
+        hpa = ok.get(cluster, namespace, HPA)
         _owned_by_the_resource(hpa, cluster, namespace)
         assert hpa["spec"]["scaleTargetRef"] == {
             "apiVersion": "mmis.dev/v1alpha1", "kind": "MMInferenceService", "name": "vlm",
@@ -132,7 +106,7 @@ def test_hpa_follows_the_resource_and_the_hpa_controller_reads_its_scale(
         metric = hpa["spec"]["metrics"][0]["pods"]
         assert metric["metric"]["name"] == "mmis:num_requests_waiting"
         # the real HPA controller got the scale subresource (selector from status.selector)
-        _wait(
+        ok.wait(
             cluster, namespace, HPA,
             '--for=jsonpath={.status.conditions[?(@.type=="AbleToScale")].status}=True',
         )  # fmt: skip
@@ -143,23 +117,23 @@ def test_hpa_follows_the_resource_and_the_hpa_controller_reads_its_scale(
         )
         assert scale["status"]["selector"] == "app.kubernetes.io/instance=vlm," \
             "app.kubernetes.io/name=mmis,mmis.dev/service=vlm"  # fmt: skip
-        pods = _get(cluster, namespace, "deploy/vlm")["spec"]["template"]["metadata"]
+        pods = ok.get(cluster, namespace, "deploy/vlm")["spec"]["template"]["metadata"]
         assert pods["annotations"]["prometheus.io/port"] == "8001"
 
         # the HPA's way of scaling: the resource's scale subresource; the operator follows
         cluster.kubectl("scale", "-n", namespace, "mmis/vlm", "--replicas=2")
-        _wait(cluster, namespace, "deploy/vlm", "--for=jsonpath={.spec.replicas}=2")
-        _apply(cluster, namespace, _sample(maxReplicas=5))  # an update, without spec.replicas
-        _wait(cluster, namespace, HPA, "--for=jsonpath={.spec.maxReplicas}=5")
-        assert _get(cluster, namespace, "mmis/vlm")["spec"]["replicas"] == 2  # not reset
-        assert _get(cluster, namespace, "deploy/vlm")["spec"]["replicas"] == 2
+        ok.wait(cluster, namespace, "deploy/vlm", "--for=jsonpath={.spec.replicas}=2")
+        ok.apply(cluster, namespace, _sample(maxReplicas=5))  # an update, without spec.replicas
+        ok.wait(cluster, namespace, HPA, "--for=jsonpath={.spec.maxReplicas}=5")
+        assert ok.get(cluster, namespace, "mmis/vlm")["spec"]["replicas"] == 2  # not reset
+        assert ok.get(cluster, namespace, "deploy/vlm")["spec"]["replicas"] == 2
 
-        _apply(cluster, namespace, _sample(enabled=False))  # switched off: the HPA goes
-        _wait(cluster, namespace, HPA, "--for=delete")
-        _apply(cluster, namespace, SAMPLE)
-        _wait(cluster, namespace, HPA, "--for=create")
+        ok.apply(cluster, namespace, _sample(enabled=False))  # switched off: the HPA goes
+        ok.wait(cluster, namespace, HPA, "--for=delete")
+        ok.apply(cluster, namespace, SAMPLE)
+        ok.wait(cluster, namespace, HPA, "--for=create")
         cluster.kubectl("delete", "-n", namespace, "mmis/vlm", "--wait=false")
-        _wait(cluster, namespace, HPA, "--for=delete")  # garbage collection (owner reference)
+        ok.wait(cluster, namespace, HPA, "--for=delete")  # garbage collection (owner reference)
     assert running.error is None, f"the operator died: {running.error!r}"
 
 
@@ -183,33 +157,33 @@ def test_keda_scaled_object_and_pod_monitor_when_their_crds_are_served(
     monkeypatch.delenv(reconciler.ENV_AUTOSCALER, raising=False)
     monkeypatch.delenv(reconciler.ENV_POD_MONITORS, raising=False)
     with _operator(cluster, namespace) as running:
-        _apply(cluster, namespace, SAMPLE)
-        _wait(cluster, namespace, SCALED_OBJECT, "--for=create")
-        _wait(cluster, namespace, POD_MONITOR, "--for=create")
-        scaled = _get(cluster, namespace, SCALED_OBJECT)
+        ok.apply(cluster, namespace, SAMPLE)
+        ok.wait(cluster, namespace, SCALED_OBJECT, "--for=create")
+        ok.wait(cluster, namespace, POD_MONITOR, "--for=create")
+        scaled = ok.get(cluster, namespace, SCALED_OBJECT)
         _owned_by_the_resource(scaled, cluster, namespace)
         assert scaled["spec"]["scaleTargetRef"]["kind"] == "MMInferenceService"
         (trigger,) = scaled["spec"]["triggers"]
         assert trigger["type"] == "prometheus"
         assert f'namespace="{namespace}"' in trigger["metadata"]["query"]
         assert trigger["metadata"]["threshold"] == "4"
-        monitor = _get(cluster, namespace, POD_MONITOR)
+        monitor = ok.get(cluster, namespace, POD_MONITOR)
         _owned_by_the_resource(monitor, cluster, namespace)
         assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "ops"
         assert monitor["spec"]["selector"]["matchLabels"]["mmis.dev/service"] == "vlm"
-        hpas = _get(cluster, namespace, "horizontalpodautoscalers.autoscaling")["items"]
+        hpas = ok.get(cluster, namespace, "horizontalpodautoscalers.autoscaling")["items"]
         assert hpas == []  # KEDA makes its own
 
-        _apply(cluster, namespace, _sample(target=0.5))
-        _wait(
+        ok.apply(cluster, namespace, _sample(target=0.5))
+        ok.wait(
             cluster, namespace, SCALED_OBJECT,
             "--for=jsonpath={.spec.triggers[0].metadata.threshold}=0.5",
         )  # fmt: skip
         off = _sample(enabled=False)
         off["spec"]["monitoring"] = {"podMonitor": False}
-        _apply(cluster, namespace, off)
-        _wait(cluster, namespace, SCALED_OBJECT, "--for=delete")
-        _wait(cluster, namespace, POD_MONITOR, "--for=delete")
+        ok.apply(cluster, namespace, off)
+        ok.wait(cluster, namespace, SCALED_OBJECT, "--for=delete")
+        ok.wait(cluster, namespace, POD_MONITOR, "--for=delete")
     assert running.error is None, f"the operator died: {running.error!r}"
 
 

@@ -10,13 +10,13 @@ import copy
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from typing import Any
 
+import operator_kit as ok
 import pytest
-from kubecluster import Cluster, kubectl_wait
+from kubecluster import Cluster
 
-from mmis_operator.main import OperatorThread, Options
+from mmis_operator.main import OperatorThread
 
 pytestmark = pytest.mark.controlplane
 
@@ -34,53 +34,14 @@ SAMPLE: dict[str, Any] = {
 }
 
 
-def _options(namespace: str) -> Options:
-    return Options(
-        namespaces=(namespace,),
-        resync_seconds=600.0,
-        watch_server_timeout=20,
-        watch_client_timeout=30.0,
-        request_timeout=30.0,
-    )
-
-
-@pytest.fixture
-def operator(cluster: Cluster, crd: None, namespace: str) -> Iterator[OperatorThread]:
-    with OperatorThread(cluster.kubeconfig, _options(namespace)) as running:
-        yield running
-    assert running.error is None, f"the operator died: {running.error!r}"
-
-
-def _apply(cluster: Cluster, namespace: str, obj: dict[str, Any]) -> None:
-    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(obj))
-
-
-def _get(cluster: Cluster, namespace: str, *what: str) -> dict[str, Any]:
-    return json.loads(cluster.kubectl("get", "-n", namespace, *what, "-o", "json").stdout)
-
-
-def _wait(cluster: Cluster, namespace: str, *args: str) -> None:
-    proc = kubectl_wait(cluster, "-n", namespace, *args, timeout_s=180)
-    if proc.returncode != 0:
-        state = cluster.kubectl(
-            "get", "-n", namespace, "mmis,deploy,pods", "-o", "yaml", check=False
-        )
-        pytest.fail(f"kubectl wait {' '.join(args)} failed: {proc.stderr}\n{state.stdout[-6000:]}")
-
-
 def _apply_ready(cluster: Cluster, namespace: str, obj: dict[str, Any] = SAMPLE) -> None:
     """Apply ``obj`` and wait until the operator reports it Ready."""
-    _apply(cluster, namespace, obj)
-    _wait(cluster, namespace, f"mmis/{obj['metadata']['name']}", "--for=condition=Ready")
-
-
-def _condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:
-    (found,) = [c for c in obj["status"]["conditions"] if c["type"] == kind]
-    return found
+    ok.apply(cluster, namespace, obj)
+    ok.wait(cluster, namespace, f"mmis/{obj['metadata']['name']}", "--for=condition=Ready")
 
 
 def _events(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
-    items = _get(cluster, namespace, "events", f"--field-selector=involvedObject.name={name}")
+    items = ok.get(cluster, namespace, "events", f"--field-selector=involvedObject.name={name}")
     return [e for e in items["items"] if e["involvedObject"]["kind"] == "MMInferenceService"]
 
 
@@ -88,7 +49,7 @@ def test_resource_becomes_a_ready_deployment_and_service(
     cluster: Cluster, namespace: str, operator: OperatorThread
 ) -> None:
     _apply_ready(cluster, namespace)
-    dep = _get(cluster, namespace, "deployment/llava")
+    dep = ok.get(cluster, namespace, "deployment/llava")
     pod_spec = dep["spec"]["template"]["spec"]
     containers = {c["name"]: c for c in pod_spec["containers"]}
     assert set(containers) == {"frontend", "engine"}
@@ -97,18 +58,18 @@ def test_resource_becomes_a_ready_deployment_and_service(
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "3584Mi"}
     assert containers["frontend"]["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert containers["frontend"]["startupProbe"]["failureThreshold"] == 60
-    svc = _get(cluster, namespace, "service/llava")
+    svc = ok.get(cluster, namespace, "service/llava")
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
-    owner = _get(cluster, namespace, "mmis/llava")
+    owner = ok.get(cluster, namespace, "mmis/llava")
     for child in (dep, svc):
         assert child["metadata"]["ownerReferences"][0]["uid"] == owner["metadata"]["uid"]
-    pods = _get(cluster, namespace, "pods", "-l", owner["status"]["selector"])["items"]
+    pods = ok.get(cluster, namespace, "pods", "-l", owner["status"]["selector"])["items"]
     assert [p["status"]["phase"] for p in pods] == ["Running"]
     status = owner["status"]
     assert status["observedGeneration"] == owner["metadata"]["generation"]
     assert status["readyReplicas"] == 1
     assert status["endpoint"] == f"http://llava.{namespace}.svc:8000/v1"
-    assert _condition(owner, "Degraded")["status"] == "False"
+    assert ok.condition(owner, "Degraded")["status"] == "False"
     assert not owner["metadata"].get("finalizers")  # deletion never waits for the operator
     assert any(k.startswith("mmis.dev/") for k in owner["metadata"]["annotations"])
     reasons = {e["reason"] for e in _events(cluster, namespace, "llava")}
@@ -119,16 +80,16 @@ def test_spec_change_rolls_out_and_observed_generation_follows(
     cluster: Cluster, namespace: str, operator: OperatorThread
 ) -> None:
     _apply_ready(cluster, namespace)
-    before = _get(cluster, namespace, "deployment/llava")
+    before = ok.get(cluster, namespace, "deployment/llava")
     changed = copy.deepcopy(SAMPLE)
     changed["spec"]["cache"]["size"] = "3Gi"
-    _apply(cluster, namespace, changed)
-    generation = _get(cluster, namespace, "mmis/llava")["metadata"]["generation"]
+    ok.apply(cluster, namespace, changed)
+    generation = ok.get(cluster, namespace, "mmis/llava")["metadata"]["generation"]
     assert generation == 2
-    _wait(cluster, namespace, "mmis/llava", "--for=jsonpath={.status.observedGeneration}=2")
-    _wait(cluster, namespace, "mmis/llava", "--for=condition=Progressing=False")
-    _wait(cluster, namespace, "mmis/llava", "--for=condition=Ready")
-    after = _get(cluster, namespace, "deployment/llava")
+    ok.wait(cluster, namespace, "mmis/llava", "--for=jsonpath={.status.observedGeneration}=2")
+    ok.wait(cluster, namespace, "mmis/llava", "--for=condition=Progressing=False")
+    ok.wait(cluster, namespace, "mmis/llava", "--for=condition=Ready")
+    after = ok.get(cluster, namespace, "deployment/llava")
     assert after["metadata"]["generation"] > before["metadata"]["generation"]
     args = {c["name"]: c["args"] for c in after["spec"]["template"]["spec"]["containers"]}
     assert args["frontend"][args["frontend"].index("--mm-cache-gb") + 1] == "3"
@@ -137,9 +98,9 @@ def test_spec_change_rolls_out_and_observed_generation_follows(
 def test_scale_subresource(cluster: Cluster, namespace: str, operator: OperatorThread) -> None:
     _apply_ready(cluster, namespace)
     cluster.kubectl("scale", "-n", namespace, "mmis/llava", "--replicas=3")
-    _wait(cluster, namespace, "deployment/llava", "--for=jsonpath={.spec.replicas}=3")
-    _wait(cluster, namespace, "mmis/llava", "--for=jsonpath={.status.readyReplicas}=3")
-    scale = _get(cluster, namespace, "mmis/llava", "--subresource=scale")
+    ok.wait(cluster, namespace, "deployment/llava", "--for=jsonpath={.spec.replicas}=3")
+    ok.wait(cluster, namespace, "mmis/llava", "--for=jsonpath={.status.readyReplicas}=3")
+    scale = ok.get(cluster, namespace, "mmis/llava", "--subresource=scale")
     assert scale["spec"]["replicas"] == 3
     assert scale["status"]["replicas"] == 3
     assert "mmis.dev/service=llava" in scale["status"]["selector"]
@@ -150,10 +111,10 @@ def test_deletion_removes_children(
 ) -> None:
     _apply_ready(cluster, namespace)
     cluster.kubectl("delete", "-n", namespace, "mmis/llava", "--wait=false")
-    _wait(cluster, namespace, "mmis/llava", "--for=delete")
+    ok.wait(cluster, namespace, "mmis/llava", "--for=delete")
     # garbage collection (owner references) removes the children; no finalizer held the owner
     for child in ("deployment/llava", "service/llava", "pdb/llava"):
-        _wait(cluster, namespace, child, "--for=delete")
+        ok.wait(cluster, namespace, child, "--for=delete")
 
 
 def test_invalid_spec_is_reported_not_retried_and_a_fix_recovers(
@@ -161,10 +122,10 @@ def test_invalid_spec_is_reported_not_retried_and_a_fix_recovers(
 ) -> None:
     bad = copy.deepcopy(SAMPLE)
     bad["spec"]["resources"]["memory"] = "1Gi"  # the 2Gi engine cache cannot fit: no CEL rule
-    _apply(cluster, namespace, bad)
-    _wait(cluster, namespace, "mmis/llava", "--for=condition=Degraded")
-    obj = _get(cluster, namespace, "mmis/llava")
-    degraded = _condition(obj, "Degraded")
+    ok.apply(cluster, namespace, bad)
+    ok.wait(cluster, namespace, "mmis/llava", "--for=condition=Degraded")
+    obj = ok.get(cluster, namespace, "mmis/llava")
+    degraded = ok.condition(obj, "Degraded")
     assert degraded["reason"] == "InvalidSpec"
     assert "raise resources.memory" in degraded["message"]
     assert (
@@ -174,7 +135,7 @@ def test_invalid_spec_is_reported_not_retried_and_a_fix_recovers(
     warnings = [e for e in _events(cluster, namespace, "llava") if e["type"] == "Warning"]
     assert any(e["reason"] == "InvalidSpec" for e in warnings)
     _apply_ready(cluster, namespace)  # the fix
-    _wait(cluster, namespace, "mmis/llava", "--for=condition=Degraded=False")
+    ok.wait(cluster, namespace, "mmis/llava", "--for=condition=Degraded=False")
     assert operator.error is None
 
 
@@ -182,7 +143,7 @@ def test_foreign_conditions_survive_reconciles(
     cluster: Cluster, namespace: str, operator: OperatorThread
 ) -> None:
     _apply_ready(cluster, namespace)
-    obj = _get(cluster, namespace, "mmis/llava")
+    obj = ok.get(cluster, namespace, "mmis/llava")
     # a type nobody in mmis writes (the operator's own drift probe now owns CacheCoherent)
     obj["status"]["conditions"].append(
         {"type": "example.com/PolicyChecked", "status": "True", "reason": "Approved",
@@ -192,20 +153,20 @@ def test_foreign_conditions_survive_reconciles(
         "replace", "--subresource=status", "-n", namespace, "-f", "-", input=json.dumps(obj)
     )
     cluster.kubectl("scale", "-n", namespace, "mmis/llava", "--replicas=2")
-    _wait(cluster, namespace, "mmis/llava", "--for=jsonpath={.status.readyReplicas}=2")
-    after = _get(cluster, namespace, "mmis/llava")
-    assert _condition(after, "example.com/PolicyChecked")["reason"] == "Approved"
+    ok.wait(cluster, namespace, "mmis/llava", "--for=jsonpath={.status.readyReplicas}=2")
+    after = ok.get(cluster, namespace, "mmis/llava")
+    assert ok.condition(after, "example.com/PolicyChecked")["reason"] == "Approved"
 
 
 def test_deleted_deployment_is_recreated(
     cluster: Cluster, namespace: str, operator: OperatorThread
 ) -> None:
     _apply_ready(cluster, namespace)
-    uid = _get(cluster, namespace, "deployment/llava")["metadata"]["uid"]
+    uid = ok.get(cluster, namespace, "deployment/llava")["metadata"]["uid"]
     cluster.kubectl("delete", "-n", namespace, "deployment/llava", "--wait=true")
-    _wait(cluster, namespace, "deployment/llava", "--for=create")
-    assert _get(cluster, namespace, "deployment/llava")["metadata"]["uid"] != uid
-    _wait(cluster, namespace, "mmis/llava", "--for=condition=Ready")
+    ok.wait(cluster, namespace, "deployment/llava", "--for=create")
+    assert ok.get(cluster, namespace, "deployment/llava")["metadata"]["uid"] != uid
+    ok.wait(cluster, namespace, "mmis/llava", "--for=condition=Ready")
 
 
 def test_apiserver_restart_does_not_wedge_the_operator(
@@ -217,7 +178,7 @@ def test_apiserver_restart_does_not_wedge_the_operator(
     second["metadata"]["name"] = "after-restart"
     _apply_ready(cluster, namespace, second)
     cluster.kubectl("scale", "-n", namespace, "mmis/llava", "--replicas=2")
-    _wait(cluster, namespace, "mmis/llava", "--for=jsonpath={.status.readyReplicas}=2")
+    ok.wait(cluster, namespace, "mmis/llava", "--for=jsonpath={.status.readyReplicas}=2")
     assert operator.error is None
 
 

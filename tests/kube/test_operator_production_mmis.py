@@ -12,13 +12,13 @@ from __future__ import annotations
 import copy
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
+import operator_kit as ok
 import pytest
-from kubecluster import Cluster, kubectl_wait
+from kubecluster import Cluster
 
-from mmis_operator.main import OperatorThread, Options
+from mmis_operator.main import OperatorThread
 
 pytestmark = pytest.mark.controlplane
 
@@ -36,55 +36,15 @@ SAMPLE: dict[str, Any] = {
 }
 
 
-def _options(namespace: str, **extra: Any) -> Options:
-    return Options(
-        namespaces=(namespace,),
-        resync_seconds=600.0,
-        watch_server_timeout=20,
-        watch_client_timeout=30.0,
-        request_timeout=30.0,
-        **extra,
-    )
-
-
-@pytest.fixture
-def operator(cluster: Cluster, crd: None, namespace: str) -> Iterator[OperatorThread]:
-    with OperatorThread(cluster.kubeconfig, _options(namespace)) as running:
-        yield running
-    assert running.error is None, f"the operator died: {running.error!r}"
-
-
 def _sample(**spec: Any) -> dict[str, Any]:
     obj = copy.deepcopy(SAMPLE)
     obj["spec"].update(spec)
     return obj
 
 
-def _apply(cluster: Cluster, namespace: str, obj: dict[str, Any]) -> None:
-    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(obj))
-
-
-def _get(cluster: Cluster, namespace: str, *what: str) -> dict[str, Any]:
-    return json.loads(cluster.kubectl("get", "-n", namespace, *what, "-o", "json").stdout)
-
-
-def _wait(cluster: Cluster, namespace: str, *args: str, timeout_s: float = 180) -> None:
-    proc = kubectl_wait(cluster, "-n", namespace, *args, timeout_s=timeout_s)
-    if proc.returncode != 0:
-        state = cluster.kubectl(
-            "get", "-n", namespace, "mmis,deploy,rs,pods,pvc,pdb", "-o", "yaml", check=False
-        )
-        pytest.fail(f"kubectl wait {' '.join(args)} failed: {proc.stderr}\n{state.stdout[-8000:]}")
-
-
-def _condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:
-    (found,) = [c for c in obj["status"]["conditions"] if c["type"] == kind]
-    return found
-
-
 def _pods(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
     selector = f"mmis.dev/service={name}"
-    items: list[dict[str, Any]] = _get(cluster, namespace, "pods", "-l", selector)["items"]
+    items: list[dict[str, Any]] = ok.get(cluster, namespace, "pods", "-l", selector)["items"]
     return [p for p in items if not p["metadata"].get("deletionTimestamp")]
 
 
@@ -108,11 +68,11 @@ def _set_container_state(
 
 
 def _wait_reason(cluster: Cluster, namespace: str, name: str, reason: str) -> dict[str, Any]:
-    _wait(
+    ok.wait(
         cluster, namespace, f"mmis/{name}",
         f"--for=jsonpath={{.status.conditions[?(@.type==\"Degraded\")].reason}}={reason}",
     )  # fmt: skip
-    return _get(cluster, namespace, f"mmis/{name}")
+    return ok.get(cluster, namespace, f"mmis/{name}")
 
 
 # -- item 6: status a person can act on ------------------------------------------------------
@@ -122,18 +82,18 @@ def test_unschedulable_shows_the_schedulers_message(
     cluster: Cluster, namespace: str, operator: OperatorThread
 ) -> None:
     big = _sample(resources={**SAMPLE["spec"]["resources"], "gpus": 9})  # nodes have 8
-    _apply(cluster, namespace, big)
+    ok.apply(cluster, namespace, big)
     obj = _wait_reason(cluster, namespace, "vlm", "Unschedulable")
-    degraded = _condition(obj, "Degraded")
+    degraded = ok.condition(obj, "Degraded")
     assert degraded["status"] == "True"
     assert "Insufficient nvidia.com/gpu" in degraded["message"]
-    assert _condition(obj, "Progressing")["reason"] == "Unschedulable"
-    assert _condition(obj, "Ready")["reason"] == "Unschedulable"  # `kubectl get mmis` shows it
-    events = _get(cluster, namespace, "events", "--field-selector=involvedObject.name=vlm")
+    assert ok.condition(obj, "Progressing")["reason"] == "Unschedulable"
+    assert ok.condition(obj, "Ready")["reason"] == "Unschedulable"  # `kubectl get mmis` shows it
+    events = ok.get(cluster, namespace, "events", "--field-selector=involvedObject.name=vlm")
     assert any(e["reason"] == "Unschedulable" and e["type"] == "Warning" for e in events["items"])
-    _apply(cluster, namespace, SAMPLE)  # the fix
-    _wait(cluster, namespace, "mmis/vlm", "--for=condition=Ready")
-    _wait(cluster, namespace, "mmis/vlm", "--for=condition=Degraded=False")
+    ok.apply(cluster, namespace, SAMPLE)  # the fix
+    ok.wait(cluster, namespace, "mmis/vlm", "--for=condition=Ready")
+    ok.wait(cluster, namespace, "mmis/vlm", "--for=condition=Degraded=False")
 
 
 @pytest.mark.parametrize(
@@ -164,16 +124,16 @@ def test_container_states_surface_with_the_real_reason(
     reason: str,
     words: str,
 ) -> None:
-    _apply(cluster, namespace, SAMPLE)
-    _wait(cluster, namespace, "mmis/vlm", "--for=condition=Ready")
+    ok.apply(cluster, namespace, SAMPLE)
+    ok.wait(cluster, namespace, "mmis/vlm", "--for=condition=Ready")
     (pod,) = _pods(cluster, namespace, "vlm")
     _set_container_state(cluster, namespace, pod, container, state)
     obj = _wait_reason(cluster, namespace, "vlm", reason)
-    degraded = _condition(obj, "Degraded")
+    degraded = ok.condition(obj, "Degraded")
     assert degraded["status"] == "True"
     assert f"pod {pod['metadata']['name']}, container {container}" in degraded["message"]
     assert words in degraded["message"]
-    assert _condition(obj, "Ready")["status"] == "False"
+    assert ok.condition(obj, "Ready")["status"] == "False"
 
 
 # -- item 4: model storage -------------------------------------------------------------------
@@ -211,14 +171,14 @@ def test_model_on_a_claim_with_a_token_secret(
                     "storageClassName": "manual"},
         "tokenSecretRef": {"name": "hf"},
     }  # fmt: skip
-    _apply(cluster, namespace, obj)
-    _wait(cluster, namespace, "mmis/vlm", "--for=condition=Ready")  # admitted: PSA restricted
-    owner = _get(cluster, namespace, "mmis/vlm")
-    claim = _get(cluster, namespace, "pvc/vlm-model-cache")
+    ok.apply(cluster, namespace, obj)
+    ok.wait(cluster, namespace, "mmis/vlm", "--for=condition=Ready")  # admitted: PSA restricted
+    owner = ok.get(cluster, namespace, "mmis/vlm")
+    claim = ok.get(cluster, namespace, "pvc/vlm-model-cache")
     assert claim["spec"]["resources"]["requests"]["storage"] == "80Gi"
     assert claim["status"]["phase"] == "Bound"
     assert claim["metadata"]["ownerReferences"][0]["uid"] == owner["metadata"]["uid"]
-    pod_spec = _get(cluster, namespace, "deployment/vlm")["spec"]["template"]["spec"]
+    pod_spec = ok.get(cluster, namespace, "deployment/vlm")["spec"]["template"]["spec"]
     (cache,) = [v for v in pod_spec["volumes"] if v["name"] == "model-cache"]
     assert cache == {
         "name": "model-cache",
@@ -237,8 +197,8 @@ def test_empty_dir_cache_is_sized_and_requested(
 ) -> None:
     obj = _sample()
     obj["spec"]["model"] = {**SAMPLE["spec"]["model"], "storage": {"size": "30Gi"}}
-    _apply(cluster, namespace, obj)
-    _wait(cluster, namespace, "mmis/vlm", "--for=condition=Ready")
+    ok.apply(cluster, namespace, obj)
+    ok.wait(cluster, namespace, "mmis/vlm", "--for=condition=Ready")
     (pod,) = _pods(cluster, namespace, "vlm")
     (cache,) = [v for v in pod["spec"]["volumes"] if v["name"] == "model-cache"]
     assert cache["emptyDir"] == {"sizeLimit": "30Gi"}
@@ -259,11 +219,11 @@ def test_pod_template_volume_replaces_the_model_cache(
         "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "manual",
                  "resources": {"requests": {"storage": "60Gi"}}},
     }  # fmt: skip
-    _apply(cluster, namespace, claim)
+    ok.apply(cluster, namespace, claim)
     volume = {"name": "model-cache", "persistentVolumeClaim": {"claimName": "shared-models"}}
-    _apply(cluster, namespace, _sample(podTemplate={"spec": {"volumes": [volume]}}))
-    _wait(cluster, namespace, "mmis/vlm", "--for=condition=Ready")
-    pod_spec = _get(cluster, namespace, "deployment/vlm")["spec"]["template"]["spec"]
+    ok.apply(cluster, namespace, _sample(podTemplate={"spec": {"volumes": [volume]}}))
+    ok.wait(cluster, namespace, "mmis/vlm", "--for=condition=Ready")
+    pod_spec = ok.get(cluster, namespace, "deployment/vlm")["spec"]["template"]["spec"]
     (cache,) = [v for v in pod_spec["volumes"] if v["name"] == "model-cache"]
     assert cache == volume
 
@@ -280,17 +240,17 @@ def test_rollout_completes_on_full_gpu_nodes(
     # the old pods' grace period (drainSeconds + 35 s by default, kwok honours it) is what the
     # rollout waits for at each step; 1 s keeps the same order of events in a few seconds
     full["spec"]["podTemplate"] = {"spec": {"terminationGracePeriodSeconds": 1}}
-    _apply(cluster, namespace, full)
-    _wait(cluster, namespace, "mmis/vlm", "--for=condition=Ready")
-    dep = _get(cluster, namespace, "deployment/vlm")
+    ok.apply(cluster, namespace, full)
+    ok.wait(cluster, namespace, "mmis/vlm", "--for=condition=Ready")
+    dep = ok.get(cluster, namespace, "deployment/vlm")
     assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
     changed = copy.deepcopy(full)
     changed["spec"]["cache"] = {"size": "2Gi"}
-    _apply(cluster, namespace, changed)
-    _wait(cluster, namespace, "mmis/vlm", "--for=jsonpath={.status.observedGeneration}=2")
+    ok.apply(cluster, namespace, changed)
+    ok.wait(cluster, namespace, "mmis/vlm", "--for=jsonpath={.status.observedGeneration}=2")
     # two steps, each an old pod's grace period and a new pod's start
-    _wait(cluster, namespace, "mmis/vlm", "--for=condition=Progressing=False", timeout_s=420)
-    _wait(cluster, namespace, "mmis/vlm", "--for=condition=Ready")
+    ok.wait(cluster, namespace, "mmis/vlm", "--for=condition=Progressing=False", timeout_s=420)
+    ok.wait(cluster, namespace, "mmis/vlm", "--for=condition=Ready")
     for pod in _pods(cluster, namespace, "vlm"):
         args = next(c for c in pod["spec"]["containers"] if c["name"] == "frontend")["args"]
         assert args[args.index("--mm-cache-gb") + 1] == "2"
@@ -299,18 +259,18 @@ def test_rollout_completes_on_full_gpu_nodes(
 def test_disruption_budget_follows_the_spec(
     cluster: Cluster, namespace: str, operator: OperatorThread
 ) -> None:
-    _apply(cluster, namespace, _sample(replicas=2))
-    _wait(cluster, namespace, "mmis/vlm", "--for=condition=Ready")
-    owner = _get(cluster, namespace, "mmis/vlm")
-    pdb = _get(cluster, namespace, "pdb/vlm")
+    ok.apply(cluster, namespace, _sample(replicas=2))
+    ok.wait(cluster, namespace, "mmis/vlm", "--for=condition=Ready")
+    owner = ok.get(cluster, namespace, "mmis/vlm")
+    pdb = ok.get(cluster, namespace, "pdb/vlm")
     assert pdb["spec"]["maxUnavailable"] == 1
     assert pdb["metadata"]["ownerReferences"][0]["uid"] == owner["metadata"]["uid"]
-    _wait(cluster, namespace, "pdb/vlm", "--for=jsonpath={.status.currentHealthy}=2")
-    assert _get(cluster, namespace, "pdb/vlm")["status"]["disruptionsAllowed"] == 1
-    _apply(cluster, namespace, _sample(replicas=2, disruption={"maxUnavailable": "50%"}))
-    _wait(cluster, namespace, "pdb/vlm", "--for=jsonpath={.spec.maxUnavailable}=50%")
-    _apply(cluster, namespace, _sample(replicas=2, disruption={"enabled": False}))
-    _wait(cluster, namespace, "pdb/vlm", "--for=delete")
+    ok.wait(cluster, namespace, "pdb/vlm", "--for=jsonpath={.status.currentHealthy}=2")
+    assert ok.get(cluster, namespace, "pdb/vlm")["status"]["disruptionsAllowed"] == 1
+    ok.apply(cluster, namespace, _sample(replicas=2, disruption={"maxUnavailable": "50%"}))
+    ok.wait(cluster, namespace, "pdb/vlm", "--for=jsonpath={.spec.maxUnavailable}=50%")
+    ok.apply(cluster, namespace, _sample(replicas=2, disruption={"enabled": False}))
+    ok.wait(cluster, namespace, "pdb/vlm", "--for=delete")
 
 
 # -- item 9: safety ----------------------------------------------------------------------------
@@ -319,20 +279,20 @@ def test_disruption_budget_follows_the_spec(
 def test_fault_injection_is_refused_without_the_flag(
     cluster: Cluster, namespace: str, operator: OperatorThread
 ) -> None:
-    _apply(cluster, namespace, _sample(engine={"faultEvictRate": 0.2}))
+    ok.apply(cluster, namespace, _sample(engine={"faultEvictRate": 0.2}))
     obj = _wait_reason(cluster, namespace, "vlm", "FieldRefused")
-    assert "spec.engine.faultEvictRate" in _condition(obj, "Degraded")["message"]
+    assert "spec.engine.faultEvictRate" in ok.condition(obj, "Degraded")["message"]
     gone = cluster.kubectl("get", "-n", namespace, "deployment/vlm", check=False)
     assert "NotFound" in gone.stderr  # no pod ever ran with it
-    events = _get(cluster, namespace, "events", "--field-selector=involvedObject.name=vlm")
+    events = ok.get(cluster, namespace, "events", "--field-selector=involvedObject.name=vlm")
     assert any(e["reason"] == "FieldRefused" for e in events["items"])
 
 
 def test_fault_injection_runs_with_the_flag(cluster: Cluster, crd: None, namespace: str) -> None:
-    with OperatorThread(cluster.kubeconfig, _options(namespace, allow_fault_injection=True)):
-        _apply(cluster, namespace, _sample(engine={"faultEvictRate": 0.2}))
-        _wait(cluster, namespace, "mmis/vlm", "--for=condition=Ready")
-    dep = _get(cluster, namespace, "deployment/vlm")
+    with OperatorThread(cluster.kubeconfig, ok.options(namespace, allow_fault_injection=True)):
+        ok.apply(cluster, namespace, _sample(engine={"faultEvictRate": 0.2}))
+        ok.wait(cluster, namespace, "mmis/vlm", "--for=condition=Ready")
+    dep = ok.get(cluster, namespace, "deployment/vlm")
     engine = [c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == "engine"]
     assert "--fault-evict-rate" in engine[0]["args"]
 
@@ -341,21 +301,21 @@ def test_pod_template_typo_is_a_condition_naming_the_field(
     cluster: Cluster, namespace: str, operator: OperatorThread
 ) -> None:
     typo = {"spec": {"containers": [{"name": "engine", "imagePullPolicyy": "Always"}]}}
-    _apply(cluster, namespace, _sample(podTemplate=typo))
+    ok.apply(cluster, namespace, _sample(podTemplate=typo))
     obj = _wait_reason(cluster, namespace, "vlm", "InvalidPodTemplate")
-    assert "imagePullPolicyy" in _condition(obj, "Degraded")["message"]
+    assert "imagePullPolicyy" in ok.condition(obj, "Degraded")["message"]
     assert "NotFound" in cluster.kubectl("get", "-n", namespace, "deploy/vlm", check=False).stderr
 
 
 def test_ingress_routes_only_the_api_and_health(
     cluster: Cluster, namespace: str, operator: OperatorThread
 ) -> None:
-    _apply(cluster, namespace, _sample(ingress={"enabled": True, "host": "vlm.example.com"}))
-    _wait(cluster, namespace, "mmis/vlm", "--for=condition=Ready")
-    ingress = _get(cluster, namespace, "ingress/vlm")
+    ok.apply(cluster, namespace, _sample(ingress={"enabled": True, "host": "vlm.example.com"}))
+    ok.wait(cluster, namespace, "mmis/vlm", "--for=condition=Ready")
+    ingress = ok.get(cluster, namespace, "ingress/vlm")
     paths = [p["path"] for p in ingress["spec"]["rules"][0]["http"]["paths"]]
     assert paths == ["/v1", "/health"]
-    ports = _get(cluster, namespace, "service/vlm")["spec"]["ports"]
+    ports = ok.get(cluster, namespace, "service/vlm")["spec"]["ports"]
     assert [p["name"] for p in ports] == ["http"]  # never the ops port (/metrics)
     (pod,) = _pods(cluster, namespace, "vlm")
     front = next(c for c in pod["spec"]["containers"] if c["name"] == "frontend")
@@ -368,11 +328,11 @@ def test_delete_needs_no_operator(cluster: Cluster, crd: None, namespace: str) -
     by the operator on its first look."""
     old = copy.deepcopy(SAMPLE)
     old["metadata"]["finalizers"] = ["mmis.dev/finalizer"]
-    _apply(cluster, namespace, old)
-    with OperatorThread(cluster.kubeconfig, _options(namespace)):
-        _wait(cluster, namespace, "mmis/vlm", "--for=condition=Ready")
+    ok.apply(cluster, namespace, old)
+    with OperatorThread(cluster.kubeconfig, ok.options(namespace)):
+        ok.wait(cluster, namespace, "mmis/vlm", "--for=condition=Ready")
         deadline = time.monotonic() + 60
-        while _get(cluster, namespace, "mmis/vlm")["metadata"].get("finalizers"):
+        while ok.get(cluster, namespace, "mmis/vlm")["metadata"].get("finalizers"):
             assert time.monotonic() < deadline, "the old finalizer was not removed"
             time.sleep(0.5)  # polling the API server; not a synchronisation
     # the operator is stopped now
@@ -380,7 +340,7 @@ def test_delete_needs_no_operator(cluster: Cluster, crd: None, namespace: str) -
     cluster.kubectl("delete", "-n", namespace, "mmis/vlm", "--timeout=60s", timeout=90)
     assert time.monotonic() - started < 60
     for kind in ("deployment", "service", "pdb"):
-        _wait(cluster, namespace, f"{kind}/vlm", "--for=delete", timeout_s=120)
+        ok.wait(cluster, namespace, f"{kind}/vlm", "--for=delete", timeout_s=120)
 
 
 def test_test_namespaces_enforce_pod_security_restricted(cluster: Cluster, namespace: str) -> None:

@@ -41,6 +41,7 @@ from typing import Any
 
 import httpx
 import openai
+import operator_kit as ok
 import pytest
 from kubecluster import Cluster, KubectlError
 from kubecluster.realnode import IMAGE, RealNode, missing, port_forward
@@ -77,10 +78,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def _get(cluster: Cluster, ns: str, *what: str) -> dict[str, Any]:
-    return json.loads(cluster.kubectl("get", "-n", ns, *what, "-o", "json").stdout)
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +120,7 @@ def operator(cluster: Cluster, node: RealNode) -> Iterator[str]:
     helm = [str(cluster.bin("helm")), "install", "mmis", str(CHART), "-n", ns]
     proc = _run(cluster, *helm, "-f", str(values_file), "--wait", "--timeout", "120s")
     assert proc.returncode == 0, proc.stderr
-    pods = _get(cluster, ns, "pods")["items"]
+    pods = ok.get(cluster, ns, "pods")["items"]
     assert [p["spec"]["nodeName"] for p in pods] == ["mmis-realnode"]
     yield ns
     _run(cluster, str(cluster.bin("helm")), "uninstall", "mmis", "-n", ns, "--wait")
@@ -152,12 +149,12 @@ def served(cluster: Cluster, operator: str, tmp_path_factory: pytest.TempPathFac
 
 
 def _conditions(cluster: Cluster, ns: str) -> dict[str, dict[str, Any]]:
-    status = _get(cluster, ns, "mmis", NAME).get("status", {})
+    status = ok.get(cluster, ns, "mmis", NAME).get("status", {})
     return {c["type"]: c for c in status.get("conditions", [])}
 
 
 def _pods(cluster: Cluster, ns: str) -> list[dict[str, Any]]:
-    pods = _get(cluster, ns, "pods", "-l", f"mmis.dev/service={NAME}")["items"]
+    pods = ok.get(cluster, ns, "pods", "-l", f"mmis.dev/service={NAME}")["items"]
     return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
 
 
@@ -404,7 +401,7 @@ def test_stopped_engine_is_restarted_by_its_liveness_probe(
 ):
     """After the pod was replaced: a fresh restart count, so no crash-loop back-off."""
     _engine_restarted_alone(cluster, served, node, signal.SIGSTOP)
-    killing = _get(cluster, served, "events", "--field-selector=reason=Killing")["items"]
+    killing = ok.get(cluster, served, "events", "--field-selector=reason=Killing")["items"]
     assert any("engine failed liveness probe" in e["message"] for e in killing), killing
 
 
@@ -415,7 +412,7 @@ def test_scale_to_two_serves_from_both(cluster: Cluster, served: str):
     assert len({p["status"]["podIP"] for p in pods}) == 2
     for seed, pod in enumerate(pods, start=6):
         assert _chat(f"{_pod_url(pod)}/v1", seed=seed)
-    slices = _get(cluster, served, "endpointslices", "-l", f"kubernetes.io/service-name={NAME}")
+    slices = ok.get(cluster, served, "endpointslices", "-l", f"kubernetes.io/service-name={NAME}")
     ready = {
         address
         for item in slices["items"]
@@ -433,7 +430,7 @@ def test_scale_to_two_serves_from_both(cluster: Cluster, served: str):
 
 def test_volume_below_the_store_is_a_clear_error_not_a_crash_loop(cluster: Cluster, served: str):
     small = {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Mi"}}
-    volumes = _get(cluster, served, "mmis", NAME)["spec"]["podTemplate"]["spec"]["volumes"]
+    volumes = ok.get(cluster, served, "mmis", NAME)["spec"]["podTemplate"]["spec"]["volumes"]
     patch = {"spec": {"podTemplate": {"spec": {"volumes": [*volumes, small]}}}}  # a whole list
     old = {p["metadata"]["uid"] for p in _pods(cluster, served)}
     cluster.kubectl("patch", "-n", served, f"mmis/{NAME}", "--type=merge", "-p", json.dumps(patch))

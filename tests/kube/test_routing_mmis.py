@@ -26,12 +26,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import operator_kit as ok
 import pytest
-from kubecluster import Cluster, ToolsMissing, apply_crds, inference_pool_crd, kubectl_wait
+from kubecluster import Cluster, ToolsMissing, apply_crds, inference_pool_crd
 
 from mmis_operator import builders, routing
 from mmis_operator import kube as r
-from mmis_operator.main import OperatorThread, Options
+from mmis_operator.main import OperatorThread
 from mmis_operator.spec import parse_spec
 
 pytestmark = pytest.mark.controlplane
@@ -71,33 +72,6 @@ def _resource(routing_spec: dict[str, Any] | None = None) -> dict[str, Any]:
     return obj
 
 
-def _options(namespace: str) -> Options:
-    return Options(
-        namespaces=(namespace,),
-        resync_seconds=600.0,
-        watch_server_timeout=20,
-        watch_client_timeout=30.0,
-        request_timeout=30.0,
-    )
-
-
-def _apply(cluster: Cluster, namespace: str, obj: dict[str, Any]) -> None:
-    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(obj))
-
-
-def _get(cluster: Cluster, namespace: str, *what: str) -> dict[str, Any]:
-    return json.loads(cluster.kubectl("get", "-n", namespace, *what, "-o", "json").stdout)
-
-
-def _wait(cluster: Cluster, namespace: str, *args: str, timeout_s: float = 120) -> None:
-    proc = kubectl_wait(cluster, "-n", namespace, *args, timeout_s=timeout_s)
-    if proc.returncode != 0:
-        state = cluster.kubectl(
-            "get", "-n", namespace, "mmis,deploy,pods,events", "-o", "yaml", check=False
-        )
-        pytest.fail(f"kubectl wait {' '.join(args)} failed: {proc.stderr}\n{state.stdout[-8000:]}")
-
-
 def _pool_api_served(cluster: Cluster) -> bool:
     proc = cluster.kubectl("get", "crd", POOL_CRD, "--ignore-not-found", "-o", "name")
     return bool(proc.stdout.strip())
@@ -114,11 +88,6 @@ def _existing(cluster: Cluster, namespace: str, pool_api: bool = True) -> list[s
         )
         found += proc.stdout.split()
     return found
-
-
-def _condition(obj: dict[str, Any], kind: str) -> dict[str, Any] | None:
-    found = [c for c in obj["status"].get("conditions", []) if c["type"] == kind]
-    return found[0] if found else None
 
 
 def _containers(dep: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -145,8 +114,8 @@ def _bytes(obj: Any) -> bytes:
 
 
 def _assert_deployment_as_before_routing(cluster: Cluster, namespace: str) -> None:
-    owner = _get(cluster, namespace, f"mmis/{NAME}")
-    live = _get(cluster, namespace, f"deployment/{NAME}")
+    owner = ok.get(cluster, namespace, f"mmis/{NAME}")
+    live = ok.get(cluster, namespace, f"deployment/{NAME}")
     # the builders, fed the spec as stored (CRD defaults filled in), give the bytes of before
     built = builders.deployment(owner, parse_spec(owner["spec"]))
     assert _bytes(built["spec"]) == _bytes(BEFORE["deployment"]["spec"])
@@ -166,9 +135,9 @@ def _assert_deployment_as_before_routing(cluster: Cluster, namespace: str) -> No
 
 def _reconciled(cluster: Cluster, namespace: str) -> None:
     """Wait until the operator has applied the resource's current generation."""
-    generation = _get(cluster, namespace, f"mmis/{NAME}")["metadata"]["generation"]
+    generation = ok.get(cluster, namespace, f"mmis/{NAME}")["metadata"]["generation"]
     jsonpath = f"--for=jsonpath={{.status.observedGeneration}}={generation}"
-    _wait(cluster, namespace, f"mmis/{NAME}", jsonpath)
+    ok.wait(cluster, namespace, f"mmis/{NAME}", jsonpath)
 
 
 def _admitted(cluster: Cluster, namespace: str, template: dict[str, Any]) -> None:
@@ -224,17 +193,17 @@ def no_pool_api(cluster: Cluster) -> Iterator[None]:
 def test_without_the_inference_pool_api_nothing_is_created(
     cluster: Cluster, crd: None, no_pool_api: None, namespace: str
 ) -> None:
-    with OperatorThread(cluster.kubeconfig, _options(namespace)) as running:
-        _apply(cluster, namespace, _resource({}))
-        _wait(cluster, namespace, f"mmis/{NAME}", "--for=condition=Routing=False")
-        owner = _get(cluster, namespace, f"mmis/{NAME}")
-        cond = _condition(owner, r.ROUTING)
+    with OperatorThread(cluster.kubeconfig, ok.options(namespace)) as running:
+        ok.apply(cluster, namespace, _resource({}))
+        ok.wait(cluster, namespace, f"mmis/{NAME}", "--for=condition=Routing=False")
+        owner = ok.get(cluster, namespace, f"mmis/{NAME}")
+        cond = ok.find_condition(owner, r.ROUTING)
         assert cond is not None and cond["reason"] == "InferencePoolAPIMissing"
         assert "Gateway API Inference Extension" in cond["message"]
         assert "CRDs v1.x" in cond["message"]
         assert _existing(cluster, namespace, pool_api=False) == []
         # the engines publish their events already: the picker comes with the CRDs
-        engine = _containers(_get(cluster, namespace, f"deployment/{NAME}"))[r.ENGINE]
+        engine = _containers(ok.get(cluster, namespace, f"deployment/{NAME}"))[r.ENGINE]
         assert "--kv-events-endpoint" in engine["args"]
     assert running.error is None, f"the operator died: {running.error!r}"
 
@@ -242,40 +211,40 @@ def test_without_the_inference_pool_api_nothing_is_created(
 def test_routing_adds_the_pool_and_the_picker_and_removing_it_deletes_them(
     cluster: Cluster, crd: None, pool_crd: None, namespace: str
 ) -> None:
-    with OperatorThread(cluster.kubeconfig, _options(namespace)) as running:
+    with OperatorThread(cluster.kubeconfig, ok.options(namespace)) as running:
         # without spec.routing: nothing of routing, and the Deployment of before
-        _apply(cluster, namespace, _resource())
+        ok.apply(cluster, namespace, _resource())
         _reconciled(cluster, namespace)
         assert _existing(cluster, namespace) == []
-        assert _condition(_get(cluster, namespace, f"mmis/{NAME}"), r.ROUTING) is None
+        assert ok.find_condition(ok.get(cluster, namespace, f"mmis/{NAME}"), r.ROUTING) is None
         _assert_deployment_as_before_routing(cluster, namespace)
 
         # with it
-        _apply(cluster, namespace, _resource({"cacheWeight": 4}))
-        _wait(cluster, namespace, f"mmis/{NAME}", "--for=condition=Routing")
-        owner = _get(cluster, namespace, f"mmis/{NAME}")
-        applied = _condition(owner, r.ROUTING)
+        ok.apply(cluster, namespace, _resource({"cacheWeight": 4}))
+        ok.wait(cluster, namespace, f"mmis/{NAME}", "--for=condition=Routing")
+        owner = ok.get(cluster, namespace, f"mmis/{NAME}")
+        applied = ok.find_condition(owner, r.ROUTING)
         assert applied is not None and applied["reason"] == "InferencePoolApplied"
         built = builders.routing_objects(owner, parse_spec(owner["spec"]))
         for manifest in built:
             kind, name = manifest["kind"], manifest["metadata"]["name"]
-            live = _get(cluster, namespace, f"{TYPES[kind]}/{name}")
+            live = ok.get(cluster, namespace, f"{TYPES[kind]}/{name}")
             body = {k: v for k, v in manifest.items() if k != "metadata"}
             _contains(live, body, f"{kind}/{name}")
             (ref,) = live["metadata"]["ownerReferences"]
             assert (ref["kind"], ref["uid"], ref["controller"]) == (
                 r.KIND, owner["metadata"]["uid"], True,
             )  # fmt: skip
-        pool = _get(cluster, namespace, f"{POOL_CRD}/{NAME}")["spec"]
+        pool = ok.get(cluster, namespace, f"{POOL_CRD}/{NAME}")["spec"]
         assert pool["selector"]["matchLabels"] == r.selector_labels(NAME)
         assert pool["targetPorts"] == [{"number": 8000}]
         assert pool["endpointPickerRef"]["name"] == PICKER
         assert pool["endpointPickerRef"]["port"] == {"number": 9002}
-        config = _get(cluster, namespace, f"configmap/{PICKER}")["data"]["config.yaml"]
+        config = ok.get(cluster, namespace, f"configmap/{PICKER}")["data"]["config.yaml"]
         weighted = routing.picker_config(ops_port=r.OPS_PORT, cache_weight=4)
         assert config == routing.render(weighted)
         # the picker's pods pass Pod Security "restricted" (the namespace enforces it)
-        picker = _get(cluster, namespace, f"deployment/{PICKER}")
+        picker = ok.get(cluster, namespace, f"deployment/{PICKER}")
         _admitted(cluster, namespace, picker["spec"]["template"])
         (epp,) = picker["spec"]["template"]["spec"]["containers"]
         assert epp["args"][:4] == ["--pool-name", NAME, "--pool-namespace", namespace]
@@ -292,7 +261,7 @@ def test_routing_adds_the_pool_and_the_picker_and_removing_it_deletes_them(
             proc = cluster.kubectl("auth", "can-i", *args, f"--as={sa}", check=False)
             assert proc.stdout.strip() == "no", args
         # the engine publishes its cache events on named ports
-        engine = _containers(_get(cluster, namespace, f"deployment/{NAME}"))[r.ENGINE]
+        engine = _containers(ok.get(cluster, namespace, f"deployment/{NAME}"))[r.ENGINE]
         flags = routing.engine_event_args(routing.EventPorts())
         assert engine["args"][-len(flags) :] == flags
         assert {p["name"] for p in engine["ports"]} >= {
@@ -300,11 +269,11 @@ def test_routing_adds_the_pool_and_the_picker_and_removing_it_deletes_them(
         }  # fmt: skip
 
         # without it again: all of it deleted, the condition gone, the Deployment of before
-        _apply(cluster, namespace, _resource())
+        ok.apply(cluster, namespace, _resource())
         _reconciled(cluster, namespace)
-        _wait(cluster, namespace, f"deployment/{PICKER}", "--for=delete")
+        ok.wait(cluster, namespace, f"deployment/{PICKER}", "--for=delete")
         assert _existing(cluster, namespace) == []
-        assert _condition(_get(cluster, namespace, f"mmis/{NAME}"), r.ROUTING) is None
+        assert ok.find_condition(ok.get(cluster, namespace, f"mmis/{NAME}"), r.ROUTING) is None
         _assert_deployment_as_before_routing(cluster, namespace)
     assert running.error is None, f"the operator died: {running.error!r}"
 
@@ -330,16 +299,16 @@ def test_the_chart_rbac_lets_the_operator_grant_the_picker_its_role(
     _helm(cluster, "install", release, str(CHART), "--namespace", namespace)
     try:
         kubeconfig = cluster.kubeconfig_for_serviceaccount(namespace, f"{release}-mmis-operator")
-        with OperatorThread(kubeconfig, _options(namespace)) as running:
+        with OperatorThread(kubeconfig, ok.options(namespace)) as running:
             # two pickers elect a leader: their Role holds the lease rules too
-            _apply(cluster, namespace, _resource({"picker": {"replicas": 2}}))
-            _wait(cluster, namespace, f"mmis/{NAME}", "--for=condition=Routing")
-            role = _get(cluster, namespace, f"{TYPES['Role']}/{PICKER}")
+            ok.apply(cluster, namespace, _resource({"picker": {"replicas": 2}}))
+            ok.wait(cluster, namespace, f"mmis/{NAME}", "--for=condition=Routing")
+            role = ok.get(cluster, namespace, f"{TYPES['Role']}/{PICKER}")
             groups = {g for rule in role["rules"] for g in rule["apiGroups"]}
             assert {"", routing.POOL_GROUP, routing.OBJECTIVE_GROUP, "coordination.k8s.io"} <= (
                 groups
             )
-            _wait(cluster, namespace, f"{TYPES['RoleBinding']}/{PICKER}", "--for=create")
+            ok.wait(cluster, namespace, f"{TYPES['RoleBinding']}/{PICKER}", "--for=create")
         assert running.error is None, f"the operator died: {running.error!r}"
     finally:
         subprocess.run(
