@@ -61,7 +61,7 @@ def make_request(proc: ModelProcessor, seeds: list[int], text: str) -> EngineCor
     processed = [proc.process_image(img) for img in images]
     ids, ranges = proc.expand(ids, [p.num_tokens for p in processed])
     features = [
-        MultiModalFeature("image", f"img-{s}", f"img-{s}", r, p.tensors)
+        MultiModalFeature(modality="image", mm_hash=f"img-{s}", placeholder=r, data=p.tensors)
         for s, r, p in zip(seeds, ranges, processed, strict=True)
     ]
     return EngineCoreRequest(

@@ -203,11 +203,10 @@ def run_engine_child(args: argparse.Namespace) -> None:
         for k, it in enumerate(items):
             digest = f"img-{k}"
             feature = MultiModalFeature(
-                "image",
-                digest,
-                digest,
-                PlaceholderRange(it["offset"], it["length"]),
-                {"pixel_values": it["pixel_values"]},
+                modality="image",
+                mm_hash=digest,
+                placeholder=PlaceholderRange(it["offset"], it["length"]),
+                data={"pixel_values": it["pixel_values"]},
             )
             requests.append(
                 EngineCoreRequest(

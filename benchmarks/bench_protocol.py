@@ -53,7 +53,9 @@ def make_request(layout: str) -> EngineCoreRequest:
             "image_grid_thw": np.array([[1, 32, 32]], dtype=np.int64),
         }
         tokens = 256
-    feature = MultiModalFeature("image", "ab" * 32, "img-0", PlaceholderRange(5, tokens), data)
+    feature = MultiModalFeature(
+        modality="image", mm_hash="ab" * 32, placeholder=PlaceholderRange(5, tokens), data=data
+    )
     prompt = list(range(tokens + 40))
     return EngineCoreRequest("bench-1", prompt, [feature], SamplingParams(max_tokens=64))
 

@@ -153,11 +153,10 @@ def engine_requests(items: list[Item], tokens: int) -> list[EngineCoreRequest]:
     requests = []
     for k, item in enumerate(items):
         feature = MultiModalFeature(
-            "image",
-            item.mm_hash,
-            item.mm_hash,
-            PlaceholderRange(item.offset, item.length),
-            dict(item.data),
+            modality="image",
+            mm_hash=item.mm_hash,
+            placeholder=PlaceholderRange(item.offset, item.length),
+            data=dict(item.data),
         )
         requests.append(
             EngineCoreRequest(

@@ -5,7 +5,7 @@ Invariants:
   on the whole request, exactly as the reference ``generate()`` sees them; each item's tensors
   are that output split per image (numpy, as on the wire); any-resolution items keep only
   their own tiles (the batch's zero padding dropped) and their ``image_sizes`` row.
-- An item's ``mm_hash`` (and identifier) is a digest of its pixel tensors, so the same image
+- An item's ``mm_hash`` is a digest of its pixel tensors, so the same image
   always gets the same hash and different images never share one.
 - The reference is plain ``transformers`` ``generate(do_sample=False)`` with no early stop;
   engine requests use ``ignore_eos`` and the same ``max_tokens`` so the two are comparable.
@@ -149,7 +149,11 @@ class ModelKit:
         for (offset, length), data in zip(runs, tensors, strict=True):
             digest = hashlib.sha256(data["pixel_values"].tobytes()).hexdigest()[:24]
             placeholder = PlaceholderRange(offset, length)
-            features.append(MultiModalFeature("image", digest, digest, placeholder, data))
+            features.append(
+                MultiModalFeature(
+                    modality="image", mm_hash=digest, placeholder=placeholder, data=data
+                )
+            )
         return EngineCoreRequest(
             request_id=request_id or new_id(self.family),
             prompt_token_ids=ids,

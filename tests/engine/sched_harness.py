@@ -32,7 +32,9 @@ EOS = 2
 
 
 def image(ident: str, offset: int, length: int) -> MultiModalFeature:
-    return MultiModalFeature("image", ident, ident, PlaceholderRange(offset, length))
+    return MultiModalFeature(
+        modality="image", mm_hash=ident, placeholder=PlaceholderRange(offset, length)
+    )
 
 
 def make(
@@ -55,7 +57,7 @@ def make(
 
 def slot_value(token: int, pos: int, items: list[MultiModalInput], store: dict | None):
     """What slot ``pos`` holds; the reference (``store=None``) reads the item's own hash, the
-    runner its encoder store (harness items have identifier == mm_hash)."""
+    runner its encoder store."""
     for item in items:
         if item.offset <= pos < item.end:
             emb = item.mm_hash if store is None else store[item.mm_hash]
@@ -70,7 +72,7 @@ def next_token(context: list[tuple]) -> int:
 
 def reference(prompt: list[int], features: list[MultiModalFeature], n: int) -> list[int]:
     items = [
-        MultiModalInput(f.identifier, f.placeholder.offset, f.placeholder.length) for f in features
+        MultiModalInput(f.mm_hash, f.placeholder.offset, f.placeholder.length) for f in features
     ]
     tokens, out = list(prompt), []
     for _ in range(n):

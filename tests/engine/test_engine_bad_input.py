@@ -95,7 +95,7 @@ def bad_requests(kit: ModelKit) -> dict[str, tuple[EngineCoreRequest, str]]:
         "overlapping items": (
             items(
                 feature,
-                msgspec.structs.replace(feature, mm_hash="b", identifier="b", placeholder=shifted),
+                msgspec.structs.replace(feature, mm_hash="b", placeholder=shifted),
             ),
             invalid,
         ),
@@ -157,7 +157,9 @@ def test_a_step_the_encoder_cannot_run_fails_only_its_request(
     ids = kit.request(TEXT).prompt_token_ids
     prompt = [ids[0], *[kit.image_token_id] * 64, *ids[1:]]
     data = {"pixel_values": np.zeros((1, 3, 64, 64), np.float32)}
-    feature = MultiModalFeature("image", "big", "big", PlaceholderRange(1, 64), data)
+    feature = MultiModalFeature(
+        modality="image", mm_hash="big", placeholder=PlaceholderRange(1, 64), data=data
+    )
     for _ in range(2):  # the failed item leaves no stale encoder-cache entry behind
         req = EngineCoreRequest(new_id("enc"), prompt, [feature], SamplingParams(max_tokens=4))
         [res] = engine.run(req)

@@ -13,7 +13,9 @@ BS = 4
 
 
 def image(ident: str, offset: int, length: int) -> MultiModalFeature:
-    return MultiModalFeature("image", ident, ident, PlaceholderRange(offset, length))
+    return MultiModalFeature(
+        modality="image", mm_hash=ident, placeholder=PlaceholderRange(offset, length)
+    )
 
 
 def req(rid: str, tokens: list[int], *features: MultiModalFeature) -> Request:

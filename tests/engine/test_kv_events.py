@@ -166,7 +166,7 @@ def test_stored_evicted_cleared_follow_the_cache() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=4)  # 3 usable blocks
     log = KVEventLog(block_size=4)
     kv.pool.events = log
-    image = MultiModalFeature("image", "img", "img", PlaceholderRange(4, 4))
+    image = MultiModalFeature(modality="image", mm_hash="img", placeholder=PlaceholderRange(4, 4))
     first = Request("a", list(range(12)), mm_features=(image,))
     _prefill(kv, first)
     (stored,) = log.drain()
@@ -225,7 +225,11 @@ def test_the_engine_announces_every_block_it_caches(family: Any) -> None:
     try:
         ids, items, _ = family.request("Describe this image.", [family.image(1)])
         features = [
-            MultiModalFeature("image", i.mm_hash, i.mm_hash, PlaceholderRange(i.offset, i.length))
+            MultiModalFeature(
+                modality="image",
+                mm_hash=i.mm_hash,
+                placeholder=PlaceholderRange(i.offset, i.length),
+            )
             for i in items
         ]
         data = [{k: np.asarray(v) for k, v in dict(i.data).items()} for i in items]
@@ -258,7 +262,9 @@ def test_the_engine_announces_every_block_it_caches(family: Any) -> None:
 
 def _item(mm_hash: str, kib: int) -> MultiModalFeature:
     data = {"pixel_values": np.zeros(kib * 256, dtype=np.float32)}  # kib KiB
-    return MultiModalFeature("image", mm_hash, mm_hash, PlaceholderRange(0, 1), data)
+    return MultiModalFeature(
+        modality="image", mm_hash=mm_hash, placeholder=PlaceholderRange(0, 1), data=data
+    )
 
 
 def test_receiver_cache_stores_evictions_and_clears_are_announced() -> None:

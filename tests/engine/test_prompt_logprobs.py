@@ -52,7 +52,9 @@ def _serve(
     ids, items, inputs = family.request("Describe this image in a few words.", [family.image(3)])
     features = [
         MultiModalFeature(
-            "image", item.mm_hash, item.mm_hash, PlaceholderRange(item.offset, item.length)
+            modality="image",
+            mm_hash=item.mm_hash,
+            placeholder=PlaceholderRange(item.offset, item.length),
         )
         for item in items
     ]

@@ -26,7 +26,7 @@ CHILD = textwrap.dedent(
     from mmis.protocol.messages import MultiModalFeature, PlaceholderRange, SamplingParams
 
     sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16, max_num_batched_tokens=8))
-    img = MultiModalFeature("image", "h", "h", PlaceholderRange(2, 4))
+    img = MultiModalFeature(modality="image", mm_hash="h", placeholder=PlaceholderRange(2, 4))
     sched.add_request(Request("r", [1, 2, 7, 7, 7, 7, 3], mm_features=[img],
                               sampling_params=SamplingParams(max_tokens=3)))
     outputs, encoded = [], []

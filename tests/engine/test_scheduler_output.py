@@ -21,7 +21,9 @@ IMG = 7
 
 
 def feature(ident: str, offset: int, length: int, data: object) -> MultiModalFeature:
-    return MultiModalFeature("image", ident, ident, PlaceholderRange(offset, length), data)  # type: ignore[arg-type]
+    return MultiModalFeature(
+        modality="image", mm_hash=ident, placeholder=PlaceholderRange(offset, length), data=data
+    )  # type: ignore[arg-type]
 
 
 def pixels(seed: int) -> dict[str, np.ndarray]:

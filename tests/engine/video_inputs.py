@@ -106,7 +106,12 @@ def video_request(
         pixels = data["pixel_values_videos" if kind == "video" else "pixel_values"]
         digest = hashlib.sha256(kind.encode() + pixels.tobytes()).hexdigest()[:24]
         features.append(
-            MultiModalFeature(kind, digest, digest, PlaceholderRange(offset, length), data)
+            MultiModalFeature(
+                modality=kind,
+                mm_hash=digest,
+                placeholder=PlaceholderRange(offset, length),
+                data=data,
+            )
         )
     return EngineCoreRequest(
         request_id=new_id(f"{kit.family}-video"),

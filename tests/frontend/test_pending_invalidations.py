@@ -43,7 +43,9 @@ def render(
         raise ExpectedCachedItemError(f"expected a cached item for {h}")
     data = None if entry is not None else {"pixel_values": np.zeros(8, np.uint8)}
     _record(shadow, h)
-    return MultiModalFeature("image", h, h, PlaceholderRange(0, 1), data)
+    return MultiModalFeature(
+        modality="image", mm_hash=h, placeholder=PlaceholderRange(0, 1), data=data
+    )
 
 
 def _in_thread(fn: Callable[[], object]) -> list[object]:

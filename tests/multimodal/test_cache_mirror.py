@@ -39,7 +39,11 @@ def _render(
     for (h, size), entry in zip(items, entries, strict=True):
         hit = entry is not None and not bypass
         data = None if hit else _tensors(h, size)
-        features.append(MultiModalFeature("image", h, h, PlaceholderRange(0, 1), data))
+        features.append(
+            MultiModalFeature(
+                modality="image", mm_hash=h, placeholder=PlaceholderRange(0, 1), data=data
+            )
+        )
         nbytes = entry.nbytes if entry is not None else item_nbytes(_tensors(h, size))
         recorded.append(ShadowItem(h, ShadowEntry(nbytes=nbytes, placeholder_length=1)))
     return features, shadow.record_request(recorded)

@@ -19,7 +19,9 @@ def _tensors(seed: int, units: int = 1) -> dict[str, np.ndarray]:
 
 
 def _feat(h: str, data: object = None) -> MultiModalFeature:
-    return MultiModalFeature("image", h, h, PlaceholderRange(0, 4), data)  # type: ignore[arg-type]
+    return MultiModalFeature(
+        modality="image", mm_hash=h, placeholder=PlaceholderRange(0, 4), data=data
+    )  # type: ignore[arg-type]
 
 
 def _stored(cache: ReceiverCache, *hashes: str) -> None:

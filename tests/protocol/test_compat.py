@@ -39,6 +39,7 @@ def next_version(struct: type[msgspec.Struct]) -> type[msgspec.Struct]:
         f"{struct.__name__}Next",
         fields,
         array_like=True,
+        kw_only=True,  # a retired slot (optional) may sit before required fields
         frozen=config.frozen,
         tag=config.tag,
         tag_field=config.tag_field,

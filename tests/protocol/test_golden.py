@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 
-from mmis.protocol import WIRE_STRUCTS, WireCodec, describe_all
+import msgspec
+
+from mmis.protocol import WIRE_STRUCTS, MultiModalFeature, WireCodec, describe_all
 
 
 def test_current_encoding_is_byte_exact(golden, sample) -> None:
@@ -58,3 +60,20 @@ def test_current_version_schema_is_the_current_schema(golden) -> None:
     """Regenerating is what records an appended field; a stale schema.json fails here."""
     path = golden.GOLDEN_DIR / golden.CURRENT_VERSION / "schema.json"
     assert json.loads(path.read_text()) == describe_all()
+
+
+def test_v5_features_decode_with_their_second_hash_ignored(golden) -> None:
+    """v6 retired ``MultiModalFeature``'s second hash: v5 bytes (which carried a different
+    value there) decode to the same item, and v6 writes the slot empty."""
+    sample = next(s for s in golden.samples() if s.name == "struct_MultiModalFeature")
+    v5 = golden.GOLDEN_DIR / "v5" / f"{sample.name}{golden.SUFFIX}"
+    frames = golden.body_and_tensors(sample, golden.read_frames(v5))
+    decoded = WireCodec().decode(frames, MultiModalFeature)
+    assert decoded._identifier == "user-uuid-7"  # what v5 sent; nothing reads it
+    assert (decoded.modality, decoded.mm_hash, decoded.placeholder) == (
+        sample.message.modality,
+        sample.message.mm_hash,
+        sample.message.placeholder,
+    )
+    body = msgspec.msgpack.decode(WireCodec().encode(sample.message)[0])
+    assert body[:3] == ["image", "d4" * 32, ""]

@@ -77,6 +77,24 @@ class Tagged(msgspec.Struct, array_like=True, tag="base"):
     priority: int = 0
 
 
+class Retired(msgspec.Struct, array_like=True, kw_only=True):
+    request_id: str
+    _token_ids: list[int] = msgspec.field(default_factory=list)
+    priority: int = 0
+
+
+class RetiredRetyped(msgspec.Struct, array_like=True, kw_only=True):
+    request_id: str
+    _token_ids: list[float] = msgspec.field(default_factory=list)
+    priority: int = 0
+
+
+class RetiredRequired(msgspec.Struct, array_like=True, kw_only=True):
+    request_id: str
+    _token_ids: list[int]
+    priority: int = 0
+
+
 class AsMap(msgspec.Struct):
     request_id: str
     token_ids: list[int]
@@ -116,6 +134,30 @@ def test_checker_rejects_other_breaking_changes(variant: type[msgspec.Struct], n
     assert any(needle in p for p in problems), problems
 
 
+def test_checker_accepts_a_field_retired_in_place() -> None:
+    assert _check(Retired) == []
+    old = msgspec.msgpack.encode(Base("r", [1, 2], 3))
+    decoded = msgspec.msgpack.decode(old, type=Retired)  # a retired slot still decodes
+    assert (decoded.request_id, decoded.priority) == ("r", 3)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(Retired(request_id="r")), type=Base) == (
+        Base("r", [], 0)
+    )
+
+
+@pytest.mark.parametrize(
+    ("variant", "needle"),
+    [
+        (RetiredRetyped, "field #1 was token_ids: list[int], is now _token_ids: list[float]"),
+        (RetiredRequired, "field #1 was token_ids: list[int], is now _token_ids: list[int]"),
+    ],
+    ids=["retyped", "required"],
+)
+def test_checker_rejects_a_retirement_that_breaks_the_slot(
+    variant: type[msgspec.Struct], needle: str
+) -> None:
+    assert any(needle in p for p in _check(variant)), _check(variant)
+
+
 def test_checker_reports_a_removed_struct() -> None:
     recorded = {"Base": describe(Base), "Gone": describe(Base)}
     assert check_append_only(recorded, {"Base": describe(Appended)}) == [
@@ -143,7 +185,12 @@ def _variant(struct: type[msgspec.Struct], position: int) -> type[msgspec.Struct
     fields.insert(position, (NAME, int) if later_required else (NAME, int, 0))
     config = struct.__struct_config__
     return msgspec.defstruct(
-        struct.__name__, fields, array_like=True, tag=config.tag, tag_field=config.tag_field
+        struct.__name__,
+        fields,
+        array_like=True,
+        kw_only=True,  # a retired slot (optional) may sit before required fields
+        tag=config.tag,
+        tag_field=config.tag_field,
     )
 
 

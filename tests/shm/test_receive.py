@@ -17,7 +17,9 @@ from mmis.shm import ForgedHandleError, ShmReaderSet
 
 
 def feature(mm_hash: str, data, offset: int = 0) -> MultiModalFeature:
-    return MultiModalFeature("image", mm_hash, mm_hash, PlaceholderRange(offset, 4), data)
+    return MultiModalFeature(
+        modality="image", mm_hash=mm_hash, placeholder=PlaceholderRange(offset, 4), data=data
+    )
 
 
 @pytest.fixture

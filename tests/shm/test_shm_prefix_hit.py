@@ -22,7 +22,9 @@ PROMPT = list(range(40))  # image placeholder at tokens 5..20
 
 
 def feature(data, offset: int = 5, length: int = 16, mm_hash: str = "img") -> MultiModalFeature:
-    return MultiModalFeature("image", mm_hash, mm_hash, PlaceholderRange(offset, length), data)
+    return MultiModalFeature(
+        modality="image", mm_hash=mm_hash, placeholder=PlaceholderRange(offset, length), data=data
+    )
 
 
 def _naive_strip(features: Sequence[MultiModalFeature], n: int) -> list[MultiModalFeature]:
@@ -31,7 +33,9 @@ def _naive_strip(features: Sequence[MultiModalFeature], n: int) -> list[MultiMod
     for f in features:
         end = f.placeholder.offset + f.placeholder.length
         out.append(
-            MultiModalFeature(f.modality, f.mm_hash, f.identifier, f.placeholder, None)
+            MultiModalFeature(
+                modality=f.modality, mm_hash=f.mm_hash, placeholder=f.placeholder, data=None
+            )
             if end <= n
             else f
         )

@@ -134,7 +134,9 @@ def test_descriptor_travels_inside_a_feature(make_writer, image_payload, assert_
     writer = make_writer()
     payload = image_payload(3)
     address = writer.put(payload)
-    feature = MultiModalFeature("image", "h1", "img-0", PlaceholderRange(4, 16), address)
+    feature = MultiModalFeature(
+        modality="image", mm_hash="h1", placeholder=PlaceholderRange(4, 16), data=address
+    )
     wire = msgspec.msgpack.encode(feature)
     decoded = msgspec.msgpack.decode(wire, type=MultiModalFeature)
     assert isinstance(decoded.data, ShmAddress)

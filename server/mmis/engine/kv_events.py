@@ -43,7 +43,7 @@ class KVEventLog:
         extra_keys: Sequence[Sequence[tuple[Any, ...]]],
     ) -> None:
         """Blocks registered in chain order; ``extra_keys`` has one list per block."""
-        # vLLM's event shape: per block, a tuple of (mm identifier, offset) pairs, or None
+        # vLLM's event shape: per block, a tuple of (mm_hash, offset) pairs, or None
         entries = [tuple(tuple(k) for k in keys) or None for keys in extra_keys]
         self._events.append(
             BlockStored(

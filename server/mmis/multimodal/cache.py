@@ -355,10 +355,6 @@ class ReceiverCacheStats:
     capacity_bytes: int
 
 
-def _key(feature: MultiModalFeature) -> str:
-    return feature.mm_hash or feature.identifier
-
-
 class CacheListener(Protocol):
     """Told what a :class:`ReceiverCache` holds as it changes (``engine/mm_events.py``)."""
 
@@ -421,8 +417,8 @@ class ReceiverCache:
         """The tensors of every feature, in order; raises one error for all missing ones."""
         resolved: list[Tensors | None] = [None] * len(features)
         for i, feature in enumerate(features):
-            if self._lru.touch(_key(feature)):
-                resolved[i] = self._lru.peek(_key(feature))
+            if self._lru.touch(feature.mm_hash):
+                resolved[i] = self._lru.peek(feature.mm_hash)
         provided: dict[str, Tensors] = {}
         unread: set[int] = set()  # data=None, or a descriptor whose space was reclaimed
         failure: ShmHandleError | None = None
@@ -438,14 +434,14 @@ class ReceiverCache:
             except ShmHandleError as exc:  # forged or unknown: fail, after reading the rest
                 failure = failure or exc
                 continue
-            self._store(_key(feature), tensors)
-            provided[_key(feature)] = tensors
+            self._store(feature.mm_hash, tensors)
+            provided[feature.mm_hash] = tensors
             resolved[i] = tensors
         if failure is not None:
             raise failure
         missing: list[str] = []
         for i in sorted(unread):
-            key = _key(features[i])
+            key = features[i].mm_hash
             if resolved[i] is None:
                 resolved[i] = provided.get(key)
             if resolved[i] is None:
@@ -462,13 +458,13 @@ class ReceiverCache:
         if isinstance(data, ShmAddress):
             if self._shm_reader is None:
                 raise ProtocolError(
-                    f"item {_key(feature)!r} arrived as a shared-memory address, but this "
+                    f"item {feature.mm_hash!r} arrived as a shared-memory address, but this "
                     "engine has no shared-memory reader (cache type is not 'shm')"
                 )
             return self._shm_reader(data)
         if not isinstance(data, Mapping):
             raise ProtocolError(
-                f"item {_key(feature)!r} carries data of type {type(data).__name__}; "
+                f"item {feature.mm_hash!r} carries data of type {type(data).__name__}; "
                 "expected a mapping of tensor name to array, an address or None"
             )
         return dict(data)

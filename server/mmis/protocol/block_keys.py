@@ -7,7 +7,7 @@ called and look them up in each replica's announcements.
 
 The hash of full block ``i`` covers the parent hash (block ``i - 1``; none for block 0),
 the block's token ids, and *extra keys*. There is one extra key for every multimodal item
-whose placeholder range overlaps the block: the item's identifier (its ``mm_hash``) and the
+whose placeholder range overlaps the block: the item's ``mm_hash`` and the
 block's start relative to the item's offset, ordered by item offset. So the same
 placeholder tokens with a different image, or the same image at another offset, never
 share a block.
@@ -40,12 +40,12 @@ def hash_block(
 def block_extra_keys(
     features: Sequence[MultiModalFeature], start: int, end: int
 ) -> list[tuple[str, int]]:
-    """(identifier, start - item offset) for each item overlapping tokens ``[start, end)``."""
+    """(mm_hash, start - item offset) for each item overlapping tokens ``[start, end)``."""
     keys = []
     for feature in features:
         offset, length = feature.placeholder.offset, feature.placeholder.length
         if offset < end and offset + length > start:
-            keys.append((feature.identifier, start - offset))
+            keys.append((feature.mm_hash, start - offset))
     keys.sort(key=lambda k: -k[1])  # by item offset, so the order is canonical
     return keys
 

@@ -52,7 +52,7 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
-    # one entry per block: the untagged extra keys, e.g. (mm identifier, offset) pairs
+    # one entry per block: the untagged extra keys, e.g. (mm_hash, offset) pairs
     extra_keys: list[tuple[Any, ...] | None] | None = None
 
 

@@ -72,18 +72,28 @@ class ShmAddress(msgspec.Struct, array_like=True, frozen=True, tag="shm", tag_fi
     signature: bytes
 
 
-class MultiModalFeature(msgspec.Struct, array_like=True):
-    """One multimodal item of a request.
+class MultiModalFeature(msgspec.Struct, array_like=True, kw_only=True):
+    """One multimodal item of a request, named by one hash.
+
+    ``mm_hash`` is the item's only name: P1's receiver cache, encoder cache and prefix-cache
+    block keys (``protocol/block_keys.py``) all key on it.
 
     ``data`` is one of:
-    - a mapping of tensor name -> numpy array (the processor output for this item);
+    - a mapping of tensor name -> numpy array (the processor output for this item; P1 puts
+      the resolved tensors here before admission, ``engine/core_process.py``);
     - ``None``: P0's shadow says P1 still holds the item (P1 must resolve it by ``mm_hash``);
     - a :class:`ShmAddress`: the tensors live in the shared-memory object store.
+
+    ``_identifier`` is a retired slot (protocol v6, see ``protocol/schema.py``): v1-v5 sent
+    a second copy of ``mm_hash`` there. It keeps its position so every version decodes;
+    v6 writes it empty and nothing reads it. P0 and P1 of one pod run the same image
+    (``operator/mmis_operator/builders.py``), so no v5 engine keys blocks by the empty slot.
+    Keyword construction only (``kw_only``), so the slot never has to be passed.
     """
 
     modality: str
     mm_hash: str
-    identifier: str
+    _identifier: str = ""
     placeholder: PlaceholderRange
     data: dict[str, Any] | ShmAddress | None = None
 

@@ -10,6 +10,10 @@ in with the golden fixtures) and the current one satisfy the append-only rule wh
 - a recorded optional field did not become required, and every appended field has a
   default (so a newer decoder still reads an older message).
 
+A field may be *retired* in place: renamed ``_<name>``, same type, with a default. It keeps
+its position, so every version still decodes; the current code writes the default and reads
+nothing from it (``MultiModalFeature._identifier``, retired in v6).
+
 :data:`WIRE_STRUCTS` lists every struct that crosses the wire; a new one must be added here.
 """
 
@@ -98,6 +102,15 @@ def _field_text(field: Mapping[str, Any]) -> str:
     return f"{field['name']}: {field['type']}"
 
 
+def _retired(recorded: Mapping[str, Any], now: Mapping[str, Any]) -> bool:
+    """Whether ``now`` is ``recorded`` retired in place (``_<name>``, same type, optional)."""
+    return (
+        now["name"] == f"_{recorded['name'].lstrip('_')}"
+        and now["type"] == recorded["type"]
+        and not now["required"]
+    )
+
+
 def check_struct(name: str, recorded: Description, current: Description) -> list[str]:
     """The append-only violations of one struct (empty when it is compatible)."""
     problems: list[str] = []
@@ -111,6 +124,8 @@ def check_struct(name: str, recorded: Description, current: Description) -> list
             problems.append(f"{name}: field #{index} {_field_text(field)} was removed")
             continue
         now = new[index]
+        if _retired(field, now):
+            continue
         if (now["name"], now["type"]) != (field["name"], field["type"]):
             problems.append(
                 f"{name}: field #{index} was {_field_text(field)}, is now {_field_text(now)} "

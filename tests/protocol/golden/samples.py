@@ -6,8 +6,9 @@ Layout of this folder:
 - ``<version>/schema.json``: every wire struct's description at that version.
 
 ``CURRENT_VERSION`` is what the current code must reproduce byte for byte. When a field is
-appended after a release, bump it and regenerate (``regenerate.py``): older version folders
-stay as they are and keep proving that the current decoders read them.
+appended (or retired in place, ``protocol/schema.py``) after a release, bump it and
+regenerate (``regenerate.py``): older version folders stay as they are and keep proving that
+the current decoders read them. v6 retired ``MultiModalFeature``'s second hash.
 
 Every sample is deterministic (no randomness, no clocks), so its encoding is stable.
 """
@@ -42,7 +43,7 @@ from mmis.protocol import (
 )
 
 GOLDEN_DIR = Path(__file__).resolve().parent
-CURRENT_VERSION = "v5"
+CURRENT_VERSION = "v6"
 SUFFIX = ".msgpack"
 
 
@@ -72,16 +73,22 @@ def _shm() -> ShmAddress:
 def _features() -> list[MultiModalFeature]:
     return [
         MultiModalFeature(
-            "image", "a1" * 32, "img-0", PlaceholderRange(3, 16), {"pixel_values": _pixels()}
+            modality="image",
+            mm_hash="a1" * 32,
+            placeholder=PlaceholderRange(3, 16),
+            data={"pixel_values": _pixels()},
         ),
-        MultiModalFeature("image", "b2" * 32, "img-1", PlaceholderRange(20, 16), None),
-        MultiModalFeature("image", "c3" * 32, "img-2", PlaceholderRange(37, 16), _shm()),
         MultiModalFeature(
-            "image",
-            "d4" * 32,
-            "user-uuid-7",
-            PlaceholderRange(54, 4),
-            {"pixel_values": _bf16(), "image_grid_thw": _grid()},
+            modality="image", mm_hash="b2" * 32, placeholder=PlaceholderRange(20, 16), data=None
+        ),
+        MultiModalFeature(
+            modality="image", mm_hash="c3" * 32, placeholder=PlaceholderRange(37, 16), data=_shm()
+        ),
+        MultiModalFeature(
+            modality="image",
+            mm_hash="d4" * 32,
+            placeholder=PlaceholderRange(54, 4),
+            data={"pixel_values": _bf16(), "image_grid_thw": _grid()},
         ),
     ]
 

@@ -9,7 +9,7 @@ Invariants:
 - Multimodal placeholder ranges lie inside the prompt and never overlap; a malformed request
   raises :class:`InvalidRequestError` at construction, before it can reach the scheduler.
 - ``block_hashes[i]`` is the prefix-cache hash of full block ``i`` (see ``kv_cache``); hashes
-  depend only on tokens and multimodal identifiers, so they survive preemption.
+  depend only on tokens and multimodal hashes, so they survive preemption.
 - ``mm_items`` (what the runner is told about each item: hash, range, grid) is built once, at
   construction, from the features as sent; the features keep their tensors for encoder runs.
   ``mm_end`` is the end of the last item's range (0 without items).
@@ -79,10 +79,10 @@ def _validate_features(features: Sequence[MultiModalFeature], num_prompt_tokens:
         offset, length = feature.placeholder.offset, feature.placeholder.length
         if offset < 0 or length <= 0 or offset + length > num_prompt_tokens:
             raise InvalidRequestError(
-                f"multimodal item {feature.identifier!r}: placeholder range "
+                f"multimodal item {feature.mm_hash!r}: placeholder range "
                 f"[{offset}, {offset + length}) is outside the prompt of {num_prompt_tokens} tokens"
             )
-        spans.append((offset, offset + length, feature.identifier))
+        spans.append((offset, offset + length, feature.mm_hash))
     spans.sort()
     for (_, end, ident), (start, _, nxt) in itertools.pairwise(spans):
         if start < end:

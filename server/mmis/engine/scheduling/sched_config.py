@@ -80,14 +80,14 @@ def never_schedulable(cfg: SchedulerConfig, request: Request) -> tuple[ErrorCode
         if feature.placeholder.length > limit:
             return (
                 ErrorCode.INVALID_REQUEST,
-                f"multimodal item {feature.identifier!r} needs {feature.placeholder.length} "
+                f"multimodal item {feature.mm_hash!r} needs {feature.placeholder.length} "
                 f"placeholder tokens; this engine's encoder cache holds {limit} "
                 "(raise it with --encoder-cache-tokens)",
             )
         if cfg.whole_mm_spans and feature.placeholder.length > cfg.max_num_batched_tokens:
             return (
                 ErrorCode.INVALID_REQUEST,
-                f"multimodal item {feature.identifier!r} needs {feature.placeholder.length} "
+                f"multimodal item {feature.mm_hash!r} needs {feature.placeholder.length} "
                 "placeholder tokens in one step (its tokens attend to each other); a step "
                 f"holds {cfg.max_num_batched_tokens} (raise it with --max-num-batched-tokens)",
             )

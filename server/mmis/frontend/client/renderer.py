@@ -319,7 +319,10 @@ class Renderer:
             for copy, data in enumerate(datas):
                 features[copy].append(
                     MultiModalFeature(
-                        p.item.modality, p.item.mm_hash, p.item.mm_hash, placeholder, data
+                        modality=p.item.modality,
+                        mm_hash=p.item.mm_hash,
+                        placeholder=placeholder,
+                        data=data,
                     )
                 )
         self.shadow.record_request(recorded)
@@ -358,7 +361,7 @@ class Renderer:
         except PromptError as exc:
             raise InvalidRequestError(str(exc), param=source.param) from exc
         features = [
-            MultiModalFeature(item.modality, item.mm_hash, item.mm_hash, placeholder)
+            MultiModalFeature(modality=item.modality, mm_hash=item.mm_hash, placeholder=placeholder)
             for item, placeholder in zip(source.items, ranges, strict=True)
         ]
         return len(token_ids), block_keys.chain(token_ids, features, block_size)
