@@ -78,7 +78,7 @@ def timed(core: EngineCore, request: EngineCoreRequest) -> float:
         request.sampling_params,
     )
     start = time.perf_counter()
-    core.add_request(request, [f.data for f in request.mm_features])  # type: ignore[misc]
+    core.add_request(request)
     while True:
         for out in core.step():
             if out.request_id == request.request_id and out.finish_reason is not None:

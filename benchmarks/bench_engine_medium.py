@@ -123,7 +123,7 @@ def run_engine_child(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     from transformers import AutoProcessor
-    from tree_compat import module
+    from tree_compat import add_request, module
 
     import mmis
 
@@ -223,7 +223,7 @@ def run_engine_child(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         with torch.inference_mode():
             for request in requests:
-                core.add_request(request, [f.data for f in request.mm_features])
+                add_request(core, request)
             unfinished = set(order)
             while unfinished:
                 for out in core.step():

@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tree_compat import module
+from tree_compat import add_request, module
 
 from mmis.engine import core_process
 from mmis.engine.config import EngineConfig
@@ -142,7 +142,8 @@ def add_requests(core: EngineCore, batch: int, context: int, max_tokens: int, se
     vocab = core.vocab_size
     for k in range(batch):  # lengths C - 15 .. C: the rows' block boundaries fall apart
         ids = rng.integers(0, vocab, context - k % BLOCK_SIZE).tolist()
-        core.add_request(
+        add_request(
+            core,
             EngineCoreRequest(
                 request_id=f"host-{k}",
                 prompt_token_ids=ids,
@@ -150,7 +151,6 @@ def add_requests(core: EngineCore, batch: int, context: int, max_tokens: int, se
                     temperature=0.0, max_tokens=max_tokens, ignore_eos=True
                 ),
             ),
-            [],
         )
 
 

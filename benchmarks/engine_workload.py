@@ -174,7 +174,7 @@ def run_engine(core: EngineCore, requests: list[EngineCoreRequest]) -> list[list
     order = {r.request_id: k for k, r in enumerate(requests)}
     outputs: list[list[int]] = [[] for _ in requests]
     for request in requests:
-        core.add_request(request, [f.data for f in request.mm_features])  # type: ignore[misc]
+        core.add_request(request)
     unfinished = set(order)
     while unfinished:
         if not core.has_work():

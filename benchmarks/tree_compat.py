@@ -10,7 +10,9 @@ when the new module does not exist (any other import error propagates).
 from __future__ import annotations
 
 import importlib
+import inspect
 from types import ModuleType
+from typing import Any
 
 MOVED = {  # this tree's module -> its name before the split
     "mmis.engine.builder": "mmis.entrypoints.engine",
@@ -33,3 +35,12 @@ def module(name: str) -> ModuleType:
         if old is None or exc.name is None or not name.startswith(exc.name):
             raise
         return importlib.import_module(old)
+
+
+def add_request(core: Any, request: Any) -> None:
+    """``core.add_request`` with the request's items carrying their tensors (this tree), or
+    with the tensors as a list beside it (trees before 2026-12-05)."""
+    if len(inspect.signature(core.add_request).parameters) == 1:
+        core.add_request(request)
+    else:
+        core.add_request(request, [feature.data for feature in request.mm_features])

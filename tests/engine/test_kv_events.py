@@ -229,12 +229,12 @@ def test_the_engine_announces_every_block_it_caches(family: Any) -> None:
                 modality="image",
                 mm_hash=i.mm_hash,
                 placeholder=PlaceholderRange(i.offset, i.length),
+                data={k: np.asarray(v) for k, v in dict(i.data).items()},
             )
             for i in items
         ]
-        data = [{k: np.asarray(v) for k, v in dict(i.data).items()} for i in items]
         params = SamplingParams(max_tokens=3, temperature=0)
-        core.add_request(EngineCoreRequest("r", ids, features, params), data)
+        core.add_request(EngineCoreRequest("r", ids, features, params))
         for _ in range(50):
             if not core.has_work():
                 break

@@ -55,11 +55,11 @@ def _serve(
             modality="image",
             mm_hash=item.mm_hash,
             placeholder=PlaceholderRange(item.offset, item.length),
+            data={k: np.asarray(v) for k, v in dict(item.data).items()},
         )
         for item in items
     ]
-    data = [{k: np.asarray(v) for k, v in dict(item.data).items()} for item in items]
-    core.add_request(EngineCoreRequest(request_id, ids, features, params), data)
+    core.add_request(EngineCoreRequest(request_id, ids, features, params))
     outs: list[EngineCoreOutput] = []
     for _ in range(200):
         outs += [o for o in core.step() if o.request_id == request_id]

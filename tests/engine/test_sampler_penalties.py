@@ -301,7 +301,7 @@ def core_run(family):
         core = make_core(EngineConfig(), runner)
         for k, p in enumerate(params):
             p.max_tokens, p.ignore_eos = max_tokens, True
-            core.add_request(EngineCoreRequest(f"r{k}", list(ids), sampling_params=p), [])
+            core.add_request(EngineCoreRequest(f"r{k}", list(ids), sampling_params=p))
         tokens: dict[str, list[int]] = {f"r{k}": [] for k in range(len(params))}
         errors = {}
         while core.has_work():
@@ -375,7 +375,7 @@ def test_engine_refuses_a_logit_bias_token_outside_the_vocabulary(family, core_r
     core = core_run.core()
     vocab = core.vocab_size
     bad = SamplingParams(logit_bias={vocab: 1.0})
-    core.add_request(EngineCoreRequest("bad", [1, 2, 3], sampling_params=bad), [])
+    core.add_request(EngineCoreRequest("bad", [1, 2, 3], sampling_params=bad))
     (out,) = core.step()
     assert out.finish_reason == "error" and out.error is not None
     assert out.error.code == "invalid_request"

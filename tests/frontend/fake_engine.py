@@ -68,10 +68,11 @@ class ScriptedCore:
         self.request_aborted = threading.Event()
         self._finished: list[EngineCoreOutput] = []
 
-    def add_request(self, request: EngineCoreRequest, mm_inputs: list[Any]) -> None:
+    def add_request(self, request: EngineCoreRequest) -> None:
         self.added.append(request.request_id)
         self.request_added.set()
-        base = (sum(request.prompt_token_ids) * 31 + checksum(mm_inputs)) % 1_000_003
+        tensors = [f.data if isinstance(f.data, dict) else None for f in request.mm_features]
+        base = (sum(request.prompt_token_ids) * 31 + checksum(tensors)) % 1_000_003
         if request.pooling_params is not None:
             rng = np.random.default_rng(base)
             vec = rng.standard_normal(8).astype(np.float32)

@@ -41,9 +41,9 @@ class ContextCore(ScriptedCore):
         super().__init__()
         self.contexts: dict[str, dict[str, str]] = {}
 
-    def add_request(self, request: EngineCoreRequest, mm_inputs: list[Any]) -> None:
+    def add_request(self, request: EngineCoreRequest) -> None:
         self.contexts[request.request_id] = dict(request.trace_context)
-        super().add_request(request, mm_inputs)
+        super().add_request(request)
 
 
 @pytest.fixture

@@ -110,11 +110,11 @@ class EngineCore:
             scheduler.kv.pool.events = kv_events.log
 
     # ------------------------------------------------------------------ intake
-    def add_request(
-        self, request: EngineCoreRequest, mm_inputs: Sequence[dict[str, np.ndarray] | None]
-    ) -> None:
-        """Admit ``request`` (or answer it with an error output); never raises for bad input."""
-        problem = check_request(request, mm_inputs, self.limits, self.runner.adapter)
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Admit ``request`` (or answer it with an error output); never raises for bad input.
+
+        Its items' ``data`` hold their resolved tensors (``engine/core_process.py``)."""
+        problem = check_request(request, self.limits, self.runner.adapter)
         if problem is None and request.request_id in self.scheduler.requests:
             problem = Problem(
                 ErrorCode.INVALID_REQUEST, f"request id {request.request_id!r} is in use"
@@ -134,13 +134,9 @@ class EngineCore:
                     _error(request.request_id, ErrorCode(exc.code), str(exc), param)
                 )
                 return
-        features = [
-            feature if data is None else msgspec.structs.replace(feature, data=data)
-            for feature, data in zip(request.mm_features, mm_inputs, strict=True)
-        ]
         try:
             admitted = Request.from_core_request(
-                msgspec.structs.replace(request, mm_features=features),
+                request,
                 eos_token_ids=self.eos_token_ids,
                 constraint=constraint,
             )

@@ -44,7 +44,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-import numpy as np
+import msgspec
 import zmq
 
 from mmis.engine.mm_events import MMEventStream
@@ -65,8 +65,6 @@ from mmis.protocol.messages import (
 )
 
 log = logging.getLogger(__name__)
-
-MMInputs = list[dict[str, np.ndarray] | None]
 
 # The cyclic collector's youngest-generation threshold while the busy loop runs. It collects
 # once tracked allocations minus deallocations exceed the threshold; a decode step keeps ~7
@@ -89,7 +87,7 @@ def tune_gc() -> None:
 class EngineCore(Protocol):
     """What the busy loop drives; :mod:`mmis.engine.core` implements it."""
 
-    def add_request(self, request: EngineCoreRequest, mm_inputs: MMInputs) -> None: ...
+    def add_request(self, request: EngineCoreRequest) -> None: ...
 
     def abort_requests(self, request_ids: list[str]) -> None: ...
 
@@ -100,15 +98,15 @@ class EngineCore(Protocol):
     def utilities(self) -> Mapping[str, Callable[..., Any]]: ...
 
 
-__all__ = ["EngineCore", "EngineCoreProc", "MMInputs", "topic"]
+__all__ = ["EngineCore", "EngineCoreProc", "topic"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AddRequest:
-    """A resolved request for the core (input thread -> busy loop)."""
+    """A resolved request for the core (input thread -> busy loop): every item's ``data``
+    holds its tensors."""
 
     request: EngineCoreRequest
-    mm_inputs: MMInputs
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -232,7 +230,7 @@ class EngineCoreProc:
             victims = [h for h in cached if self._rng.random() < self.fault_evict_rate]
             self.receiver.evict(victims, silent=True)
         try:
-            mm_inputs: MMInputs = list(self.receiver.resolve(request.mm_features))
+            tensors = self.receiver.resolve(request.mm_features)
         except MultiModalCacheMissError as miss:
             self._publish_evictions()
             out = EngineCoreOutput(
@@ -251,7 +249,11 @@ class EngineCoreProc:
             self._send_error(request, RequestError(ErrorCode.INTERNAL.value, str(exc)))
             return
         self._publish_evictions()
-        self._core_queue.put(AddRequest(request, mm_inputs))
+        features = [
+            msgspec.structs.replace(feature, data=data)
+            for feature, data in zip(request.mm_features, tensors, strict=True)
+        ]
+        self._core_queue.put(AddRequest(msgspec.structs.replace(request, mm_features=features)))
 
     def _send_error(self, request: EngineCoreRequest, error: RequestError) -> None:
         out = EngineCoreOutput(
@@ -351,10 +353,10 @@ class EngineCoreProc:
 
     def _apply(self, message: CoreMessage) -> None:
         match message:
-            case AddRequest(request, mm_inputs):
+            case AddRequest(request):
                 self._owner[request.request_id] = request.client_index
                 try:
-                    self.core.add_request(request, mm_inputs)
+                    self.core.add_request(request)
                 except Exception as exc:  # admission answers bad input; this is an engine bug
                     log.exception("admitting %s failed", request.request_id)
                     self._owner.pop(request.request_id, None)

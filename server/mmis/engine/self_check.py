@@ -112,7 +112,7 @@ def _check(runner: ModelRunner, ids: list[int]) -> float:
     )
     core = EngineCore(scheduler, runner)
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    core.add_request(EngineCoreRequest("mmis-self-check", ids, [], params), [])
+    core.add_request(EngineCoreRequest("mmis-self-check", ids, [], params))
     got = None
     with torch.inference_mode():
         for _ in range(4 * PROMPT_TOKENS // CHUNK + 4):

@@ -8,14 +8,15 @@ Invariants:
   placeholder ranges outside the prompt, item tensors that do not match their placeholder --
   is found here, before the request reaches the scheduler, and named in a typed
   :class:`Problem` (an :class:`ErrorCode` and a message a client can act on).
-- Pure: reads the request, its resolved tensors and the model's limits; changes nothing.
+- Pure: reads the request (each item's ``data`` holds its resolved tensors,
+  ``engine/core_process.py``) and the model's limits; changes nothing.
 - Never raises for bad input: a check that trips over malformed tensors reports a problem.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from mmis.engine.scheduling.sampling_params import validate as validate_sampling
@@ -43,7 +44,6 @@ class ModelLimits:
 
 def check_request(
     request: EngineCoreRequest,
-    mm_inputs: Sequence[Mapping[str, Any] | None],
     limits: ModelLimits,
     adapter: PlaceholderCounter | None = None,
 ) -> Problem | None:
@@ -51,7 +51,7 @@ def check_request(
     return (
         _check_tokens(request, limits)
         or _check_params(request, limits.vocab_size)
-        or _check_items(request, mm_inputs, adapter)
+        or _check_items(request, adapter)
     )
 
 
@@ -97,13 +97,10 @@ def _check_params(request: EngineCoreRequest, vocab_size: int) -> Problem | None
     return None
 
 
-def _check_items(
-    request: EngineCoreRequest,
-    mm_inputs: Sequence[Mapping[str, Any] | None],
-    adapter: PlaceholderCounter | None,
-) -> Problem | None:
+def _check_items(request: EngineCoreRequest, adapter: PlaceholderCounter | None) -> Problem | None:
     num_tokens = len(request.prompt_token_ids)
-    for feature, data in zip(request.mm_features, mm_inputs, strict=True):
+    for feature in request.mm_features:
+        data = feature.data if isinstance(feature.data, Mapping) else None
         offset, length = feature.placeholder.offset, feature.placeholder.length
         if offset < 0 or length < 1 or offset + length > num_tokens:
             return Problem(
