@@ -161,9 +161,11 @@ class TextGenerator:
         reserve, build = self._builder(req)
         policy, n, endpoint = self.state.policy, req.n, self.endpoint
         if not req.stream:
+            watched: list[IncrementalDetokenizer] = []  # the latest attempt's, per choice
 
             def watch() -> ChoiceWatch:  # per attempt: a stop string ends the choice in P1
-                detoks = [self._detokenizer(req) for _ in range(n)]
+                watched[:] = [self._detokenizer(req) for _ in range(n)]
+                detoks = list(watched)
 
                 def ends(choice: int, out: EngineCoreOutput) -> bool:
                     detoks[choice].add(out.new_token_ids)
@@ -184,7 +186,7 @@ class TextGenerator:
                     watch=watch if req.stop_list() else None,
                 ),
             )
-            return self._whole(req, fmt, request_id, rendered, outputs)
+            return self._whole(req, fmt, request_id, rendered, outputs, watched)
         generation = await unless_disconnected(
             http,
             policy.start(
@@ -206,13 +208,20 @@ class TextGenerator:
         request_id: str,
         rendered: RenderedPrompt,
         outputs: list[list[EngineCoreOutput]],
+        watched: Sequence[IncrementalDetokenizer],
     ) -> Response:
+        """The whole response. ``watched``: the detokenizers that matched stop strings while
+        the outputs arrived (empty without stop strings); each is finished, not redone, so a
+        choice is decoded once and counts the tokens a stream of it would: up to the output
+        that completed its stop string."""
         choices: list[Choice] = []
         completion = cached = 0
         wants_logprobs = req.logprobs_count() is not None
-        for outs in outputs:
-            detok = self._detokenizer(req)
-            detok.add([t for out in outs for t in out.new_token_ids], final=True)
+        for index, outs in enumerate(outputs):
+            detok = watched[index] if watched else self._detokenizer(req)
+            if not detok.stopped:  # what the watch has not seen: all, or the final output
+                token_ids = [t for out in outs for t in out.new_token_ids]
+                detok.add(token_ids[len(detok.token_ids) :], final=True)
             completion += len(detok.token_ids)
             cached = max([cached, *(out.num_cached_tokens for out in outs)])
             finish = "stop" if detok.stopped else (outs[-1].finish_reason if outs else None)
