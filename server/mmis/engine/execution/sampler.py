@@ -57,10 +57,6 @@ _TEMPERATURE = operator.attrgetter("temperature")
 _MASK64 = (1 << 63) - 1
 
 
-def is_greedy(params: SamplingParams | None) -> bool:
-    return params is None or params.temperature < GREEDY_EPSILON
-
-
 def needs_history(params: SamplingParams | None) -> bool:
     """Whether the row's logits depend on the tokens seen so far (a penalty is on)."""
     return params is not None and (
@@ -103,12 +99,12 @@ def _check_rows(
             greedy_rows.append(True)
             continue
         temperature = p.temperature
-        greedy_rows.append(temperature < GREEDY_EPSILON)  # is_greedy, inlined
+        greedy_rows.append(temperature < GREEDY_EPSILON)
         if not (temperature >= 0 and 0 < p.top_p <= 1 and p.top_k >= -1):
             _check_basic(p)  # raises the first problem
         if p.structured is not None:
             constrained = True
-        if not (  # _has_extras, inlined: the fast path is the checks the sampler always made
+        if not (  # no bias, penalty or min-p: the fast path
             p.presence_penalty != 0
             or p.frequency_penalty != 0
             or p.repetition_penalty != 1

@@ -32,17 +32,6 @@ def _check_basic(params: SamplingParams) -> None:
         raise SamplingParamsError(f"top_k must be -1, 0 (off) or positive, got {params.top_k}")
 
 
-def _has_extras(params: SamplingParams) -> bool:
-    """Whether any of bias, penalties or min-p differs from its default (NaN does)."""
-    return (
-        params.presence_penalty != 0
-        or params.frequency_penalty != 0
-        or params.repetition_penalty != 1
-        or params.min_p != 0
-        or bool(params.logit_bias)
-    )
-
-
 def _check_extras(params: SamplingParams) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(params, name)
