@@ -5,6 +5,8 @@ Each is a ``tools.Daemon`` (the one process wrapper): output in a log file, term
 it in teardown. The front ends announce their address on their first stdout line and their
 stdout keeps being drained after it (see ``tools.Daemon``). Waiting for a process to be up
 is a bounded wait on an observable condition (that line, then ``/ready``), never a sleep.
+The fixtures built on these (a ``mmis serve`` factory, the shared servers, :class:`Launcher`)
+are in ``conftest.py``.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import io
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -114,6 +118,56 @@ class Serve(Proc):
         args = ["serve", "--port", "0", "--model", str(tiny_model_dir())]
         args += ["--served-model-name", "tiny", *extra]
         super().__init__("serve", args, log_dir, env, announces=True)
+
+
+# conftest's ``start_serve``: ``with start_serve(name, *flags, env=..., ready_s=...) as proc``
+ServeFactory = Callable[..., AbstractContextManager[Proc]]
+
+
+def openai_client(proc: Daemon, timeout: float = 120.0, api_key: str = "x") -> openai.OpenAI:
+    """The openai SDK on ``proc``'s ``/v1`` (a front end or a serve): no retries."""
+    return openai.OpenAI(
+        base_url=proc.root_url + "/v1", api_key=api_key, max_retries=0, timeout=timeout
+    )
+
+
+class Launcher:
+    """Engines and front ends on the tiny model, logging to ``tmp``; :meth:`close` stops them
+    (SIGTERM, bounded) in the reverse order of their start."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.model = tiny_model_dir()
+        self.procs: list[Proc] = []
+
+    def engine(self, name: str, *extra: str) -> Engine:
+        proc = Engine(name, self.model, self.tmp, *extra)
+        self.procs.append(proc)
+        return proc
+
+    def frontend(
+        self, name: str, engine: Engine, *extra: str, env: dict[str, str] | None = None
+    ) -> Frontend:
+        proc = Frontend(name, self.model, engine, self.tmp, *extra, env=env)
+        self.procs.append(proc)
+        proc.wait_ready()
+        return proc
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+
+
+def series(frontend: Daemon, name: str, **labels: str) -> float:
+    """Sum of the samples of catalog series ``name`` on ``/metrics`` having ``labels``."""
+    text = httpx.get(frontend.root_url + "/metrics", timeout=30).text
+    wanted = [f'{key}="{value}"' for key, value in labels.items()]
+    total = 0.0
+    for line in text.splitlines():
+        sample, _, value = line.rpartition(" ")
+        if sample.split("{")[0] == name and all(w in sample for w in wanted):
+            total += float(value)
+    return total
 
 
 def image_url(color: tuple[int, int, int], size: tuple[int, int] = (48, 40)) -> str:

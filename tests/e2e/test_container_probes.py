@@ -12,7 +12,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -26,16 +25,6 @@ from tools import free_port
 from mmis.tiny_models.tiny_model import tiny_model_dir
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for proc in reversed(started):
-        if proc.popen.poll() is None:
-            os.kill(proc.popen.pid, signal.SIGCONT)
-        proc.stop(signal.SIGKILL)
 
 
 def _status(url: str) -> int | None:

@@ -10,64 +10,18 @@ from __future__ import annotations
 
 import signal
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from procs import Engine, Frontend, Proc, chat_body
-
-from mmis.tiny_models.tiny_model import tiny_model_dir
+from procs import Frontend, Launcher, chat_body, series
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
 
 COLORS = [(200, 10, 10), (10, 200, 10), (10, 10, 200), (120, 120, 0)]
 ITEM_GIB = 13_000 / (1 << 30)  # one tiny-LLaVA image item is ~12.4 kB
-
-
-class Launcher:
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.model = tiny_model_dir()
-        self.procs: list[Proc] = []
-
-    def engine(self, name: str, *extra: str) -> Engine:
-        proc = Engine(name, self.model, self.tmp, *extra)
-        self.procs.append(proc)
-        return proc
-
-    def frontend(self, name: str, engine: Engine, *extra: str) -> Frontend:
-        proc = Frontend(name, self.model, engine, self.tmp, *extra)
-        self.procs.append(proc)
-        proc.wait_ready()
-        return proc
-
-    def close(self) -> None:
-        for proc in reversed(self.procs):
-            proc.stop()
-
-
-@pytest.fixture
-def launch(tmp_path: Path) -> Iterator[Launcher]:
-    launcher = Launcher(tmp_path)
-    try:
-        yield launcher
-    finally:
-        launcher.close()
-
-
-def series(frontend: Frontend, name: str, **labels: str) -> float:
-    """Sum of the samples of catalog series ``name`` on ``/metrics`` having ``labels``."""
-    text = httpx.get(frontend.root_url + "/metrics", timeout=30).text
-    wanted = [f'{key}="{value}"' for key, value in labels.items()]
-    total = 0.0
-    for line in text.splitlines():
-        sample, _, value = line.rpartition(" ")
-        if sample.split("{")[0] == name and all(w in sample for w in wanted):
-            total += float(value)
-    return total
 
 
 def _complete(http: httpx.Client, frontend: Frontend, color: tuple[int, int, int]) -> str:

@@ -23,7 +23,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
 from photos import jpeg as _jpeg
-from procs import Proc
+from procs import ServeFactory, openai_client
 
 from mmis.tiny_models.tiny_model import tiny_model_dir
 
@@ -37,18 +37,12 @@ SIZES = ((640, 480), (300, 500))
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def served(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest, start_serve: ServeFactory
 ) -> Iterator[tuple[openai.OpenAI, Path]]:
     model = tiny_model_dir(request.param)
-    log_dir = tmp_path_factory.mktemp(request.param)
-    args = ["serve", "--port", "0", "--model", str(model), "--served-model-name", "m"]
-    proc = Proc(f"serve-{request.param}", args, log_dir, announces=True)
-    try:
-        proc.wait_http("/ready", 300)
-        client = openai.OpenAI(base_url=proc.root_url + "/v1", api_key="x", max_retries=0)
-        yield client.with_options(timeout=300), model
-    finally:
-        proc.stop()
+    flags = ("--model", str(model), "--served-model-name", "m")
+    with start_serve(f"serve-{request.param}", *flags) as proc:
+        yield openai_client(proc, timeout=300), model
 
 
 def _reference(model: Path, jpegs: list[bytes]) -> tuple[str, int]:

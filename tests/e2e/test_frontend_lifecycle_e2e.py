@@ -6,7 +6,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -14,28 +13,16 @@ import openai
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from procs import Engine, Frontend, chat_body
-
-from mmis.tiny_models.tiny_model import tiny_model_dir
+from procs import Engine, Frontend, Launcher, chat_body
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(400)]
 
 
 @pytest.fixture
-def stack(tmp_path: Path) -> Iterator[tuple[Engine, Frontend]]:
-    model = tiny_model_dir()
-    engine = Engine("engine", model, tmp_path)
-    frontend = None
-    try:
-        frontend = Frontend(
-            "frontend", model, engine, tmp_path, env={"MMIS_FRONTEND_API_KEY": "sk-env"}
-        )
-        frontend.wait_ready()
-        yield engine, frontend
-    finally:
-        if frontend is not None:
-            frontend.stop()
-        engine.stop()
+def stack(launch: Launcher) -> tuple[Engine, Frontend]:
+    engine = launch.engine("engine")
+    env = {"MMIS_FRONTEND_API_KEY": "sk-env"}
+    return engine, launch.frontend("frontend", engine, env=env)
 
 
 def test_api_key_from_env_and_sigterm_drains_in_flight_requests(

@@ -37,7 +37,9 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from procs import OFFLINE, Serve
+from procs import Proc, ServeFactory
+
+from mmis.tiny_models.tiny_model import tiny_model_dir
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -75,16 +77,11 @@ sys.exit(schemathesis())
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
-    logs = tmp_path_factory.mktemp("fuzz-serve")
-    serve = Serve(
-        logs, "--max-model-len", "48", "--max-n", "2", "--api-key", KEY, env=dict(OFFLINE)
-    )
-    try:
-        serve.wait_http("/ready", timeout=300)
+def server(start_serve: ServeFactory) -> Iterator[Proc]:
+    flags = ["--model", str(tiny_model_dir()), "--served-model-name", "tiny"]
+    flags += ["--max-model-len", "48", "--max-n", "2", "--api-key", KEY]
+    with start_serve("fuzz-serve", *flags) as serve:
         yield serve
-    finally:
-        serve.stop()
 
 
 def run_schemathesis(url: str, out: Path, *extra: str) -> tuple[int, str, dict[str, Any]]:
@@ -148,7 +145,7 @@ def cases_per_operation(out: Path) -> Counter[str]:
 
 
 def test_fuzz_every_operation_against_the_document(
-    server: Serve, tmp_path: Path, record_property: Callable[[str, object], None]
+    server: Proc, tmp_path: Path, record_property: Callable[[str, object], None]
 ) -> None:
     start = time.monotonic()
     code, output, report = run_schemathesis(server.root_url + "/openapi.json", tmp_path)

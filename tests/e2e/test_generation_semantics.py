@@ -22,7 +22,7 @@ import openai
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from procs import Proc
+from procs import ServeFactory, openai_client
 
 from mmis.tiny_models.tiny_model import tiny_model_dir
 
@@ -38,18 +38,15 @@ def _variant(family: str, dst: Path, **generation: object) -> Path:
     return dst
 
 
-def _serve(model: Path, log_dir: Path) -> Iterator[openai.OpenAI]:
-    args = ["serve", "--port", "0", "--model", str(model), "--served-model-name", "m"]
-    proc = Proc(f"serve-{model.name}", args, log_dir, announces=True)
-    try:
-        proc.wait_http("/ready", 300)
-        yield openai.OpenAI(base_url=proc.root_url + "/v1", api_key="x", max_retries=0, timeout=120)
-    finally:
-        proc.stop()
+def _serve(start_serve: ServeFactory, name: str, model: Path) -> Iterator[openai.OpenAI]:
+    with start_serve(name, "--model", str(model), "--served-model-name", "m") as proc:
+        yield openai_client(proc)
 
 
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[openai.OpenAI, int]]:
+def qwen(
+    tmp_path_factory: pytest.TempPathFactory, start_serve: ServeFactory
+) -> Iterator[tuple[openai.OpenAI, int]]:
     from transformers import AutoTokenizer
 
     tmp = tmp_path_factory.mktemp("qwen-eos")
@@ -58,14 +55,16 @@ def qwen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[openai.Open
     model = _variant("qwen2-vl", tmp / "model", eos_token_id=[im_end, endoftext])
     config = json.loads((model / "config.json").read_text())
     assert config["text_config"]["eos_token_id"] == im_end  # the config names only one
-    yield from ((client, endoftext) for client in _serve(model, tmp))
+    yield from ((client, endoftext) for client in _serve(start_serve, "serve-qwen-eos", model))
 
 
 @pytest.fixture(scope="module")
-def greedy_llava(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+def greedy_llava(
+    tmp_path_factory: pytest.TempPathFactory, start_serve: ServeFactory
+) -> Iterator[openai.OpenAI]:
     tmp = tmp_path_factory.mktemp("llava-defaults")
     model = _variant("llava", tmp / "model", temperature=0.0, max_new_tokens=5)
-    yield from _serve(model, tmp)
+    yield from _serve(start_serve, "serve-llava-defaults", model)
 
 
 def test_every_eos_id_stops_a_request_without_max_tokens(qwen: tuple[openai.OpenAI, int]) -> None:

@@ -39,10 +39,11 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from procs import Serve, chat_body
+from procs import Proc, ServeFactory, chat_body
 from tools import free_port
 
 from mmis.protocol.kv_events import KV_DECODER, MM_DECODER, BlockStored, MMItemStored
+from mmis.tiny_models.tiny_model import tiny_model_dir
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -55,7 +56,7 @@ POSTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/respo
 
 
 class Running:
-    def __init__(self, serve: Serve, ops_port: int, events: str, mm_events: str) -> None:
+    def __init__(self, serve: Proc, ops_port: int, events: str, mm_events: str) -> None:
         self.serve = serve
         self.root = serve.root_url
         self.ops = f"http://127.0.0.1:{ops_port}"
@@ -70,24 +71,19 @@ class Running:
 
 
 @pytest.fixture(scope="module")
-def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
-    directory = tmp_path_factory.mktemp("hostile")
+def running(start_serve: ServeFactory) -> Iterator[Running]:
     ops_port = free_port()
     events = f"tcp://127.0.0.1:{free_port()}"
     mm_events = f"tcp://127.0.0.1:{free_port()}"
-    # procs.Serve names the model "tiny"; the later flag (two aliases) wins
-    extra = ["--api-key", KEY, "--ops-port", str(ops_port), "--kv-events-endpoint", events]
+    extra = ["--model", str(tiny_model_dir()), "--served-model-name", "tiny,tiny-alias"]
+    extra += ["--api-key", KEY, "--ops-port", str(ops_port), "--kv-events-endpoint", events]
     extra += ["--mm-events-endpoint", mm_events]
     for pub in (events, mm_events):
         REPLAY[pub] = f"tcp://127.0.0.1:{free_port()}"
     extra += ["--kv-events-replay-endpoint", REPLAY[events]]
     extra += ["--mm-events-replay-endpoint", REPLAY[mm_events]]
-    serve = Serve(directory, *extra, "--served-model-name", "tiny,tiny-alias", env={})
-    try:
-        serve.wait_http("/ready", 300)
+    with start_serve("hostile-serve", *extra) as serve:
         yield Running(serve, ops_port, events, mm_events)
-    finally:
-        serve.stop()
 
 
 class HealthSampler:

@@ -1,4 +1,5 @@
-"""``logprobs`` through the openai SDK against a real ``mmis serve`` (tiny LLaVA).
+"""``logprobs`` through the openai SDK against a real ``mmis serve`` (tiny LLaVA: conftest's
+``tiny_serve``, shared with ``test_sampling_params``).
 
 Chat (``logprobs`` / ``top_logprobs``) and completions (``logprobs: k``), whole and streamed:
 one entry per generated token, alternatives sorted and as many as asked, the greedy pick is
@@ -11,7 +12,6 @@ first one ``null``), their values those of a plain transformers forward over the
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -21,7 +21,7 @@ import torch
 from mmis.tiny_models.tiny_model import tiny_model_dir
 
 sys.path.insert(0, str(Path(__file__).parent))
-from procs import Proc, image_url
+from procs import Proc, image_url, openai_client
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -29,15 +29,8 @@ TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    proc = Proc(
-        "serve-logprobs", ["serve", "--port", "0"], tmp_path_factory.mktemp("lp"), announces=True
-    )
-    try:
-        proc.wait_http("/ready", 300)
-        yield openai.OpenAI(base_url=proc.root_url + "/v1", api_key="x", max_retries=0, timeout=120)
-    finally:
-        proc.stop()
+def client(tiny_serve: Proc) -> openai.OpenAI:
+    return openai_client(tiny_serve)
 
 
 def _messages() -> list[dict[str, object]]:

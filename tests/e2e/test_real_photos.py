@@ -24,7 +24,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
 from photos import jpeg as _jpeg
-from procs import Proc
+from procs import ServeFactory, openai_client
 
 from mmis.tiny_models.tiny_model import tiny_model_dir
 
@@ -35,17 +35,11 @@ MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[openai.OpenAI, Path]]:
+def served(start_serve: ServeFactory) -> Iterator[tuple[openai.OpenAI, Path]]:
     model = tiny_model_dir("qwen2-vl-hub")
-    log_dir = tmp_path_factory.mktemp("photos")
-    args = ["serve", "--port", "0", "--model", str(model), "--served-model-name", "q"]
-    proc = Proc("serve-photos", args, log_dir, announces=True)
-    try:
-        proc.wait_http("/ready", 600)
-        client = openai.OpenAI(base_url=proc.root_url + "/v1", api_key="x", max_retries=0)
-        yield client.with_options(timeout=600), model
-    finally:
-        proc.stop()
+    flags = ("--model", str(model), "--served-model-name", "q")
+    with start_serve("serve-photos", *flags, ready_s=600) as proc:
+        yield openai_client(proc, timeout=600), model
 
 
 def _ask(client: openai.OpenAI, jpeg: bytes, detail: str | None = None) -> tuple[str, int, int]:

@@ -1,7 +1,8 @@
 """``POST /v1/responses`` through the openai SDK against a real ``mmis serve`` (tiny LLaVA).
 
-The serve runs with the fault knob on (``--fault-evict-rate 1``: P1 drops every cached item
-before resolving), so every repeat of an image is a drift miss that the recovery chain must
+The serve (conftest's ``tiny_serve_evicting``, shared with ``test_structured_outputs``) runs
+with the fault knob on (``--fault-evict-rate 1``: P1 drops every cached item before
+resolving), so every repeat of an image is a drift miss that the recovery chain must
 heal, as for chat (``frontend/api/serving_responses.py``). Whole and streamed: the text equals
 chat's greedy answer to the same turn, the stream's events come in the documented order and
 its deltas add up to the final text; limits and unsupported fields are 4xx naming them.
@@ -10,7 +11,6 @@ its deltas add up to the final text; limits and unsupported fields are 4xx namin
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,7 +18,7 @@ import openai
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from procs import Proc, image_url
+from procs import Proc, image_url, openai_client
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -27,15 +27,8 @@ URL = image_url((30, 200, 120))
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[openai.OpenAI, str]]:
-    args = ["serve", "--port", "0", "--fault-evict-rate", "1"]
-    proc = Proc("serve-responses", args, tmp_path_factory.mktemp("responses"), announces=True)
-    try:
-        proc.wait_http("/ready", 300)
-        client = openai.OpenAI(base_url=proc.root_url + "/v1", api_key="x", max_retries=0)
-        yield client.with_options(timeout=120), proc.root_url
-    finally:
-        proc.stop()
+def served(tiny_serve_evicting: Proc) -> tuple[openai.OpenAI, str]:
+    return openai_client(tiny_serve_evicting), tiny_serve_evicting.root_url
 
 
 def _input() -> list[dict[str, object]]:

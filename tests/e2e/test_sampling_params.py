@@ -1,17 +1,16 @@
 """The OpenAI sampling parameters through a real ``mmis serve`` process and the openai SDK.
 
-One server for the module (CI budget). Greedy outputs of the tiny model show what each
-parameter does: ``logit_bias`` +100 forces a token, a frequency / presence / repetition
-penalty stops the repeats of the plain greedy output; streamed and whole answers agree; a
-seeded ``n = 3`` request is reproducible while its choices differ; out-of-range values and bad
-``logit_bias`` keys are 400s naming the field (token ids beyond the vocabulary are refused by
-the engine, streamed or not).
+One server (CI budget): conftest's ``tiny_serve``, shared with ``test_logprobs``. Greedy
+outputs of the tiny model show what each parameter does: ``logit_bias`` +100 forces a token,
+a frequency / presence / repetition penalty stops the repeats of the plain greedy output;
+streamed and whole answers agree; a seeded ``n = 3`` request is reproducible while its
+choices differ; out-of-range values and bad ``logit_bias`` keys are 400s naming the field
+(token ids beyond the vocabulary are refused by the engine, streamed or not).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ import pytest
 from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from procs import Serve
+from procs import Proc, openai_client
 
 from mmis.tiny_models.tiny_model import tiny_model_dir
 
@@ -31,15 +30,8 @@ TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    serve = Serve(tmp_path_factory.mktemp("sampling"), env={"OMP_NUM_THREADS": "1"})
-    try:
-        serve.wait_http("/ready", 300)
-        yield openai.OpenAI(
-            base_url=serve.root_url + "/v1", api_key="unused", timeout=120, max_retries=0
-        )
-    finally:
-        serve.stop()
+def client(tiny_serve: Proc) -> openai.OpenAI:
+    return openai_client(tiny_serve, api_key="unused")
 
 
 @pytest.fixture(scope="module")

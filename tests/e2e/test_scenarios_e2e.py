@@ -35,8 +35,7 @@ import pytest
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
-from procs import Frontend, chat_body, image_url
-from test_drift_e2e import Launcher, series
+from procs import Frontend, Launcher, chat_body, image_url, series
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import signal
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -25,14 +24,6 @@ from procs import Engine, Frontend, Proc, chat_body
 from mmis.tiny_models.tiny_model import tiny_model_dir
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for proc in reversed(started):
-        proc.stop(signal.SIGKILL)
 
 
 def _segments(directory: Path) -> set[str]:

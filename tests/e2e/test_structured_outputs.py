@@ -1,8 +1,9 @@
 """Structured outputs through the openai SDK against a real ``mmis serve`` (tiny random LLaVA).
 
-One server for the module (CI budget), with the operator-only fault knob on
-(``--fault-evict-rate 1.0``: P1 evicts every cached image, so a request that names an image P0
-believes cached misses and is healed by the one retry; text-only requests are unaffected).
+One server (CI budget: conftest's ``tiny_serve_evicting``, shared with
+``test_responses_api``), with the operator-only fault knob on (``--fault-evict-rate 1``: P1
+evicts every cached image, so a request that names an image P0 believes cached misses and
+is healed by the one retry; text-only requests are unaffected).
 The tiny model is random: every valid output below is the constraint's doing. Checked:
 ``response_format`` json_schema (strict) and json_object on chat, whole and streamed; vLLM's
 ``structured_outputs`` regex / choice / json on completions; seeded ``n = 3``; a schema or
@@ -16,7 +17,6 @@ from __future__ import annotations
 import json
 import re
 import sys
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ import openai
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from procs import Serve, image_url
+from procs import Proc, image_url, openai_client
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -58,23 +58,13 @@ MAX_TOKENS = 160  # the schema's longest output is well under this many tokens
 
 
 @pytest.fixture(scope="module")
-def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
-    proc = Serve(
-        tmp_path_factory.mktemp("structured"),
-        "--fault-evict-rate",
-        "1.0",
-        env={"OMP_NUM_THREADS": "1"},
-    )
-    try:
-        proc.wait_http("/ready", 300)
-        yield proc
-    finally:
-        proc.stop()
+def serve(tiny_serve_evicting: Proc) -> Proc:
+    return tiny_serve_evicting
 
 
 @pytest.fixture(scope="module")
-def client(serve: Serve) -> openai.OpenAI:
-    return openai.OpenAI(base_url=serve.root_url + "/v1", api_key="x", timeout=300, max_retries=0)
+def client(serve: Proc) -> openai.OpenAI:
+    return openai_client(serve, timeout=300)
 
 
 def _chat(client: openai.OpenAI, content: Any = "Describe a person.", **kw: Any) -> Any:
@@ -198,7 +188,7 @@ def test_a_bad_constraint_is_a_400_naming_the_field(
 
 
 def test_a_healed_drift_miss_still_gives_schema_valid_json(
-    serve: Serve, client: openai.OpenAI
+    serve: Proc, client: openai.OpenAI
 ) -> None:
     def misses() -> float:
         text = httpx.get(serve.root_url + "/metrics", timeout=30).text

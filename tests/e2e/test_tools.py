@@ -28,7 +28,7 @@ import openai
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from procs import Proc, image_url
+from procs import ServeFactory, image_url, openai_client
 
 from mmis.tiny_models.tiny_model import tiny_model_dir
 
@@ -69,17 +69,10 @@ FORCED = (
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[openai.OpenAI, str]]:
-    model = str(tiny_model_dir("qwen2-vl"))
-    args = ["serve", "--port", "0", "--model", model, "--served-model-name", "tiny"]
-    args += ["--fault-evict-rate", "1"]
-    proc = Proc("serve-tools", args, tmp_path_factory.mktemp("tools"), announces=True)
-    try:
-        proc.wait_http("/ready", 300)
-        client = openai.OpenAI(base_url=proc.root_url + "/v1", api_key="x", max_retries=0)
-        yield client.with_options(timeout=120), proc.root_url
-    finally:
-        proc.stop()
+def served(start_serve: ServeFactory) -> Iterator[tuple[openai.OpenAI, str]]:
+    flags = ("--model", str(tiny_model_dir("qwen2-vl")), "--served-model-name", "tiny")
+    with start_serve("serve-tools", *flags, "--fault-evict-rate", "1") as proc:
+        yield openai_client(proc), proc.root_url
 
 
 def _messages(image: bool = True) -> list[dict[str, Any]]:

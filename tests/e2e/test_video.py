@@ -27,7 +27,7 @@ import openai
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from procs import Proc
+from procs import Proc, ServeFactory, openai_client
 
 from mmis.frontend.client.media.video import VideoLimits, decode_video
 from mmis.tiny_models.tiny_model import tiny_model_dir
@@ -66,22 +66,16 @@ def data_url(data: bytes) -> str:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    model = tiny_model_dir("qwen2-vl")
-    log_dir = tmp_path_factory.mktemp("video")
-    args = ["serve", "--port", "0", "--model", str(model), "--served-model-name", "q"]
-    args += ["--video-max-frames", str(MAX_FRAMES)]
-    args += ["--video-max-duration-s", str(MAX_DURATION_S)]
-    proc = Proc("serve-video", args, log_dir, announces=True)
-    try:
-        proc.wait_http("/ready", 300)
+def served(start_serve: ServeFactory) -> Iterator[Proc]:
+    flags = ["--model", str(tiny_model_dir("qwen2-vl")), "--served-model-name", "q"]
+    flags += ["--video-max-frames", str(MAX_FRAMES)]
+    flags += ["--video-max-duration-s", str(MAX_DURATION_S)]
+    with start_serve("serve-video", *flags) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def client(proc: Proc) -> openai.OpenAI:
-    return openai.OpenAI(base_url=proc.root_url + "/v1", api_key="x", max_retries=0, timeout=120)
+    return openai_client(proc)
 
 
 def ask(proc: Proc, video: bytes) -> Any:

@@ -3,15 +3,18 @@
 - :func:`tiny_settings` is the ``FrontendConfig`` every such P0 uses: the tiny model, served
   as ``tiny``, wired to ``engine``'s two ZMQ addresses (a ``FakeEngine`` or a real
   ``procs.Engine``); anything else is a keyword override.
-- :func:`scripted_stack` starts a ``FakeEngine`` (with ``core`` in place of its default
-  ``ScriptedCore`` when given), then a ``RunningFrontend`` on it, and yields both. On exit the
-  front end is stopped before the engine, and the engine is stopped even when the front end
-  failed to start, so no P1 thread or socket outlives the ``with`` block.
+- :func:`scripted_stack` starts a ``FakeEngine`` (``engine_options`` its keywords, with
+  ``core`` in place of its default ``ScriptedCore`` when given), then a ``RunningFrontend`` on
+  it, and yields both. On exit the front end is stopped before the engine, and the engine is
+  stopped even when the front end failed to start, so no P1 thread or socket outlives the
+  ``with`` block.
+- :data:`StackFactory`: the type of ``conftest.py``'s ``start_stack`` fixture, which starts
+  such stacks for one test (same arguments, less the directory) and stops them after it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
@@ -44,9 +47,10 @@ def scripted_stack(
     core: ScriptedCore | None = None,
     *,
     tracing: Tracing | None = None,
+    engine_options: Mapping[str, Any] | None = None,
     **settings: Any,
 ) -> Iterator[tuple[FakeEngine, RunningFrontend]]:
-    engine = FakeEngine(str(directory))
+    engine = FakeEngine(str(directory), **(engine_options or {}))
     if core is not None:
         engine.core = engine.proc.core = core
     engine.start()
@@ -58,3 +62,6 @@ def scripted_stack(
             frontend.stop()
     finally:
         engine.stop()
+
+
+StackFactory = Callable[..., tuple[FakeEngine, RunningFrontend]]

@@ -11,7 +11,6 @@ import io
 import struct
 import sys
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -20,9 +19,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine, RunningFrontend, image_data_url, image_part
-
-from mmis.frontend.config import FrontendConfig
-from mmis.tiny_models.tiny_model import tiny_model_dir
+from scripted_stack import StackFactory
 
 
 def _png(size: tuple[int, int] = (16, 16)) -> bytes:
@@ -46,17 +43,13 @@ def _url(data: bytes, mime: str = "image/png") -> str:
 
 
 @pytest.fixture
-def stack(tmp_path: Path) -> Iterator[tuple[FakeEngine, RunningFrontend, Path]]:
+def stack(tmp_path: Path, start_stack: StackFactory) -> tuple[FakeEngine, RunningFrontend, Path]:
     shm_dir = tmp_path / "shm"
     shm_dir.mkdir()
     media_root = tmp_path / "media"
     media_root.mkdir()
-    engine = FakeEngine(str(tmp_path), shm_dir=str(shm_dir)).start()
-    settings = FrontendConfig(
-        model=str(tiny_model_dir()),
-        served_model_name="tiny",
-        engine_input_address=engine.input_address,
-        engine_output_address=engine.output_address,
+    engine, frontend = start_stack(
+        engine_options={"shm_dir": str(shm_dir)},
         mm_cache_type="shm",
         shm_dir=str(shm_dir),
         shm_gb=0.01,
@@ -64,12 +57,7 @@ def stack(tmp_path: Path) -> Iterator[tuple[FakeEngine, RunningFrontend, Path]]:
         allowed_local_media_path=str(media_root),
         max_images_per_prompt=4,
     )
-    frontend = RunningFrontend(settings).start()
-    try:
-        yield engine, frontend, media_root
-    finally:
-        frontend.stop()
-        engine.stop()
+    return engine, frontend, media_root
 
 
 def _chat_body(parts: list[dict], text: str = "Describe") -> dict:

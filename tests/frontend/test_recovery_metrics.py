@@ -9,7 +9,6 @@ Real P0 over HTTP, real ZMQ, the real P1 shell and receiver cache; only the core
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -17,36 +16,18 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fake_engine import FakeEngine, RunningFrontend, image_part
+from fake_engine import image_part
+from scripted_stack import StackFactory
 
 from mmis.frontend.client.recovery import RecoveryPolicy
-from mmis.frontend.config import FrontendConfig
 from mmis.telemetry import catalog
 from mmis.telemetry.metrics import MMISMetrics
-from mmis.tiny_models.tiny_model import tiny_model_dir
 
 pytestmark = pytest.mark.timeout(180)
 
 CHAT = "/v1/chat/completions"
 RETRIES = "mmis_mm_retries_total"
 UUID = "photo-hash-only-7"
-
-
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[tuple[FakeEngine, RunningFrontend]]:
-    engine = FakeEngine(str(tmp_path)).start()
-    settings = FrontendConfig(
-        model=str(tiny_model_dir()),
-        served_model_name="tiny",
-        engine_input_address=engine.input_address,
-        engine_output_address=engine.output_address,
-    )
-    frontend = RunningFrontend(settings).start()
-    try:
-        yield engine, frontend
-    finally:
-        frontend.stop()
-        engine.stop()
 
 
 def retries_by_outcome(text: str, endpoint: str = CHAT) -> dict[str, float]:
@@ -65,9 +46,9 @@ def chat_body(part: dict) -> dict:
 
 
 def test_a_hash_only_refusal_is_counted_on_metrics_by_endpoint_and_outcome(
-    stack: tuple[FakeEngine, RunningFrontend],
+    start_stack: StackFactory,
 ) -> None:
-    engine, frontend = stack
+    engine, frontend = start_stack()
     by_uuid = {"type": "image_url", "image_url": {"uuid": UUID}}
     with httpx.Client(base_url=frontend.root_url, timeout=30) as http:
         before = retries_by_outcome(http.get("/metrics").text)

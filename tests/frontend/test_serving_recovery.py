@@ -21,25 +21,19 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine, RunningFrontend, image_part
+from scripted_stack import tiny_settings
 
 from mmis.frontend.client.recovery import ENDPOINT_ROUTES
-from mmis.frontend.config import FrontendConfig
 from mmis.frontend.state import FrontendState
 from mmis.telemetry import catalog
-from mmis.tiny_models.tiny_model import tiny_model_dir
 
 
 class Stack:
     def __init__(self, directory: Path, liveness_timeout_s: float = 10.0) -> None:
         self.directory = directory
         self.engine = FakeEngine(str(directory)).start()
-        settings = FrontendConfig(
-            model=str(tiny_model_dir()),
-            served_model_name="tiny",
-            engine_input_address=self.engine.input_address,
-            engine_output_address=self.engine.output_address,
-            ping_interval_s=0.2,
-            liveness_timeout_s=liveness_timeout_s,
+        settings = tiny_settings(
+            self.engine, ping_interval_s=0.2, liveness_timeout_s=liveness_timeout_s
         )
         self.frontend = RunningFrontend(settings).start()
         self.client = openai.OpenAI(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine, RunningFrontend, ScriptedCore, image_part
-from scripted_stack import scripted_stack
+from scripted_stack import StackFactory
 
 from mmis.frontend.client.engine_client import EngineClient
 from mmis.telemetry import catalog
@@ -42,9 +42,8 @@ class StatsCore(ScriptedCore):
 
 
 @pytest.fixture
-def stack(tmp_path: Path) -> Iterator[tuple[FakeEngine, RunningFrontend]]:
-    with scripted_stack(tmp_path, StatsCore(), drift_window_s=1.0, stats_interval_s=0.2) as running:
-        yield running
+def stack(start_stack: StackFactory) -> tuple[FakeEngine, RunningFrontend]:
+    return start_stack(StatsCore(), drift_window_s=1.0, stats_interval_s=0.2)
 
 
 Key = tuple[str, frozenset[tuple[str, str]]]
