@@ -68,6 +68,21 @@ class PagedAttentionError(ValueError):
     """Inconsistent KV pool sizing or step metadata."""
 
 
+def check_chunks(q: np.ndarray, s: np.ndarray, held: np.ndarray, block_size: int) -> np.ndarray:
+    """Each sequence's length after the step (``s + q``); raises :class:`PagedAttentionError`
+    for the first chunk of no tokens, a negative start, or a table too short for it (the
+    checks ``AttentionMetadata.build`` and ``step_builder.build_step`` share)."""
+    if (q < 1).any() or (s < 0).any():
+        k = int(np.flatnonzero((q < 1) | (s < 0))[0])
+        raise PagedAttentionError(f"bad chunk: {q[k]} tokens at start {s[k]}")
+    seq = s + q
+    short = np.flatnonzero(held * block_size < seq)
+    if short.size:
+        k = int(short[0])
+        raise PagedAttentionError(f"block table of {held[k]} blocks cannot hold {seq[k]} tokens")
+    return seq
+
+
 def _allowed(
     q_pos: torch.Tensor, k_pos: torch.Tensor, k_len: torch.Tensor | int, window: int | None
 ) -> torch.Tensor:
@@ -220,17 +235,8 @@ class AttentionMetadata:
             raise PagedAttentionError("a step needs one query length, start and block table each")
         q = np.asarray(query_lens, dtype=np.int64)
         s = np.asarray(start_positions, dtype=np.int64)
-        if (q < 1).any() or (s < 0).any():
-            k = int(np.flatnonzero((q < 1) | (s < 0))[0])
-            raise PagedAttentionError(f"bad chunk: {q[k]} tokens at start {s[k]}")
-        seq = s + q
         held = np.fromiter(map(len, block_tables), dtype=np.int64, count=count)
-        short = np.flatnonzero(held * block_size < seq)
-        if short.size:
-            k = int(short[0])
-            raise PagedAttentionError(
-                f"block table of {held[k]} blocks cannot hold {seq[k]} tokens"
-            )
+        seq = check_chunks(q, s, held, block_size)
         flat = np.fromiter(
             itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(held.sum())
         )

@@ -17,6 +17,7 @@ from mmis.engine.execution.attn_metadata import (
     DecodeRows,
     PagedAttentionError,
     Spans,
+    check_chunks,
 )
 from mmis.engine.execution.block_tables import BlockTables
 
@@ -127,15 +128,8 @@ def build_step(
             )
     q = np.array(query_lens, dtype=np.int64)
     s = np.array(start_positions, dtype=np.int64)
-    if (q < 1).any() or (s < 0).any():
-        k = int(np.flatnonzero((q < 1) | (s < 0))[0])
-        raise PagedAttentionError(f"bad chunk: {q[k]} tokens at start {s[k]}")
-    seq = s + q
     held = np.fromiter(map(len, block_tables), dtype=np.int64, count=count)
-    short = np.flatnonzero(held * bs < seq)
-    if short.size:
-        k = int(short[0])
-        raise PagedAttentionError(f"block table of {held[k]} blocks cannot hold {seq[k]} tokens")
+    seq = check_chunks(q, s, held, bs)
     rows = tables.rows(request_ids, block_tables, held)
     needed = -(-seq // bs)  # blocks covering each context
     width = int(needed.max())
