@@ -67,8 +67,12 @@ The inference pod:
 - With ``spec.routing`` the engine also publishes its cache events for the endpoint picker
   (``routing.engine_args``, named ports ``kv-events``, ``kv-replay``, ``mm-events``,
   ``mm-replay``); without it the pod is exactly what it was before routing existed.
-- The engine stays up while the front end drains (its preStop pause is longer), so in-flight
-  requests finish before P1 exits.
+- Termination in order (docs/SECURITY.md): the front end holds a shared lock on
+  :data:`DRAIN_LOCK` (``--drain-lock``, on the pod's shared /dev/shm) while it lives; the
+  engine's preStop is ``mmis wait-frontend`` on that lock, so P1 gets SIGTERM only after every
+  P0 of the pod has exited (or after :func:`engine_wait_seconds`: the front end's preStop
+  pause, its graceful shutdown and 5 s), and the pod's grace period is that wait plus
+  :data:`ENGINE_STOP_SECONDS` for the engine's own stop. No in-flight request loses its engine.
 """
 
 from __future__ import annotations
@@ -305,6 +309,13 @@ DOWNLOAD = "model-download"  # the init container that fills the model cache
 STARTUP_PERIOD = 10
 HUNG_GRACE_SECONDS = 5  # a liveness failure's grace period (the probe's own, not the pod's)
 API_KEY_ENV = "MMIS_FRONTEND_API_KEY"  # FrontendConfig.api_key via the frontend section
+# termination in order: P0 holds a shared lock on this file while it lives (--drain-lock), P1's
+# preStop waits until no P0 holds it (mmis wait-frontend)
+DRAIN_LOCK = f"{r.SHM_MOUNT}/mmis-frontend.lock"
+# how long SIGTERM lets P0 finish in-flight requests: the front end's --graceful-shutdown-s
+# default, which the operator does not set (tests/contract/test_pod_contract.py checks it)
+FRONTEND_GRACEFUL_SECONDS = 30
+ENGINE_STOP_SECONDS = 15  # P1's own stop after SIGTERM (the grace period's last part)
 TOKEN_ENV = "HF_TOKEN"
 # snapshot_download of the weights, config, tokenizer and processor files of one revision
 # into HF_HOME (huggingface_hub ships with transformers in the server image); formats the
@@ -353,6 +364,7 @@ def frontend_args(spec: ServiceSpec) -> list[str]:
     args += [*revision_args(spec), *processor_kwargs_args(spec)]
     args += ["--host", "0.0.0.0", "--port", str(r.HTTP_PORT), "--ops-port", str(r.OPS_PORT)]
     args += address_args()
+    args += ["--drain-lock", DRAIN_LOCK]
     shadow = gib(spec.cache.size_bytes)
     args += ["--mm-cache-type", spec.cache.type, "--mm-cache-gb", shadow]
     if spec.cache.type == "shm":
@@ -500,6 +512,19 @@ def _pre_stop(seconds: int) -> dict[str, Any]:
     return {"preStop": {"exec": {"command": ["sleep", str(seconds)]}}}
 
 
+def engine_wait_seconds(spec: ServiceSpec) -> int:
+    """The longest the engine's preStop waits for the pod's front ends to exit: the front
+    end's preStop pause (endpoint removal), its graceful shutdown, and 5 s of slack."""
+    return spec.drain_seconds + FRONTEND_GRACEFUL_SECONDS + 5
+
+
+def _wait_frontend(spec: ServiceSpec) -> dict[str, Any]:
+    """The engine's preStop: wait until no front end of the pod holds :data:`DRAIN_LOCK`."""
+    command = ["mmis", "wait-frontend", "--lock", DRAIN_LOCK]
+    command += ["--timeout-s", str(engine_wait_seconds(spec))]
+    return {"preStop": {"exec": {"command": command}}}
+
+
 def frontend_container(spec: ServiceSpec, name: str) -> dict[str, Any]:
     memory = format_bytes(spec.frontend_memory_bytes + spec.cache.shm_volume_bytes)
     # the front end needs no GPU: the NVIDIA runtime then mounts none into it
@@ -551,7 +576,7 @@ def engine_container(spec: ServiceSpec, name: str) -> dict[str, Any]:
         limits[r.GPU_RESOURCE] = str(spec.gpus)
     if spec.model.storage.type == "EmptyDir":  # the emptyDir model cache is charged here
         requests["ephemeral-storage"] = format_bytes(spec.model.storage.size_bytes)
-    container: dict[str, Any] = {
+    return {
         "name": r.ENGINE,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
@@ -580,10 +605,9 @@ def engine_container(spec: ServiceSpec, name: str) -> dict[str, Any]:
         "livenessProbe": _liveness(r.ENGINE_HEALTH_PORT_NAME),
         "securityContext": _security(),
         "volumeMounts": _mounts(),
+        # SIGTERM only once every front end of the pod has drained and exited
+        "lifecycle": _wait_frontend(spec),
     }
-    if spec.drain_seconds:
-        container["lifecycle"] = _pre_stop(spec.drain_seconds + 5)
-    return container
 
 
 def pod_spec(spec: ServiceSpec, name: str) -> dict[str, Any]:
@@ -612,7 +636,7 @@ def pod_spec(spec: ServiceSpec, name: str) -> dict[str, Any]:
             "fsGroup": r.RUN_AS_USER,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "terminationGracePeriodSeconds": spec.drain_seconds + 35,
+        "terminationGracePeriodSeconds": engine_wait_seconds(spec) + ENGINE_STOP_SECONDS,
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,  # the server never calls the API server
     }

@@ -302,3 +302,28 @@ def test_routing_event_endpoints_bind_the_named_engine_ports(
     plain_engine = plain["spec"]["template"]["spec"]["containers"][1]
     with monkeypatch.context() as patch:
         assert _parse(plain_engine, patch).kv_events_endpoint is None
+
+
+@pytest.mark.parametrize("variant", ["llava-lru", "routing"])
+def test_engine_prestop_waits_on_the_front_ends_drain_lock(
+    variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Termination in order (docs/SECURITY.md): the engine's preStop is a real ``mmis
+    wait-frontend`` command line on the lock the front end's own settings hold, waiting at
+    least the front end's preStop pause plus its graceful shutdown, within the grace period."""
+    spec, dep = _deployment(VARIANTS[variant])
+    pod = dep["spec"]["template"]["spec"]
+    by_name = {c["name"]: c for c in pod["containers"]}
+    with monkeypatch.context() as patch:
+        settings = _parse(by_name[r.FRONTEND], patch)
+    hook = by_name[r.ENGINE]["lifecycle"]["preStop"]["exec"]["command"]
+    with monkeypatch.context() as patch:
+        waits = _parse({"name": "prestop", "command": hook[:1], "args": hook[1:]}, patch)
+    assert hook[1] == "wait-frontend"
+    assert waits.lock == settings.drain_lock == builders.DRAIN_LOCK
+    # the operator leaves --graceful-shutdown-s at the server's default and counts on it
+    assert "--graceful-shutdown-s" not in by_name[r.FRONTEND]["args"]
+    graceful = default_of(FrontendConfig, "graceful_shutdown_s")
+    assert builders.FRONTEND_GRACEFUL_SECONDS == settings.graceful_shutdown_s == graceful
+    assert waits.timeout_s > spec.drain_seconds + settings.graceful_shutdown_s
+    assert pod["terminationGracePeriodSeconds"] > waits.timeout_s

@@ -120,11 +120,31 @@ def test_probes_and_drain(sample: dict[str, Any]) -> None:
     engine_startup = engine["startupProbe"]
     assert engine_startup["periodSeconds"] * engine_startup["failureThreshold"] == 1200
     assert front["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "20"]
-    engine_wait = _containers(dep)[r.ENGINE]["lifecycle"]["preStop"]["exec"]["command"]
-    assert int(engine_wait[1]) > 20  # the engine outlives the front end's drain
-    grace = dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert grace > int(engine_wait[1])
     assert dep["spec"]["progressDeadlineSeconds"] > 1200
+
+
+@pytest.mark.parametrize("drain", [0, 20])
+def test_termination_in_order(sample: dict[str, Any], drain: int) -> None:
+    """The engine gets SIGTERM only after the pod's front ends have exited: P0 holds the drain
+    lock while it lives, P1's preStop waits on it for P0's preStop pause + its graceful
+    shutdown + 5 s, and the pod's grace period leaves the engine 15 s of its own after that."""
+    sample["spec"]["probes"] = {"drainSeconds": drain}
+    dep = builders.deployment(sample, parse_spec(sample["spec"]))
+    front, engine = _containers(dep)[r.FRONTEND], _containers(dep)[r.ENGINE]
+    lock = "/dev/shm/mmis-frontend.lock"
+    assert _args(front, "--drain-lock") == lock
+    wait = drain + 30 + 5
+    assert engine["lifecycle"]["preStop"]["exec"]["command"] == [
+        "mmis", "wait-frontend", "--lock", lock, "--timeout-s", str(wait),
+    ]  # fmt: skip
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == wait + 15
+    # the lock is on the volume both containers share
+    for container in (front, engine):
+        assert {"name": r.SHM_VOLUME, "mountPath": "/dev/shm"} in container["volumeMounts"]
+    if drain:  # the front end still pauses first, while endpoints drop the pod
+        assert front["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(drain)]
+    else:
+        assert "lifecycle" not in front
 
 
 def test_security_context_is_non_root(sample: dict[str, Any]) -> None:
