@@ -46,7 +46,8 @@ MINIMAL = {
 # settings the operator sets on purpose in every pod (not a default: the pod's own wiring)
 POD_WIRING = {
     "frontend": {"model", "served_model_name", "host", "port", "ops_port"}
-    | {"engine_input_address", "engine_output_address"},
+    | {"engine_input_address", "engine_output_address"}
+    | {"drain_lock"},  # the engine's preStop waits on it (termination in order)
     "engine": {"model", "input_address", "output_address", "health_port"},
 }
 # server settings the operator needs the value of itself (volume and memory sizing)
