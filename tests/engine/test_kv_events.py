@@ -3,6 +3,8 @@ engine/event_publisher.py; docs/ROUTING.md)."""
 
 from __future__ import annotations
 
+import argparse
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,13 +13,15 @@ import numpy as np
 import pytest
 import zmq
 
-from mmis.engine.builder import make_core
+from mmis.engine.builder import kv_event_stream, make_core
 from mmis.engine.config import EngineConfig
+from mmis.engine.event_auth import EventSocketError, is_loopback
 from mmis.engine.event_publisher import END_SEQ, EventPublisher
 from mmis.engine.kv_events import KVEventLog
 from mmis.engine.mm_events import MMEventLog
 from mmis.engine.scheduling.kv_cache import KVCacheManager
 from mmis.engine.scheduling.request import Request
+from mmis.entrypoints import engine as engine_cli
 from mmis.multimodal.cache import ReceiverCache, item_nbytes
 from mmis.protocol.kv_events import (
     KV_DECODER,
@@ -152,6 +156,86 @@ def test_live_stream_replay_and_end_marker(ctx: zmq.Context[zmq.Socket[bytes]]) 
         pub.close()  # twice is harmless
 
 
+# -- who may connect (engine/event_auth.py; docs/SECURITY.md) --------------------------------
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "local"),
+    [
+        ("tcp://127.0.0.1:5557", True),
+        ("tcp://127.0.0.9:*", True),
+        ("tcp://[::1]:5557", True),
+        ("tcp://localhost:5557", True),
+        ("ipc:///tmp/x", True),
+        ("inproc://events", True),
+        ("tcp://*:5557", False),
+        ("tcp://0.0.0.0:5557", False),
+        ("tcp://10.0.0.7:5557", False),
+        ("tcp://[::]:5557", False),
+        ("tcp://eth0:5557", False),
+        ("tcp://pod.example:5557", False),
+        ("tcp://127.0.0.1;10.0.0.7:5557", False),
+        ("udp://127.0.0.1:5557", False),
+        ("127.0.0.1:5557", False),
+    ],
+)
+def test_loopback_endpoints(endpoint: str, local: bool) -> None:
+    assert is_loopback(endpoint) is local
+
+
+def test_no_token_no_exposed_bind(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    with pytest.raises(EventSocketError, match=r"tcp://\*:\d+ is not a loopback address"):
+        EventPublisher(ctx, "tcp://127.0.0.1:*", f"tcp://*:{_free_port()}")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _answers(
+    ctx: zmq.Context[zmq.Socket[bytes]], pub: EventPublisher, user: bytes | None, password: bytes
+) -> bool:
+    """Whether a DEALER with these PLAIN credentials (``user`` None: NULL) gets a replay."""
+    assert pub.replay_endpoint is not None
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        if user is not None:
+            dealer.setsockopt(zmq.PLAIN_USERNAME, user)
+            dealer.setsockopt(zmq.PLAIN_PASSWORD, password)
+        dealer.connect(pub.replay_endpoint)
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        return bool(dealer.poll(1500))
+    finally:
+        dealer.close(linger=0)
+
+
+def test_plain_admits_user_mmis_with_the_token_only(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    pub = EventPublisher(ctx, "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", token="t0ken")
+    try:
+        pub.publish([AllBlocksCleared()])
+        assert _answers(ctx, pub, b"mmis", b"t0ken")
+        assert not _answers(ctx, pub, b"mmis", b"t0ke")
+        assert not _answers(ctx, pub, b"admin", b"t0ken")
+        assert not _answers(ctx, pub, None, b"")  # NULL against a PLAIN server
+        with pytest.raises(EventSocketError, match="one events token"):
+            EventPublisher(ctx, "tcp://127.0.0.1:*", token="other")
+        second = EventPublisher(ctx, "tcp://127.0.0.1:*", token="t0ken")  # shares the handler
+        second.close()
+        assert _answers(ctx, pub, b"mmis", b"t0ken")  # still running: pub uses it
+    finally:
+        pub.close()
+    # the last user gave it back: a new token starts a new handler in the same context
+    third = EventPublisher(ctx, "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", token="new")
+    try:
+        assert _answers(ctx, third, b"mmis", b"new")
+        assert not _answers(ctx, third, b"mmis", b"t0ken")
+    finally:
+        third.close()
+
+
 # -- the prefix cache's events (engine/kv_events.py) -----------------------------------------
 
 
@@ -172,7 +256,7 @@ def test_stored_evicted_cleared_follow_the_cache() -> None:
     (stored,) = log.drain()
     assert isinstance(stored, BlockStored)
     assert stored.block_hashes == first.block_hashes == list(kv.pool.cached)
-    assert stored.parent_block_hash is None and stored.token_ids == list(range(12))
+    assert stored.parent_block_hash is None and stored.token_ids == []  # no prompt text
     assert stored.extra_keys == [None, (("img", 0),), None]  # the image's block only
     kv.free(first)
 
@@ -187,6 +271,44 @@ def test_stored_evicted_cleared_follow_the_cache() -> None:
     kv.reset_prefix_cache()
     assert log.drain() == [AllBlocksCleared()]
     assert log.drain() == []
+
+
+def test_token_ids_only_when_asked() -> None:
+    """``--kv-events-token-ids`` (the log's ``token_ids``) puts the blocks' tokens back."""
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    kv.pool.events = log = KVEventLog(block_size=4, token_ids=True)
+    _prefill(kv, Request("a", list(range(9))))
+    (stored,) = log.drain()
+    assert isinstance(stored, BlockStored) and stored.token_ids == list(range(8))
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_the_token_ids_flag_reaches_the_wire(flag: bool) -> None:
+    """``mmis engine``'s flags through the builder's wiring to the replayed bytes: BlockStored
+    keeps vLLM's field, empty unless ``--kv-events-token-ids``."""
+    parser = argparse.ArgumentParser()
+    engine_cli.add_arguments(parser)
+    argv = ["--kv-events-endpoint", "tcp://127.0.0.1:*"]
+    argv += ["--kv-events-replay-endpoint", "tcp://127.0.0.1:*"]
+    cfg = engine_cli.config_from_args(parser.parse_args(argv + ["--kv-events-token-ids"] * flag))
+    assert cfg.kv_events_token_ids is flag
+    stream = kv_event_stream(cfg)
+    assert stream is not None and stream.publisher.replay_endpoint is not None
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        stream.log.stored([H], None, [5, 6, 7], [[]])
+        stream.flush()
+        dealer.connect(stream.publisher.replay_endpoint)
+        dealer.send_multipart((b"", (1).to_bytes(8, "big")))  # after the opening batch
+        frames = _recv(dealer)
+        assert _recv(dealer)[2] == END_SEQ
+        (event,) = KV_DECODER.decode(frames[3]).events
+        assert isinstance(event, BlockStored) and event.block_hashes == [H]
+        assert event.token_ids == ([5, 6, 7] if flag else [])
+        assert b"token_ids" in frames[3]  # the field stays: vLLM's decoders require it
+    finally:
+        dealer.close(linger=0)
+        stream.close()
 
 
 def test_no_log_no_events() -> None:
@@ -244,7 +366,7 @@ def test_the_engine_announces_every_block_it_caches(family: Any) -> None:
         announced: list[bytes] = []
         for _, batch in batches[1:]:
             for event in batch.events:
-                assert isinstance(event, BlockStored)
+                assert isinstance(event, BlockStored) and event.token_ids == []
                 announced += event.block_hashes
         assert announced and set(announced) == set(core.scheduler.kv.pool.cached)
         assert len(announced) == len(set(announced))

@@ -25,6 +25,9 @@ Invariants:
   or why not.
 - A setting or model that cannot work raises :class:`EngineStartError` with one line naming
   the cause (the launcher prints it as ``mmis engine: ...`` and exits 1); nothing here exits.
+- Event sockets (``--kv-events-*``, ``--mm-events-*``) are ZMQ PLAIN servers with
+  ``--events-token``; without it an endpoint that is not loopback is refused before the
+  model loads (:func:`check_event_endpoints`; docs/SECURITY.md).
 - The model path comes resolved (``cfg.model`` may be a built-in tiny model's name, which
   only the launcher maps: P1 never imports ``mmis.tiny_models``).
 """
@@ -42,6 +45,7 @@ from mmis.engine.config import EngineConfig
 if TYPE_CHECKING:
     from mmis.engine.core import EngineCore
     from mmis.engine.core_process import EngineCoreProc
+    from mmis.engine.event_publisher import EventPublisher
     from mmis.engine.execution.model import ModelAdapter
     from mmis.engine.execution.runner import ModelRunner
     from mmis.engine.execution.structured import GrammarEngine
@@ -136,21 +140,79 @@ def make_core(
     )
 
 
-def kv_event_stream(cfg: EngineConfig) -> KVEventStream | None:
-    """The prefix-cache event stream of ``--kv-events-endpoint`` (docs/ROUTING.md), or None.
-    It lives as long as the process (its sockets do not linger)."""
-    if not cfg.kv_events_endpoint:
-        return None
+EVENT_ENDPOINTS = (
+    "kv_events_endpoint",
+    "kv_events_replay_endpoint",
+    "mm_events_endpoint",
+    "mm_events_replay_endpoint",
+)
+
+
+def check_event_endpoints(cfg: EngineConfig) -> None:
+    """Without ``--events-token`` every event endpoint must be loopback (docs/SECURITY.md):
+    anything else is refused here, before the model loads, naming the flag."""
+    if cfg.events_token:
+        return
+    from mmis.config import flag_of
+    from mmis.engine.event_auth import is_loopback
+
+    for name in EVENT_ENDPOINTS:
+        endpoint = getattr(cfg, name)
+        if endpoint and not is_loopback(endpoint):
+            raise EngineStartError(
+                f"{flag_of(EngineConfig, name)} {endpoint} is reachable from other hosts and "
+                "no events token is set: set MMIS_ENGINE_EVENTS_TOKEN (docs/SECURITY.md) or "
+                "bind a loopback address"
+            )
+
+
+def _event_publisher(cfg: EngineConfig, pub: str, replay: str) -> EventPublisher:
+    """The publisher of the endpoints in settings ``pub`` and ``replay`` (the latter may be
+    unset), authenticated with ``--events-token`` when set; EngineStartError if it cannot
+    bind."""
     import zmq
 
+    from mmis.config import flag_of
+    from mmis.engine.event_auth import EventSocketError
     from mmis.engine.event_publisher import EventPublisher
+
+    check_event_endpoints(cfg)
+    endpoint, replay_endpoint = getattr(cfg, pub), getattr(cfg, replay)
+    try:
+        return EventPublisher(
+            zmq.Context.instance(), endpoint, replay_endpoint, token=cfg.events_token
+        )
+    except EventSocketError as exc:
+        raise EngineStartError(str(exc)) from None
+    except zmq.ZMQError as exc:
+        flags = f"{flag_of(EngineConfig, pub)} {endpoint}"
+        if replay_endpoint:
+            flags += f" / {flag_of(EngineConfig, replay)} {replay_endpoint}"
+        raise EngineStartError(f"cannot bind {flags}: {exc}") from None
+
+
+def _auth(cfg: EngineConfig) -> str:
+    return "PLAIN, events token" if cfg.events_token else "loopback, no token"
+
+
+def kv_event_stream(cfg: EngineConfig) -> KVEventStream | None:
+    """The prefix-cache event stream of ``--kv-events-endpoint`` (docs/ROUTING.md), or None.
+    It lives as long as the process (its sockets do not linger). Its blocks carry no token
+    ids unless ``--kv-events-token-ids``."""
+    if not cfg.kv_events_endpoint:
+        return None
     from mmis.engine.kv_events import KVEventLog, KVEventStream
 
-    publisher = EventPublisher(
-        zmq.Context.instance(), cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint
+    publisher = _event_publisher(cfg, "kv_events_endpoint", "kv_events_replay_endpoint")
+    log.info(
+        "KV events on %s (replay: %s; %s%s)",
+        publisher.endpoint,
+        publisher.replay_endpoint,
+        _auth(cfg),
+        "; token ids ON" if cfg.kv_events_token_ids else "",
     )
-    log.info("KV events on %s (replay: %s)", publisher.endpoint, publisher.replay_endpoint)
-    return KVEventStream(KVEventLog(cfg.block_size), publisher)
+    events = KVEventLog(cfg.block_size, token_ids=cfg.kv_events_token_ids)
+    return KVEventStream(events, publisher)
 
 
 def load_grammar(cfg: EngineConfig, adapter: ModelAdapter, path: str) -> GrammarEngine | None:
@@ -190,6 +252,7 @@ def build(cfg: EngineConfig, path: str, worker_setup: Callable[[str], None]) -> 
     from mmis.shm.reader_set import ShmReaderSet
     from mmis.telemetry.request_spans import RequestSpans
 
+    check_event_endpoints(cfg)  # before anything loads: a refused bind is one line at once
     tp = None
     if cfg.tensor_parallel_size > 1:
         from mmis.engine.execution.tensor_parallel import start_workers
@@ -315,15 +378,15 @@ def mm_event_stream(cfg: EngineConfig, epoch: str) -> MMEventStream | None:
     None. It lives as long as the process (its sockets do not linger)."""
     if not cfg.mm_events_endpoint:
         return None
-    import zmq
-
-    from mmis.engine.event_publisher import EventPublisher
     from mmis.engine.mm_events import MMEventLog, MMEventStream
 
-    publisher = EventPublisher(
-        zmq.Context.instance(), cfg.mm_events_endpoint, cfg.mm_events_replay_endpoint
+    publisher = _event_publisher(cfg, "mm_events_endpoint", "mm_events_replay_endpoint")
+    log.info(
+        "multimodal events on %s (replay: %s; %s)",
+        publisher.endpoint,
+        publisher.replay_endpoint,
+        _auth(cfg),
     )
-    log.info("multimodal events on %s (replay: %s)", publisher.endpoint, publisher.replay_endpoint)
     return MMEventStream(MMEventLog(), publisher, epoch)
 
 

@@ -184,6 +184,24 @@ class EngineConfig:
         help="answer replay requests for missed multimodal event batches on this ZMQ ROUTER "
         "endpoint (with --mm-events-endpoint); none by default",
     )
+    kv_events_token_ids: bool = setting(
+        False,
+        help="put each block's token ids in the KV events' BlockStored (vLLM's field, empty by "
+        "default): that is the prompt in clear text to every subscriber; only for a vLLM tool "
+        "that recomputes block hashes from tokens, on a network you trust",
+    )
+    events_token: str | None = setting(
+        None,
+        metavar="TOKEN",
+        rule=(
+            lambda v: v is None or 1 <= len(v.encode()) <= 255,
+            "must be 1 to 255 bytes (a ZMQ PLAIN password)",
+        ),
+        help="the password (user 'mmis') every peer of the event sockets must present: they "
+        "become ZMQ PLAIN servers (docs/SECURITY.md); without it an event endpoint may bind a "
+        "loopback address only; set it through the environment (MMIS_ENGINE_EVENTS_TOKEN): a "
+        "flag shows in the process list",
+    )
     otlp_traces_endpoint: str | None = shared("otlp_traces_endpoint")
     log_level: str = shared("log_level")
 

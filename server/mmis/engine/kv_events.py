@@ -11,6 +11,10 @@ Who records what:
 
 Invariants:
 - With no log attached (the default) the cache does no event work at all.
+- ``BlockStored.token_ids`` is empty unless the log was made with ``token_ids=True``
+  (``--kv-events-token-ids``): the tokens are the prompt in clear text, and anyone admitted
+  to the stream would read them (issue 41). The field stays on the wire, so vLLM's decoders
+  still decode; routers key on the hashes alone.
 - A batch keeps the order the cache changed in. A removal that follows a removal joins its
   event. ``cleared`` drops whatever is still pending: everything before it is void.
 - A new stream's first batch is ``AllBlocksCleared``. A router that saw this engine's
@@ -31,8 +35,9 @@ Event = BlockStored | BlockRemoved | AllBlocksCleared
 class KVEventLog:
     """Pending prefix-cache events since the last :meth:`drain`."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, *, token_ids: bool = False) -> None:
         self.block_size = block_size
+        self.token_ids = token_ids  # announce the blocks' tokens (off: an empty list)
         self._events: list[Event] = []
 
     def stored(
@@ -42,14 +47,15 @@ class KVEventLog:
         token_ids: Sequence[int],
         extra_keys: Sequence[Sequence[tuple[Any, ...]]],
     ) -> None:
-        """Blocks registered in chain order; ``extra_keys`` has one list per block."""
+        """Blocks registered in chain order; ``extra_keys`` has one list per block;
+        ``token_ids`` are announced only if this log was made to."""
         # vLLM's event shape: per block, a tuple of (mm_hash, offset) pairs, or None
         entries = [tuple(tuple(k) for k in keys) or None for keys in extra_keys]
         self._events.append(
             BlockStored(
                 block_hashes=list(hashes),
                 parent_block_hash=parent,
-                token_ids=list(token_ids),
+                token_ids=list(token_ids) if self.token_ids else [],
                 block_size=self.block_size,
                 lora_id=None,
                 medium=MEDIUM_DEVICE,
