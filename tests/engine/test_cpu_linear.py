@@ -3,20 +3,23 @@
 A packed module must compute what the linear did, in float32, bfloat16 and float16, for the input
 shapes the model feeds it; packing a real transformers model must leave its greedy answer and
 its logits as they were, touch the decoder layers and the LM head only, and drop the unpacked
-weights; ``auto`` packs exactly the shapes its measurement says are faster; a oneDNN that
-cannot run leaves every module as it was. The engine-process tests run packed throughout
-(``tests/conftest.py``); one of them reads the start-up log line here.
+weights; the measurement is torch's summed best time over oneDNN's, every measured row count
+timed (pinned under a fake clock); ``auto`` packs exactly the shapes it says are faster; a
+oneDNN that cannot run leaves every module as it was. The engine-process tests run packed
+throughout (``tests/conftest.py``); one of them reads the start-up log line here.
 """
 
 from __future__ import annotations
 
+import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from mmis.engine.execution import cpu_linear
+from mmis.engine.execution import cpu_linear, timing
 from mmis.engine.execution.cpu_linear import PackedLinear, pack_adapter, pack_linears
 from mmis.engine.execution.model import load_adapter
 from mmis.protocol.messages import EngineCoreRequest, SamplingParams
@@ -123,14 +126,70 @@ def test_the_measurement_stays_short_for_a_large_vocabulary() -> None:
     assert cpu_linear.measured_rows(head) == (16,)
 
 
+class _FakeClock:
+    """``time.perf_counter`` for :mod:`mmis.engine.execution.timing`: it stands still except
+    while a watched module runs, which advances it by that module's cost for its rows; the
+    first call of each (module, rows) — the warm-up — costs 100 times more, and the first
+    timed call of the plain linear is "preempted" by a further second."""
+
+    def __init__(self, costs: dict[torch.nn.Module, Callable[[int], float]]) -> None:
+        self.now = 1000.0
+        self.calls: list[tuple[str, int]] = []
+        self.names = {module: name for name, module in zip(("plain", "packed"), costs, strict=True)}
+        self.costs = costs
+        for module in costs:
+            module.register_forward_hook(self._ran)
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def _ran(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...], out: object) -> None:
+        name, rows = self.names[module], args[0].shape[0]
+        seen = self.calls.count((name, rows))
+        self.calls.append((name, rows))
+        cost = self.costs[module](rows)
+        self.now += cost * (100 if seen == 0 else 1) + (1.0 if name == "plain" and seen == 1 else 0)
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (896, 2432)])
+def test_the_measurement_is_the_ratio_of_the_summed_best_times(
+    shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a fake clock per callable the speed-up is exactly sum(plain) / sum(packed) over
+    :func:`measured_rows`, each row count timed ``1 + REPEAT`` times per variant, the best
+    (not the warm-up, not the preempted run) taken."""
+    linear = _linear(*shape, torch.float32, bias=True)
+    packed = PackedLinear(linear)
+
+    def plain_cost(rows: int) -> float:
+        return 1e-3 * rows
+
+    def packed_cost(rows: int) -> float:
+        return 0.5e-3 * rows + 0.01  # a fixed overhead: a loss at decode size, a win at prefill
+
+    clock = _FakeClock({linear: plain_cost, packed: packed_cost})
+    monkeypatch.setattr(timing, "time", clock)
+    speedup = cpu_linear.onednn_faster(linear, packed)
+    rows = cpu_linear.measured_rows(linear)
+    assert len(rows) == 2  # a decode and a prefill size
+    want = sum(map(plain_cost, rows)) / sum(map(packed_cost, rows))
+    assert speedup == pytest.approx(want, rel=1e-9)
+    # not the mean of per-row ratios, not one row's ratio: the sum is what was asked for
+    per_row = [plain_cost(r) / packed_cost(r) for r in rows]
+    assert all(abs(speedup - other) > 0.05 for other in [*per_row, sum(per_row) / len(per_row)])
+    timed = sorted(set(clock.calls))
+    assert timed == sorted((name, r) for name in ("plain", "packed") for r in rows)
+    assert all(clock.calls.count(call) == 1 + cpu_linear.REPEAT for call in timed)
+
+
 @pytest.mark.model
 def test_the_measurement_is_real_and_torch_packs_nothing(tiny_dirs: dict[str, Path]) -> None:
     adapter = load_adapter(tiny_dirs["llava"], "cpu", torch.float32)
     linear = adapter.language_model.layers[0].mlp.up_proj
     speedup = cpu_linear.onednn_faster(linear, PackedLinear(linear))
-    # a ratio of two real timings: positive and finite (a preempted timing on a shared
-    # machine once made it 0.005, so no tighter band)
-    assert 1e-4 < speedup < 1e4
+    # a ratio of two real timings on a shared machine (a preempted one once made it 0.005):
+    # only positive and finite here; the arithmetic is pinned by the fake-clock test above
+    assert math.isfinite(speedup) and speedup > 0
     report = pack_linears(adapter.model, adapter.language_model.layers, "torch")
     assert report.packed == 0 and report.kept > 0
     assert type(adapter.model.lm_head) is torch.nn.Linear
