@@ -14,8 +14,6 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"fmt"
-
-	"github.com/vmihailenco/msgpack/v5"
 )
 
 // Kind of one decoded event.
@@ -38,51 +36,131 @@ type Event struct {
 	Epoch  string   // EpochStarted
 }
 
+// Bounds on one batch (see msgpack.go for the reader's own invariants). A batch is one engine
+// step's changes: its blocks are bounded by the tokens a step computes (thousands), so these
+// leave two orders of magnitude of room and still bound what a hostile payload costs.
+const (
+	MaxBatchBytes  = 4 << 20 // a payload's size (also the ZMTP frame cap: transport.go)
+	MaxEvents      = 1 << 16 // events in one batch
+	MaxBlockHashes = 1 << 18 // block hashes over all of one batch's events
+)
+
 // Decode reads one batch payload (either stream).
+//
+// Invariants: the payload is walked once (wellFormed) before anything is allocated; what is
+// then allocated is bounded by MaxEvents and MaxBlockHashes, whatever the payload claims; any
+// input returns events or a *MalformedError, never a panic.
 func Decode(payload []byte) ([]Event, error) {
-	var batch []msgpack.RawMessage
-	if err := msgpack.Unmarshal(payload, &batch); err != nil {
-		return nil, fmt.Errorf("batch is not a msgpack array: %w", err)
+	if err := wellFormed(payload); err != nil {
+		return nil, err
 	}
-	if len(batch) < 2 {
-		return nil, fmt.Errorf("batch has %d fields, want [ts, events, ...]", len(batch))
+	r := mpReader{b: payload}
+	h, err := r.head()
+	if err != nil {
+		return nil, err
 	}
-	var raw []map[string]any
-	if err := msgpack.Unmarshal(batch[1], &raw); err != nil {
-		return nil, fmt.Errorf("batch events are not an array of maps: %w", err)
+	if h.kind != mpArray || h.n < 2 {
+		return nil, r.fail("batch is a %s of %d, want an array [ts, events, ...]", h.kind, h.n)
 	}
-	out := make([]Event, 0, len(raw))
-	for _, m := range raw {
-		ev, ok, err := decodeEvent(m)
-		if err != nil {
-			return nil, err
+	if err := r.skip(1); err != nil { // ts
+		return nil, err
+	}
+	events, err := r.head()
+	if err != nil {
+		return nil, err
+	}
+	var out []Event
+	switch {
+	case events.kind == mpNil:
+	case events.kind != mpArray:
+		return nil, r.fail("batch events are a %s, want an array of maps", events.kind)
+	case events.n > MaxEvents:
+		return nil, r.fail("%d events in one batch, more than %d", events.n, MaxEvents)
+	default:
+		out = make([]Event, 0, events.n)
+		budget := MaxBlockHashes
+		for range events.n {
+			ev, ok, err := r.event(&budget)
+			if err != nil {
+				return nil, err
+			}
+			if ok {
+				out = append(out, ev)
+			}
 		}
-		if ok {
-			out = append(out, ev)
-		}
 	}
-	return out, nil
+	return out, nil // the rest (the data-parallel rank) was checked by wellFormed
 }
 
-func decodeEvent(m map[string]any) (Event, bool, error) {
-	tag, _ := m["type"].(string)
+// event reads one event map. Fields are found first (a later duplicate wins, as in a map) and
+// read after, so their order does not matter; unknown fields and event types are skipped.
+func (r *mpReader) event(budget *int) (Event, bool, error) {
+	h, err := r.head()
+	if err != nil {
+		return Event{}, false, err
+	}
+	if h.kind != mpMap {
+		return Event{}, false, r.fail("an event is a %s, want a map", h.kind)
+	}
+	// offsets of the known fields' values (0: absent; a value never starts at byte 0)
+	var typeAt, hashesAt, itemAt, epochAt int
+	for range h.n {
+		key, err := r.head()
+		if err != nil {
+			return Event{}, false, err
+		}
+		name, err := r.bytes(key)
+		if err != nil {
+			return Event{}, false, err
+		}
+		switch string(name) {
+		case "type":
+			typeAt = r.p
+		case "block_hashes":
+			hashesAt = r.p
+		case "mm_hash":
+			itemAt = r.p
+		case "epoch":
+			epochAt = r.p
+		}
+		if err := r.skip(3); err != nil { // batch > events > event > value
+			return Event{}, false, err
+		}
+	}
+	at := func(p int) *mpReader { return &mpReader{b: r.b, p: p} }
+	var tag string
+	if typeAt != 0 {
+		tag, _ = at(typeAt).str() // a non-str type is an unknown event
+	}
 	switch tag {
 	case "BlockStored", "BlockRemoved":
-		keys, err := blockKeys(m["block_hashes"])
 		kind := BlockStored
 		if tag == "BlockRemoved" {
 			kind = BlockRemoved
 		}
-		return Event{Kind: kind, Blocks: keys}, err == nil, err
+		if hashesAt == 0 {
+			return Event{}, false, r.fail("%s without block_hashes", tag)
+		}
+		keys, err := at(hashesAt).blockKeys(budget)
+		if err != nil {
+			return Event{}, false, err
+		}
+		return Event{Kind: kind, Blocks: keys}, true, nil
 	case "AllBlocksCleared":
 		return Event{Kind: AllBlocksCleared}, true, nil
 	case "EpochStarted":
-		epoch, _ := m["epoch"].(string)
+		var epoch string
+		if epochAt != 0 {
+			epoch, _ = at(epochAt).str() // a non-str epoch is the empty epoch
+		}
 		return Event{Kind: EpochStarted, Epoch: epoch}, true, nil
 	case "MMItemStored", "MMItemEvicted":
-		item, ok := m["mm_hash"].(string)
-		if !ok {
-			return Event{}, false, fmt.Errorf("%s without a string mm_hash", tag)
+		if itemAt == 0 {
+			return Event{}, false, r.fail("%s without an mm_hash", tag)
+		}
+		item, err := at(itemAt).str()
+		if err != nil {
+			return Event{}, false, err
 		}
 		kind := ItemStored
 		if tag == "MMItemEvicted" {
@@ -94,57 +172,44 @@ func decodeEvent(m map[string]any) (Event, bool, error) {
 	}
 }
 
-func blockKeys(v any) ([]string, error) {
-	list, ok := v.([]any)
-	if !ok {
-		return nil, fmt.Errorf("block_hashes is %T, want an array", v)
+// blockKeys reads block_hashes: an array of digests (bin or str) or integers.
+func (r *mpReader) blockKeys(budget *int) ([]string, error) {
+	h, err := r.head()
+	if err != nil {
+		return nil, err
 	}
-	keys := make([]string, 0, len(list))
-	for _, h := range list {
-		key, err := blockKey(h)
+	if h.kind != mpArray {
+		return nil, r.fail("block_hashes is a %s, want an array", h.kind)
+	}
+	if h.n > *budget {
+		return nil, r.fail("more than %d block hashes in one batch", MaxBlockHashes)
+	}
+	*budget -= h.n
+	keys := make([]string, 0, h.n)
+	for range h.n {
+		v, err := r.head()
 		if err != nil {
 			return nil, err
 		}
-		keys = append(keys, key)
+		var b [8]byte
+		switch v.kind {
+		case mpStr, mpBin: // the digest's bytes (a str-typed value carries them too)
+			raw, err := r.take(v.n)
+			if err != nil {
+				return nil, err
+			}
+			keys = append(keys, string(raw))
+			continue
+		case mpInt:
+			binary.BigEndian.PutUint64(b[:], uint64(v.i))
+		case mpUint:
+			binary.BigEndian.PutUint64(b[:], v.u)
+		default:
+			return nil, r.fail("a block hash is a %s, want bytes or an integer", v.kind)
+		}
+		keys = append(keys, string(b[:]))
 	}
 	return keys, nil
-}
-
-func blockKey(h any) (string, error) {
-	var b [8]byte
-	switch x := h.(type) {
-	case []byte:
-		return string(x), nil
-	case string: // a str-typed msgpack value carrying the digest bytes
-		return x, nil
-	case int64:
-		binary.BigEndian.PutUint64(b[:], uint64(x))
-	case uint64:
-		binary.BigEndian.PutUint64(b[:], x)
-	case int8, int16, int32, uint8, uint16, uint32:
-		binary.BigEndian.PutUint64(b[:], uint64(toInt64(x)))
-	default:
-		return "", fmt.Errorf("block hash is %T, want bytes or an integer", h)
-	}
-	return string(b[:]), nil
-}
-
-func toInt64(v any) int64 {
-	switch x := v.(type) {
-	case int8:
-		return int64(x)
-	case int16:
-		return int64(x)
-	case int32:
-		return int64(x)
-	case uint8:
-		return int64(x)
-	case uint16:
-		return int64(x)
-	case uint32:
-		return int64(x)
-	}
-	return 0
 }
 
 // HexKey turns a hex block key (P0's /internal/block_keys) into an index key.
