@@ -5,11 +5,13 @@ import (
 	"encoding/binary"
 	"fmt"
 	"hash/fnv"
+	"runtime/debug"
 	"sync/atomic"
 	"time"
 
 	"github.com/go-logr/logr"
 	"github.com/go-zeromq/zmq4"
+	"golang.org/x/sync/semaphore"
 )
 
 var endSeq = []byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff}
@@ -30,14 +32,29 @@ var endSeq = []byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff}
 //     routed by load alone and never fails for lack of cache data.
 //   - When quiet for Probe, the replay socket is asked for anything newer (a probe): a lost
 //     live subscription costs latency of at most Probe, never correctness.
+//   - Hostile bytes cost bounded memory (docs/SECURITY.md): frames are capped on the
+//     connection (transport.go), batches are decoded with bounds (Decode), live batches
+//     waiting to be applied hold at most LiveBudget bytes, and one replay at most
+//     ReplayBudget bytes (a longer one is applied in parts: the next probe goes on from the
+//     last batch applied).
+//   - A panic in any of the stream's goroutines (Run's, the subscription's, a replay's reader)
+//     is recovered: the stream's half is cleared and distrusted (the pod scored by load), the
+//     panic logged with its stack, and the stream followed again after Backoff (doubling, at
+//     most MaxBackoff, while it keeps panicking). It never ends the process.
 type Stream struct {
 	Pub, Replay string        // tcp://host:port of the PUB and ROUTER sockets
+	Token       string        // the internal token: PLAIN credentials (user PlainUser); "": NULL
 	Apply       func([]Event) // applies one batch to this stream's half of the index
 	Clear       func()        // empties this stream's half of the index
 	Probe       time.Duration // quiet time before a probe (default 1 s)
 	Silence     time.Duration // unreachable time before the half is cleared (default 10 s)
 	Timeout     time.Duration // one replay's budget (default 1 s)
+	Backoff     time.Duration // wait after a panic before following again (default 1 s)
 	Log         logr.Logger
+
+	// test hooks: called with every message read (live, replay) before it is used
+	onLiveMsg, onReplayMsg func(zmq4.Msg)
+	panics                 atomic.Int64 // panics recovered (tests)
 
 	// owned by Run's goroutine (live batches and probes are handled one at a time there)
 	next       uint64 // the next live seq expected, valid when have
@@ -54,6 +71,29 @@ type frame struct {
 	payload []byte
 }
 
+const (
+	// LiveBudget bounds the bytes of live batches received and not yet applied.
+	LiveBudget = 4 * MaxMessageBytes
+	// ReplayBudget bounds the bytes one replay holds; ReplayFrames its batches.
+	ReplayBudget = 8 * MaxMessageBytes
+	ReplayFrames = 1 << 16
+	// MaxBackoff bounds the wait after repeated panics.
+	MaxBackoff = 30 * time.Second
+)
+
+// streamPanic is a panic recovered in one of a stream's goroutines, carried to Run's.
+type streamPanic struct {
+	value any
+	stack []byte
+}
+
+func recovered(v any) *streamPanic {
+	if p, ok := v.(*streamPanic); ok {
+		return p
+	}
+	return &streamPanic{v, debug.Stack()}
+}
+
 func (s *Stream) defaults() {
 	if s.Probe <= 0 {
 		s.Probe = time.Second
@@ -64,15 +104,60 @@ func (s *Stream) defaults() {
 	if s.Timeout <= 0 {
 		s.Timeout = time.Second
 	}
+	if s.Backoff <= 0 {
+		s.Backoff = time.Second
+	}
 }
 
-// Run follows the stream until ctx ends.
+// Run follows the stream until ctx ends; it never panics (see the invariants).
 func (s *Stream) Run(ctx context.Context) {
 	s.defaults()
 	s.alive.Store(time.Now().UnixNano())
+	wait := s.Backoff
 	for ctx.Err() == nil {
-		s.follow(ctx)
+		started := time.Now()
+		if s.followSafely(ctx) {
+			continue
+		}
+		if time.Since(started) > MaxBackoff { // it ran well for a while: start over
+			wait = s.Backoff
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(wait):
+		}
+		wait = min(2*wait, MaxBackoff)
 	}
+}
+
+// followSafely runs follow, and reports false after recovering a panic from it.
+func (s *Stream) followSafely(ctx context.Context) (ok bool) {
+	defer func() {
+		if v := recover(); v != nil {
+			ok = false
+			s.crashed(recovered(v))
+		}
+	}()
+	s.follow(ctx)
+	return true
+}
+
+// crashed forgets and distrusts the stream after a panic.
+func (s *Stream) crashed(p *streamPanic) {
+	s.panics.Add(1)
+	s.alive.Store(0) // scored as holding nothing until a replay answers again
+	s.Log.Error(fmt.Errorf("panic: %v", p.value), "a panic while following the engine's events; "+
+		"its pod is scored by load until the stream is followed again",
+		"pub", s.Pub, "replay", s.Replay, "stack", string(p.stack))
+	func() {
+		defer func() {
+			if v := recover(); v != nil {
+				s.Log.Error(fmt.Errorf("panic: %v", v), "clearing the stream's index panicked too", "pub", s.Pub)
+			}
+		}()
+		s.reset()
+	}()
 }
 
 // follow runs one live subscription until the stream must be re-subscribed or ctx ends.
@@ -80,7 +165,16 @@ func (s *Stream) follow(ctx context.Context) {
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	live := make(chan frame, 1024)
-	go s.subscribe(sctx, live)
+	budget := semaphore.NewWeighted(LiveBudget)
+	crashed := make(chan *streamPanic, 1)
+	go func() {
+		defer func() {
+			if v := recover(); v != nil {
+				crashed <- recovered(v)
+			}
+		}()
+		s.subscribe(sctx, live, budget)
+	}()
 	s.resync(ctx) // catch up with what was published before the subscription
 	quiet := time.NewTimer(s.Probe)
 	defer quiet.Stop()
@@ -88,7 +182,10 @@ func (s *Stream) follow(ctx context.Context) {
 		select {
 		case <-ctx.Done():
 			return
+		case p := <-crashed:
+			panic(p) // recovered by followSafely, in this goroutine
 		case f := <-live:
+			budget.Release(int64(len(f.payload)))
 			s.onLive(ctx, f)
 			quiet.Reset(s.Probe)
 		case <-quiet.C:
@@ -102,30 +199,74 @@ func (s *Stream) follow(ctx context.Context) {
 	}
 }
 
-func (s *Stream) subscribe(ctx context.Context, out chan<- frame) {
-	sub := zmq4.NewSub(ctx, zmq4.WithDialerRetry(250*time.Millisecond), zmq4.WithDialerMaxRetries(-1))
+// options are a socket's options: the mechanism (security) and the dialling behaviour.
+func (s *Stream) options(opts ...zmq4.Option) []zmq4.Option {
+	if sec := security(s.Token); sec != nil {
+		opts = append(opts, zmq4.WithSecurity(sec))
+	}
+	return append(opts, zmq4.WithDialerTimeout(s.Timeout))
+}
+
+// subscribe reads live batches until ctx ends or the subscription fails. A batch waits in
+// out only while budget has room for it (LiveBudget); the reader releases it.
+func (s *Stream) subscribe(ctx context.Context, out chan<- frame, budget *semaphore.Weighted) {
+	hctx := context.WithValue(ctx, handshakeKey{}, 5*s.Timeout)
+	sub := zmq4.NewSub(hctx, s.options(zmq4.WithDialerRetry(250*time.Millisecond), zmq4.WithDialerMaxRetries(-1))...)
 	defer sub.Close()
 	if err := sub.SetOption(zmq4.OptionSubscribe, ""); err != nil {
 		s.Log.Error(err, "cannot subscribe", "pub", s.Pub)
 		return
 	}
-	if err := sub.Dial(s.Pub); err != nil {
-		return // ctx ended while dialling
+	if err := sub.Dial(subscription(s.Pub)); err != nil {
+		if ctx.Err() == nil {
+			s.Log.Info("cannot subscribe to the engine's events (a wrong MMIS_INTERNAL_TOKEN?); "+
+				"following its replay socket", "pub", s.Pub, "err", err.Error())
+		}
+		return
 	}
 	for {
 		msg, err := sub.Recv()
 		if err != nil {
+			if ctx.Err() == nil {
+				s.Log.V(1).Info("subscription ended", "pub", s.Pub, "err", err.Error())
+			}
 			return
 		}
-		if len(msg.Frames) != 3 || len(msg.Frames[1]) != 8 {
+		if s.onLiveMsg != nil {
+			s.onLiveMsg(msg)
+		}
+		f, ok := liveFrame(msg)
+		if !ok {
 			continue // not a (topic, seq, payload) batch
 		}
+		if err := budget.Acquire(ctx, int64(len(f.payload))); err != nil {
+			return
+		}
 		select {
-		case out <- frame{binary.BigEndian.Uint64(msg.Frames[1]), msg.Frames[2]}:
+		case out <- f:
 		case <-ctx.Done():
 			return
 		}
 	}
+}
+
+// liveFrame is a PUB message's batch: (topic, seq, payload).
+func liveFrame(msg zmq4.Msg) (frame, bool) {
+	if len(msg.Frames) != 3 || len(msg.Frames[1]) != 8 || len(msg.Frames[2]) > MaxBatchBytes {
+		return frame{}, false
+	}
+	return frame{binary.BigEndian.Uint64(msg.Frames[1]), msg.Frames[2]}, true
+}
+
+// replayFrame is one ROUTER answer: a batch, or the end marker (end).
+func replayFrame(msg zmq4.Msg) (f frame, end bool, err error) {
+	if len(msg.Frames) != 4 || len(msg.Frames[2]) != 8 {
+		return frame{}, false, fmt.Errorf("replay answered %d frames, want 4", len(msg.Frames))
+	}
+	if string(msg.Frames[2]) == string(endSeq) {
+		return frame{}, true, nil
+	}
+	return frame{binary.BigEndian.Uint64(msg.Frames[2]), msg.Frames[3]}, false, nil
 }
 
 func (s *Stream) onLive(ctx context.Context, f frame) {
@@ -212,11 +353,13 @@ func (s *Stream) silent(err error) {
 	}
 }
 
-// replay asks the ROUTER for every buffered batch with seq >= from, until the end marker.
+// replay asks the ROUTER for every buffered batch with seq >= from, until the end marker,
+// or until the batches received reach ReplayBudget bytes or ReplayFrames batches: then the
+// replay is abandoned and what came is returned (the next resync goes on from there).
 func (s *Stream) replay(ctx context.Context, from uint64) ([]frame, error) {
 	rctx, cancel := context.WithTimeout(ctx, s.Timeout)
 	defer cancel()
-	dealer := zmq4.NewDealer(rctx, zmq4.WithDialerMaxRetries(0))
+	dealer := zmq4.NewDealer(rctx, s.options(zmq4.WithDialerMaxRetries(0))...)
 	defer dealer.Close()
 	if err := dealer.Dial(bounded(s.Replay)); err != nil { // handshake bounded by rctx too
 		return nil, err
@@ -229,30 +372,49 @@ func (s *Stream) replay(ctx context.Context, from uint64) ([]frame, error) {
 	type result struct {
 		frames []frame
 		err    error
+		panic  *streamPanic
 	}
 	done := make(chan result, 1)
 	go func() {
+		defer func() {
+			if v := recover(); v != nil {
+				done <- result{panic: recovered(v)}
+			}
+		}()
 		var frames []frame
+		held := 0
 		for {
 			msg, err := dealer.Recv()
 			if err != nil {
-				done <- result{nil, err}
+				done <- result{nil, err, nil}
 				return
 			}
-			if len(msg.Frames) != 4 || len(msg.Frames[2]) != 8 {
-				done <- result{nil, fmt.Errorf("replay answered %d frames, want 4", len(msg.Frames))}
+			if s.onReplayMsg != nil {
+				s.onReplayMsg(msg)
+			}
+			f, end, err := replayFrame(msg)
+			if err != nil || end {
+				done <- result{frames, err, nil}
 				return
 			}
-			if string(msg.Frames[2]) == string(endSeq) {
-				done <- result{frames, nil}
+			frames = append(frames, f)
+			held += len(f.payload)
+			if held >= ReplayBudget || len(frames) >= ReplayFrames {
+				s.Log.V(1).Info("a long replay: applying it in parts", "replay", s.Replay, "batches", len(frames))
+				done <- result{frames, nil, nil}
 				return
 			}
-			frames = append(frames, frame{binary.BigEndian.Uint64(msg.Frames[2]), msg.Frames[3]})
 		}
 	}()
 	select {
 	case r := <-done:
-		return r.frames, r.err
+		if r.panic != nil {
+			panic(r.panic) // recovered by followSafely, in Run's goroutine
+		}
+		if r.err != nil {
+			return nil, r.err
+		}
+		return r.frames, nil
 	case <-rctx.Done():
 		dealer.Close() // unblocks the reader
 		return nil, fmt.Errorf("replay from %d: no answer within %s", from, s.Timeout)
