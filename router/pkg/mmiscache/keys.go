@@ -31,16 +31,19 @@ type requestKeys struct {
 // request with images starts at the front end its images hash to (over the sorted
 // addresses), so repeats of one image ask the front end that already knows its placeholder
 // length and runs no processor (server/mmis/frontend/client/renderer.py); other requests
-// start at a rotating one, so no single front end carries every lookup.
+// start at a rotating one, so no single front end carries every lookup. With the internal
+// token (docs/SECURITY.md) every ask carries `Authorization: Bearer <token>`; without one,
+// none (a front end without a token refuses /internal/*, so keys are missing and load decides).
 type keysClient struct {
 	port    int
 	timeout time.Duration
+	token   string
 	http    *http.Client
 	turn    atomic.Uint64
 }
 
-func newKeysClient(port int, timeout time.Duration) *keysClient {
-	return &keysClient{port: port, timeout: timeout, http: &http.Client{}}
+func newKeysClient(port int, timeout time.Duration, token string) *keysClient {
+	return &keysClient{port: port, timeout: timeout, token: token, http: &http.Client{}}
 }
 
 type blockKeysAnswer struct {
@@ -82,6 +85,9 @@ func (c *keysClient) fetchFrom(ctx context.Context, addr string, body []byte) (*
 		return nil, err
 	}
 	req.Header.Set("Content-Type", "application/json")
+	if c.token != "" {
+		req.Header.Set("Authorization", "Bearer "+c.token)
+	}
 	resp, err := c.http.Do(req)
 	if err != nil {
 		return nil, err

@@ -17,27 +17,43 @@ import (
 // the pool); it is followed again, from a replay, if it comes back.
 const idleAfter = 10 * time.Minute
 
+// follower is one event stream of a pod (an *events.Stream; a fixed one in unit tests).
+type follower interface {
+	Run(ctx context.Context)
+	Live() bool
+}
+
 // pod is what the scorer knows of one engine: its index and the two streams that feed it.
 type pod struct {
 	index    *events.Index
-	kv, mm   *events.Stream
+	kv, mm   follower
 	cancel   context.CancelFunc
 	lastUsed time.Time // guarded by pods.mu
 }
 
 // pods follows each candidate pod's event streams from the first time it is scored.
 //
-// Invariant: get never blocks on the network; the streams connect in their own goroutines.
+// Invariants: get never blocks on the network; the streams connect in their own goroutines
+// (events.Stream: a panic there drops that stream, never the picker). Every stream presents
+// token (the internal token; "": none).
 type pods struct {
-	ctx    context.Context
-	params Params
-	log    logr.Logger
-	mu     sync.Mutex
-	byAddr map[string]*pod
+	ctx       context.Context
+	params    Params
+	token     string
+	log       logr.Logger
+	idleAfter time.Duration // a pod unused this long is forgotten (the const; shorter in tests)
+	sweep     time.Duration // how often idle pods are looked for
+	mu        sync.Mutex
+	byAddr    map[string]*pod
 }
 
-func newPods(ctx context.Context, p Params, logger logr.Logger) *pods {
-	ps := &pods{ctx: ctx, params: p, log: logger, byAddr: map[string]*pod{}}
+func newPods(ctx context.Context, p Params, token string, logger logr.Logger) *pods {
+	return startPods(&pods{ctx: ctx, params: p, token: token, log: logger, idleAfter: idleAfter,
+		sweep: time.Minute})
+}
+
+func startPods(ps *pods) *pods {
+	ps.byAddr = map[string]*pod{}
 	go ps.janitor()
 	return ps
 }
@@ -60,11 +76,11 @@ func (ps *pods) get(addr string) *pod {
 	p := &pod{
 		index: idx,
 		kv: &events.Stream{
-			Pub: tcp(addr, ps.params.KVEventsPort), Replay: tcp(addr, ps.params.KVReplayPort),
+			Pub: tcp(addr, ps.params.KVEventsPort), Replay: tcp(addr, ps.params.KVReplayPort), Token: ps.token,
 			Apply: idx.ApplyKV, Clear: idx.ClearKV, Silence: silence, Log: logger,
 		},
 		mm: &events.Stream{
-			Pub: tcp(addr, ps.params.MMEventsPort), Replay: tcp(addr, ps.params.MMReplayPort),
+			Pub: tcp(addr, ps.params.MMEventsPort), Replay: tcp(addr, ps.params.MMReplayPort), Token: ps.token,
 			Apply: idx.ApplyMM, Clear: idx.ClearMM, Silence: silence, Log: logger,
 		},
 		cancel:   cancel,
@@ -78,7 +94,7 @@ func (ps *pods) get(addr string) *pod {
 }
 
 func (ps *pods) janitor() {
-	tick := time.NewTicker(time.Minute)
+	tick := time.NewTicker(ps.sweep)
 	defer tick.Stop()
 	for {
 		select {
@@ -88,7 +104,7 @@ func (ps *pods) janitor() {
 		}
 		ps.mu.Lock()
 		for addr, p := range ps.byAddr {
-			if time.Since(p.lastUsed) > idleAfter {
+			if time.Since(p.lastUsed) > ps.idleAfter {
 				p.cancel()
 				delete(ps.byAddr, addr)
 			}

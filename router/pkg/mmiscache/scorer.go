@@ -19,6 +19,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"os"
 	"time"
 
 	"sigs.k8s.io/controller-runtime/pkg/log"
@@ -28,6 +29,11 @@ import (
 
 // Type is the plugin type named in the picker's configuration.
 const Type = "mmis-cache-scorer"
+
+// TokenEnv names the environment variable holding the internal token (docs/SECURITY.md):
+// the PLAIN password on the engines' event sockets and the bearer token of
+// /internal/block_keys. Never a parameter: the configuration is not a secret.
+const TokenEnv = "MMIS_INTERNAL_TOKEN"
 
 const (
 	kvWeight = 0.7
@@ -85,18 +91,28 @@ func Factory(name string, raw json.RawMessage, handle fwkplugin.Handle) (fwkplug
 	return New(ctx, name, p), nil
 }
 
-// New returns a scorer whose event subscriptions live until ctx ends.
+// New returns a scorer whose event subscriptions live until ctx ends; it presents the
+// internal token from TokenEnv when that is set.
 func New(ctx context.Context, name string, p Params) *Scorer {
+	return newScorer(ctx, name, p, os.Getenv(TokenEnv))
+}
+
+func newScorer(ctx context.Context, name string, p Params, token string) *Scorer {
 	if name == "" {
 		name = Type
 	}
-	ps := newPods(ctx, p, log.FromContext(ctx).WithName(Type))
+	logger := log.FromContext(ctx).WithName(Type)
+	if token == "" {
+		logger.Info(TokenEnv + " is not set: event sockets without credentials (NULL), " +
+			"/internal/block_keys without a token")
+	}
+	ps := newPods(ctx, p, token, logger)
 	register(ps)
 	return &Scorer{
 		typedName: fwkplugin.TypedName{Type: Type, Name: name},
 		params:    p,
 		pods:      ps,
-		keys:      newKeysClient(p.KeysPort, time.Duration(p.KeysTimeoutMs)*time.Millisecond),
+		keys:      newKeysClient(p.KeysPort, time.Duration(p.KeysTimeoutMs)*time.Millisecond, token),
 	}
 }
 
