@@ -8,13 +8,16 @@ script parses (and is shellcheck-clean where shellcheck is installed).
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/tools.py
+from tools import in_ci
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu-check"
@@ -65,11 +68,11 @@ def test_script_parses_and_prints_usage() -> None:
 
 
 @pytest.mark.skipif(
-    shutil.which("shellcheck") is None and os.environ.get("CI") != "true",
+    shutil.which("shellcheck") is None and not in_ci(),
     reason="shellcheck not installed (scripts/system-deps installs it)",
 )
 def test_shellcheck_clean() -> None:
     if shutil.which("shellcheck") is None:
-        pytest.fail("CI=true and no shellcheck: scripts/system-deps installs it")
+        pytest.fail("CI is set and no shellcheck: scripts/system-deps installs it")
     done = subprocess.run(["shellcheck", str(SCRIPT)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout

@@ -15,11 +15,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))  # tests/tools.py
+from tools import in_ci  # noqa: E402
+
 PACKAGE = ROOT / "server" / "mmis"
 # distributions the dev extra installs that no runtime module may need
 DEV_ONLY = ("pytest", "openai", "ruff", "mypy", "schemathesis", "importlinter")
@@ -49,7 +53,7 @@ def _user_venv() -> Path:
     if (venv / "bin" / "python").exists():
         return venv
     how = "python3 -m venv .venv-user && .venv-user/bin/pip install . (what .ci/run does)"
-    if os.environ.get("CI") == "true":
+    if in_ci():
         pytest.fail(f"no user-install venv at {venv}; .ci/run builds it: {how}")
     pytest.skip(f"no user-install venv at {venv}; build it with: {how}")
 

@@ -25,7 +25,6 @@ cannot be had, the tests fail with the reason when ``CI=true`` and skip otherwis
 from __future__ import annotations
 
 import json
-import os
 import sys
 import uuid
 from collections.abc import Iterator
@@ -34,9 +33,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/tools.py
 
 import operator_kit
 from kubecluster import Cluster, Tools, ToolsMissing, apply_crds, find_tools
+from tools import in_ci
 
 from mmis_operator.main import OperatorThread
 
@@ -45,10 +46,6 @@ CRD = Path(__file__).resolve().parents[2] / "charts" / "mmis" / "crds" / "mminfe
 
 _tools: Tools | None = None
 _tools_error: str | None = None
-
-
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 @pytest.hookimpl(trylast=True)  # after -m/-k deselection
@@ -78,7 +75,7 @@ def _require_tools() -> Tools:
     if _tools is not None:
         return _tools
     reason = _tools_error or "control plane tools were not looked up"
-    if _in_ci():
+    if in_ci():
         pytest.fail(f"control plane unavailable with CI=true: {reason}", pytrace=False)
     pytest.skip(f"control plane unavailable: {reason}")
 

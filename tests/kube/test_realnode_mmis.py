@@ -46,6 +46,7 @@ import pytest
 from kubecluster import Cluster, KubectlError
 from kubecluster.realnode import IMAGE, RealNode, missing, port_forward
 from PIL import Image
+from tools import in_ci  # tests/tools.py (on the path by conftest.py)
 
 from mmis.tiny_models.tiny_model import build_tiny_model
 
@@ -84,15 +85,11 @@ def _free_port() -> int:
 def node(cluster: Cluster, crd: None) -> Iterator[RealNode]:
     reason = missing(cluster)
     if reason is not None:
-        if _in_ci():
+        if in_ci():
             pytest.fail(f"real node unavailable with CI=true: {reason}", pytrace=False)
         pytest.skip(f"real node unavailable: {reason}")
     with RealNode(cluster) as real:
         yield real
-
-
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 def _manifests(*args: str) -> Any:

@@ -12,12 +12,16 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
 import pytest
 
 from mmis.protocol import kv_events as k
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/tools.py
+from tools import in_ci
 
 ROUTER = Path(__file__).resolve().parents[2] / "router"
 GOLDEN = ROUTER / "pkg" / "events" / "testdata"
@@ -70,7 +74,7 @@ def _go() -> str | None:
 def test_go_unit_tests_pass() -> None:
     go = _go()
     if go is None:
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        if in_ci():
             pytest.fail("Go is not installed (CI=true): install Go >= 1.26", pytrace=False)
         pytest.skip("Go is not installed; install Go >= 1.26 to run router/'s tests")
     cache = Path(os.environ.get("MMIS_GO_CACHE", Path.home() / ".cache" / "mmis" / "go"))

@@ -17,6 +17,9 @@ sys.path.insert(0, str(ROOT / "scripts" / "dashboards"))  # the generators: buil
 import mmis_alerts as alerts  # noqa: E402
 import mmis_dashboard as dashboard  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "tests"))  # tests/tools.py
+from tools import in_ci  # noqa: E402
+
 CHART = ROOT / "charts" / "mmis"
 PROMETHEUS_RULE_API = "monitoring.coreos.com/v1/PrometheusRule"
 PODMONITOR_API = "monitoring.coreos.com/v1/PodMonitor"
@@ -29,7 +32,7 @@ def _helm() -> Path:
     helm = tools / "bin" / "helm"
     if not helm.is_file():
         reason = f"{helm} not built: run scripts/gotools helm (or set MMIS_TOOLS_DIR)"
-        if os.environ.get("CI", "").lower() == "true":
+        if in_ci():
             pytest.fail(reason)
         pytest.skip(reason)
     return helm
