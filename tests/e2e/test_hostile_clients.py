@@ -16,7 +16,8 @@ names, and real HTTP clients (httpx, the openai SDK):
   there;
 - a request naming a model the server does not serve is a 404 ``model_not_found``; every
   alias works and is listed; ``/version`` names the package version;
-- ``POST /internal/block_keys`` (operations port) names a chat's prompt blocks exactly as the
+- ``POST /internal/block_keys`` (operations port, with the internal token of
+  ``MMIS_FRONTEND_INTERNAL_TOKEN``) names a chat's prompt blocks exactly as the
   engine then announces them on ``--kv-events-endpoint``, and its image as the engine's
   ``--mm-events-endpoint`` announces it stored (docs/ROUTING.md).
 """
@@ -50,6 +51,8 @@ pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
 KEY = "sk-hostile"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 JSON = {**AUTH, "Content-Type": "application/json"}
+TOKEN = "5e" * 32  # the internal token (tests/security/test_internal_routes.py covers it)
+INTERNAL = {"Authorization": f"Bearer {TOKEN}"}
 MiB = 1 << 20
 REPLAY: dict[str, str] = {}  # an events PUB endpoint -> its replay endpoint (the fixture's)
 POSTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
@@ -82,7 +85,8 @@ def running(start_serve: ServeFactory) -> Iterator[Running]:
         REPLAY[pub] = f"tcp://127.0.0.1:{free_port()}"
     extra += ["--kv-events-replay-endpoint", REPLAY[events]]
     extra += ["--mm-events-replay-endpoint", REPLAY[mm_events]]
-    with start_serve("hostile-serve", *extra) as serve:
+    env = {"MMIS_FRONTEND_INTERNAL_TOKEN": TOKEN}
+    with start_serve("hostile-serve", *extra, env=env) as serve:
         yield Running(serve, ops_port, events, mm_events)
 
 
@@ -257,7 +261,7 @@ def test_block_keys_are_the_blocks_the_engine_announces(running: Running) -> Non
             http.post(running.root + "/internal/block_keys", json=body, headers=JSON).status_code
             == 404
         )
-        answer = http.post(running.ops + "/internal/block_keys", json=body)
+        answer = http.post(running.ops + "/internal/block_keys", json=body, headers=INTERNAL)
         assert answer.status_code == 200, answer.text
         keys = answer.json()
         assert keys["prompt_tokens"] >= 2 * keys["block_size"] and len(keys["mm_hashes"]) == 1
@@ -288,4 +292,5 @@ def test_block_keys_are_the_blocks_the_engine_announces(running: Running) -> Non
         assert [(type(e), e.mm_hash) for e in items] == [(MMItemStored, keys["mm_hashes"][0])]
         assert announced == keys["block_keys"]
         # asking again changed nothing: the image is now a shadow hit, and the keys agree
-        assert http.post(running.ops + "/internal/block_keys", json=body).json() == keys
+        again = http.post(running.ops + "/internal/block_keys", json=body, headers=INTERNAL)
+        assert again.json() == keys

@@ -20,6 +20,7 @@ import pytest
 from fastapi import FastAPI
 
 from mmis.frontend.api.api_server import create_app
+from mmis.frontend.api.http_gate import INTERNAL_PATHS
 from mmis.frontend.api.openapi import OPERATIONS, Limits, build_document, undescribed
 from mmis.frontend.api.schemas import (
     ChatCompletionChunk,
@@ -113,7 +114,12 @@ def test_post_routes_declare_their_body_and_errors(doc: dict[str, Any]) -> None:
             schema = responses[status]["content"]["application/json"]["schema"]
             assert schema == {"$ref": "#/components/schemas/ErrorResponse"}, (path, status)
         assert "Retry-After" in responses["503"]["headers"]
-        assert "401" not in responses  # no API key configured
+        if path in INTERNAL_PATHS:  # the internal token's own 401, whatever the API key
+            assert "invalid_internal_token" in responses["401"]["description"]
+            assert "internal_routes_disabled" in responses["403"]["description"]
+            assert entry["security"] == [{"internal": []}]
+        else:
+            assert "401" not in responses  # no API key configured
     chat = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
     assert set(chat) == {"application/json", "text/event-stream"}
 

@@ -79,13 +79,16 @@ async def renderer(base_processor: ModelProcessor) -> AsyncIterator[Renderer]:
     executor.shutdown(wait=True)
 
 
-def _source(r: Renderer, image: Image.Image | None, uuid: str | None = None) -> SourcePrompt:
+def _source(
+    r: Renderer, image: Image.Image | None, uuid: str | None = None, bound: str = ""
+) -> SourcePrompt:
+    """A one-image prompt; a hash-only item (``image=None``) names the content hash its uuid
+    is ``bound`` to (what ``Renderer.prepare`` resolves a uuid-only part to)."""
     text = r.processor.chat_prompt(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]
     )
-    return SourcePrompt(
-        r.processor.tokenize(text), [SourceItem(r.hash_image(image, uuid), uuid, image, "p")]
-    )
+    mm_hash = bound if image is None else r.hash_image(image)
+    return SourcePrompt(r.processor.tokenize(text), [SourceItem(mm_hash, uuid, image, "p")])
 
 
 def _img(color: tuple[int, int, int]) -> Image.Image:
@@ -132,13 +135,15 @@ async def test_rejected_request_leaves_no_shadow_entry(renderer: Renderer) -> No
 
 
 async def test_hash_only_item_must_be_in_the_shadow(renderer: Renderer) -> None:
+    green = renderer.hash_image(_img((0, 9, 0)))
+    by_uuid = _source(renderer, None, "cat-7", bound=green)
     with pytest.raises(HashOnlyCacheMissError) as err:
-        await renderer.render(_source(renderer, None, "cat-7"), bypass=False, reserve_tokens=1)
+        await renderer.render(by_uuid, bypass=False, reserve_tokens=1)
     assert err.value.missing_uuids == ["cat-7"]
     await renderer.render(
         _source(renderer, _img((0, 9, 0)), "cat-7"), bypass=False, reserve_tokens=1
     )
-    again = await renderer.render(_source(renderer, None, "cat-7"), bypass=True, reserve_tokens=1)
+    again = await renderer.render(by_uuid, bypass=True, reserve_tokens=1)
     assert again.shadow_hits == 1  # hash-only items can only be sent as hits, even on bypass
 
 
@@ -163,7 +168,7 @@ async def test_prepare_loads_hashes_and_checks_placeholders(renderer: Renderer) 
         [ImageRef(data_url, None, "messages[0].content[0]")],
     )
     assert len(source.items) == 1 and source.items[0].image is not None
-    assert source.items[0].mm_hash == renderer.hash_image(_img((3, 3, 3)), None)
+    assert source.items[0].mm_hash == renderer.hash_image(_img((3, 3, 3)))
     with pytest.raises(InvalidRequestError, match="image placeholder"):
         await renderer.prepare("no image token here", [ImageRef(data_url, None, "p")])
 

@@ -104,8 +104,8 @@ async def test_a_video_and_an_image_render_in_prompt_order(qwen: Renderer) -> No
 
 async def test_the_hash_covers_the_sampled_rate(qwen: Renderer) -> None:
     frames = np.zeros((4, 64, 64, 3), dtype=np.uint8)
-    a = qwen.hash_video(DecodedVideo(frames, 2.0, 2.0), None, {})
-    b = qwen.hash_video(DecodedVideo(frames, 1.0, 4.0), None, {})
+    a = qwen.hash_video(DecodedVideo(frames, 2.0, 2.0), {})
+    b = qwen.hash_video(DecodedVideo(frames, 1.0, 4.0), {})
     assert a != b
 
 

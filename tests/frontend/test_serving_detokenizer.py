@@ -1,17 +1,25 @@
 """The incremental detokenizer: deltas add up to the final text; stop strings never leak;
-a whole response decodes each choice once."""
+a whole response (``TextGenerator.respond`` through the real recovery policy, against a fake
+engine client) decodes each choice once."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any, cast
 
-from pydantic import BaseModel
+from starlette.requests import Request
 
 from mmis.frontend.api.detokenizer import IncrementalDetokenizer
+from mmis.frontend.api.schemas import CompletionRequest
+from mmis.frontend.api.serving_completions import CompletionFormat
 from mmis.frontend.api.serving_generate import TextGenerator
-from mmis.protocol.messages import EngineCoreOutput
+from mmis.frontend.client.recovery import RecoveryPolicy
+from mmis.frontend.client.renderer import RenderedPrompt, SourcePrompt
+from mmis.protocol.messages import EngineCoreOutput, EngineCoreRequest
+from mmis.telemetry.metrics import MMISMetrics
 
 
 # a byte-level "tokenizer": token i is byte i; decoding replaces broken UTF-8 by U+FFFD
@@ -70,58 +78,101 @@ def test_a_stop_string_split_over_many_tokens_and_deltas_is_found() -> None:
     assert detok.stopped_by == "<|end|>" and detok.text == "ab"
 
 
-class _Body(BaseModel):
-    choices: list[tuple[str, str | None]]
-    completion_tokens: int
+class _Client:
+    """A fake engine client (the interface :class:`RecoveryPolicy` and ``Generation`` use):
+    every sibling's scripted outputs are queued at once, interleaved, when the requests
+    arrive, so outputs after a stop string are already waiting (the race with P0's abort).
+    ``release`` notes the decode calls made so far: the last release is the end of the watch."""
+
+    alive, closed = True, False
+
+    def __init__(self, script: list[list[tuple[str, str | None]]], decodes: list[int]) -> None:
+        self.script, self.decodes = script, decodes
+        self.aborted: list[str] = []
+        self.decodes_at_release = 0
+
+    async def add_requests(self, requests: list[EngineCoreRequest], queue: Any) -> None:
+        assert [r.sampling_params.n for r in requests] == [1] * len(self.script)
+        for step in range(max(map(len, self.script))):
+            for request, outs in zip(requests, self.script, strict=True):
+                if step < len(outs):
+                    text, finish = outs[step]
+                    queue.put_nowait(
+                        EngineCoreOutput(request.request_id, list(text.encode()), finish)
+                    )
+
+    async def release(self, request_ids: list[str], abort: bool) -> None:
+        if abort:
+            self.aborted += request_ids
+        if request_ids:
+            self.decodes_at_release = len(self.decodes)
 
 
-def _whole_response(
-    outputs: list[list[EngineCoreOutput]], stop: list[str]
-) -> tuple[_Body, int, int]:
-    """Run ``TextGenerator._whole`` the way ``respond`` does (the watch fed each unfinished
-    output as it arrived); return the body and the decode calls during and after the watch."""
-    calls = [0]
+class _Renderer:
+    """A text prompt renders to itself (no items): nothing here is about rendering."""
+
+    async def render(
+        self, source: SourcePrompt, *, bypass: bool, reserve_tokens: int, copies: int
+    ) -> RenderedPrompt:
+        return RenderedPrompt(list(source.token_ids), [[] for _ in range(copies)], 0, 0)
+
+    def forget(self, rendered: RenderedPrompt) -> None:
+        raise AssertionError("nothing failed to send")
+
+
+async def _never() -> dict[str, Any]:
+    await asyncio.Event().wait()  # the client never disconnects
+    raise AssertionError("unreachable")
+
+
+async def _respond(
+    script: list[list[tuple[str, str | None]]], stop: list[str]
+) -> tuple[dict[str, Any], int, int, list[str]]:
+    """``TextGenerator.respond`` of a whole completion, through the real recovery policy and
+    generation, against :class:`_Client`; the body, the decode calls during the watch and
+    after it, and the engine requests aborted."""
+    decodes: list[int] = []
 
     def decode(ids: Sequence[int]) -> str:
-        calls[0] += 1
+        decodes.append(len(ids))
         return _decode(ids)
 
-    state = SimpleNamespace(processor=SimpleNamespace(decode=decode))
-    generator = TextGenerator(cast(Any, state), "completions")
-    req = cast(Any, SimpleNamespace(stop_list=lambda: stop, logprobs_count=lambda: None))
-    watched = [generator._detokenizer(req) for _ in outputs] if stop else []
-    for detok, outs in zip(watched, outputs if stop else [], strict=True):  # as collect()
-        for out in outs:
-            if out.finish_reason is None and not detok.stopped:
-                detok.add(out.new_token_ids)
-    during = calls[0]
-    fmt = SimpleNamespace(
-        whole=lambda rid, choices, usage: _Body(
-            choices=[(text, finish) for text, finish, _ in choices],
-            completion_tokens=usage.completion_tokens,
-        )
+    client = _Client(script, decodes)
+    policy = RecoveryPolicy(cast(Any, _Renderer()), cast(Any, client), MMISMetrics("tiny"))
+    state = SimpleNamespace(
+        processor=SimpleNamespace(decode=decode), policy=policy, max_model_len=64
     )
-    response = generator._whole(
-        req, cast(Any, fmt), "r", cast(Any, SimpleNamespace(num_tokens=3)), outputs, watched
+    req = CompletionRequest.model_validate(
+        {"prompt": [1, 2, 3], "n": len(script), "stop": stop or None, "max_tokens": 8}
     )
-    return _Body.model_validate_json(bytes(response.body)), during, calls[0] - during
+    http = Request({"type": "http"}, receive=_never)
+    response = await TextGenerator(cast(Any, state), "completions").respond(
+        http, req, SourcePrompt([1, 2, 3], [], "prompt"), CompletionFormat("tiny"), "cmpl-r"
+    )
+    during = client.decodes_at_release
+    return json.loads(bytes(response.body)), during, len(decodes) - during, client.aborted
 
 
-def _out(text: str, finish: str | None = None) -> EngineCoreOutput:
-    return EngineCoreOutput(request_id="r", new_token_ids=list(text.encode()), finish_reason=finish)
+def _choices(body: dict[str, Any]) -> list[tuple[str, str | None]]:
+    return [(c["text"], c["finish_reason"]) for c in body["choices"]]
 
 
-def test_a_whole_response_finishes_the_watched_detokenizers_instead_of_decoding_again() -> None:
+async def test_a_whole_response_finishes_the_watched_detokenizers_instead_of_decoding_again() -> (
+    None
+):
     """With stop strings the watch has decoded every output as it arrived: the whole response
-    reuses it (no decode of a stopped choice again) and counts what a stream counts -- the
-    tokens up to the output that completed the stop string, not the ones that raced it."""
-    stopped = [_out("ab"), _out("cSTOPd"), _out("zz"), _out("y", "abort")]  # zz, y: the race
-    running = [_out("ab"), _out("cST"), _out("OP", "length")]  # the stop is in the final output
-    body, during, after = _whole_response([stopped, running], ["STOP"])
-    assert body.choices == [("abc", "stop"), ("abc", "stop")]
-    assert body.completion_tokens == 8 + 7
+    reuses it (no decode of a stopped choice again), aborts the stopped choice in P1, and
+    counts what a stream counts -- the tokens up to the output that completed the stop
+    string, not the ones that raced it."""
+    stopped = [("ab", None), ("cSTOPd", None), ("zz", None), ("y", "abort")]  # zz, y: the race
+    running = [("ab", None), ("cST", None), ("OP", "length")]  # the stop is in the final output
+    body, during, after, aborted = await _respond([stopped, running], ["STOP"])
+    assert _choices(body) == [("abc", "stop"), ("abc", "stop")]
+    assert body["usage"]["completion_tokens"] == 8 + 7 and body["usage"]["prompt_tokens"] == 3
+    assert aborted == ["cmpl-r-a0-0"]  # the stopped choice; the other finished in P1
     assert during > 0
     assert after == 2  # one window decode (before, after) of the final output, for choice 1
-    plain, _, fresh = _whole_response([[_out("ab"), _out("c", "length")]], [])
-    assert plain.choices == [("abc", "length")] and plain.completion_tokens == 3
-    assert fresh == 2  # without stop strings nothing watched: decoded once, whole
+    plain, none, fresh, aborted = await _respond([[("ab", None), ("c", "length")]], [])
+    assert _choices(plain) == [("abc", "length")] and plain["usage"]["completion_tokens"] == 3
+    assert none == 0 and aborted == []  # without stop strings nothing is watched
+    assert fresh == 2  # decoded once, whole

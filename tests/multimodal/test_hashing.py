@@ -161,12 +161,13 @@ def test_unsupported_values_raise_typed_errors() -> None:
         hash_item(model_id="m", modality="image", item="not-an-image")  # type: ignore[arg-type]
 
 
-def test_uuid_is_honoured_verbatim() -> None:
+def test_an_items_hash_is_its_contents_never_a_uuid() -> None:
+    """A uuid names an item per tenant in P0 (frontend/client/tenancy.py); it is not a hash
+    and cannot be given one: the hash is the content's (docs/SECURITY.md)."""
     img = _img("L", (3, 2))
-    got = item_mm_hash(model_id="m", modality="image", item=img, uuid="user-item-42")
-    assert got == "user-item-42"
-    assert item_mm_hash(model_id="m", modality="image", item=None, uuid="x") == "x"
     assert item_mm_hash(model_id="m", modality="image", item=img) == _h(img)
+    with pytest.raises(TypeError, match="uuid"):
+        item_mm_hash(model_id="m", modality="image", item=img, uuid="x")  # type: ignore[call-arg]
 
 
 @pytest.mark.parametrize(
@@ -187,6 +188,6 @@ def test_invalid_uuid_rejected_with_clear_message(bad: Any, message: str) -> Non
     assert info.value.to_wire().retryable is False
 
 
-def test_item_without_data_or_uuid() -> None:
-    with pytest.raises(HashingError, match="uuid"):
+def test_item_without_data() -> None:
+    with pytest.raises(HashingError, match="needs its data"):
         item_mm_hash(model_id="m", modality="image", item=None)

@@ -54,13 +54,32 @@ class FrontendConfig:
     port: int = setting(8000, help="port to bind; 0 picks a free one")
     api_key: str | None = setting(
         None,
-        help="require 'Authorization: Bearer KEY' on every route of --port but /health and /ready",
+        rule=(lambda v: v is None or any(k.strip() for k in v.split(",")), "names no key"),
+        help="require 'Authorization: Bearer KEY' on every route of --port but /health, /ready "
+        "and /internal/*; several keys separated by commas, each its own tenant (its uuids "
+        "name only its own images)",
+    )
+    internal_token: str | None = setting(
+        None,
+        help="the token /internal/block_keys and /internal/reset_prefix_cache require "
+        "('Authorization: Bearer TOKEN'; the API key does not open them); without it they "
+        "answer 403. Set it through the environment (MMIS_FRONTEND_INTERNAL_TOKEN): a flag "
+        "shows in the process list",
+    )
+    tenant_header: str | None = setting(
+        None,
+        metavar="NAME",
+        rule=(lambda v: v is None or _is_header_name(v), "must be an HTTP header name"),
+        help="the request header naming the client's tenant (whose uuids name only its own "
+        "images) instead of its API key; only behind a gateway that authenticates clients "
+        "and overwrites this header",
     )
     ops_port: int | None = setting(
         None,
         rule=(lambda v: v is None or 0 <= v <= 65535, "must be a port number (0 picks one)"),
-        help="serve /metrics and /stats/cache on this port (no API key, for Prometheus and the "
-        "operator, pod to pod) instead of --port; 0 picks a free one",
+        help="serve /metrics, /stats/cache (no API key: Prometheus and the operator, pod to "
+        "pod) and /internal/* (the internal token: routers) on this port instead of --port; "
+        "0 picks a free one",
     )
     max_request_body_mb: float = setting(
         32.0,
@@ -197,8 +216,20 @@ class FrontendConfig:
     def model_name(self) -> str:
         return self.served_names[0]
 
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The API keys ``--api-key`` names (comma-separated), each a tenant; () when unset."""
+        if not self.api_key:
+            return ()
+        return tuple(k.strip() for k in self.api_key.split(",") if k.strip())
+
     def __post_init__(self) -> None:
         check(self)
+
+
+def _is_header_name(name: str) -> bool:
+    """An HTTP field name (RFC 9110 token characters)."""
+    return bool(name) and all(c.isascii() and (c.isalnum() or c in "!#$%&'*+-.^_`|~") for c in name)
 
 
 def _is_network(cidr: str) -> bool:

@@ -14,9 +14,13 @@ Invariants:
 - Dicts are hashed with their keys sorted by the keys' framed bytes, so key order never
   matters; numpy arrays include dtype and shape; images include mode, size, palette and
   transparency, so the same raw bytes under a different layout hash differently.
-- A user-supplied uuid is honoured as the item's ``mm_hash`` after validation (non-empty,
-  printable, at most :data:`MAX_UUID_LENGTH` characters); invalid ones raise
-  :class:`InvalidItemUUIDError`, unsupported values :class:`UnhashableValueError`.
+- An item's ``mm_hash`` is always the hash of its content: a client's ``uuid`` never is one,
+  never enters one and never leaves P0 (docs/SECURITY.md, "uuids per tenant"). P0 binds a
+  uuid sent with data, per tenant, to the content hash of that data, and resolves a uuid
+  sent alone through that binding (``frontend/client/tenancy.py``). :func:`validate_uuid`
+  checks a uuid (non-empty, printable, at most :data:`MAX_UUID_LENGTH` characters) and raises
+  :class:`InvalidItemUUIDError` otherwise; unsupported values raise
+  :class:`UnhashableValueError`.
 """
 
 from __future__ import annotations
@@ -78,7 +82,8 @@ def new_hasher(algorithm: str = DEFAULT_ALGORITHM) -> _Hasher:
 
 
 def validate_uuid(uuid: object) -> str:
-    """Return ``uuid`` if it can be used as an ``mm_hash``, else raise a clear error."""
+    """Return ``uuid`` if it may name an item (through its tenant's binding), else raise a
+    clear error."""
     if not isinstance(uuid, str):
         raise InvalidItemUUIDError(f"item uuid must be a string, got {type(uuid).__name__}")
     if not uuid.strip():
@@ -220,14 +225,14 @@ def item_mm_hash(
     modality: str,
     item: Image.Image | bytes | np.ndarray | None,
     processor_kwargs: Mapping[str, Any] | None = None,
-    uuid: str | None = None,
     algorithm: str = DEFAULT_ALGORITHM,
 ) -> str:
-    """The item's ``mm_hash``: the validated user ``uuid`` if given, else its content hash."""
-    if uuid is not None:
-        return validate_uuid(uuid)
+    """The item's ``mm_hash``: the hash of its content (a uuid alone names no content)."""
     if item is None:
-        raise HashingError(f"a {modality} item needs either its data or a uuid")
+        raise HashingError(
+            f"a {modality} item needs its data to be hashed (a uuid alone resolves through "
+            "its tenant's binding, never to a hash of its own)"
+        )
     return hash_item(
         model_id=model_id,
         modality=modality,

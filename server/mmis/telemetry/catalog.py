@@ -5,7 +5,8 @@ Invariants:
   extension's endpoint picker scrapes: ``mmis:num_requests_waiting``,
   ``mmis:num_requests_running``, ``mmis:kv_cache_usage_perc`` — the model-server protocol's
   TotalQueuedRequests / TotalRunningRequests / KVCacheUtilization, all gauges; the KV usage is
-  a fraction in [0, 1], as in the ``vllm:kv_cache_usage_perc`` reference metric).
+  a fraction in [0, 1], as in the ``vllm:kv_cache_usage_perc`` reference metric — and for
+  ``mmis:uuid_rebinds_total``, the name docs/SECURITY.md gives it).
 - Counter names end in ``_total``, as they appear in PromQL.
 - Label names come from :data:`ALLOWED_LABELS` only, and every label has a closed value set:
   request ids, hashes, uuids or any other per-request value never become a label (checked at
@@ -113,6 +114,13 @@ RETRIES = _p0(
     "ended: success, failed (missed again, 503), error, hash_only (uuid-only items, 422).",
     *ME,
     "outcome",
+)
+UUID_REBINDS = _p0(
+    "mmis:uuid_rebinds_total",
+    C,
+    "Items sent with new data under a uuid their tenant had bound to other content (the "
+    "uuid now names the new content for that tenant only).",
+    "model",
 )
 
 DRIFT_RATE = MetricSpec(

@@ -106,6 +106,10 @@ class MMISMetrics:
     def invalidations(self, count: int = 1) -> None:
         self._inc(catalog.INVALIDATIONS, count)
 
+    def uuid_rebinds(self, count: int = 1) -> None:
+        """A tenant sent new data under a uuid it had bound to other content."""
+        self._inc(catalog.UUID_REBINDS, count)
+
     def retry(self, endpoint: str, outcome: str) -> None:
         """One request whose first attempt failed retryably, by how its recovery ended.
 

@@ -10,7 +10,8 @@ P1's polled figures, the drift gauge and P0's level gauges; P1 is polled first w
 snapshot is stale), ``GET /stats/cache``, ``POST /internal/block_keys`` (a chat request's
 prefix-cache block keys, for routers: docs/ROUTING.md) and ``POST /internal/reset_prefix_cache``
 (P1 forgets its cached prefix blocks and announces it; answers how many) — on ``--ops-port``
-when it is set.
+when it is set. The two ``/internal/*`` routes answer only the internal token
+(``MMIS_FRONTEND_INTERNAL_TOKEN``; 403 without one configured), never the API key.
 
 ``GET /stats/cache`` (no key: the operator reads it on every ready pod) answers the drift
 window as JSON: ``drift_rate`` (drift misses / shadow hits over the window; 0.0 without
@@ -21,8 +22,15 @@ and how much of it the samples cover so far).
 
 Invariants:
 - Every request passes :class:`~mmis.frontend.api.http_gate.HttpGate` first (the outermost
-  middleware): operations routes on their port, the API key on every route of the serving
-  port but ``/health`` and ``/ready``, JSON bodies only (415), bounded bodies (413).
+  middleware): operations routes on their port, the internal token on ``/internal/*``, the
+  API key on every other route of the serving port but ``/health`` and ``/ready``, JSON
+  bodies only (415), bounded bodies (413). The gate names the request's tenant
+  (:func:`~mmis.frontend.api.http_gate.tenant_of`), which every route that takes images
+  hands to the renderer: a uuid names an image for its tenant only.
+- ``/internal/block_keys`` binds no uuid; a uuid-only item the request's tenant has no
+  binding for is left out of ``mm_hashes``, and the keys stop where it starts (the tenant is
+  the ``--tenant-header`` value, or without API keys the anonymous one; with keys and no
+  tenant header, no uuid-only item is resolved there).
 - Every error leaves in the OpenAI shape (:mod:`mmis.frontend.errors`): malformed JSON
   (deep nesting included) is 400, unknown paths 404, a model the server does not serve 404
   ``model_not_found``, unexpected exceptions 500 (text not leaked).
@@ -51,7 +59,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from mmis.frontend.api import generation_defaults
-from mmis.frontend.api.http_gate import HttpGate, MiB
+from mmis.frontend.api.http_gate import HttpGate, MiB, tenant_of
 from mmis.frontend.api.openapi import install_openapi
 from mmis.frontend.api.schemas import (
     ChatCompletionRequest,
@@ -150,9 +158,11 @@ def create_app(
     app.add_middleware(RequestTelemetryMiddleware, state_of=lambda: app.state.mmis)
     app.add_middleware(  # outermost: nothing runs for a request it refuses
         HttpGate,
-        api_key=settings.api_key,
+        api_keys=settings.api_keys,
         max_body_bytes=int(settings.max_request_body_mb * MiB),
         ops_port=settings.ops_port,
+        internal_token=settings.internal_token,
+        tenant_header=settings.tenant_header,
     )
     served = settings.served_names
 
@@ -178,7 +188,7 @@ def create_app(
     async def chat(request: Request) -> Response:
         req = await parse(request, ChatCompletionRequest)
         serving: ChatServing = request.app.state.chat
-        return await serving.create(request, req)
+        return await serving.create(request, req, tenant=tenant_of(request.scope))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -190,13 +200,13 @@ def create_app(
     async def responses(request: Request) -> Response:
         req = await parse(request, ResponsesRequest)
         serving: ResponsesServing = request.app.state.responses
-        return await serving.create(request, req)
+        return await serving.create(request, req, tenant=tenant_of(request.scope))
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
         req = await parse(request, EmbeddingRequest)
         serving: EmbeddingServing = request.app.state.embeddings
-        return await serving.create(request, req)
+        return await serving.create(request, req, tenant=tenant_of(request.scope))
 
     @app.get("/v1/models")
     async def models(request: Request) -> ModelList:
@@ -244,7 +254,7 @@ def create_app(
     async def block_keys(request: Request) -> Response:
         req = await parse(request, ChatCompletionRequest)
         serving: ChatServing = request.app.state.chat
-        return JSONResponse(await serving.block_keys(req))
+        return JSONResponse(await serving.block_keys(req, tenant=tenant_of(request.scope)))
 
     @app.post("/internal/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> Response:

@@ -13,7 +13,10 @@ Invariants:
   route the app lacks is left out.
 - Every error status a route can answer is declared with :class:`ErrorResponse`, the shape of
   :func:`mmis.frontend.errors.error_body`; ``401`` (and the bearer security scheme) only when
-  the server has an API key, on every route but the probes (:mod:`mmis.frontend.api.http_gate`).
+  the server has an API key, on every route but the probes and ``/internal/*``
+  (:mod:`mmis.frontend.api.http_gate`). ``/internal/*`` always declares its own scheme
+  (``internal``: the internal token as a bearer token), ``401 invalid_internal_token`` and
+  ``403 internal_routes_disabled``.
   ``499`` (client gone) is not declared: no client reads it.
 - Limits are the running server's, read from ``app.state.mmis`` when the document is first
   asked for (after startup): ``n <= max_n``, ``max_tokens`` and ``max_completion_tokens`` at
@@ -41,7 +44,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
 import mmis
-from mmis.frontend.api.http_gate import OPEN_PATHS, OPS_PATHS
+from mmis.frontend.api.http_gate import INTERNAL_PATHS, OPEN_PATHS, OPS_PATHS
 from mmis.frontend.api.schemas import (
     BlockKeys,
     CacheStats,
@@ -66,17 +69,20 @@ SSE = "text/event-stream"
 PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 BEARER = "bearer"
+INTERNAL = "internal"  # the internal token's security scheme (/internal/*)
 
 ERROR_TEXT: dict[int, str] = {
-    400: "invalid request: schema or range (`param` names the field), a bad or too large "
-    "image, a prompt beyond the context window",
+    400: "invalid request: schema or range (`param` names the field), text that is not valid "
+    "Unicode (a lone surrogate such as `\\ud800`, refused before anything is rendered), a bad "
+    "or too large image, a prompt beyond the context window",
     401: "missing or wrong API key (`code: invalid_api_key`)",
     403: "an image URL refused by policy (`code: media_forbidden`: private address, "
     "`file://` outside the allowed root)",
     404: "the request names a model this server does not serve (`code: model_not_found`)",
     413: "request body larger than the server's limit",
     415: "a content type other than application/json",
-    422: "images sent by `uuid` only that the server no longer holds "
+    422: "images sent by `uuid` only that the server no longer holds, or that the sender's "
+    "tenant never sent with data (a uuid names an image for its tenant only) "
     "(`code: multimodal_cache_miss`, `missing_uuids`): resend them with their data",
     500: "internal error (the text is not leaked)",
     503: "the engine is unavailable (with `Retry-After`), or a multimodal cache miss after "
@@ -89,6 +95,23 @@ RETRY_AFTER = {
     }
 }
 BODY_ERRORS = (400, 403, 404, 413, 415, 422, 500, 503)
+INTERNAL_401 = {
+    "description": "missing or wrong internal token (`code: invalid_internal_token`); the "
+    "API key does not open /internal/*",
+    "content": {JSON: {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+}
+_DISABLED = (
+    "the server has no internal token (`code: internal_routes_disabled`: set "
+    "MMIS_FRONTEND_INTERNAL_TOKEN)"
+)
+INTERNAL_403 = {
+    "description": _DISABLED,
+    "content": {JSON: {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+}
+INTERNAL_403_BODY = {
+    **INTERNAL_403,
+    "description": _DISABLED + ", or an image URL refused by policy (`code: media_forbidden`)",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,15 +226,24 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         ok=_json(CacheStats, "rates and counts over the window"),
     ),
     ("POST", "/internal/block_keys"): Operation(
-        summary="A chat request's prefix-cache block keys, for routers (nothing is served)",
+        summary="A chat request's prefix-cache block keys, for routers (nothing is served; "
+        "the internal token only)",
         request=ChatCompletionRequest,
-        ok=_json(BlockKeys, "the keys P1 will announce for the request's prompt blocks"),
-        errors=BODY_ERRORS,
+        ok=_json(
+            BlockKeys,
+            "the keys P1 will announce for the request's prompt blocks; a uuid-only image "
+            "the request's tenant has no binding for is left out of `mm_hashes`, and the keys "
+            "stop where it starts",
+        ),
+        errors=(401, *BODY_ERRORS),
+        other={401: INTERNAL_401, 403: INTERNAL_403_BODY},
     ),
     ("POST", "/internal/reset_prefix_cache"): Operation(
-        summary="P1 forgets its cached prefix blocks (announced to routers as AllBlocksCleared)",
+        summary="P1 forgets its cached prefix blocks (announced to routers as "
+        "AllBlocksCleared; the internal token only)",
         ok=_json(PrefixCacheReset, "how many blocks were forgotten"),
-        errors=(500, 503),
+        errors=(401, 403, 500, 503),
+        other={401: INTERNAL_401, 403: INTERNAL_403},
     ),
     ("GET", "/version"): Operation(
         summary="The mmis version", ok=_json(VersionInfo, "the serving package's version")
@@ -306,7 +338,7 @@ def _responses(op: Operation, limits: Limits, path: str) -> dict[str, Any]:
     responses: dict[str, Any] = {"200": copy.deepcopy(op.ok)}
     errors = set(op.errors)
     if limits.api_key and path not in OPEN_PATHS:
-        errors.add(401)
+        errors.add(401)  # the API key's (an /internal/* route's own 401 is in op.other)
     for status in sorted(errors):
         answer = op.other.get(status) or _json(ErrorResponse, ERROR_TEXT[status])
         answer = copy.deepcopy(answer)
@@ -338,13 +370,24 @@ def build_document(app: FastAPI, limits: Limits) -> dict[str, Any]:
                     "required": True,
                     "content": {JSON: {"schema": _ref(op.request)}},
                 }
-            if limits.api_key and route.path not in OPEN_PATHS:
+            if route.path in INTERNAL_PATHS:
+                entry["security"] = [{INTERNAL: []}]
+            elif limits.api_key and route.path not in OPEN_PATHS:
                 entry["security"] = [{BEARER: []}]
     if limits.ops_port:
         for path in OPS_PATHS:
             doc["paths"].pop(path, None)
+    schemes: dict[str, Any] = {}
     if limits.api_key:
-        doc["components"]["securitySchemes"] = {BEARER: {"type": "http", "scheme": "bearer"}}
+        schemes[BEARER] = {"type": "http", "scheme": "bearer"}
+    if INTERNAL_PATHS & set(doc["paths"]):
+        schemes[INTERNAL] = {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "the internal token (MMIS_FRONTEND_INTERNAL_TOKEN), for routers",
+        }
+    if schemes:
+        doc["components"]["securitySchemes"] = schemes
     return doc
 
 

@@ -43,7 +43,8 @@ from mmis.frontend.api.schemas.tools import NamedToolChoice
 from mmis.frontend.api.serving_common import new_request_id
 from mmis.frontend.api.serving_generate import Choice, ChunkStream, TextGenerator
 from mmis.frontend.api.templating import render_source, template_messages
-from mmis.frontend.client.renderer import SourcePrompt
+from mmis.frontend.client.renderer import UNBOUND, SourcePrompt
+from mmis.frontend.client.tenancy import ANONYMOUS
 from mmis.frontend.errors import EngineUnavailableError
 
 if TYPE_CHECKING:
@@ -183,28 +184,39 @@ class ChatServing:
         self.state = state
         self.generator = TextGenerator(state, "chat")
 
-    async def create(self, http: Request, req: ChatCompletionRequest) -> Response:
-        source = await self._source(req)
+    async def create(
+        self, http: Request, req: ChatCompletionRequest, *, tenant: str | None = ANONYMOUS
+    ) -> Response:
+        source = await self._source(req, tenant)
         fmt = ChatFormat(self.state.model_name, req)
         return await self.generator.respond(http, req, source, fmt, new_request_id("chatcmpl"))
 
-    async def block_keys(self, req: ChatCompletionRequest) -> dict[str, Any]:
+    async def block_keys(
+        self, req: ChatCompletionRequest, *, tenant: str | None = ANONYMOUS
+    ) -> dict[str, Any]:
         """What P1's prefix cache would call this request's full prompt blocks
         (``protocol/block_keys.py``), for a router matching them against the blocks each
-        replica announced (docs/ROUTING.md). Nothing is sent to P1; no cache changes."""
+        replica announced (docs/ROUTING.md). Nothing is sent to P1; no cache changes and no
+        uuid is bound. A uuid-only item ``tenant`` has no binding for is left out of
+        ``mm_hashes``, and the keys (and ``prompt_tokens``) stop where the first item P0
+        cannot size starts (``Renderer.keys_sync``)."""
         block_size = self.state.client.engine_info.get("block_size")
         if block_size is None:
             raise EngineUnavailableError("the engine has not reported its block size yet")
-        source = await self._source(req)
+        source = await self._source(req, tenant, keys_only=True)
         num_tokens, keys = await self.state.renderer.keys(source, int(block_size))
         return {
             "block_size": int(block_size),
             "prompt_tokens": num_tokens,
             "block_keys": [key.hex() for key in keys],
-            "mm_hashes": [item.mm_hash for item in source.items],
+            "mm_hashes": [item.mm_hash for item in source.items if item.mm_hash != UNBOUND],
         }
 
-    async def _source(self, req: ChatCompletionRequest) -> SourcePrompt:
+    async def _source(
+        self, req: ChatCompletionRequest, tenant: str | None, *, keys_only: bool = False
+    ) -> SourcePrompt:
         messages, images = template_messages(req.messages, "messages", _tool_fields)
         tools = template_tools(req)
-        return await render_source(self.state, messages, images, "messages", tools)
+        return await render_source(
+            self.state, messages, images, "messages", tools, tenant=tenant, keys_only=keys_only
+        )

@@ -29,6 +29,7 @@ from mmis.frontend.api.schemas import (
 )
 from mmis.frontend.api.serving_common import new_request_id, unless_disconnected
 from mmis.frontend.client.renderer import ImageRef, RenderedPrompt, SourcePrompt
+from mmis.frontend.client.tenancy import ANONYMOUS
 from mmis.frontend.request_telemetry import current_record
 from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import EngineCoreRequest, ErrorCode, PoolingParams
@@ -64,7 +65,7 @@ class EmbeddingServing:
     def __init__(self, state: FrontendState) -> None:
         self.state = state
 
-    async def _prepare(self, item: Any) -> SourcePrompt:
+    async def _prepare(self, item: Any, tenant: str | None) -> SourcePrompt:
         renderer = self.state.renderer
         if isinstance(item, str):
             return await renderer.prepare(item, [], param="input")
@@ -78,7 +79,7 @@ class EmbeddingServing:
                 images.append(ImageRef(part.url, part.item_uuid, f"input[{j}]", part.detail))
             else:
                 texts.append(part.text)
-        return await renderer.prepare("\n".join(texts), images, param="input")
+        return await renderer.prepare("\n".join(texts), images, param="input", tenant=tenant)
 
     async def _embed(self, source: SourcePrompt, request_id: str) -> tuple[np.ndarray, int]:
         rendered, outputs = await self.state.policy.complete(
@@ -100,9 +101,11 @@ class EmbeddingServing:
             raise _first_leaf(errors) from None
         return [task.result() for task in tasks]
 
-    async def create(self, http: Request, req: EmbeddingRequest) -> Response:
+    async def create(
+        self, http: Request, req: EmbeddingRequest, *, tenant: str | None = ANONYMOUS
+    ) -> Response:
         items = req.items()
-        sources = [await self._prepare(item) for item in items]
+        sources = [await self._prepare(item, tenant) for item in items]
         base = new_request_id("embd")
         results = await unless_disconnected(http, self._embed_all(sources, base))
         data = []

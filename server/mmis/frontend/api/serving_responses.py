@@ -41,6 +41,7 @@ from mmis.frontend.api.schemas.responses_api import (
 )
 from mmis.frontend.api.serving_generate import Choice, TextGenerator
 from mmis.frontend.api.templating import render_source, template_messages
+from mmis.frontend.client.tenancy import ANONYMOUS
 
 if TYPE_CHECKING:
     from mmis.frontend.state import FrontendState
@@ -153,8 +154,10 @@ class ResponsesServing:
         self.state = state
         self.generator = TextGenerator(state, "responses")
 
-    async def create(self, http: Request, req: ResponsesRequest) -> Response:
+    async def create(
+        self, http: Request, req: ResponsesRequest, *, tenant: str | None = ANONYMOUS
+    ) -> Response:
         messages, images = template_messages(req.messages(), "input")
-        source = await render_source(self.state, messages, images, "input")
+        source = await render_source(self.state, messages, images, "input", tenant=tenant)
         fmt = ResponsesFormat(self.state.model_name, req)
         return await self.generator.respond(http, req, source, fmt, f"resp_{uuid.uuid4().hex}")

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from mmis.frontend.api.schemas import ChatMessage, ImagePart, VideoPart
 from mmis.frontend.api.schemas.responses_api import InputImage, InputMessage, InputVideo
 from mmis.frontend.client.renderer import VIDEO, ImageRef, SourcePrompt
+from mmis.frontend.client.tenancy import ANONYMOUS
 from mmis.frontend.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -72,9 +73,13 @@ async def render_source(
     images: Sequence[ImageRef],
     param: str,
     tools: Sequence[Mapping[str, Any]] | None = None,
+    *,
+    tenant: str | None = ANONYMOUS,
+    keys_only: bool = False,
 ) -> SourcePrompt:
     """The chat template applied to ``messages`` (and ``tools``), then the prompt prepared
-    with its ``images`` (:meth:`~mmis.frontend.client.renderer.Renderer.prepare`)."""
+    with its ``images`` (:meth:`~mmis.frontend.client.renderer.Renderer.prepare`: their uuids
+    are ``tenant``'s; ``keys_only`` for a router's key request)."""
     try:
         # the template renders the whole conversation: on a worker, not the event loop
         text = await asyncio.to_thread(state.processor.chat_prompt, messages, tools)
@@ -82,4 +87,6 @@ async def render_source(
         raise InvalidRequestError(
             f"the model's chat template rejected the {param}: {exc}", param=param
         ) from exc
-    return await state.renderer.prepare(text, images, param=param)
+    return await state.renderer.prepare(
+        text, images, param=param, tenant=tenant, keys_only=keys_only
+    )

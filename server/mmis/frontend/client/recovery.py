@@ -34,7 +34,12 @@ attempt with a synthetic ``engine_unavailable`` / ``engine_restarted`` output) a
   is that 503 at once, so a gateway sends the request to another replica.
 - Loss retries are not counted in ``mmis_mm_retries_total`` (that is the drift retry's).
 - Missing items the client sent by uuid only cannot be healed by P0:
-  :class:`HashOnlyCacheMissError` (422) names their uuids, without a retry.
+  :class:`HashOnlyCacheMissError` (422) names their uuids, without a retry. That answer is
+  the only place a uuid goes: spans and their events carry counts, never a uuid.
+- **A failed send undoes the render's record**: when an attempt's engine requests cannot be
+  built or sent after its render recorded items in the shadow, the shadow forgets the items
+  that render recorded with their data (:meth:`Renderer.forget`), so the next request with
+  them sends their data rather than a shadow hit P1 would miss.
 - Non-retryable engine errors map through :func:`from_request_error` (400 / 500).
 - Counters: ``mmis_mm_retries_total{endpoint, outcome}``, one per failed first attempt of a
   client request (the readiness probe's are not counted), endpoint as its route, ``outcome``
@@ -94,6 +99,7 @@ ATTR_ITEMS = "mmis.mm.items"
 ATTR_CACHE_HITS = "mmis.mm.cache_hits"
 ATTR_BYTES_SENT = "mmis.mm.bytes_sent"
 ATTR_CHOICES = "mmis.choices"
+ATTR_MISSING = "mmis.mm.missing_items"
 MAX_ENGINE_LOSSES = 1  # engine losses healed per request
 _OFF = Tracing(tracer=trace.NoOpTracer())
 
@@ -159,14 +165,28 @@ class RecoveryPolicy:
     ) -> Generation:
         tracing = self.tracing
         attrs = {tr.ATTR_ATTEMPT: attempt + 1, ATTR_ITEMS: len(source.items)}
+        hash_only: HashOnlyCacheMissError | None = None
         with tracing.span(RENDER_SPAN, attributes=attrs) as render_span:
-            rendered = await self.renderer.render(
-                source, bypass=bypass, reserve_tokens=reserve, copies=n
-            )
-            if render_span.is_recording():
-                render_span.set_attributes(
-                    {ATTR_CACHE_HITS: rendered.shadow_hits, ATTR_BYTES_SENT: bytes_sent(rendered)}
+            try:
+                rendered = await self.renderer.render(
+                    source, bypass=bypass, reserve_tokens=reserve, copies=n
                 )
+            except HashOnlyCacheMissError as exc:  # its message names uuids: not on the span
+                hash_only = exc
+                render_span.set_status(
+                    trace.Status(trace.StatusCode.ERROR, f"{exc.code}: uuid-only item(s) missing")
+                )
+                render_span.set_attribute(ATTR_MISSING, len(exc.missing_uuids))
+            else:
+                if render_span.is_recording():
+                    render_span.set_attributes(
+                        {
+                            ATTR_CACHE_HITS: rendered.shadow_hits,
+                            ATTR_BYTES_SENT: bytes_sent(rendered),
+                        }
+                    )
+        if hash_only is not None:
+            raise hash_only
         rids = [f"{request_id}-a{attempt}-{i}" for i in range(n)]
         generation = Generation(self.client, rids)
         generation.rendered = rendered
@@ -174,12 +194,13 @@ class RecoveryPolicy:
             ENGINE_SPAN, attributes={tr.ATTR_ATTEMPT: attempt + 1, ATTR_CHOICES: n}
         )
         carrier = tr.inject(trace.set_span_in_context(generation.span)) if tracing.enabled else {}
-        requests = [build(rid, rendered, i) for i, rid in enumerate(rids)]
-        for request in requests:
-            request.trace_context = dict(carrier)
         try:
+            requests = [build(rid, rendered, i) for i, rid in enumerate(rids)]
+            for request in requests:
+                request.trace_context = dict(carrier)
             await self.client.add_requests(requests, generation.queue)
         except BaseException:
+            self.renderer.forget(rendered)  # nothing (or not all) reached P1
             generation.end_span()
             raise
         return generation

@@ -3,9 +3,11 @@
 Two stages:
 
 1. :meth:`Renderer.prepare` (asyncio): loads the images with the media loader (limits, SSRF
-   guard), hashes each one (the client's ``uuid`` wins) and tokenizes the prompt with one
-   image token per image, on a worker thread (a long prompt never stalls the event loop),
-   after refusing a prompt too long for the context from its length alone. The result, a
+   guard), hashes each one by its content and tokenizes the prompt with one image token per
+   image, on a worker thread (a long prompt never stalls the event loop), after refusing a
+   prompt too long for the context from its length alone. A client's ``uuid`` only names an
+   item for its tenant (:mod:`~mmis.frontend.client.tenancy`): sent with data it is bound to
+   that data's hash, sent alone it resolves through the binding. The result, a
    :class:`SourcePrompt`, is *retained* by the request's handler so a retry can render it
    again with the cache bypassed.
 2. :meth:`Renderer.render` (the single multimodal worker thread): drains the pending
@@ -16,9 +18,18 @@ Two stages:
 
 Invariants:
 - Every shadow mutation happens on the worker, inside one render, after its drain.
+- Every ``mm_hash`` P0 sends is the hash of an item's content: a client's uuid never leaves
+  P0 (no engine request, event, block key or trace carries it; only the sender's own 422
+  names it). A uuid-only item whose tenant has no binding for it is the 422 naming the uuid,
+  at :meth:`Renderer.prepare`; one bound to content the shadow no longer holds, the same 422
+  at the render.
 - A request rejected during rendering (hash-only item not in the shadow -> 422 naming the
   uuid, context window exceeded -> 400) leaves nothing behind: the shadow is updated and SHM
-  space is taken only after every check passed, as the last steps of the render.
+  space is taken only after every check passed, as the last steps of the render. A render
+  whose engine requests then cannot be built or sent is undone by :meth:`Renderer.forget`
+  (``frontend/client/recovery.py``): the items it recorded with data are queued for
+  invalidation, so the next request with them sends their data instead of a shadow hit that
+  P1 would answer with a drift miss.
 - With ``bypass`` every item that has data is sent with it; hash-only items (a uuid, no URL)
   can only ever be sent as ``data=None``.
 - Video items (``modality == "video"``, Qwen2-VL family) follow the same path: loaded and
@@ -32,7 +43,9 @@ Invariants:
   it fixes the length) are remembered for the last :data:`KNOWN_LENGTHS` items processed here,
   whether the shadow still holds them or not: a router's repeated key request
   (:meth:`Renderer.keys_sync`, ``POST /internal/block_keys``) runs no processor a second time.
-  Only the worker thread touches them.
+  Only the worker thread touches them. A key request binds no uuid; an item it cannot size
+  (a uuid-only item without a binding, :data:`UNBOUND`, or bound to content whose length P0
+  no longer knows) ends its keys where that item's placeholder starts.
 """
 
 from __future__ import annotations
@@ -49,6 +62,7 @@ from PIL import Image
 from mmis.frontend.client.media import DecodedVideo, MediaLoader, check_image_count
 from mmis.frontend.client.pending_invalidations import PendingInvalidations
 from mmis.frontend.client.processor import ModelProcessor, PromptError
+from mmis.frontend.client.tenancy import ANONYMOUS, UuidBindings
 from mmis.frontend.errors import (
     ContextLengthExceededError,
     HashOnlyCacheMissError,
@@ -56,7 +70,7 @@ from mmis.frontend.errors import (
     TooManyImagesError,
 )
 from mmis.multimodal.cache import SenderCache, ShadowEntry, ShadowItem, item_nbytes
-from mmis.multimodal.hashing import item_mm_hash
+from mmis.multimodal.hashing import item_mm_hash, validate_uuid
 from mmis.protocol import block_keys
 from mmis.protocol.messages import MultiModalFeature, ShmAddress
 from mmis.shm import ShmError, ShmStoreFullError, ShmWriter
@@ -64,6 +78,7 @@ from mmis.telemetry.metrics import MMISMetrics
 
 MODALITY = "image"
 VIDEO = "video"
+UNBOUND = ""  # the mm_hash of a uuid-only item a key request could not resolve (never sent)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +94,8 @@ class ImageRef:
 
 @dataclasses.dataclass(frozen=True)
 class SourceItem:
-    mm_hash: str
-    uuid: str | None
+    mm_hash: str  # the content's hash (a uuid-only item: its binding's; UNBOUND in key requests)
+    uuid: str | None  # the client's name for it: never sent to P1
     image: Image.Image | DecodedVideo | None  # None: hash-only, the engine must still hold it
     param: str | None
     processor_kwargs: dict[str, Any] | None = None  # None: the processor's own (--processor-kwargs)
@@ -111,6 +126,7 @@ class RenderedPrompt:
     features: list[list[MultiModalFeature]]  # one list per copy
     shadow_hits: int
     processed: int
+    recorded: tuple[str, ...] = ()  # hashes the render recorded with their data (processed)
 
     @property
     def num_tokens(self) -> int:
@@ -154,6 +170,7 @@ class Renderer:
         self.hash_algorithm = hash_algorithm
         self.shm_writer = shm_writer
         self.metrics = metrics or MMISMetrics(model_id)
+        self.bindings = UuidBindings()  # only the event loop touches it (prepare)
         self._lengths: collections.OrderedDict[str, int] = collections.OrderedDict()
 
     def _remember(self, mm_hash: str, length: int) -> None:
@@ -164,11 +181,26 @@ class Renderer:
 
     # ------------------------------------------------------------------ stage 1 (asyncio)
     async def prepare(
-        self, prompt: str | Sequence[int], images: Sequence[ImageRef], *, param: str = "messages"
+        self,
+        prompt: str | Sequence[int],
+        images: Sequence[ImageRef],
+        *,
+        param: str = "messages",
+        tenant: str | None = ANONYMOUS,
+        keys_only: bool = False,
     ) -> SourcePrompt:
+        """Load, hash and tokenize (stage 1). ``tenant`` (:mod:`~mmis.frontend.client.tenancy`)
+        binds the uuids sent with data and resolves those sent alone; a uuid-only item
+        without a binding is a 422 naming it. ``keys_only`` (a router's key request) binds
+        nothing and leaves such an item :data:`UNBOUND` instead."""
         videos = [ref for ref in images if ref.modality == VIDEO]
         check_image_count(len(images) - len(videos), self.max_images)
         self._check_videos(videos)
+        for ref in images:
+            if ref.uuid is not None:
+                validate_uuid(ref.uuid)
+            elif ref.url is None:
+                raise InvalidRequestError("an image part needs a url or a uuid", param=ref.param)
         with_data = [ref for ref in images if ref.url is not None and ref.modality != VIDEO]
         loaded = await self.loader.load_images(
             [ref.url for ref in with_data if ref.url is not None],
@@ -179,26 +211,29 @@ class Renderer:
             [await self.loader.load_video(ref.url or "", param=ref.param) for ref in videos]
         )
         loop = asyncio.get_running_loop()
-        items: list[SourceItem] = []
+        hashed: list[tuple[ImageRef, str | None, Image.Image | DecodedVideo | None, Any]] = []
         for ref in images:
             if ref.modality == VIDEO:
                 clip = next(clips)
                 kwargs = dict(self.processor.processor_kwargs)
-                mm_hash = await loop.run_in_executor(None, self.hash_video, clip, ref.uuid, kwargs)
-                items.append(SourceItem(mm_hash, ref.uuid, clip, ref.param, kwargs, VIDEO))
+                mm_hash = await loop.run_in_executor(None, self.hash_video, clip, kwargs)
+                hashed.append((ref, mm_hash, clip, kwargs))
                 continue
-            image = next(pictures).image if ref.url is not None else None
             kwargs = self.processor.image_kwargs(ref.detail)
-            mm_hash = await loop.run_in_executor(None, self.hash_image, image, ref.uuid, kwargs)
-            items.append(SourceItem(mm_hash, ref.uuid, image, ref.param, kwargs))
+            if ref.url is None:
+                hashed.append((ref, None, None, kwargs))  # uuid only: resolved below
+                continue
+            image = next(pictures).image
+            mm_hash = await loop.run_in_executor(None, self.hash_image, image, kwargs)
+            hashed.append((ref, mm_hash, image, kwargs))
         if isinstance(prompt, str):
             self._check_prompt_chars(len(prompt), param)
         token_ids = await loop.run_in_executor(None, self.processor.prompt_token_ids, prompt)
         slots = sum(t == self.processor.image_token_id for t in token_ids)
-        if slots != len(items) - len(videos):
+        if slots != len(images) - len(videos):
             raise InvalidRequestError(
                 f"the prompt has {slots} image placeholder token(s) for "
-                f"{len(items) - len(videos)} image(s); "
+                f"{len(images) - len(videos)} image(s); "
                 f"do not write the image token {self.processor.image_token!r} in text",
                 param=param,
             )
@@ -211,7 +246,39 @@ class Renderer:
                     "in text",
                     param=param,
                 )
+        items = self._bind(hashed, tenant, keys_only, param)
         return SourcePrompt(token_ids=token_ids, items=items, param=param)
+
+    def _bind(
+        self,
+        hashed: Sequence[tuple[ImageRef, str | None, Image.Image | DecodedVideo | None, Any]],
+        tenant: str | None,
+        keys_only: bool,
+        param: str,
+    ) -> list[SourceItem]:
+        """The request's items, in prompt order: a uuid sent with data is bound to its content
+        hash (a rebind counted), a uuid sent alone resolved through ``tenant``'s binding (an
+        earlier item of the same request included). Runs on the event loop, without a
+        suspension point, so the bindings change atomically per request."""
+        items: list[SourceItem] = []
+        unbound: list[str] = []
+        for ref, mm_hash, data, kwargs in hashed:
+            uuid = ref.uuid
+            if mm_hash is None and uuid is not None:
+                mm_hash = self.bindings.resolve(tenant, ref.modality, uuid)
+                if mm_hash is None:
+                    unbound.append(uuid)
+                    mm_hash = UNBOUND
+            elif mm_hash is not None and uuid is not None and tenant is not None and not keys_only:
+                rebound = self.bindings.bind(tenant, ref.modality, uuid, mm_hash)
+                if rebound:
+                    self.metrics.uuid_rebinds()
+            if mm_hash is None:  # unreachable: prepare refused a part without url and uuid
+                raise InvalidRequestError("an image part needs a url or a uuid", param=ref.param)
+            items.append(SourceItem(mm_hash, uuid, data, ref.param, kwargs, ref.modality))
+        if unbound and not keys_only:
+            raise HashOnlyCacheMissError(unbound, param=param)
+        return items
 
     def _check_videos(self, videos: Sequence[ImageRef]) -> None:
         if not videos:
@@ -229,32 +296,24 @@ class Renderer:
                 param="messages",
             )
 
-    def hash_video(
-        self, video: DecodedVideo, uuid: str | None, processor_kwargs: dict[str, Any]
-    ) -> str:
+    def hash_video(self, video: DecodedVideo, processor_kwargs: dict[str, Any]) -> str:
         """A video's mm_hash: its sampled frames, the processor kwargs and the sampled rate."""
         return item_mm_hash(
             model_id=self.model_id,
             modality=VIDEO,
             item=video.frames,
             processor_kwargs={**processor_kwargs, "mmis_sampled_fps": float(video.fps)},
-            uuid=uuid,
             algorithm=self.hash_algorithm,
         )
 
-    def hash_image(
-        self,
-        image: Image.Image | None,
-        uuid: str | None,
-        processor_kwargs: dict[str, Any] | None = None,
-    ) -> str:
+    def hash_image(self, image: Image.Image, processor_kwargs: dict[str, Any] | None = None) -> str:
+        """An image's mm_hash: its pixels and the processor kwargs (default: the processor's)."""
         kwargs = self.processor.processor_kwargs if processor_kwargs is None else processor_kwargs
         return item_mm_hash(
             model_id=self.model_id,
             modality=MODALITY,
             item=image,
             processor_kwargs=kwargs,
-            uuid=uuid,
             algorithm=self.hash_algorithm,
         )
 
@@ -329,24 +388,29 @@ class Renderer:
         hits = sum(p.tensors is None for p in plan)
         self.metrics.processor_cache(len(plan), hits)
         self.metrics.shadow_hits(hits)
-        return RenderedPrompt(token_ids, features, hits, len(plan) - hits)
+        recorded_with_data = tuple(p.item.mm_hash for p in plan if p.tensors is not None)
+        return RenderedPrompt(token_ids, features, hits, len(plan) - hits, recorded_with_data)
 
     def keys_sync(self, source: SourcePrompt, block_size: int) -> tuple[int, list[bytes]]:
         """``(prompt tokens, block keys)`` of the prompt a render would send P1 now
         (``protocol/block_keys.py``), changing nothing: the shadow, its counters and the
         metrics stay as they were. An item the shadow knows keeps its recorded placeholder
-        length, else its remembered one; any other is processed to learn it (and its length
-        remembered). Hash-only items need the shadow."""
+        length, else its remembered one; any other item with data is processed to learn it
+        (and its length remembered). A hash-only item of unknown length (:data:`UNBOUND`, or
+        its content forgotten) cannot be placed: the prompt tokens and the keys then stop
+        where its placeholder starts."""
         lengths: list[int] = []
-        for item in source.items:
-            entry = self.shadow.get(item.mm_hash)
+        cut: int | None = None  # the first item that cannot be placed
+        for index, item in enumerate(source.items):
+            entry = self.shadow.get(item.mm_hash) if item.mm_hash != UNBOUND else None
             known = self._lengths.get(item.mm_hash)
             if entry is not None:
                 lengths.append(entry.placeholder_length)
             elif known is not None:
                 lengths.append(known)
             elif item.image is None:
-                raise HashOnlyCacheMissError([item.uuid or item.mm_hash])
+                cut = index if cut is None else cut
+                lengths.append(1)  # a stand-in: nothing from its placeholder on is keyed
             else:
                 if isinstance(item.image, DecodedVideo):
                     n = self.processor.process_video(item.image, item.processor_kwargs).num_tokens
@@ -364,7 +428,17 @@ class Renderer:
             MultiModalFeature(modality=item.modality, mm_hash=item.mm_hash, placeholder=placeholder)
             for item, placeholder in zip(source.items, ranges, strict=True)
         ]
+        if cut is not None:
+            token_ids = token_ids[: ranges[cut].offset]
+            features = features[:cut]
         return len(token_ids), block_keys.chain(token_ids, features, block_size)
+
+    def forget(self, rendered: RenderedPrompt) -> int:
+        """Undo what a render recorded for the items it processed and sent with data, when its
+        engine requests were never sent: they are queued for invalidation (applied by the next
+        render, on the worker, before its first lookup), so the next request carrying them
+        sends their data. Returns how many hashes were queued."""
+        return self.pending.enqueue(rendered.recorded)
 
     def _placeholder_token(self, item: SourceItem) -> int:
         if item.modality == VIDEO and self.processor.video_token_id is not None:

@@ -1,15 +1,23 @@
 """Parse a raw request body into a request model, or raise a typed 400.
 
-Invariant: every way a body can be wrong (not JSON, not an object, a schema or range error)
-ends as :class:`~mmis.frontend.errors.InvalidRequestError` whose ``param`` names the
-first offending field, never a pydantic exception escaping to the client — both through
-:func:`parse_request` and through FastAPI's own body validation once
-:func:`install_exception_handlers` is applied to the app.
+Invariants:
+- Every way a body can be wrong (not JSON, not an object, a schema or range error) ends as
+  :class:`~mmis.frontend.errors.InvalidRequestError` whose ``param`` names the first
+  offending field, never a pydantic exception escaping to the client — both through
+  :func:`parse_request` and through FastAPI's own body validation once
+  :func:`install_exception_handlers` is applied to the app.
+- Text the server cannot encode is refused here, before anything is loaded or rendered: a
+  lone surrogate (``"\\ud800"`` is a valid JSON escape, and Python's JSON decoder also passes
+  surrogates written as raw bytes) anywhere in the body — a key or a string value: message
+  text, ``stop``, a prompt, tool definitions, ``response_format``, Responses input, uuids —
+  is a 400 naming the field and the character's position (:func:`find_lone_surrogate`). The
+  tokenizer, the processor and the wire codec (UTF-8 only) could not take it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
@@ -25,6 +33,7 @@ from mmis.protocol.errors import MMISError
 M = TypeVar("M", bound=BaseModel)
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _is_union_tag(part: str) -> bool:
@@ -71,6 +80,53 @@ def invalid_request_from_validation(errors: Iterable[Any]) -> InvalidRequestErro
     return InvalidRequestError(message, param=param)
 
 
+def _path(parent: str, step: str | int) -> str:
+    if isinstance(step, int):
+        return f"{parent}[{step}]"
+    return f"{parent}.{step}" if parent else step
+
+
+def find_lone_surrogate(value: Any) -> tuple[str | None, int, str] | None:
+    """The first lone surrogate in the decoded JSON ``value``: ``(param, index, code point)``
+    of the string holding it (``param`` names the field, ``None`` for the body itself; a key
+    is reported at its object), or ``None`` when every string is valid Unicode text.
+
+    Iterative (no recursion limit); only strings that are not ASCII are searched."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, str):
+            if not node.isascii():
+                found = _SURROGATE.search(node)
+                if found is not None:
+                    return path or None, found.start(), f"U+{ord(found.group()):04X}"
+        elif isinstance(node, dict):
+            children: list[tuple[str, Any]] = []
+            for key, item in node.items():
+                if isinstance(key, str) and not key.isascii():
+                    found = _SURROGATE.search(key)
+                    if found is not None:
+                        return path or None, found.start(), f"U+{ord(found.group()):04X}"
+                children.append((_path(path, key), item))
+            stack.extend(reversed(children))
+        elif isinstance(node, list):
+            stack.extend((_path(path, i), item) for i, item in reversed(list(enumerate(node))))
+    return None
+
+
+def _refuse_lone_surrogates(body: Any) -> None:
+    found = find_lone_surrogate(body)
+    if found is None:
+        return
+    param, index, point = found
+    where = f"{param}: " if param else ""
+    raise InvalidRequestError(
+        f"{where}a lone surrogate ({point}) at character {index}: text must be valid Unicode "
+        "(a surrogate escape is only valid as half of a pair)",
+        param=param,
+    )
+
+
 def parse_request(model: type[M], body: bytes | str | Any, *, max_n: int = DEFAULT_MAX_N) -> M:
     """Validate ``body`` (raw JSON bytes/str, or already-decoded JSON) as ``model``."""
     if isinstance(body, bytes | str):
@@ -80,6 +136,7 @@ def parse_request(model: type[M], body: bytes | str | Any, *, max_n: int = DEFAU
             raise InvalidRequestError(f"request body is not valid JSON ({exc})") from exc
         except RecursionError:
             raise InvalidRequestError("request body is nested too deeply") from None
+    _refuse_lone_surrogates(body)
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object")
     try:
