@@ -3,8 +3,11 @@ encoder (server/mmis/protocol/kv_events.py, itself checked byte-for-byte against
 tests/engine/test_kv_events.py).
 
 - the golden batches the Go tests decode are exactly what the Python encoder writes today;
-- the Go unit tests (``go test ./...`` in router/) pass; under ``CI=true`` a missing Go
-  toolchain fails the test instead of skipping it.
+- the Go unit tests (``go test ./...`` in router/) pass: the decoder's bounds and its fuzz
+  seeds, the frame cap, the panic rule, PLAIN against libzmq (through this interpreter's
+  pyzmq, ``MMIS_PYTHON``), the scorer, pods and keys; under ``CI=true`` a missing Go
+  toolchain fails the test instead of skipping it. (The fuzzers themselves run for a bounded
+  time in ``tests/security/test_picker_hostile.py``.)
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ def test_go_unit_tests_pass() -> None:
         "GOTOOLCHAIN": "local",
         "CGO_ENABLED": "0",
         "GOFLAGS": "-mod=readonly",
+        "MMIS_PYTHON": sys.executable,  # plain_test.go's libzmq PLAIN server (pyzmq)
     }
     proc = subprocess.run(
         [go, "test", "./..."], cwd=ROUTER, env=env, capture_output=True, text=True, timeout=900
