@@ -15,8 +15,8 @@ Bounds (issue 41: a slow or hostile peer costs bounded memory):
   most ``buffer_bytes`` of payload (:data:`BUFFER_BYTES`), whichever is smaller; a single
   batch larger than that is kept alone until the next one.
 - Live: a subscriber that does not read holds at most ``hwm`` (:data:`LIVE_HWM`) batches in
-  this process; beyond that the PUB drops its batches (:attr:`EventPublisher.dropped`) and
-  the subscriber sees a gap, which it fills from the replay.
+  this process; beyond that the PUB drops its batches, for it alone and silently (libzmq's
+  PUB reports nothing), and the subscriber sees a gap, which it fills from the replay.
 - Replays: at most :data:`MAX_REPLAYS` run at once; up to :data:`MAX_QUEUED_REPLAYS` more wait
   (a request beyond that, or a second one from a peer already served, is dropped: the
   requester times out and asks again). A replay keeps a cursor into the buffer, holds no copy
@@ -28,15 +28,17 @@ Bounds (issue 41: a slow or hostile peer costs bounded memory):
 - Inbound: a message (a subscription, a replay request, a handshake command) larger than
   :data:`MAX_INBOUND_BYTES` closes its connection (``ZMQ_MAXMSGSIZE``); a peer queues at most
   :data:`INBOUND_HWM` messages; a handshake not done in :data:`HANDSHAKE_MS` ms is dropped.
+- The kernel holds at most :data:`SOCKET_SNDBUF` (doubled by Linux) unsent bytes per
+  connection (``SO_SNDBUF``): memory a pod's cgroup is charged for too.
 - So beyond the buffer, one publisher holds at most ``(subscribers * LIVE_HWM + replay peers
   * REPLAY_PEER_HWM)`` queued batches, each a payload plus about 64 bytes per frame of
   libzmq's message headers, and libzmq's per-connection buffers (two 8 KiB batch buffers).
   ``tests/security/test_event_publisher_bounds.py`` measures it with 400 replay peers.
 
 Invariants:
-- :meth:`EventPublisher.publish` never blocks the engine. A PUB socket at its high-water
-  mark drops the message; the batch stays in the replay buffer and
-  :attr:`EventPublisher.dropped` counts it.
+- :meth:`EventPublisher.publish` never blocks the engine: the PUB sends without blocking and
+  drops at a subscriber's high-water mark; the batch stays in the replay buffer
+  (:attr:`EventPublisher.dropped` counts a send the socket refused outright).
 - Only the caller's thread touches the PUB socket, and only the replay thread touches the
   ROUTER (the ZAP handler's thread its own socket). The buffer between them is guarded by a
   lock, held only to append or to copy a few references.
@@ -62,7 +64,7 @@ END_SEQ = b"\xff" * 8
 BUFFER_BATCHES = 10_000
 BUFFER_BYTES = 64 << 20  # 64 MiB of payload in the replay buffer at most
 LIVE_HWM = 256  # batches queued per live subscriber (about 1-3 s of steps with events)
-REPLAY_PEER_HWM = 64  # batches queued per replay peer
+REPLAY_PEER_HWM = 32  # batches queued per replay peer
 MAX_REPLAYS = 4  # replays sending at once
 MAX_QUEUED_REPLAYS = 16  # replay requests waiting for a turn
 REPLAY_STALL_S = 3.0  # a replay without progress for this long is abandoned
@@ -70,6 +72,9 @@ REPLAY_STALL_S = 3.0  # a replay without progress for this long is abandoned
 # and a password of at most 255 bytes each, INITIATE an identity of at most 255
 MAX_INBOUND_BYTES = 1024
 INBOUND_HWM = 16  # messages queued per peer before the connection is read no more
+# the kernel's send buffer per connection (Linux doubles it; a pod's cgroup is charged for it):
+# room for a replay over a fast network, without letting the kernel hold megabytes per peer
+SOCKET_SNDBUF = 128 << 10
 HANDSHAKE_MS = 5000
 _POLL_MS = 100
 _CHUNK = REPLAY_PEER_HWM  # batches one look into the buffer copies
@@ -121,7 +126,7 @@ class EventPublisher:
         self._bytes = 0
         self._lock = threading.Lock()
         self._seq = 0
-        self.dropped = 0  # live batches the PUB dropped at a subscriber's high-water mark
+        self.dropped = 0  # live sends refused outright (a high-water mark drops silently)
         self.replays_refused = 0  # replay requests dropped (queue full, or a duplicate)
         self.replays_abandoned = 0  # replays given up (stalled, peer gone, fell off the buffer)
         self.replays_done = 0
@@ -163,6 +168,7 @@ class EventPublisher:
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND_BYTES)
         sock.setsockopt(zmq.RCVHWM, INBOUND_HWM)
         sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
+        sock.setsockopt(zmq.SNDBUF, SOCKET_SNDBUF)
         secure_server(sock, secret)
 
     @property
