@@ -59,8 +59,10 @@ The inference pod:
   container with ``HF_TOKEN``, from ``model.tokenSecretRef``); P0 and P1 then read the same
   ``HF_HOME`` with ``HF_HUB_OFFLINE=1``, so neither downloads again nor needs the token.
 - Settings reach the server as flags its parsers know (``tests/contract`` parses them with
-  the real ``mmis frontend`` / ``mmis engine`` parsers); the only ``MMIS_*`` variable is
-  ``MMIS_FRONTEND_API_KEY`` from the Secret, so the key never appears in the pod spec.
+  the real ``mmis frontend`` / ``mmis engine`` parsers); the only ``MMIS_*`` variables are
+  secrets, read from Secrets (``secretKeyRef``) so no key appears in the pod spec:
+  ``MMIS_FRONTEND_API_KEY`` and, with routing, the internal token
+  (``MMIS_FRONTEND_INTERNAL_TOKEN``, ``MMIS_ENGINE_EVENTS_TOKEN``).
   A server setting the spec leaves unset is not passed: the server's one default applies.
   ``model.revision`` goes to both containers (``--revision``); ``model.processorKwargs`` to
   the front end only (``--processor-kwargs``, compact JSON): P1 never runs the processor.
@@ -73,6 +75,12 @@ The inference pod:
   P0 of the pod has exited (or after :func:`engine_wait_seconds`: the front end's preStop
   pause, its graceful shutdown and 5 s), and the pod's grace period is that wait plus
   :data:`ENGINE_STOP_SECONDS` for the engine's own stop. No in-flight request loses its engine.
+- With ``spec.routing`` the front end, the engine and the picker read the internal token from
+  the Secret ``NAME-internal`` (``routing.token_env``: ``secretKeyRef``, never a value).
+- NetworkPolicy ``NAME`` (:func:`network_policy`) selects the inference pods: the API port
+  from anywhere; the ops port from the picker, the operator and the scrapers; the engine's
+  event ports (with routing) from the picker only; nothing else (the kubelet's probes are node
+  traffic, always allowed).
 """
 
 from __future__ import annotations
@@ -282,12 +290,72 @@ def pod_monitor(owner: Mapping[str, Any], spec: ServiceSpec) -> dict[str, Any] |
     return pod_monitor_manifest(owner, meta, spec.monitoring)
 
 
-def routing_objects(owner: Mapping[str, Any], spec: ServiceSpec) -> list[dict[str, Any]]:
-    """The InferencePool and its endpoint picker's objects, or none without ``spec.routing``."""
+def routing_objects(
+    owner: Mapping[str, Any],
+    spec: ServiceSpec,
+    cluster_role: str,
+    scrapers: Mapping[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """The InferencePool and its endpoint picker's objects, or none without ``spec.routing``;
+    ``cluster_role`` is the picker's ClusterRole to bind, ``scrapers`` who may scrape it when
+    NetworkPolicies are rendered (None: none)."""
     if spec.routing is None:
         return []
     meta = _metadata(owner, owner["metadata"]["name"])
-    return routing.manifests(owner, meta, spec.routing)
+    return routing.manifests(owner, meta, spec.routing, cluster_role, scrapers)
+
+
+def token_secret(owner: Mapping[str, Any], token: str) -> dict[str, Any]:
+    """The internal token's Secret ``NAME-internal`` (``routing.token_secret``), owned."""
+    return routing.token_secret(_metadata(owner, owner["metadata"]["name"]), token)
+
+
+def network_policy(
+    owner: Mapping[str, Any],
+    spec: ServiceSpec,
+    scrapers: Mapping[str, Any],
+    operator_peer: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The inference pods' NetworkPolicy ``NAME`` (Ingress only):
+
+    - ``http`` (8000), the API: from anywhere (the Service, the Ingress, the gateway);
+    - ``ops`` (8001): from the picker pods of this resource (with routing: load metrics and
+      ``/internal/block_keys``), the operator's pods (``operator_peer``: the coherence probe;
+      None when the operator does not know its namespace and labels) and ``scrapers``;
+    - with routing, the engine's event ports (``routing.EVENT_PORTS``): from the picker only;
+    - the engine's health port (8002) admits nothing: the kubelet's probes are node traffic,
+      which NetworkPolicy always allows.
+    """
+    name = owner["metadata"]["name"]
+    picker = {"podSelector": {"matchLabels": routing.picker_selector(name)}}
+    ops_from: list[dict[str, Any]] = []
+    if spec.routing is not None:
+        ops_from.append(picker)
+    if operator_peer is not None:
+        ops_from.append(dict(operator_peer))
+    ops_from.append(dict(scrapers))
+    ingress: list[dict[str, Any]] = [
+        {"ports": [_tcp(r.HTTP_PORT)]},
+        {"ports": [_tcp(r.OPS_PORT)], "from": ops_from},
+    ]
+    if spec.routing is not None:
+        events = routing.EVENT_PORTS
+        ports = (events.kv, events.kv_replay, events.mm, events.mm_replay)
+        ingress.append({"ports": [_tcp(p) for p in ports], "from": [picker]})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(owner, name),
+        "spec": {
+            "podSelector": {"matchLabels": r.selector_labels(name)},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
+
+
+def _tcp(port: int) -> dict[str, Any]:
+    return {"protocol": "TCP", "port": port}
 
 
 def endpoint(owner: Mapping[str, Any], spec: ServiceSpec) -> str:
@@ -529,6 +597,8 @@ def frontend_container(spec: ServiceSpec, name: str) -> dict[str, Any]:
     memory = format_bytes(spec.frontend_memory_bytes + spec.cache.shm_volume_bytes)
     # the front end needs no GPU: the NVIDIA runtime then mounts none into it
     env = [*common_env(spec, name), {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
+    if spec.routing is not None:  # /internal/* answers only the picker's bearer token
+        env.append(routing.token_env(name, routing.FRONTEND_TOKEN_ENV))
     if spec.api_key_secret:
         secret, key = spec.api_key_secret
         # read by the server's config layer; never a flag (it would show in the pod spec)
@@ -590,7 +660,11 @@ def engine_container(spec: ServiceSpec, name: str) -> dict[str, Any]:
             },
             *(routing.engine_ports() if spec.routing is not None else []),
         ],
-        "env": common_env(spec, name),
+        "env": [
+            *common_env(spec, name),
+            # the event sockets admit only the picker (ZMQ PLAIN with the internal token)
+            *([routing.token_env(name, routing.ENGINE_TOKEN_ENV)] if spec.routing else []),
+        ],
         "resources": {"requests": requests, "limits": limits},
         # the engine answers its own probe (mmis engine --health-port) once its model is
         # loaded: a hung or stopped engine is restarted, not the front end

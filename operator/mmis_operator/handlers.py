@@ -32,7 +32,7 @@ import kopf
 from mmis_operator import kube as r  # the resource's names (kube.py's first section)
 from mmis_operator.kube import Kube, KubeError, object_path
 from mmis_operator.probe import CoherenceProbe
-from mmis_operator.reconciler import ApplyError, Reconciler, Refresher
+from mmis_operator.reconciler import ApplyError, Reconciler, Refresher, Security
 from mmis_operator.spec import InvalidSpecError, parse_spec
 
 RETRY_DELAY = 5.0
@@ -58,10 +58,11 @@ def build_registry(
     probe_seconds: float = 30.0,
     allow_fault_injection: bool = False,
     refresh_delay: float = 0.2,
+    security: Security | None = None,
 ) -> kopf.OperatorRegistry:
     """Register every handler of the operator on a new registry bound to ``kube``."""
     registry = kopf.OperatorRegistry()
-    reconciler = Reconciler(kube, allow_fault_injection)
+    reconciler = Reconciler(kube, allow_fault_injection, security=security)
     refresher = Refresher(refresh_delay)
     resource = (r.GROUP, r.VERSION, r.PLURAL)
 

@@ -76,6 +76,16 @@ SHM_MOUNT = "/dev/shm"
 GPU_RESOURCE = "nvidia.com/gpu"
 RUN_AS_USER = 1000
 
+# NetworkPolicies (docs/SECURITY.md): who scrapes the pods' metrics by default, the labels
+# kube-prometheus-stack's Prometheus pods carry (prometheus-operator sets them), in any
+# namespace; the chart's networkPolicy.scrapers overrides it (the operator's
+# --network-policy-scrapers)
+DEFAULT_SCRAPERS: dict[str, Any] = {
+    "namespaceSelector": {},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+}
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # set on every namespace by the API server
+
 # condition types the operator owns (CacheCoherent: the coherence probe, the others: reconciler;
 # Routing only while spec.routing is set)
 READY = "Ready"
@@ -113,11 +123,12 @@ _PLURALS = {
     "HorizontalPodAutoscaler": "horizontalpodautoscalers",
     "ScaledObject": "scaledobjects",  # keda.sh
     "PodMonitor": "podmonitors",  # monitoring.coreos.com
-    # spec.routing (routing.py): the endpoint picker's objects and the InferencePool
-    "ConfigMap": "configmaps",
+    "NetworkPolicy": "networkpolicies",  # networking.k8s.io
+    # spec.routing (routing.py): the endpoint picker's objects, the internal token (created
+    # only, never read) and the InferencePool
     "ServiceAccount": "serviceaccounts",
-    "Role": "roles",  # rbac.authorization.k8s.io
-    "RoleBinding": "rolebindings",
+    "RoleBinding": "rolebindings",  # rbac.authorization.k8s.io
+    "Secret": "secrets",
     "InferencePool": "inferencepools",  # inference.networking.k8s.io
     KIND: PLURAL,
 }
@@ -228,6 +239,19 @@ class Kube:
         )
         query = {"fieldManager": FIELD_MANAGER, "force": "true", "fieldValidation": "Strict"}
         return self.request("PATCH", path, dict(manifest), query, APPLY)
+
+    def create(self, manifest: Mapping[str, Any]) -> bool:
+        """Create ``manifest`` (POST); False when it exists already (409), which is left as it
+        is: the way to write an object the operator may create but never read (a Secret)."""
+        meta = manifest["metadata"]
+        path = object_path(manifest["apiVersion"], manifest["kind"], meta.get("namespace"))
+        try:
+            self.request("POST", path, dict(manifest), {"fieldManager": FIELD_MANAGER})
+        except KubeError as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
 
     def list(self, path: str, label_selector: str) -> list[dict[str, Any]]:
         """The items of a collection ``path`` matching ``label_selector``."""

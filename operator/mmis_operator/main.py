@@ -23,6 +23,11 @@ Invariants:
   lower priority waits while the active one holds the peering object.
 - One function, :func:`serve`, builds the registry, settings and client for both modes, so the
   threaded operator tests exercise exactly what ``mmis operator`` runs.
+- What the chart's values grant and ask reach the reconciler as flags
+  (:meth:`Options.security`): ``--picker-cluster-role`` (set with ``routing.enabled``),
+  ``--no-network-policies`` (``networkPolicy.enabled=false``), ``--network-policy-scrapers``
+  (``networkPolicy.scrapers``, a NetworkPolicyPeer as JSON), ``--operator-pod-labels`` and the
+  operator's namespace (``--operator-namespace``, else ``$POD_NAMESPACE``: the downward API).
 - :class:`OperatorThread` stops through kopf's stop flag (no signals, no thread killing) and
   ``start`` returns only after kopf reports readiness (or raises if it died first).
 """
@@ -31,13 +36,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import dataclasses
+import json
 import logging
+import os
 import random
 import sys
 import threading
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import kopf
 
@@ -45,6 +55,7 @@ from mmis_operator import kube as r  # the resource's names (kube.py's first sec
 from mmis_operator.handlers import build_registry
 from mmis_operator.kube import Kube
 from mmis_operator.probe import CoherenceProbe
+from mmis_operator.reconciler import Security
 
 # --- Options and kopf settings (was settings.py) --------------------------------------------------
 
@@ -69,6 +80,16 @@ class Options:
     allow_stats_endpoint_override: bool = False
     # testing knobs in a resource (spec.engine.faultEvictRate) are refused unless this is set
     allow_fault_injection: bool = False
+    # what the installation grants and asks (reconciler.Security): the picker's ClusterRole
+    # it may bind (empty: spec.routing is refused), NetworkPolicies and who scrapes, and the
+    # operator's own pods (admitted to the ops port; unknown out of cluster)
+    picker_cluster_role: str = ""
+    network_policies: bool = True
+    network_policy_scrapers: Mapping[str, Any] = dataclasses.field(
+        default_factory=lambda: copy.deepcopy(r.DEFAULT_SCRAPERS)
+    )
+    operator_namespace: str | None = None
+    operator_pod_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.watch_client_timeout <= self.watch_server_timeout:
@@ -83,6 +104,15 @@ class Options:
                 f"probe interval and timeout must be positive, got {self.probe_seconds}, "
                 f"{self.probe_timeout}"
             )
+
+    def security(self) -> Security:
+        return Security(
+            picker_cluster_role=self.picker_cluster_role,
+            network_policies=self.network_policies,
+            scrapers=self.network_policy_scrapers,
+            operator_namespace=self.operator_namespace,
+            operator_labels=self.operator_pod_labels,
+        )
 
 
 def configure(settings: kopf.OperatorSettings, options: Options) -> kopf.OperatorSettings:
@@ -146,8 +176,69 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="let resources set testing knobs (spec.engine.faultEvictRate); refused otherwise",
     )
     parser.add_argument(
+        "--picker-cluster-role",
+        metavar="NAME",
+        help="the endpoint picker's ClusterRole (the chart's, with routing.enabled) that the "
+        "operator binds per resource; unset, spec.routing is refused (Routing False, "
+        "RoutingNotEnabled)",
+    )
+    parser.add_argument(
+        "--no-network-policies",
+        dest="network_policies",
+        action="store_const",
+        const=False,
+        help="render no NetworkPolicies (and delete the ones rendered before)",
+    )
+    parser.add_argument(
+        "--network-policy-scrapers",
+        type=_peer,
+        metavar="JSON",
+        help="who scrapes the pods' metrics, a NetworkPolicyPeer "
+        '(default: {"namespaceSelector": {}, "podSelector": {"matchLabels": '
+        '{"app.kubernetes.io/name": "prometheus"}}})',
+    )
+    parser.add_argument(
+        "--operator-namespace",
+        help="the operator's own namespace, admitted to the pods' ops port with "
+        "--operator-pod-labels (default: $POD_NAMESPACE)",
+    )
+    parser.add_argument(
+        "--operator-pod-labels",
+        type=_labels,
+        metavar="KEY=VALUE,...",
+        help="the operator's own pods' labels (the chart's selector labels)",
+    )
+    parser.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
+
+
+_PEER_KEYS = ("namespaceSelector", "podSelector")
+
+
+def _peer(text: str) -> dict[str, Any]:
+    """A NetworkPolicyPeer of selectors as JSON (``ipBlock`` is no scraper's identity)."""
+    try:
+        peer = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(peer, dict) or not peer or set(peer) - set(_PEER_KEYS):
+        raise argparse.ArgumentTypeError(
+            f"must be an object with {' and/or '.join(_PEER_KEYS)}, got {text!r}"
+        )
+    if not all(isinstance(v, dict) for v in peer.values()):
+        raise argparse.ArgumentTypeError(f"each selector must be an object, got {text!r}")
+    return peer
+
+
+def _labels(text: str) -> dict[str, str]:
+    labels = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"expected KEY=VALUE[,KEY=VALUE...], got {text!r}")
+        labels[key.strip()] = value.strip()
+    return labels
 
 
 def _priority(text: str | None) -> int | None:
@@ -164,6 +255,8 @@ def _priority(text: str | None) -> int | None:
 def options_from_args(args: argparse.Namespace) -> Options:
     given = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(Options)}
     given.update(namespaces=tuple(args.namespace), priority=_priority(args.priority))
+    if given.get("operator_namespace") is None:  # the downward API (the chart sets it)
+        given["operator_namespace"] = os.environ.get("POD_NAMESPACE") or None
     return Options(**{name: value for name, value in given.items() if value is not None})
 
 
@@ -214,6 +307,7 @@ async def serve(
             CoherenceProbe(kube, options.probe_timeout, options.allow_stats_endpoint_override),
             options.probe_seconds,
             options.allow_fault_injection,
+            security=options.security(),
         ),
         settings=settings,
         clusterwide=not options.namespaces,

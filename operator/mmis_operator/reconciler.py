@@ -29,11 +29,22 @@ Invariants:
   checked on a resource's first reconcile in this process, afterwards only for the kinds this
   process applied to it (``_integrations``, an in-memory hint), so a steady reconcile costs no
   extra request.
-- ``spec.routing``: the InferencePool and the endpoint picker's objects (routing.py) are
-  applied only when the cluster serves inference.networking.k8s.io/v1 InferencePool; the
-  ``Routing`` condition says which (True, or False with reason InferencePoolAPIMissing and what
-  to install). Without ``spec.routing`` those objects are deleted (the same in-memory hint,
-  ``_routed``) and the Routing condition is removed.
+- ``spec.routing`` needs the operator installed with routing (:class:`Security`'s
+  ``picker_cluster_role``, the chart's ``routing.enabled``): without it the condition
+  ``Routing`` is False with reason RoutingNotEnabled, nothing of routing is created and the
+  pods are built as without ``spec.routing`` (no event ports, no token). With it, the internal
+  token's Secret ``NAME-internal`` is created before the Deployment (create only: a 409 leaves
+  the existing one; the operator never reads, changes or deletes a Secret, garbage collection
+  does) and the InferencePool and the endpoint picker's objects (routing.py) are applied only
+  when the cluster serves inference.networking.k8s.io/v1 InferencePool; the ``Routing``
+  condition says which (True, or False with reason InferencePoolAPIMissing and what to
+  install). Without ``spec.routing`` those objects are deleted (the same in-memory hint,
+  ``_routed``) and the Routing condition is removed. A RoleBinding whose roleRef changed (an
+  earlier operator bound a Role) is deleted and created again: roleRef is immutable.
+- NetworkPolicies (``Security.network_policies``, on by default): ``NAME`` for the inference
+  pods and, with routing, ``NAME-epp`` for the picker's; when the setting is off both are
+  deleted when this resource owns them (looked for on its first reconcile in this process,
+  ``_policies``).
 
 Integrations:
 - :class:`Integrations` is the operator's setting for them, read from the environment (the
@@ -71,9 +82,11 @@ its pods several more: one refresh per burst instead of one per event
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -109,6 +122,7 @@ _API_VERSIONS = {
     "HorizontalPodAutoscaler": "autoscaling/v2",
     "ScaledObject": "keda.sh/v1alpha1",
     "PodMonitor": "monitoring.coreos.com/v1",
+    "NetworkPolicy": "networking.k8s.io/v1",
 }
 
 
@@ -119,6 +133,46 @@ POOL_API_MISSING = (
     "gateway-api-inference-extension/releases/download/v1.5.0/manifests.yaml); the endpoint "
     "picker and the InferencePool are then created at the next resync (a minute or two)"
 )
+
+
+ROUTING_NOT_ENABLED = (
+    "spec.routing needs the operator installed with routing: helm upgrade the mmis chart with "
+    "--set routing.enabled=true (it ships the picker's ClusterRole and lets the operator bind "
+    "it, create the picker's ServiceAccount and RoleBinding and the internal token's Secret); "
+    "until then nothing of routing is created and the pods publish no cache events"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Security:
+    """What the operator's installation lets it do and asks of it (the chart's values, as
+    ``mmis operator`` flags: :class:`mmis_operator.main.Options`).
+
+    ``picker_cluster_role``: the chart's picker ClusterRole the operator may bind (empty:
+    installed without ``routing.enabled``, so ``spec.routing`` is refused). ``network_policies``:
+    render the NetworkPolicies; ``scrapers``: the NetworkPolicyPeer of whoever scrapes the
+    pods' metrics; ``operator_namespace`` / ``operator_labels``: where the operator's own pods
+    are and their labels, admitted to the ops port (the coherence probe); unknown (out of
+    cluster) they are left out.
+    """
+
+    picker_cluster_role: str = ""
+    network_policies: bool = True
+    scrapers: Mapping[str, Any] = dataclasses.field(
+        default_factory=lambda: copy.deepcopy(r.DEFAULT_SCRAPERS)
+    )
+    operator_namespace: str | None = None
+    operator_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def operator_peer(self) -> dict[str, Any] | None:
+        """The operator's pods as a NetworkPolicyPeer, or None when not known."""
+        if not self.operator_namespace or not self.operator_labels:
+            return None
+        namespace = {r.NAMESPACE_NAME_LABEL: self.operator_namespace}
+        return {
+            "namespaceSelector": {"matchLabels": namespace},
+            "podSelector": {"matchLabels": dict(self.operator_labels)},
+        }
 
 
 def _child_path(kind: str, namespace: str, name: str) -> str:
@@ -155,9 +209,11 @@ class Reconciler:
         allow_fault_injection: bool = False,
         integrations: Integrations | None = None,
         discovery: Discovery | None = None,
+        security: Security | None = None,
     ) -> None:
         self.kube = kube
         self.allow_fault_injection = allow_fault_injection
+        self.security = Security() if security is None else security
         self.integrations = Integrations.from_env() if integrations is None else integrations
         self.discovery = Discovery(kube) if discovery is None else discovery
         self._pod_problem_owners: set[tuple[str, str]] = set()
@@ -165,6 +221,8 @@ class Reconciler:
         self._integrations: dict[tuple[str, str], set[str]] = {}
         # per resource: whether this process applied its routing objects (absent: not looked)
         self._routed: dict[tuple[str, str], bool] = {}
+        # per resource: whether this process applied its NetworkPolicies (absent: not looked)
+        self._policies: dict[tuple[str, str], bool] = {}
 
     def _wanted_integrations(
         self, body: Mapping[str, Any], spec: ServiceSpec
@@ -200,6 +258,8 @@ class Reconciler:
         """The routing objects to apply, and the Routing condition (None: no spec.routing)."""
         if spec.routing is None:
             return [], None
+        if not self.security.picker_cluster_role:
+            return [], Condition(r.ROUTING, "False", "RoutingNotEnabled", ROUTING_NOT_ENABLED)
         if not self.discovery.inference_pools():
             return [], Condition(r.ROUTING, "False", "InferencePoolAPIMissing", POOL_API_MISSING)
         name = body["metadata"]["name"]
@@ -209,7 +269,43 @@ class Reconciler:
             f"{routing.POOL_GROUP}, kind {routing.POOL_KIND}, name {name})"
         )
         condition = Condition(r.ROUTING, "True", "InferencePoolApplied", message)
-        return builders.routing_objects(body, spec), condition
+        scrapers = self.security.scrapers if self.security.network_policies else None
+        role = self.security.picker_cluster_role
+        return builders.routing_objects(body, spec, role, scrapers), condition
+
+    def _pod_spec(self, spec: ServiceSpec) -> ServiceSpec:
+        """The spec the pods are built from: routing the operator may not deploy (installed
+        without a picker ClusterRole) is no routing for the pods (no event ports, no token
+        Secret to read)."""
+        if spec.routing is not None and not self.security.picker_cluster_role:
+            return dataclasses.replace(spec, routing=None)
+        return spec
+
+    def _apply_routing(self, manifest: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
+        try:
+            self.kube.apply(manifest)
+        except KubeError as exc:
+            if manifest["kind"] != "RoleBinding" or exc.status != 422:
+                raise
+            # roleRef is immutable: an earlier operator's binding (to its own Role, or another
+            # ClusterRole name) goes, and the new one is created
+            path = object_path(
+                manifest["apiVersion"],
+                "RoleBinding",
+                meta["namespace"],
+                manifest["metadata"]["name"],
+            )
+            self._delete_owned(path, meta)
+            self.kube.apply(manifest)
+
+    def _drop_policies(self, meta: Mapping[str, Any], wanted: bool) -> None:
+        """Delete the resource's NetworkPolicies when the operator renders none: looked for on
+        its first reconcile in this process, afterwards only if this process applied them."""
+        key = (meta["namespace"], meta["name"])
+        if not wanted and self._policies.get(key, True):
+            for name in (meta["name"], routing.picker_name(meta["name"])):
+                self._delete_owned(_child_path("NetworkPolicy", meta["namespace"], name), meta)
+        self._policies[key] = wanted
 
     def _drop_routing(self, meta: Mapping[str, Any], wanted: bool) -> None:
         """Delete the routing objects the resource owns when it has none any more: looked for
@@ -279,11 +375,16 @@ class Reconciler:
             self._write_failure(namespace, name, None)  # the status says InvalidSpec / refused
             raise
         claim = builders.model_claim(body, spec)
+        pods = self._pod_spec(spec)
         manifests = [
             *([claim] if claim is not None else []),
-            builders.deployment(body, spec),
+            builders.deployment(body, pods),
             builders.service(body, spec),
         ]
+        policies = self.security.network_policies
+        if policies:
+            peer = self.security.operator_peer()
+            manifests.append(builders.network_policy(body, pods, self.security.scrapers, peer))
         optional = {
             "Ingress": builders.ingress(body, spec),
             "PodDisruptionBudget": builders.disruption_budget(body, spec),
@@ -294,10 +395,12 @@ class Reconciler:
         routed, routing_condition = self._routing(body, spec)
         applied: dict[str, dict[str, Any]] = {}
         try:
+            if pods.routing is not None:  # before the pods that read it
+                self.kube.create(builders.token_secret(body, secrets.token_hex(32)))
             for manifest in manifests:
                 applied[manifest["kind"]] = self.kube.apply(manifest)
             for manifest in routed:  # the picker's Deployment and Service are not the resource's
-                self.kube.apply(manifest)
+                self._apply_routing(manifest, meta)
             for kind, wanted in optional.items():
                 if wanted is None:
                     self._delete_owned(_child_path(kind, namespace, name), meta)
@@ -308,6 +411,7 @@ class Reconciler:
                 self._delete_owned(claim_path, meta)
             self._drop_unwanted(meta, integrations)
             self._drop_routing(meta, bool(routed))
+            self._drop_policies(meta, policies)
         except KubeError as exc:
             permanent = rejected(exc)
             reason = "InvalidPodTemplate" if permanent else "ApplyFailed"  # Strict: names field

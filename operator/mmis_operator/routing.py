@@ -6,15 +6,18 @@ supports InferencePool (Istio, kgateway, GKE Gateway) asks the picker where to s
 Owns (each a section below): the picker's configuration, the one owner of the text
 ``mmis-epp`` reads (used by the operator's routing objects and by the routing tests and
 benchmarks, so what is tested is what is deployed), and the pure builders of the routing
-objects. ``spec.routing`` itself is parsed by :mod:`mmis_operator.spec`. Kept apart from
+objects (the internal token's Secret and the picker's NetworkPolicy included).
+``spec.routing`` itself is parsed by :mod:`mmis_operator.spec`. Kept apart from
 :mod:`mmis_operator.builders` (the pod and the other children, which call in here): together
-they would pass 1,100 lines, and nothing here but ``engine_args`` / ``engine_ports`` reaches the
-inference pod.
+they would pass 1,100 lines, and nothing here but ``engine_args`` / ``engine_ports`` /
+``token_env`` reaches the inference pod.
 
 Invariants:
-- Pure: (owner metadata, parsed ``spec.routing``) in, manifests out. Whether the cluster serves
-  the InferencePool API is the reconciler's business (:mod:`mmis_operator.reconciler`); without
-  it nothing here is applied (a picker without a pool has nothing to pick for).
+- Pure: (owner metadata, parsed ``spec.routing``, the operator's settings) in, manifests out.
+  Whether the cluster serves the InferencePool API, and whether the operator was installed
+  with routing (a picker ClusterRole to bind), is the reconciler's business
+  (:mod:`mmis_operator.reconciler`); without either nothing here is applied (a picker without
+  a pool has nothing to pick for).
 - The pool selects exactly the inference pods (``kube.selector_labels``) on the front end's
   ``http`` port; the picker's own pods never carry those labels, nor ``mmis.dev/service``, so
   neither the Service, the pool, the status' pod list nor the operator's Deployment watcher
@@ -32,18 +35,30 @@ Invariants:
 - The profile composes the cache scorer with the framework's queue and KV-utilisation
   scorers; a request whose keys or events are missing scores 0 on the cache scorer for every
   pod, so load alone decides and the request never fails for lack of cache data.
-- The picker pod meets Pod Security ``restricted``; its ServiceAccount may only read pods,
-  InferencePools, InferenceObjectives and InferenceModelRewrites in its namespace (and, with
-  more than one replica, hold the leader-election lease). Every object is owned by the
-  resource (controller owner reference), so garbage collection removes them with it.
-- A change of the picker's configuration changes its pod template (a hash annotation), so the
-  picker restarts with it (it reads the file once, at start).
+- The picker pod meets Pod Security ``restricted``. Its rights are the chart's ClusterRole
+  (``--picker-cluster-role``, :data:`PICKER_RULES`: read pods, InferencePools,
+  InferenceObjectives and InferenceModelRewrites; leases and events for leader election),
+  bound in the resource's namespace only (a RoleBinding ``NAME-epp``); the operator creates no
+  Role, so it never needs to hold what it grants: the chart lets it ``bind`` that one
+  ClusterRole (``resourceNames``) and nothing else. Every object is owned by the resource
+  (controller owner reference), so garbage collection removes them with it.
+- The internal token (docs/SECURITY.md): the Secret ``NAME-internal`` (key ``token``) is built
+  here from a token the reconciler draws; the operator only ever creates it (never reads,
+  lists, changes or deletes a Secret), and the front end, the engine and the picker read it
+  through ``secretKeyRef`` env (:data:`FRONTEND_TOKEN_ENV`, :data:`ENGINE_TOKEN_ENV`,
+  :data:`PICKER_TOKEN_ENV`): the value never appears in a manifest the operator applies.
+- The picker's configuration is its ``--config-text`` argument (no ConfigMap): a change of it
+  changes the pod template, so the picker restarts with it (it reads it once, at start).
+- The pool's ``endpointPickerRef.failureMode`` is ``FailOpen``: a picker that is down leaves
+  the gateway balancing over the pool's pods by itself (docs/ROUTING.md).
+- The picker's NetworkPolicy (:func:`network_policy`, when the operator renders policies)
+  admits gRPC from any pod of the cluster (the gateway), metrics from the scrapers, and
+  nothing else but the kubelet's probes (node traffic, always allowed).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -153,18 +168,47 @@ POOL_GROUP = "inference.networking.k8s.io"
 POOL_API_VERSION = f"{POOL_GROUP}/v1"
 POOL_KIND = "InferencePool"
 OBJECTIVE_GROUP = "inference.networking.x-k8s.io"  # InferenceObjective, InferenceModelRewrite
+RBAC_GROUP = "rbac.authorization.k8s.io"
+RBAC_API_VERSION = f"{RBAC_GROUP}/v1"
+POLICY_API_VERSION = "networking.k8s.io/v1"
 PICKER = "epp"  # the picker's container, and the suffix of its objects' names
 GRPC_PORT = 9002  # ext_proc, what the gateway calls
 HEALTH_PORT = 9003  # gRPC health (the probes)
 METRICS_PORT = 9090
-CONFIG_DIR = "/config"
-CONFIG_KEY = "config.yaml"
-CONFIG_HASH = f"{r.GROUP}/picker-config-hash"
+# the gateway keeps balancing over the pool's pods by itself while the picker is down
+FAILURE_MODE = "FailOpen"
 RUN_AS_USER = 65532  # distroless "nonroot"
 # as the inference extension's reference EPP: about the longest grace period of a pool's pods
 GRACE_SECONDS = 130
 EVENT_PORTS = EventPorts()
 _READ = ["get", "list", "watch"]
+
+# The internal token (docs/SECURITY.md): one Secret per resource with routing
+TOKEN_SECRET_SUFFIX = "internal"
+TOKEN_KEY = "token"
+FRONTEND_TOKEN_ENV = "MMIS_FRONTEND_INTERNAL_TOKEN"  # P0's --internal-token
+ENGINE_TOKEN_ENV = "MMIS_ENGINE_EVENTS_TOKEN"  # P1's --events-token
+PICKER_TOKEN_ENV = "MMIS_INTERNAL_TOKEN"  # mmis-epp: ZMQ PLAIN and the block_keys bearer
+
+# What the picker may do in its namespace (the inference extension's EPP Role). The chart's
+# ClusterRole <fullname>-picker holds exactly these (tests/security/test_rbac.py); the operator
+# binds it per resource and never holds them itself.
+PICKER_RULES: tuple[dict[str, Any], ...] = (
+    {"apiGroups": [""], "resources": ["pods"], "verbs": _READ},
+    {"apiGroups": [POOL_GROUP], "resources": ["inferencepools"], "verbs": _READ},
+    {
+        "apiGroups": [OBJECTIVE_GROUP],
+        "resources": ["inferenceobjectives", "inferencemodelrewrites"],
+        "verbs": _READ,
+    },
+    # leader election, with more than one replica
+    {
+        "apiGroups": ["coordination.k8s.io"],
+        "resources": ["leases"],
+        "verbs": [*_READ, "create", "update", "patch", "delete"],
+    },
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
+)
 
 
 def engine_args() -> list[str]:
@@ -184,13 +228,38 @@ def engine_ports() -> list[dict[str, Any]]:
 
 
 def picker_name(name: str) -> str:
-    """The name of the picker's Deployment, Service, ConfigMap, ServiceAccount and RBAC."""
+    """The name of the picker's Deployment, Service, ServiceAccount, RoleBinding and
+    NetworkPolicy."""
     return f"{name}-{PICKER}"
 
 
 def picker_selector(name: str) -> dict[str, str]:
     """The picker pods' labels: never the inference pods' selector, no ``mmis.dev/service``."""
     return {r.LABEL_NAME: "mmis-epp", r.LABEL_INSTANCE: name}
+
+
+def token_secret_name(name: str) -> str:
+    """The Secret holding resource ``name``'s internal token."""
+    return f"{name}-{TOKEN_SECRET_SUFFIX}"
+
+
+def token_env(name: str, variable: str) -> dict[str, Any]:
+    """The env var ``variable`` read from resource ``name``'s internal token (never a value)."""
+    ref = {"name": token_secret_name(name), "key": TOKEN_KEY}
+    return {"name": variable, "valueFrom": {"secretKeyRef": ref}}
+
+
+def token_secret(owner_metadata: Mapping[str, Any], token: str) -> dict[str, Any]:
+    """The Secret ``NAME-internal`` with ``token`` (the reconciler draws it:
+    ``secrets.token_hex(32)``); ``owner_metadata`` is the owner's child metadata."""
+    meta = {**owner_metadata, "name": token_secret_name(owner_metadata["name"])}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": meta,
+        "type": "Opaque",
+        "stringData": {TOKEN_KEY: token},
+    }
 
 
 def _labels(name: str) -> dict[str, str]:
@@ -202,7 +271,7 @@ def _labels(name: str) -> dict[str, str]:
 
 
 def config_text(routing: RoutingSpec) -> str:
-    """The picker's ``EndpointPickerConfig`` (its ``--config-file``)."""
+    """The picker's ``EndpointPickerConfig`` (its ``--config-text``)."""
     config = picker_config(
         ops_port=r.OPS_PORT, ports=EVENT_PORTS, cache_weight=routing.cache_weight
     )
@@ -215,7 +284,7 @@ def picker_args(pool: str, namespace: str, routing: RoutingSpec) -> list[str]:
         "--pool-name", pool,
         "--pool-namespace", namespace,
         "--pool-group", POOL_GROUP,
-        "--config-file", f"{CONFIG_DIR}/{CONFIG_KEY}",
+        "--config-text", config_text(routing),
         "--grpc-port", str(GRPC_PORT),
         "--grpc-health-port", str(HEALTH_PORT),
         "--metrics-port", str(METRICS_PORT),
@@ -238,7 +307,6 @@ def _probe(routing: RoutingSpec, kind: str, **timing: int) -> dict[str, Any]:
 
 
 def _pod_template(name: str, namespace: str, routing: RoutingSpec) -> dict[str, Any]:
-    config = config_text(routing)
     container = {
         "name": PICKER,
         "image": routing.image,
@@ -251,6 +319,7 @@ def _pod_template(name: str, namespace: str, routing: RoutingSpec) -> dict[str, 
         "env": [
             {"name": "NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            token_env(name, PICKER_TOKEN_ENV),
         ],
         "resources": {
             "requests": {"cpu": "500m", "memory": "1Gi"},
@@ -264,21 +333,14 @@ def _pod_template(name: str, namespace: str, routing: RoutingSpec) -> dict[str, 
             "runAsNonRoot": True,
             "capabilities": {"drop": ["ALL"]},
         },
-        "volumeMounts": [
-            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-            {"name": "tmp", "mountPath": "/tmp"},
-        ],
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
     }
-    digest = hashlib.sha256(config.encode()).hexdigest()[:16]
     return {
-        "metadata": {"labels": _labels(name), "annotations": {CONFIG_HASH: digest}},
+        "metadata": {"labels": _labels(name)},
         "spec": {
             "serviceAccountName": picker_name(name),
             "containers": [container],
-            "volumes": [
-                {"name": "config", "configMap": {"name": picker_name(name)}},
-                {"name": "tmp", "emptyDir": {}},
-            ],
+            "volumes": [{"name": "tmp", "emptyDir": {}}],
             "securityContext": {
                 "runAsNonRoot": True,
                 "runAsUser": RUN_AS_USER,
@@ -291,41 +353,56 @@ def _pod_template(name: str, namespace: str, routing: RoutingSpec) -> dict[str, 
     }
 
 
-def _rules(routing: RoutingSpec) -> list[dict[str, Any]]:
-    """What the picker reads in its namespace (the inference extension's EPP Role)."""
-    rules = [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": _READ},
-        {"apiGroups": [POOL_GROUP], "resources": ["inferencepools"], "verbs": _READ},
-        {
-            "apiGroups": [OBJECTIVE_GROUP],
-            "resources": ["inferenceobjectives", "inferencemodelrewrites"],
-            "verbs": _READ,
+def _tcp(*ports: int) -> list[dict[str, Any]]:
+    return [{"protocol": "TCP", "port": port} for port in ports]
+
+
+def network_policy(
+    metadata: Mapping[str, Any], name: str, scrapers: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The picker pods' NetworkPolicy ``NAME-epp``: ext_proc gRPC from any pod of the cluster
+    (the gateway), metrics from ``scrapers`` (a NetworkPolicyPeer). The health port admits no
+    one: the kubelet's probes are node traffic, which NetworkPolicy always allows."""
+    anywhere_in_cluster: dict[str, Any] = {"namespaceSelector": {}}
+    return {
+        "apiVersion": POLICY_API_VERSION,
+        "kind": "NetworkPolicy",
+        "metadata": dict(metadata),
+        "spec": {
+            "podSelector": {"matchLabels": picker_selector(name)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"ports": _tcp(GRPC_PORT), "from": [anywhere_in_cluster]},
+                {"ports": _tcp(METRICS_PORT), "from": [dict(scrapers)]},
+            ],
         },
-    ]
-    if routing.replicas > 1:  # leader election
-        rules += [
-            {
-                "apiGroups": ["coordination.k8s.io"],
-                "resources": ["leases"],
-                "verbs": [*_READ, "create", "update", "patch", "delete"],
-            },
-            {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
-        ]
-    return rules
+    }
 
 
 def manifests(
-    owner: Mapping[str, Any], metadata: Mapping[str, Any], routing: RoutingSpec
+    owner: Mapping[str, Any],
+    metadata: Mapping[str, Any],
+    routing: RoutingSpec,
+    cluster_role: str,
+    scrapers: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """The routing objects, in apply order (what the picker needs before the picker, the pool
-    last). ``metadata`` is the owner's child metadata (name, namespace, labels, owner ref)."""
+    last). ``metadata`` is the owner's child metadata (name, namespace, labels, owner ref);
+    ``cluster_role`` the chart's picker ClusterRole, bound in the namespace; ``scrapers``,
+    when the operator renders NetworkPolicies, who may scrape the picker's metrics (None: no
+    policy). The internal token's Secret is not here: it is created once, never applied
+    (:func:`token_secret`)."""
     name = owner["metadata"]["name"]
     namespace = metadata["namespace"]
     picker = {**metadata, "name": picker_name(name), "labels": _labels(name)}
     pool = {
         "selector": {"matchLabels": r.selector_labels(name)},
         "targetPorts": [{"number": r.HTTP_PORT}],
-        "endpointPickerRef": {"name": picker_name(name), "port": {"number": GRPC_PORT}},
+        "endpointPickerRef": {
+            "name": picker_name(name),
+            "port": {"number": GRPC_PORT},
+            "failureMode": FAILURE_MODE,
+        },
     }
     deployment = {
         "replicas": routing.replicas,
@@ -340,24 +417,18 @@ def manifests(
         {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"},
     ]
     subject = {"kind": "ServiceAccount", "name": picker_name(name), "namespace": namespace}
-    role_ref = {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": picker_name(name)}
-    rbac = "rbac.authorization.k8s.io/v1"
+    role_ref = {"apiGroup": RBAC_GROUP, "kind": "ClusterRole", "name": cluster_role}
+    policy = [network_policy(picker, name, scrapers)] if scrapers is not None else []
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": picker},
-        {"apiVersion": rbac, "kind": "Role", "metadata": picker, "rules": _rules(routing)},
         {
-            "apiVersion": rbac,
+            "apiVersion": RBAC_API_VERSION,
             "kind": "RoleBinding",
             "metadata": picker,
             "roleRef": role_ref,
             "subjects": [subject],
         },
-        {
-            "apiVersion": "v1",
-            "kind": "ConfigMap",
-            "metadata": picker,
-            "data": {CONFIG_KEY: config_text(routing)},
-        },
+        *policy,
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": picker, "spec": deployment},
         {
             "apiVersion": "v1",
@@ -375,15 +446,15 @@ def manifests(
 
 
 def object_refs(name: str) -> list[tuple[str, str, str]]:
-    """(apiVersion, kind, name) of every routing object of resource ``name``, in the order of
-    :func:`manifests`."""
+    """(apiVersion, kind, name) of every routing object of resource ``name`` the operator
+    deletes when routing goes, in the order of :func:`manifests` (the NetworkPolicy whether or
+    not policies are rendered; not the token's Secret: the operator never deletes a Secret,
+    garbage collection does, with the resource)."""
     picker = picker_name(name)
-    rbac = "rbac.authorization.k8s.io/v1"
     return [
         ("v1", "ServiceAccount", picker),
-        (rbac, "Role", picker),
-        (rbac, "RoleBinding", picker),
-        ("v1", "ConfigMap", picker),
+        (RBAC_API_VERSION, "RoleBinding", picker),
+        (POLICY_API_VERSION, "NetworkPolicy", picker),
         ("apps/v1", "Deployment", picker),
         ("v1", "Service", picker),
         (POOL_API_VERSION, POOL_KIND, name),

@@ -19,6 +19,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("mmis.entrypoints.engine", "run P1, the engine core, alone"),
     "frontend": ("mmis.entrypoints.frontend", "run P0, the OpenAI front end, alone"),
     "tiny-model": ("mmis.entrypoints.tiny_model", "write a tiny random model to DIR"),
+    "wait-frontend": (
+        "mmis.entrypoints.wait_frontend",
+        "wait until no front end holds --lock (the engine's preStop)",
+    ),
     "operator": ("mmis_operator.main", "run the Kubernetes operator (needs mmis-operator)"),
 }
 
@@ -43,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="mmis: serve multimodal models on Kubernetes.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="commands:\n"
-        + "\n".join(f"  {name:<12} {text}" for name, (_, text) in commands.items()),
+        + "\n".join(f"  {name:<14} {text}" for name, (_, text) in commands.items()),
     )
     parser.add_argument("--version", action="version", version="mmis 0.1.0")
     parser.add_argument("command", choices=sorted(commands), metavar="COMMAND")

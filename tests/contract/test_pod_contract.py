@@ -327,3 +327,18 @@ def test_engine_prestop_waits_on_the_front_ends_drain_lock(
     assert builders.FRONTEND_GRACEFUL_SECONDS == settings.graceful_shutdown_s == graceful
     assert waits.timeout_s > spec.drain_seconds + settings.graceful_shutdown_s
     assert pod["terminationGracePeriodSeconds"] > waits.timeout_s
+
+
+def test_routing_token_reaches_both_servers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With spec.routing the internal token (a secretKeyRef) is P0's --internal-token and
+    P1's --events-token, and never a flag; without it neither is set."""
+    for variant, expected in (("routing", SECRET_VALUE), ("llava-lru", None)):
+        _, dep = _deployment(VARIANTS[variant])
+        by_name = {c["name"]: c for c in dep["spec"]["template"]["spec"]["containers"]}
+        with monkeypatch.context() as patch:
+            settings = _parse(by_name[r.FRONTEND], patch)
+        with monkeypatch.context() as patch:
+            engine = _parse(by_name[r.ENGINE], patch)
+        assert settings.internal_token == engine.events_token == expected, variant
+        for container in by_name.values():
+            assert not {"--internal-token", "--events-token"} & set(container["args"])

@@ -22,7 +22,9 @@ pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(400)]
 def stack(launch: Launcher) -> tuple[Engine, Frontend]:
     engine = launch.engine("engine")
     env = {"MMIS_FRONTEND_API_KEY": "sk-env"}
-    return engine, launch.frontend("frontend", engine, env=env)
+    # a drain bound the long request fits even on a crowded machine: this test is about the
+    # request completing (work that outlasts the grace: tests/security/test_termination.py)
+    return engine, launch.frontend("frontend", engine, "--graceful-shutdown-s", "300", env=env)
 
 
 def test_api_key_from_env_and_sigterm_drains_in_flight_requests(

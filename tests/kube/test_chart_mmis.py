@@ -22,6 +22,7 @@ VALUE_SETS = {
     "defaults": [],
     "peering": ["--set", "peering.enabled=true", "--set", "operator.replicas=2"],
     "namespaced": ["--set", "operator.watchNamespaces={team-a,team-b}"],
+    "routing": ["--set", "routing.enabled=true"],
 }
 SAMPLE: dict[str, Any] = {
     "apiVersion": "mmis.dev/v1alpha1",
@@ -207,6 +208,10 @@ def test_operator_works_with_the_chart_service_account_and_nothing_more(
         ).stdout
         hpa = kubectl_wait(cluster, "-n", namespace, "hpa/rbac-check", "--for=create")
         assert hpa.returncode == 0, hpa.stderr  # the chart's RBAC lets the operator make it
+        policy = kubectl_wait(
+            cluster, "-n", namespace, "networkpolicy/rbac-check", "--for=create"
+        )  # and the resource's NetworkPolicy (networkPolicy.enabled, the default)
+        assert policy.returncode == 0, policy.stderr
         cluster.kubectl(
             "delete", "-n", namespace, "mmis/rbac-check", "--timeout=180s", timeout=200
         )  # kubectl's own bound first
@@ -220,6 +225,9 @@ def test_operator_works_with_the_chart_service_account_and_nothing_more(
     assert not _can(cluster, kubeconfig, "create", "pods", "-n", namespace)
     assert not _can(cluster, kubeconfig, "delete", "nodes")
     assert not _can(cluster, kubeconfig, "create", "deployments", "-n", "default")
+    # installed without routing.enabled: no right on Secrets or RBAC objects at all
+    assert not _can(cluster, kubeconfig, "create", "secrets", "-n", namespace)
+    assert not _can(cluster, kubeconfig, "create", "rolebindings", "-n", namespace)
 
 
 def test_clusterwide_rbac_grants_only_the_operator_verbs(cluster: Cluster, chart_crds: None,
@@ -235,6 +243,11 @@ def test_clusterwide_rbac_grants_only_the_operator_verbs(cluster: Cluster, chart
         assert not _can(cluster, kubeconfig, "get", "secrets", "-A")
         assert not _can(cluster, kubeconfig, "create", "pods", "-A")
         assert not _can(cluster, kubeconfig, "update", "deployments", "-A")
+        # issue 41: nothing that rewrites the cluster (kube-system's ConfigMaps, new RBAC)
+        assert not _can(cluster, kubeconfig, "patch", "configmaps", "-n", "kube-system")
+        assert not _can(cluster, kubeconfig, "create", "roles", "-n", "kube-system")
+        assert not _can(cluster, kubeconfig, "create", "secrets", "-n", "kube-system")
+        assert _can(cluster, kubeconfig, "create", "networkpolicies", "-n", namespace)
     finally:
         _helm(cluster, "uninstall", name, "--namespace", namespace, check=False)
 

@@ -88,6 +88,7 @@ class FakeKube(FakeStore):
         self.children: dict[str, dict[str, Any]] = {}
         self.gets: list[str] = []
         self.deleted: list[str] = []
+        self.created: list[str] = []  # create() calls (POST), stored or 409
 
     def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
         meta = manifest["metadata"]
@@ -99,6 +100,18 @@ class FakeKube(FakeStore):
             stored["metadata"]["generation"] = 1
         self.children[path] = stored
         return copy.deepcopy(stored)
+
+    def create(self, manifest: dict[str, Any]) -> bool:
+        """POST: stores a new object; an existing one is left as it is (409 -> False)."""
+        meta = manifest["metadata"]
+        path = object_path(
+            manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"]
+        )
+        self.created.append(path)
+        if path in self.children:
+            return False
+        self.children[path] = copy.deepcopy(manifest)
+        return True
 
     def get(self, path: str) -> dict[str, Any] | None:
         self.gets.append(path)

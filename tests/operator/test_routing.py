@@ -1,13 +1,20 @@
 """``spec.routing`` (routing.py): the pure builders of the InferencePool and the endpoint
-picker, the engine's event flags, and what a spec without routing still builds (byte for
-byte what the operator built before routing existed: golden/children_without_routing.json).
+picker, the engine's event flags and the internal token's wiring, and what a spec without
+routing still builds (byte for byte golden/children_without_routing.json: what the operator
+built before routing existed, changed since only by intent — see its ``_note``).
 The reconciler's side (discovery, the Routing condition, deletion) is tested in
-test_routing_reconcile.py; the real API server in tests/kube/test_routing_mmis.py."""
+test_routing_reconcile.py; the real API server in tests/kube/test_routing_mmis.py.
+
+Regenerate the golden file (only for an intended change of those manifests; review the diff
+and say in the commit what changed): ``.venv/bin/python tests/operator/test_routing.py
+--write-golden NOTE``, NOTE being what changed and why (appended to ``_note``).
+"""
 
 from __future__ import annotations
 
 import copy
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +38,23 @@ CASES: dict[str, dict[str, Any]] = json.loads(GOLDEN.read_text())["cases"]
 EVENT_PORTS = {"kv-events": 5557, "kv-replay": 5558, "mm-events": 5559, "mm-replay": 5560}
 
 
+ROLE = "rel-mmis-operator-picker"  # the chart's picker ClusterRole (--picker-cluster-role)
+
+
 def _bytes(obj: Any) -> bytes:
     return json.dumps(obj, indent=1, sort_keys=True).encode()
+
+
+def write_golden(note: str) -> None:
+    """Rewrite the golden children from today's builders (same resources), ``note`` appended."""
+    data = json.loads(GOLDEN.read_text())
+    for case in data["cases"].values():
+        body = case["resource"]
+        spec = parse_spec(body["spec"])
+        case["deployment"] = builders.deployment(body, spec)
+        case["service"] = builders.service(body, spec)
+    data["_note"] = f"{data['_note']} {note}"
+    GOLDEN.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
 def _routed(sample: dict[str, Any], **routing_spec: Any) -> dict[str, Any]:
@@ -41,8 +63,8 @@ def _routed(sample: dict[str, Any], **routing_spec: Any) -> dict[str, Any]:
     return obj
 
 
-def _objects(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    built = builders.routing_objects(obj, parse_spec(obj["spec"]))
+def _objects(obj: dict[str, Any], scrapers: Any = None) -> dict[str, dict[str, Any]]:
+    built = builders.routing_objects(obj, parse_spec(obj["spec"]), ROLE, scrapers)
     by_kind = {m["kind"]: m for m in built}
     assert len(by_kind) == len(built)  # one of each kind
     return by_kind
@@ -59,10 +81,10 @@ def test_without_routing_the_children_are_byte_identical_to_before(case: str) ->
     assert spec.routing is None
     assert _bytes(builders.deployment(body, spec)) == _bytes(CASES[case]["deployment"])
     assert _bytes(builders.service(body, spec)) == _bytes(CASES[case]["service"])
-    assert builders.routing_objects(body, spec) == []
+    assert builders.routing_objects(body, spec, ROLE) == []
 
 
-def test_routing_adds_only_the_engine_event_flags_and_ports() -> None:
+def test_routing_adds_only_the_engine_event_flags_ports_and_the_token() -> None:
     golden = CASES["sample"]
     body = _routed(golden["resource"])
     dep = builders.deployment(body, parse_spec(body["spec"]))
@@ -75,10 +97,26 @@ def test_routing_adds_only_the_engine_event_flags_and_ports() -> None:
     ]  # fmt: skip
     named = {p["name"]: p["containerPort"] for p in engine["ports"]}
     assert named == {r.ENGINE_HEALTH_PORT_NAME: r.ENGINE_HEALTH_PORT, **EVENT_PORTS}
+    # the internal token, from the Secret NAME-internal, never a value
+    token = {"secretKeyRef": {"name": "llava-internal", "key": "token"}}
+    front = _containers(dep)[r.FRONTEND]
+    assert front["env"][-1] == {"name": "MMIS_FRONTEND_INTERNAL_TOKEN", "valueFrom": token}
+    assert engine["env"][-1] == {"name": "MMIS_ENGINE_EVENTS_TOKEN", "valueFrom": token}
     # remove exactly those and what is left is the manifest without routing
     del engine["args"][-len(flags) :]
     engine["ports"] = engine["ports"][:1]
+    del front["env"][-1], engine["env"][-1]
     assert _bytes(dep) == _bytes(golden["deployment"])
+
+
+def test_token_secret_is_opaque_and_owned(sample: dict[str, Any]) -> None:
+    secret = builders.token_secret(_routed(sample), "ab" * 32)
+    assert (secret["apiVersion"], secret["kind"], secret["type"]) == ("v1", "Secret", "Opaque")
+    assert secret["stringData"] == {"token": "ab" * 32}
+    meta = secret["metadata"]
+    assert (meta["name"], meta["namespace"]) == ("llava-internal", "ml")
+    (owner,) = meta["ownerReferences"]
+    assert (owner["uid"], owner["controller"]) == ("uid-1", True)
 
 
 def test_parse_routing_defaults_and_refusals(sample: dict[str, Any]) -> None:
@@ -108,14 +146,16 @@ def test_parse_routing_defaults_and_refusals(sample: dict[str, Any]) -> None:
 
 def test_routing_objects_are_owned_and_in_apply_order(sample: dict[str, Any]) -> None:
     obj = _routed(sample)
-    built = builders.routing_objects(obj, parse_spec(obj["spec"]))
+    built = builders.routing_objects(obj, parse_spec(obj["spec"]), ROLE)
     kinds = [m["kind"] for m in built]
-    assert kinds == [
-        "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Deployment", "Service",
-        "InferencePool",
-    ]  # fmt: skip
+    assert kinds == ["ServiceAccount", "RoleBinding", "Deployment", "Service", "InferencePool"]
     refs = routing.object_refs("llava")
-    assert [(m["apiVersion"], m["kind"], m["metadata"]["name"]) for m in built] == refs
+    assert [(m["apiVersion"], m["kind"], m["metadata"]["name"]) for m in built] == [
+        ref for ref in refs if ref[1] != "NetworkPolicy"
+    ]
+    # with NetworkPolicies, the picker's comes before the picker
+    policed = builders.routing_objects(obj, parse_spec(obj["spec"]), ROLE, r.DEFAULT_SCRAPERS)
+    assert [(m["apiVersion"], m["kind"], m["metadata"]["name"]) for m in policed] == refs
     for manifest in built:
         meta = manifest["metadata"]
         assert meta["namespace"] == "ml"
@@ -134,8 +174,11 @@ def test_inference_pool_selects_the_inference_pods_on_http() -> None:
     assert pool["spec"] == {
         "selector": {"matchLabels": dep["spec"]["selector"]["matchLabels"]},
         "targetPorts": [{"number": 8000}],
-        "endpointPickerRef": {"name": "llava-epp", "port": {"number": 9002}},
-    }
+        # FailOpen: a dead picker leaves the gateway balancing over the pods by itself
+        "endpointPickerRef": {
+            "name": "llava-epp", "port": {"number": 9002}, "failureMode": "FailOpen",
+        },
+    }  # fmt: skip
     assert pool["spec"]["selector"]["matchLabels"] == r.selector_labels("llava")
 
 
@@ -149,7 +192,8 @@ def test_picker_deployment(sample: dict[str, Any]) -> None:
     assert epp["args"] == [
         "--pool-name", "llava", "--pool-namespace", "ml",
         "--pool-group", "inference.networking.k8s.io",
-        "--config-file", "/config/config.yaml", "--grpc-port", "9002",
+        "--config-text", routing.render(routing.picker_config(ops_port=8001)),
+        "--grpc-port", "9002",
         "--grpc-health-port", "9003", "--metrics-port", "9090",
         "--model-server-metrics-port", "8001",
         "--metrics-endpoint-auth=false", "--tracing=false",
@@ -161,10 +205,10 @@ def test_picker_deployment(sample: dict[str, Any]) -> None:
     }  # fmt: skip
     pod = dep["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "llava-epp"
-    (config,) = [v for v in pod["volumes"] if v["name"] == "config"]
-    assert config["configMap"]["name"] == objects["ConfigMap"]["metadata"]["name"]
-    mounts = {m["mountPath"]: m["name"] for m in epp["volumeMounts"]}
-    assert mounts["/config"] == "config"
+    # no ConfigMap: the configuration is the argument
+    assert [v["name"] for v in pod["volumes"]] == ["tmp"]
+    token = {"secretKeyRef": {"name": "llava-internal", "key": "token"}}
+    assert {"name": "MMIS_INTERNAL_TOKEN", "valueFrom": token} in epp["env"]
 
 
 def test_picker_pod_is_pod_security_restricted(sample: dict[str, Any]) -> None:
@@ -183,7 +227,7 @@ def test_picker_pod_is_pod_security_restricted(sample: dict[str, Any]) -> None:
 def test_picker_pods_are_never_taken_for_inference_pods(sample: dict[str, Any]) -> None:
     objects = _objects(_routed(sample))
     selector = r.selector_labels("llava")
-    for kind in ("Deployment", "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service"):
+    for kind in ("Deployment", "ServiceAccount", "RoleBinding", "Service"):
         # the operator's Deployment and pod watchers find owners by mmis.dev/service
         assert r.LABEL_SERVICE not in objects[kind]["metadata"]["labels"], kind
     template_labels = objects["Deployment"]["spec"]["template"]["metadata"]["labels"]
@@ -197,35 +241,30 @@ def test_picker_pods_are_never_taken_for_inference_pods(sample: dict[str, Any]) 
     }  # fmt: skip
 
 
-def test_config_map_is_the_picker_config_with_the_spec_weight(sample: dict[str, Any]) -> None:
+def _config_text(objects: dict[str, dict[str, Any]]) -> str:
+    (epp,) = objects["Deployment"]["spec"]["template"]["spec"]["containers"]
+    return str(epp["args"][epp["args"].index("--config-text") + 1])
+
+
+def test_config_text_is_the_picker_config_with_the_spec_weight(sample: dict[str, Any]) -> None:
     default = _objects(_routed(sample))
-    expected = routing.render(routing.picker_config(ops_port=8001))
-    assert default["ConfigMap"]["data"] == {"config.yaml": expected}
+    assert _config_text(default) == routing.render(routing.picker_config(ops_port=8001))
     heavy = _objects(_routed(sample, cacheWeight=7))
-    text = heavy["ConfigMap"]["data"]["config.yaml"]
+    text = _config_text(heavy)
     assert text == routing.render(routing.picker_config(ops_port=8001, cache_weight=7))
-    # a new configuration restarts the picker (it reads the file once)
-    annotations = [
-        objs["Deployment"]["spec"]["template"]["metadata"]["annotations"][routing.CONFIG_HASH]
-        for objs in (default, heavy)
-    ]
-    assert annotations[0] != annotations[1]
+    # a new configuration is a new pod template: the picker restarts with it
+    templates = [objs["Deployment"]["spec"]["template"] for objs in (default, heavy)]
+    assert templates[0] != templates[1]
 
 
-def test_rbac_reads_only_what_the_picker_watches(sample: dict[str, Any]) -> None:
+def test_rbac_binds_the_charts_picker_role_in_the_namespace(sample: dict[str, Any]) -> None:
     objects = _objects(_routed(sample))
-    read = ["get", "list", "watch"]
-    assert objects["Role"]["rules"] == [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": read},
-        {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"],
-         "verbs": read},
-        {"apiGroups": ["inference.networking.x-k8s.io"],
-         "resources": ["inferenceobjectives", "inferencemodelrewrites"], "verbs": read},
-    ]  # fmt: skip
+    assert "Role" not in objects  # the operator grants nothing it would have to hold
     binding = objects["RoleBinding"]
     assert binding["roleRef"] == {
-        "apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "llava-epp",
+        "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": ROLE,
     }  # fmt: skip
+    assert binding["metadata"]["namespace"] == "ml"  # a RoleBinding: this namespace only
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "llava-epp", "namespace": "ml"}
     ]
@@ -241,7 +280,8 @@ def test_several_pickers_elect_a_leader(sample: dict[str, Any]) -> None:
     assert "--ha-enable-leader-election" in epp["args"]
     assert epp["readinessProbe"]["grpc"]["service"] == "readiness"
     assert epp["livenessProbe"]["grpc"]["service"] == "liveness"
-    groups = {g for rule in objects["Role"]["rules"] for g in rule["apiGroups"]}
+    # the chart's picker ClusterRole holds the leader election's rights
+    groups = {g for rule in routing.PICKER_RULES for g in rule["apiGroups"]}
     assert "coordination.k8s.io" in groups
 
 
@@ -261,3 +301,22 @@ def test_crd_schema_of_routing_matches_the_parser() -> None:
     assert (weight["minimum"], weight["maximum"]) == (0, MAX_CACHE_WEIGHT)
     for field in (section, picker["image"], picker["replicas"], weight):
         assert field["description"]
+
+
+def test_picker_network_policy(sample: dict[str, Any]) -> None:
+    scrapers = {"namespaceSelector": {"matchLabels": {"team": "obs"}}, "podSelector": {}}
+    policy = _objects(_routed(sample), scrapers)["NetworkPolicy"]
+    assert policy["metadata"]["name"] == "llava-epp"
+    assert policy["spec"]["podSelector"] == {"matchLabels": routing.picker_selector("llava")}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    rules = {rule["ports"][0]["port"]: rule["from"] for rule in policy["spec"]["ingress"]}
+    # gRPC from any pod of the cluster (the gateway), metrics from the scrapers; the health
+    # port 9003 has no rule (the kubelet's probes are node traffic, always allowed)
+    assert rules == {9002: [{"namespaceSelector": {}}], 9090: [scrapers]}
+    assert "NetworkPolicy" not in _objects(_routed(sample))  # policies off
+
+
+if __name__ == "__main__":  # pragma: no cover
+    if len(sys.argv) != 3 or sys.argv[1] != "--write-golden":
+        sys.exit("usage: test_routing.py --write-golden NOTE")
+    write_golden(sys.argv[2])

@@ -89,3 +89,55 @@ def test_fault_injection_needs_the_explicit_flag() -> None:
     assert operator_main.options_from_args(_parse()).allow_fault_injection is False
     allowed = operator_main.options_from_args(_parse("--allow-fault-injection"))
     assert allowed.allow_fault_injection is True
+
+
+def test_security_flags_reach_the_reconciler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chart's routing.enabled / networkPolicy values arrive as flags (charts/mmis
+    deployment.yaml); the namespace from the downward API's POD_NAMESPACE."""
+    monkeypatch.delenv("POD_NAMESPACE", raising=False)
+    plain = operator_main.options_from_args(_parse()).security()
+    assert (plain.picker_cluster_role, plain.network_policies) == ("", True)
+    assert plain.scrapers == {
+        "namespaceSelector": {},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+    }
+    assert plain.operator_peer() is None  # out of cluster: unknown
+    monkeypatch.setenv("POD_NAMESPACE", "mmis-system")
+    scrapers = '{"namespaceSelector": {"matchLabels": {"team": "obs"}}}'
+    args = _parse(
+        "--picker-cluster-role", "rel-mmis-operator-picker", "--no-network-policies",
+        "--network-policy-scrapers", scrapers,
+        "--operator-pod-labels",
+        "app.kubernetes.io/name=mmis-operator,app.kubernetes.io/instance=rel",
+    )  # fmt: skip
+    got = operator_main.options_from_args(args).security()
+    assert got.picker_cluster_role == "rel-mmis-operator-picker"
+    assert got.network_policies is False
+    assert got.scrapers == {"namespaceSelector": {"matchLabels": {"team": "obs"}}}
+    assert got.operator_peer() == {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "mmis-system"}},
+        "podSelector": {
+            "matchLabels": {
+                "app.kubernetes.io/name": "mmis-operator",
+                "app.kubernetes.io/instance": "rel",
+            }
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [
+        ("--network-policy-scrapers", "not json"),
+        ("--network-policy-scrapers", '{"ipBlock": {"cidr": "0.0.0.0/0"}}'),
+        ("--network-policy-scrapers", '{"podSelector": "prometheus"}'),
+        ("--operator-pod-labels", "no-equals-sign"),
+    ],
+)
+def test_bad_security_flags_exit_2(
+    flag: tuple[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli_main(["operator", *flag])
+    assert exited.value.code == 2
+    assert flag[0] in capsys.readouterr().err

@@ -27,6 +27,20 @@ app.kubernetes.io/part-of: mmis
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
+{{/* The endpoint picker's ClusterRole (routing.enabled): the operator binds it per resource. */}}
+{{- define "mmis.pickerClusterRole" -}}
+{{- printf "%s-picker" (include "mmis.fullname" .) -}}
+{{- end -}}
+
+{{/* The operator's pod labels as KEY=VALUE,... (its --operator-pod-labels). */}}
+{{- define "mmis.selectorLabelPairs" -}}
+{{- $pairs := list -}}
+{{- range $key, $value := (include "mmis.selectorLabels" . | fromYaml) -}}
+{{- $pairs = append $pairs (printf "%s=%s" $key $value) -}}
+{{- end -}}
+{{- join "," $pairs -}}
+{{- end -}}
+
 {{- define "mmis.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "mmis.fullname" .) .Values.serviceAccount.name -}}
@@ -35,7 +49,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- end -}}
 
-{{/* What the operator touches inside a watched namespace. */}}
+{{/* What the operator touches inside a watched namespace: only what it reads or writes
+itself. It grants nothing it holds: the picker's rights are the picker's ClusterRole, which
+the operator may only bind (routing.enabled). No configmaps, roles, leases, and Secrets
+create-only. tests/security/test_rbac.py reads the rendered rules. */}}
 {{- define "mmis.namespacedRules" -}}
 - apiGroups: [mmis.dev]
   resources: [mminferenceservices]
@@ -73,28 +90,36 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: [monitoring.coreos.com]
   resources: [podmonitors]
   verbs: [get, create, patch, delete]
-# spec.routing: an InferencePool and its endpoint picker (a Deployment and a Service, above;
-# its ConfigMap, ServiceAccount, Role and RoleBinding)
-- apiGroups: [inference.networking.k8s.io]
-  resources: [inferencepools]
-  verbs: [get, list, watch, create, patch, delete]
-- apiGroups: [""]
-  resources: [configmaps, serviceaccounts]
+# NetworkPolicies per resource (networkPolicy.enabled; deleted again when it is turned off)
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
   verbs: [get, create, patch, delete]
-- apiGroups: [rbac.authorization.k8s.io]
-  resources: [roles, rolebindings]
-  verbs: [get, create, patch, delete]
-# the picker's Role grants these: RBAC lets the operator grant only what it holds itself
-# (pods and inferencepools are here too; leases and events patch: pickers electing a leader)
-- apiGroups: [inference.networking.x-k8s.io]
-  resources: [inferenceobjectives, inferencemodelrewrites]
-  verbs: [get, list, watch]
-- apiGroups: [coordination.k8s.io]
-  resources: [leases]
-  verbs: [get, list, watch, create, update, patch, delete]
+# the conditions' transitions, as Events on the resource
 - apiGroups: [""]
   resources: [events]
-  verbs: [create, patch]
+  verbs: [create]
+{{- if .Values.routing.enabled }}
+# spec.routing: an InferencePool and its endpoint picker (a Deployment and a Service, above;
+# its ServiceAccount and a RoleBinding to the picker's ClusterRole, which the operator may
+# bind and nothing more), and the internal token's Secret: create only, never read, changed,
+# listed or deleted (garbage collection deletes it with the resource)
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, create, patch, delete]
+- apiGroups: [""]
+  resources: [serviceaccounts]
+  verbs: [get, create, patch, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [rolebindings]
+  verbs: [get, create, patch, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [clusterroles]
+  verbs: [bind]
+  resourceNames: [{{ include "mmis.pickerClusterRole" . }}]
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create]
+{{- end }}
 # the CacheCoherent probe finds ready pods and their IPs; status reads their container states
 - apiGroups: [""]
   resources: [pods]

@@ -1,1 +1,1 @@
-"""Command-line entry points (`mmis serve|engine|frontend|tiny-model`)."""
+"""Command-line entry points (`mmis serve|engine|frontend|tiny-model|wait-frontend`)."""

@@ -10,10 +10,20 @@ Invariants:
   With ``--ops-port`` the second line is ``mmis frontend operations on http://HOST:PORT``
   (``/metrics``, ``/stats/cache``): one server, one app, two sockets; the app tells them
   apart by the port a connection arrived on (:mod:`mmis.frontend.api.http_gate`).
-- SIGTERM/SIGINT drain: uvicorn stops accepting, waits up to ``--graceful-shutdown-s`` for
-  in-flight requests, then the lifespan closes the engine client. Exit status 0 after a clean
-  shutdown, 2 for bad settings, 1 when start-up failed (the engine never answered, the
-  processor did not load): the last stderr line then says why, in one line.
+- SIGTERM/SIGINT drain (:mod:`mmis.frontend.api.drain`): from the signal on a new request
+  that does work gets a retryable 503 ``server_shutting_down`` (``Retry-After``,
+  ``Connection: close``), on any connection; requests in flight run on for up to
+  ``--graceful-shutdown-s``, and those still running 1 s before its end are ended by P0 with
+  that 503 (a stream: its SSE error event), never cut by uvicorn. Once none is left, uvicorn
+  closes its listeners and idle connections, and the lifespan closes the engine client. A
+  second SIGINT stops at once. Exit status 0 after a clean shutdown, 2 for bad settings, 1
+  when start-up failed (the engine never answered, the processor did not load, the drain
+  lock could not be taken): the last stderr line then says why, in one line.
+- With ``--drain-lock FILE`` the process holds a shared ``flock`` on FILE (created if
+  missing) from its first moment to its exit, however it exits (the kernel drops it): the
+  engine container's preStop, ``mmis wait-frontend --lock FILE``, returns once no front end
+  holds it, so P1 outlives every request P0 still serves (docs/SECURITY.md, "Termination in
+  order"). Taken before anything else starts, so no request is served without it.
 """
 
 from __future__ import annotations
@@ -21,15 +31,29 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import fcntl
 import gc
+import os
 import signal
 import socket
 import sys
 from collections.abc import Callable
+from types import FrameType
+from typing import TYPE_CHECKING
 
 from mmis.config import ConfigError, add_flags, settings_from_args
 from mmis.entrypoints.common import one_line, setup_logging
 from mmis.frontend.config import FrontendConfig
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from mmis.frontend.api.drain import Drain
+
+UVICORN_BACKSTOP_S = 1
+"""uvicorn's own graceful timeout, counted from when the drain left nothing in flight: only
+connections still closing are waited for (P0 has ended its requests by then)."""
+_held_locks: list[int] = []  # the drain lock's descriptor: open until the process exits
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +98,47 @@ def run(args: argparse.Namespace) -> int:
     return serve(settings)
 
 
+def hold_drain_lock(path: str) -> None:
+    """Take a shared ``flock`` on ``path`` (created if missing) and keep it until the process
+    exits: the descriptor is never closed (and not inherited by children)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a wait-frontend holds it, briefly
+    except BaseException:
+        os.close(fd)
+        raise
+    _held_locks.append(fd)
+
+
+def draining_server(config: uvicorn.Config, drain: Drain) -> uvicorn.Server:
+    """uvicorn's server with P0's drain before its own shutdown (uvicorn imported late)."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """The first SIGTERM/SIGINT begins the :class:`Drain` instead of stopping; the server
+        stops on the tick at which the drain has nothing left in flight. A later SIGINT
+        stops at once (uvicorn's forced exit); a later SIGTERM changes nothing."""
+
+        def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
+            super().__init__(config)
+            self.drain = drain
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            draining = self.drain.draining
+            super().handle_exit(sig, frame)  # records the signal: re-raised after serving
+            if draining and sig == signal.SIGINT:
+                self.force_exit = True
+                return
+            self.should_exit = False  # the drain decides (on_tick)
+            self.drain.begin()
+
+        async def on_tick(self, counter: int) -> bool:
+            stop = await super().on_tick(counter)
+            return stop or self.drain.tick()
+
+    return DrainingServer(config, drain)
+
+
 def _listen(host: str, port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -89,6 +154,13 @@ def serve(settings: FrontendConfig, engine_failed: Callable[[], str | None] | No
 
     from mmis.frontend.api.api_server import create_app
 
+    if settings.drain_lock:
+        try:
+            hold_drain_lock(settings.drain_lock)
+        except OSError as exc:
+            why = one_line(exc)
+            print(f"mmis frontend: failed to start: the drain lock: {why}", file=sys.stderr)
+            return 1
     sock = _listen(settings.host, settings.port)
     host, port = sock.getsockname()[:2]
     print(f"mmis frontend listening on http://{host}:{port}", flush=True)
@@ -100,14 +172,13 @@ def serve(settings: FrontendConfig, engine_failed: Callable[[], str | None] | No
         settings = dataclasses.replace(settings, ops_port=ops_port)
         print(f"mmis frontend operations on http://{host}:{ops_port}", flush=True)
     app = create_app(settings, on_state=_freeze_gc, engine_failed=engine_failed)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            log_level=settings.log_level.lower(),
-            timeout_graceful_shutdown=int(settings.graceful_shutdown_s),
-            lifespan="on",
-        )
+    config = uvicorn.Config(
+        app,
+        log_level=settings.log_level.lower(),
+        timeout_graceful_shutdown=UVICORN_BACKSTOP_S,
+        lifespan="on",
     )
+    server = draining_server(config, app.state.drain)
     # uvicorn re-raises the captured SIGTERM after draining, with the handler that was in
     # place before it started; a no-op one makes a drained shutdown exit with status 0
     signal.signal(signal.SIGTERM, lambda *_: None)

@@ -88,7 +88,19 @@ class FrontendConfig:
         "full-context prompt and a few 12 MP photos as data URLs",
     )
     graceful_shutdown_s: float = setting(
-        30.0, rule=NOT_NEGATIVE, help="how long SIGTERM waits for in-flight requests"
+        30.0,
+        rule=NOT_NEGATIVE,
+        help="after SIGTERM, how long in-flight requests may still run; new ones get a "
+        "retryable 503 (server_shutting_down, Retry-After) at once, and those still running "
+        "1 s before the end are ended with it (a stream: an SSE error event); then P0 exits. "
+        "The engine's preStop (mmis wait-frontend) must wait longer than this",
+    )
+    drain_lock: str = setting(
+        "",
+        metavar="FILE",
+        help="hold a shared lock on FILE (created if missing) while this process lives, so "
+        "that 'mmis wait-frontend --lock FILE', the engine container's preStop, waits for P0 "
+        "to exit; empty: no lock",
     )
     max_model_len: int | None = shared("max_model_len")
     engine_input_address: str = shared("engine_input_address")

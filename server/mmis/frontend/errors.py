@@ -33,8 +33,9 @@ The body carries ``"retryable": true`` and ``"missing_uuids": [...]``.
 The 503 for a miss after the retry carries ``"retryable": true`` and ``"missing_mm_hashes"``.
 
 :class:`EngineUnavailableError` (P1 down, restarting or hung; 503, ``engine_unavailable``) and
-its subclass ``EngineRestartedError`` (``frontend/client/generation.py``,
-``engine_restarted``) carry ``"retryable": true`` and a ``Retry-After`` header
+its subclasses ``EngineRestartedError`` (``frontend/client/generation.py``,
+``engine_restarted``) and :class:`ServerShuttingDownError` (P0 is draining after SIGTERM,
+``server_shutting_down``) carry ``"retryable": true`` and a ``Retry-After`` header
 (:func:`json_response`).
 
 Streams that already sent bytes cannot change their status: they end with
@@ -277,3 +278,15 @@ class EngineUnavailableError(FrontendError):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}
+
+
+class ServerShuttingDownError(EngineUnavailableError):
+    """P0 got SIGTERM (503, ``server_shutting_down``, retryable, ``Retry-After``).
+
+    A request that arrives while P0 drains, or one still running when the drain's deadline
+    comes, gets it (:mod:`mmis.frontend.api.drain`): send it again, another replica (or this
+    one, restarted) answers it. A stream that already sent bytes ends with it as its SSE error
+    event.
+    """
+
+    code = "server_shutting_down"

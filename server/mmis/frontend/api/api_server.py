@@ -41,7 +41,9 @@ Invariants:
 - Each inference request is wrapped by :class:`RequestTelemetryMiddleware` (its server span,
   latency / TTFT / TPOT histograms, request and token counters).
 - The app owns its :class:`FrontendState` through the lifespan: created on startup (engine
-  handshake included), closed on shutdown after uvicorn drained in-flight requests.
+  handshake included), closed on shutdown after the drain (:mod:`mmis.frontend.api.drain`:
+  after SIGTERM new work gets a retryable 503, in-flight work ends by the deadline, cleanly)
+  and uvicorn's own; ``/ready`` is 503 ``draining`` from the signal on.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from mmis.frontend.api import generation_defaults
+from mmis.frontend.api.drain import Drain, DrainMiddleware
 from mmis.frontend.api.http_gate import HttpGate, MiB, tenant_of
 from mmis.frontend.api.openapi import install_openapi
 from mmis.frontend.api.schemas import (
@@ -155,6 +158,9 @@ def create_app(
     app.add_exception_handler(ClientGoneError, on_gone)
     app.add_exception_handler(HTTPException, on_http)
     app.add_exception_handler(Exception, on_unexpected)
+    drain = Drain(settings.graceful_shutdown_s)
+    app.state.drain = drain  # begun by the server on SIGTERM (entrypoints/frontend.py)
+    app.add_middleware(DrainMiddleware, drain=drain)  # inside the telemetry: it counts its 503s
     app.add_middleware(RequestTelemetryMiddleware, state_of=lambda: app.state.mmis)
     app.add_middleware(  # outermost: nothing runs for a request it refuses
         HttpGate,
@@ -235,6 +241,8 @@ def create_app(
     @app.get("/ready")
     async def ready(request: Request) -> Response:
         state = state_of(request)
+        if drain.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         if state.ready and state.healthy:
             return JSONResponse({"status": "ready"})
         return JSONResponse({"status": "not ready"}, status_code=503)

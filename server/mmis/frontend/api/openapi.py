@@ -85,12 +85,14 @@ ERROR_TEXT: dict[int, str] = {
     "tenant never sent with data (a uuid names an image for its tenant only) "
     "(`code: multimodal_cache_miss`, `missing_uuids`): resend them with their data",
     500: "internal error (the text is not leaked)",
-    503: "the engine is unavailable (with `Retry-After`), or a multimodal cache miss after "
+    503: "the engine is unavailable, or the server is shutting down (`code: "
+    "server_shutting_down`; both with `Retry-After`), or a multimodal cache miss after "
     "the one retry (`code: multimodal_cache_miss`, `retryable: true`)",
 }
 RETRY_AFTER = {
     "Retry-After": {
-        "description": "seconds to wait before retrying (when the engine is unavailable)",
+        "description": "seconds to wait before retrying (the engine unavailable, the server "
+        "shutting down)",
         "schema": {"type": "integer", "minimum": 0},
     }
 }
