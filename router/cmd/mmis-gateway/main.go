@@ -99,12 +99,14 @@ func (g *gateway) pick(stream extproc.ExternalProcessor_ProcessClient, r *http.R
 			hs = append(hs, header(strings.ToLower(k), vs[0]))
 		}
 	}
+	// io.EOF from Send: the picker ended the stream (after an ImmediateResponse, say); what it
+	// sent, and why it ended, are read by Recv below
 	if err := stream.Send(&extproc.ProcessingRequest{Request: &extproc.ProcessingRequest_RequestHeaders{
-		RequestHeaders: &extproc.HttpHeaders{Headers: &corev3.HeaderMap{Headers: hs}}}}); err != nil {
+		RequestHeaders: &extproc.HttpHeaders{Headers: &corev3.HeaderMap{Headers: hs}}}}); err != nil && !errors.Is(err, io.EOF) {
 		return "", nil, nil, err
 	}
 	if err := stream.Send(&extproc.ProcessingRequest{Request: &extproc.ProcessingRequest_RequestBody{
-		RequestBody: &extproc.HttpBody{Body: body, EndOfStream: true}}}); err != nil {
+		RequestBody: &extproc.HttpBody{Body: body, EndOfStream: true}}}); err != nil && !errors.Is(err, io.EOF) {
 		return "", nil, nil, err
 	}
 	var dest string
