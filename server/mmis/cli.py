@@ -1,7 +1,9 @@
 """The ``mmis`` command: one entry point, one module per subcommand.
 
 Invariant: ``mmis --help`` imports no subcommand module (so it is fast and works without
-torch); a subcommand's module is imported only when that subcommand runs. Each subcommand
+torch); a subcommand's module is imported only when that subcommand runs, and one that loads
+torch only after the installed torch/torchvision were found inside the supported range
+(:mod:`mmis.torch_support`). Each subcommand
 module exposes ``add_arguments(parser)`` and ``run(args) -> int``.
 """
 
@@ -25,6 +27,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "operator": ("mmis_operator.main", "run the Kubernetes operator (needs mmis-operator)"),
 }
+
+# the commands that load torch: refused at once, one line, outside the supported range
+# (mmis.torch_support; the range is pyproject.toml's)
+NEEDS_TORCH = frozenset({"serve", "engine", "frontend", "tiny-model"})
 
 
 def _available() -> dict[str, tuple[str, str]]:
@@ -57,6 +63,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     name, rest = args[0], args[1:]
     if name not in commands:
         parser.parse_args([name])  # prints the choices and exits 2
+    if name in NEEDS_TORCH:
+        from mmis.torch_support import UnsupportedTorchError, require_supported
+
+        try:
+            require_supported()
+        except UnsupportedTorchError as exc:
+            print(f"mmis {name}: {exc}", file=sys.stderr)
+            return 1
     module = importlib.import_module(commands[name][0])
     sub = argparse.ArgumentParser(prog=f"mmis {name}", description=commands[name][1])
     module.add_arguments(sub)
