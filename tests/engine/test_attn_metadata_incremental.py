@@ -114,6 +114,60 @@ def test_incremental_metadata_refuses_what_a_fresh_build_refuses(args: tuple, me
         AttentionMetadata.build(q, s, t, BS, 10 * BS, CPU)
 
 
+POOL = 64  # blocks of the small pool below: id 64 points outside it
+
+
+def _decode(
+    tables: BlockTables, up: HostToDevice, ids: list[str], lists: list[list[int]], starts: list[int]
+) -> list[int]:
+    """One decode step of ``ids`` that must equal a fresh build; the next starts."""
+    for k, st in enumerate(starts):
+        while len(lists[k]) * BS < st + 1:  # the KV manager appends a block when one fills
+            lists[k].append(1 + (7 * len(lists[k]) + k) % (POOL - 1))
+    q = [1] * len(ids)
+    ref = AttentionMetadata.build(q, starts, lists, BS, POOL * BS, CPU)
+    same(build_step(q, starts, ids, lists, tables, up)[0], ref)
+    return [st + 1 for st in starts]
+
+
+@pytest.mark.parametrize("case", ["shrunk", "grew_outside", "released"])
+def test_incremental_metadata_refuses_what_its_persistent_rows_could_hide(case: str) -> None:
+    """Refusals only ``build_step`` could miss, since it reads rows filled by earlier steps:
+    a list that lost blocks its row still holds (``shrunk``: the row's stale ids must not
+    serve the token), a row gaining an id outside the pool (only the new ids are checked: the
+    check must cover them, before anything is written), a released request back with its
+    list object refilled in place (``released``: its row must be refilled, and checked, not
+    reused). Each is refused as a fresh build refuses it, the table untouched; once the list
+    is right again, steps equal a fresh build again."""
+    tables, up = BlockTables(BS, POOL * BS, CPU), HostToDevice(CPU)
+    ids, lists, starts = ["a", "b", "c"], [[], [], []], [5, 9, 13]
+    for _ in range(6):  # steady decoding: the rows are filled, the steps incremental
+        starts = _decode(tables, up, ids, lists, starts)
+    victim = lists[1]
+    if case == "shrunk":  # the same object, too short for its next token
+        removed = victim[starts[1] // BS :]
+        del victim[starts[1] // BS :]
+        message, restore = "cannot hold", lambda: victim.extend(removed)
+    elif case == "grew_outside":  # its next token opens a block: an id outside the pool
+        starts[1] = len(victim) * BS
+        victim.append(POOL)
+        message, restore = "outside", lambda: victim.__setitem__(-1, 3)
+    else:
+        tables.release(["b"])
+        good, victim[0] = victim[0], POOL  # same length, same object, a bad id in the prefix
+        message, restore = "outside", lambda: victim.__setitem__(0, good)
+    before = tables.host.copy()
+    q = [1] * len(ids)
+    with pytest.raises(PagedAttentionError, match=message):
+        AttentionMetadata.build(q, starts, lists, BS, POOL * BS, CPU)
+    with pytest.raises(PagedAttentionError, match=message):
+        build_step(q, starts, ids, lists, tables, up)
+    assert np.array_equal(tables.host[: before.shape[0], : before.shape[1]], before)
+    restore()
+    for _ in range(6):
+        starts = _decode(tables, up, ids, lists, starts)
+
+
 def test_steady_decode_steps_equal_a_fresh_build() -> None:
     """The same requests decoding step after step (``BlockTables.rows`` visits only the
     rows whose list grew), then one list handed over as a new object with other ids, then a
