@@ -12,19 +12,22 @@ the events token (``MMIS_ENGINE_EVENTS_TOKEN``, passed by ``mmis serve`` to its 
 - a subscriber presenting the token decodes both streams, live and replayed, while a chat
   with a secret in its prompt and an image is served: the chat's blocks are announced, no
   ``BlockStored`` carries token ids, and no run of the secret's token ids is anywhere in the
-  payloads;
+  payloads, nor the image's uuid;
 - a subscriber with a wrong password and one without credentials (ZMQ's NULL mechanism)
   receive nothing live while the right one does, and their replay requests are never answered;
 - ``mmis engine`` asked to bind an event socket on a non-loopback address without a token
   refuses to start, with one line naming the flag.
 
-The announced ``mm_hash`` values are not checked against content hashes here: raw client
-uuids on the streams are item 5 (P0's uuid binding), tested with that change.
+The secret chat's image carries a client uuid (``passport-scan-7781``): since P0 binds uuids
+per tenant (item 5) the streams name items by their content hash only, so every announced
+``mm_hash`` (item events and blocks' extra keys) is 64 hex characters and the uuid is in no
+payload.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -44,13 +47,21 @@ from tools import free_port
 
 from mmis.engine.event_auth import secure_client
 from mmis.engine.event_publisher import END_SEQ
-from mmis.protocol.kv_events import KV_DECODER, MM_DECODER, BlockStored, MMItemStored
+from mmis.protocol.kv_events import (
+    KV_DECODER,
+    MM_DECODER,
+    BlockStored,
+    MMItemEvicted,
+    MMItemStored,
+)
 from mmis.tiny_models.tiny_model import tiny_model_dir
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
 
 TOKEN = "a5" * 32  # the shape of the operator's Secret: 64 hex characters
 SECRET = "my password is hunter2 my ssn is 078-05-1120"
+UUID = "passport-scan-7781"  # the client's own name for its image: never on a stream
+CONTENT_HASH = re.compile(r"[0-9a-f]{64}")
 STREAMS = ("kv", "mm")
 
 
@@ -115,7 +126,12 @@ def _drain(sock: zmq.Socket[bytes]) -> list[bytes]:
     return payloads
 
 
-def _chat(running: Running, text: str, color: tuple[int, int, int]) -> None:
+def _chat(
+    running: Running, text: str, color: tuple[int, int, int], uuid: str | None = None
+) -> None:
+    image: dict[str, Any] = {"url": image_url(color)}
+    if uuid is not None:
+        image["uuid"] = uuid
     body: dict[str, Any] = {
         "model": "tiny",
         "max_tokens": 2,
@@ -124,7 +140,7 @@ def _chat(running: Running, text: str, color: tuple[int, int, int]) -> None:
             {
                 "role": "user",
                 "content": [
-                    {"type": "image_url", "image_url": {"url": image_url(color)}},
+                    {"type": "image_url", "image_url": image},
                     {"type": "text", "text": text},
                 ],
             }
@@ -175,7 +191,8 @@ def test_events_carry_no_prompt(running: Running) -> None:
         time.sleep(0.5)
         for sub in subs.values():
             _drain(sub)
-        _chat(running, f"{SECRET}. Again: {SECRET}. What is in the picture?", (200, 30, 90))
+        text = f"{SECRET}. Again: {SECRET}. What is in the picture?"
+        _chat(running, text, (200, 30, 90), uuid=UUID)
         time.sleep(1.0)  # the last step's batches reach the subscribers
         live = {s: _drain(subs[s]) for s in STREAMS}
     finally:
@@ -196,10 +213,15 @@ def test_events_carry_no_prompt(running: Running) -> None:
         e for p in live["mm"] + (replayed["mm"] or []) for e in MM_DECODER.decode(p).events
     ]
     assert any(isinstance(e, MMItemStored) for e in mm_events), "the image is announced"
+    # items are named by their content's hash, never by the client's uuid (item 5, P0's half)
+    named = [e.mm_hash for e in mm_events if isinstance(e, MMItemStored | MMItemEvicted)]
+    named += [key[0] for e in stored for keys in e.extra_keys or [] for key in keys or []]
+    assert named and all(CONTENT_HASH.fullmatch(h) for h in named), named
     payloads = kv_payloads + live["mm"] + (replayed["mm"] or [])
     assert not any(_leaks(p, runs) for p in payloads), "the secret's token ids are on the stream"
     for payload in payloads:
         assert b"hunter2" not in payload and b"078-05-1120" not in payload
+        assert UUID.encode() not in payload
         for ints in _ints(msgspec.msgpack.decode(payload)):
             assert len(ints) < 4, f"a list of ints on the stream: {ints[:8]}"
     assert stored and all(e.token_ids == [] for e in stored), "BlockStored carries token ids"
