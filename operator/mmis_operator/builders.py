@@ -379,7 +379,7 @@ HUNG_GRACE_SECONDS = 5  # a liveness failure's grace period (the probe's own, no
 API_KEY_ENV = "MMIS_FRONTEND_API_KEY"  # FrontendConfig.api_key via the frontend section
 # termination in order: P0 holds a shared lock on this file while it lives (--drain-lock), P1's
 # preStop waits until no P0 holds it (mmis wait-frontend)
-DRAIN_LOCK = f"{r.SHM_MOUNT}/mmis-frontend.lock"
+DRAIN_LOCK = f"{r.SHM_MOUNT}/frontend-drain.lock"
 # how long SIGTERM lets P0 finish in-flight requests: the front end's --graceful-shutdown-s
 # default, which the operator does not set (tests/contract/test_pod_contract.py checks it)
 FRONTEND_GRACEFUL_SECONDS = 30

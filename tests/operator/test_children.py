@@ -131,7 +131,7 @@ def test_termination_in_order(sample: dict[str, Any], drain: int) -> None:
     sample["spec"]["probes"] = {"drainSeconds": drain}
     dep = builders.deployment(sample, parse_spec(sample["spec"]))
     front, engine = _containers(dep)[r.FRONTEND], _containers(dep)[r.ENGINE]
-    lock = "/dev/shm/mmis-frontend.lock"
+    lock = "/dev/shm/frontend-drain.lock"
     assert _args(front, "--drain-lock") == lock
     wait = drain + 30 + 5
     assert engine["lifecycle"]["preStop"]["exec"]["command"] == [

@@ -141,7 +141,7 @@ class Pod:
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.lock = tmp / "mmis-frontend.lock"
+        self.lock = tmp / "frontend-drain.lock"
         from mmis.tiny_models.tiny_model import tiny_model_dir
 
         model = tiny_model_dir(FAMILY)

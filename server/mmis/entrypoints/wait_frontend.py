@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lock",
         required=True,
         metavar="FILE",
-        help="the front end's --drain-lock file (e.g. /dev/shm/mmis-frontend.lock)",
+        help="the front end's --drain-lock file (e.g. /dev/shm/frontend-drain.lock)",
     )
     parser.add_argument(
         "--timeout-s",
