@@ -160,14 +160,18 @@ func (s *Stream) crashed(p *streamPanic) {
 	}()
 }
 
-// follow runs one live subscription until the stream must be re-subscribed or ctx ends.
+// follow runs one live subscription until the stream must be re-subscribed or ctx ends: the
+// replay had batches the subscription never delivered, or the subscription ended (its
+// connection closed or refused); either way at a probe, so at most once per Probe.
 func (s *Stream) follow(ctx context.Context) {
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	live := make(chan frame, 1024)
 	budget := semaphore.NewWeighted(LiveBudget)
 	crashed := make(chan *streamPanic, 1)
+	ended := make(chan struct{})
 	go func() {
+		defer close(ended) // after the panic, if any, is in crashed
 		defer func() {
 			if v := recover(); v != nil {
 				crashed <- recovered(v)
@@ -178,20 +182,31 @@ func (s *Stream) follow(ctx context.Context) {
 	s.resync(ctx) // catch up with what was published before the subscription
 	quiet := time.NewTimer(s.Probe)
 	defer quiet.Stop()
+	subscribed, lost := (<-chan struct{})(ended), false
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case p := <-crashed:
 			panic(p) // recovered by followSafely, in this goroutine
+		case <-subscribed:
+			select {
+			case p := <-crashed:
+				panic(p)
+			default:
+			}
+			subscribed, lost = nil, true
 		case f := <-live:
 			budget.Release(int64(len(f.payload)))
 			s.onLive(ctx, f)
 			quiet.Reset(s.Probe)
 		case <-quiet.C:
 			if s.resync(ctx) > 0 {
-				// the replay had batches the subscription never delivered: re-subscribe
 				s.Log.V(1).Info("live events lag the replay socket; re-subscribing", "pub", s.Pub)
+				return
+			}
+			if lost {
+				s.Log.V(1).Info("the subscription ended; subscribing again", "pub", s.Pub)
 				return
 			}
 			quiet.Reset(s.Probe)

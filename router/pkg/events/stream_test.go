@@ -168,8 +168,8 @@ func TestAHostileEngineCostsBoundedMemory(t *testing.T) {
 		}
 	}
 	bad := &Stream{
-		Pub:    eventstest.Raw(t, "127.0.0.1", 0, "PUB", 200*time.Millisecond, pubHostile...),
-		Replay: eventstest.Raw(t, "127.0.0.1", 0, "ROUTER", 200*time.Millisecond, hostile...),
+		Pub:    eventstest.Raw(t, "127.0.0.1", 0, "PUB", 200*time.Millisecond, pubHostile...).Addr,
+		Replay: eventstest.Raw(t, "127.0.0.1", 0, "ROUTER", 200*time.Millisecond, hostile...).Addr,
 		Apply:  func([]Event) {}, Clear: func() {}, Probe: 50 * time.Millisecond,
 		Silence: 200 * time.Millisecond, Timeout: 300 * time.Millisecond, Log: logr.Discard(),
 	}
@@ -233,6 +233,24 @@ func TestALongReplayIsHeldInBoundedParts(t *testing.T) {
 		b, _, _ := idx.Sizes()
 		return b == n
 	})
+}
+
+// A subscription that ends (its connection closed, or refused as here: every answer is
+// garbage) is dialled again at the next probe, not only when a replay finds batches it missed.
+func TestALostSubscriptionIsDialledAgain(t *testing.T) {
+	engine := startEngine(t, freePort(t), freePort(t))
+	engine.Publish(batch(t, cleared))
+	pub := eventstest.Raw(t, "127.0.0.1", 0, "PUB", time.Second, eventstest.HugeFrame)
+	idx := NewIndex()
+	s := kvStream(engine, idx)
+	s.Pub = pub.Addr
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go s.Run(ctx)
+	eventually(t, "five subscriptions", func() bool { return pub.Conns.Load() >= 5 })
+	if !s.Live() {
+		t.Error("a stream whose replay answers is distrusted for its subscription's sake")
+	}
 }
 
 func bytesOf(b byte, n int) []byte {

@@ -74,7 +74,7 @@ func TestCappedConnRefusesWhatGoZeromqWouldAllocate(t *testing.T) {
 // A replay socket whose answer claims a 1 TiB frame: the replay fails at once, the picker's
 // heap does not grow (go-zeromq alone would make([]byte, 1<<40): a fatal out-of-memory).
 func TestAFrameClaimingATebibyteFailsTheReplayNotTheProcess(t *testing.T) {
-	replay := eventstest.Raw(t, "127.0.0.1", 0, "ROUTER", 5*time.Second, hugeFrame)
+	replay := eventstest.Raw(t, "127.0.0.1", 0, "ROUTER", 5*time.Second, hugeFrame).Addr
 	s := &Stream{Replay: replay, Timeout: 2 * time.Second, Log: logr.Discard()}
 	var before, after runtime.MemStats
 	runtime.ReadMemStats(&before)

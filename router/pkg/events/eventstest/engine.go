@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -184,23 +185,30 @@ func Message(frames ...[]byte) []byte {
 // HugeFrame is a frame header claiming 2^40 bytes.
 var HugeFrame = []byte{0x02, 0, 0, 1, 0, 0, 0, 0, 0}
 
+// RawPeer is a listener that says the same to every connection (Raw).
+type RawPeer struct {
+	Addr  string       // tcp://host:port
+	Conns atomic.Int64 // connections accepted so far
+}
+
 // Raw listens on host:port (0: any) and says, to every connection, a NULL greeting,
 // READY(sockType), then each of says in turn (one per connection, the last one repeated),
-// holding the connection open for hold; what the client sends is read and dropped. It
-// returns the tcp:// address.
-func Raw(t testing.TB, host string, port int, sockType string, hold time.Duration, says ...[]byte) string {
+// holding the connection open for hold; what the client sends is read and dropped.
+func Raw(t testing.TB, host string, port int, sockType string, hold time.Duration, says ...[]byte) *RawPeer {
 	t.Helper()
 	l, err := net.Listen("tcp", net.JoinHostPort(host, fmt.Sprint(port)))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { l.Close() })
+	peer := &RawPeer{Addr: "tcp://" + l.Addr().String()}
 	go func() {
 		for n := 0; ; n++ {
 			c, err := l.Accept()
 			if err != nil {
 				return
 			}
+			peer.Conns.Add(1)
 			after := says[min(n, len(says)-1)]
 			go func() { _, _ = io.Copy(io.Discard, c) }()
 			go func() {
@@ -210,5 +218,5 @@ func Raw(t testing.TB, host string, port int, sockType string, hold time.Duratio
 			}()
 		}
 	}()
-	return "tcp://" + l.Addr().String()
+	return peer
 }
