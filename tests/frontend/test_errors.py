@@ -1,5 +1,6 @@
 """Typed errors -> HTTP status + OpenAI error JSON, checked directly and through the real
-OpenAI SDK talking to a FastAPI app (in-process ASGI transport)."""
+OpenAI SDK talking to a FastAPI app (in-process ASGI transport); the SDK's parse of a normal
+answer through the real serving route (a real P0 on the scripted P1)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import openai
 import pytest
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
+from openai.types.chat import ChatCompletion
+from scripted_stack import StackFactory  # tests/frontend (conftest.py puts it on the path)
 
 from mmis.frontend.api.schemas import (
     AssistantMessage,
@@ -41,7 +44,7 @@ from mmis.frontend.errors import (
     sse_error_event,
 )
 from mmis.protocol.errors import MMISError, MultiModalCacheMissError, ProtocolError
-from mmis.protocol.messages import RequestError
+from mmis.protocol.messages import EngineCoreOutput, EngineCoreRequest, RequestError
 
 
 @pytest.mark.parametrize(
@@ -218,10 +221,39 @@ async def test_sdk_stream_ends_with_the_error_event_not_a_cut() -> None:
     assert body["missing_mm_hashes"] == ["h1"]
 
 
-async def test_sdk_parses_a_normal_response() -> None:
-    client = client_for(make_app([]))
-    response = await client.chat.completions.create(model="m", messages=MSG)
-    assert response.choices[0].message.content == "ok"
+async def test_sdk_parses_a_normal_response(start_stack: StackFactory) -> None:
+    """Through the real chat route (a real P0 on real HTTP, the scripted P1 behind it): the
+    SDK parses the whole answer into its types, and what it parsed is what P1 generated."""
+    engine, frontend = start_stack()
+    assert frontend.state is not None
+    core = engine.core
+    emitted: dict[str, list[int]] = {}
+    prompts: list[list[int]] = []
+    add, step = core.add_request, core.step
+
+    def add_request(request: EngineCoreRequest) -> None:
+        prompts.append(list(request.prompt_token_ids))
+        add(request)
+
+    def stepping() -> list[EngineCoreOutput]:
+        outs = step()
+        for out in outs:
+            emitted.setdefault(out.request_id, []).extend(out.new_token_ids)
+        return outs
+
+    core.add_request, core.step = add_request, stepping  # type: ignore[method-assign]
+    client = openai.AsyncOpenAI(api_key="k", base_url=frontend.base_url, max_retries=0, timeout=30)
+    response = await client.chat.completions.create(model="tiny", messages=MSG, max_tokens=5)
+    [prompt], [tokens] = prompts, list(emitted.values())
+    assert isinstance(response, ChatCompletion)
+    assert response.id.startswith("chatcmpl-") and response.model == "tiny"
+    [choice] = response.choices
+    assert choice.index == 0 and choice.finish_reason == "length"
+    assert choice.message.role == "assistant"
+    assert len(tokens) == 5 and choice.message.content == frontend.state.processor.decode(tokens)
+    assert choice.message.content  # the scripted tokens decode to ASCII text
+    assert response.usage is not None
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(prompt), 5)
 
 
 def test_frontend_error_overrides() -> None:
