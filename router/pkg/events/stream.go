@@ -232,7 +232,7 @@ func (s *Stream) subscribe(ctx context.Context, out chan<- frame, budget *semaph
 		s.Log.Error(err, "cannot subscribe", "pub", s.Pub)
 		return
 	}
-	if err := sub.Dial(subscription(s.Pub)); err != nil {
+	if err := handshake(func() error { return sub.Dial(subscription(s.Pub)) }); err != nil {
 		if ctx.Err() == nil {
 			s.Log.Info("cannot subscribe to the engine's events (a wrong MMIS_INTERNAL_TOKEN?); "+
 				"following its replay socket", "pub", s.Pub, "err", err.Error())
@@ -376,7 +376,8 @@ func (s *Stream) replay(ctx context.Context, from uint64) ([]frame, error) {
 	defer cancel()
 	dealer := zmq4.NewDealer(rctx, s.options(zmq4.WithDialerMaxRetries(0))...)
 	defer dealer.Close()
-	if err := dealer.Dial(bounded(s.Replay)); err != nil { // handshake bounded by rctx too
+	// the handshake is bounded by rctx too
+	if err := handshake(func() error { return dealer.Dial(bounded(s.Replay)) }); err != nil {
 		return nil, err
 	}
 	req := make([]byte, 8)

@@ -271,6 +271,27 @@ func subscription(endpoint string) string {
 	return subScheme + "://" + strings.TrimPrefix(endpoint, "tcp://")
 }
 
+// HandshakeError is a ZMTP handshake that made go-zeromq panic: v0.17.0 panics in
+// SocketType.IsCompatible when the peer's READY names a socket type it does not know (found
+// by FuzzStream). The connection is refused like any failed handshake.
+type HandshakeError struct{ Panic any }
+
+func (e *HandshakeError) Error() string {
+	return fmt.Sprintf("zmtp: the handshake made go-zeromq panic (%v); connection refused", e.Panic)
+}
+
+// handshake runs f (a socket's Dial, or zmq4.Open: the ZMTP handshake happens there, in the
+// caller's goroutine) and turns a panic in it into a *HandshakeError. No go-zeromq lock is
+// held while it handshakes, and the connection is closed with its socket's context.
+func handshake(f func() error) (err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			err = &HandshakeError{Panic: v}
+		}
+	}()
+	return f()
+}
+
 // security is the mechanism the picker connects with: PLAIN with user PlainUser and the
 // internal token as password when there is a token (docs/SECURITY.md), NULL otherwise.
 func security(token string) zmq4.Security {

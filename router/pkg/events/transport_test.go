@@ -113,6 +113,25 @@ func TestAQuietSubscriptionOutlivesItsHandshakeDeadline(t *testing.T) {
 	}
 }
 
+// A READY naming a socket type go-zeromq does not know made it panic in the handshake
+// (FuzzStream found it): a refused connection now, not a panic, on both sockets.
+func TestAnUnknownSocketTypeIsARefusedHandshake(t *testing.T) {
+	bogus := eventstest.Raw(t, "127.0.0.1", 0, "BOGUS", time.Second, []byte{}).Addr
+	s := &Stream{Pub: bogus, Replay: bogus, Apply: func([]Event) {}, Clear: func() {},
+		Probe: 50 * time.Millisecond, Timeout: time.Second, Log: logr.Discard()}
+	_, err := s.replay(context.Background(), 0)
+	var he *HandshakeError
+	if !errors.As(err, &he) {
+		t.Fatalf("replay = %v, want a *HandshakeError", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	defer cancel()
+	s.Run(ctx) // subscriptions and replays, a few times over
+	if n := s.panics.Load(); n != 0 {
+		t.Errorf("%d panics reached the stream", n)
+	}
+}
+
 // FuzzStream: any bytes an engine's socket sends (after a valid handshake, or from the
 // greeting on when the input starts with 0xff, as a greeting does) reach go-zeromq only
 // through the frame-capping connection, and what go-zeromq makes of them goes through the
@@ -151,8 +170,12 @@ func FuzzStream(f *testing.F) {
 			_, _ = server.Write(stream)
 			server.Close()
 		}()
-		conn, err := zmq4.Open(newCappedConn(client, nil), null.Security(), zmq4.Dealer,
-			zmq4.SocketIdentity("fuzz"), false, nil)
+		var conn *zmq4.Conn
+		err := handshake(func() (err error) {
+			conn, err = zmq4.Open(newCappedConn(client, nil), null.Security(), zmq4.Dealer,
+				zmq4.SocketIdentity("fuzz"), false, nil)
+			return err
+		})
 		if err != nil {
 			return
 		}
