@@ -1,11 +1,17 @@
 """docs/ARCHITECTURE.md names only paths that exist: a newcomer's walk through the code must not
 lead to a moved or deleted file (issue 34: the document had drifted from the tree).
 
-Every backticked token that looks like a path (ends in a file suffix or ``/``) is resolved:
-from the repository root, else under ``server/`` or ``server/mmis/`` (the document names
-server modules as ``engine/core.py``), else under ``operator/mmis_operator/``; a bare file
-name (``spec.py``, in a paragraph about one package) must exist somewhere in the tracked
-tree. URL paths (``/v1/...``), URLs and globs are not paths.
+Every backticked token that looks like a path (ends in a file suffix or ``/``, or has a
+``/`` inside: ``pkg/events``, ``scripts/build-images``) is resolved: from the repository
+root, else under ``server/`` or ``server/mmis/`` (the document names server modules as
+``engine/core.py``), else under ``operator/mmis_operator/``, else under the root of a Go
+module of the tree (the document names Go packages as Go does, from their module:
+``pkg/events`` of ``mmis.dev/router`` is ``router/pkg/events``); a token that starts with a
+domain is a Go import path, checked when it names one of the tree's modules
+(``mmis.dev/router`` is ``router/``) and otherwise an outside reference. A bare file name
+(``spec.py``, in a paragraph about one package) must exist somewhere in the tracked tree.
+URL paths (``/v1/...``), URLs, globs, MIME types (``image/png``) and API versions
+(``apps/v1``) are not paths.
 """
 
 from __future__ import annotations
@@ -17,8 +23,58 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "ARCHITECTURE.md"
 SUFFIXES = (".py", ".md", ".yaml", ".yml", ".toml", ".json", ".go", ".sh", ".txt")
-BASES = (ROOT, ROOT / "server", ROOT / "server" / "mmis", ROOT / "operator" / "mmis_operator")
 TOKEN = re.compile(r"`([^`\s]+)`")
+DOMAIN = re.compile(r"[a-z0-9-]+(\.[a-z0-9-]+)+")  # the first part of a Go import path
+MIME = ("application", "audio", "font", "image", "message", "model", "multipart", "text", "video")
+API_VERSION = re.compile(r"v\d+((alpha|beta)\d+)?")
+
+
+def tracked_files() -> list[str]:
+    return subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+
+
+def go_modules() -> dict[str, Path]:
+    """Module path -> its directory, for every tracked go.mod."""
+    modules = {}
+    for f in tracked_files():
+        if f == "go.mod" or f.endswith("/go.mod"):
+            match = re.search(r"^module\s+(\S+)", (ROOT / f).read_text(), re.M)
+            if match:
+                modules[match.group(1)] = (ROOT / f).parent
+    return modules
+
+
+MODULES = go_modules()
+BASES = (
+    ROOT,
+    ROOT / "server",
+    ROOT / "server" / "mmis",
+    ROOT / "operator" / "mmis_operator",
+    *MODULES.values(),
+)
+
+
+def _module_of(token: str) -> str | None:
+    """The tree's Go module that ``token`` (an import path) is in, or None."""
+    for module in MODULES:
+        if token == module or token.startswith(module + "/"):
+            return module
+    return None
+
+
+def _is_path(token: str) -> bool:
+    if token.endswith(SUFFIXES) or (token.endswith("/") and len(token) > 1):
+        return True
+    if "/" not in token:
+        return False  # a bare word: a name, not a path
+    first, _, rest = token.partition("/")
+    if first in MIME or API_VERSION.fullmatch(rest.split("/")[0]):
+        return False  # image/png, apps/v1
+    if DOMAIN.fullmatch(first) and not (ROOT / first).exists():
+        return _module_of(token) is not None  # an import path: ours is checked
+    return True
 
 
 def named_paths(text: str) -> list[str]:
@@ -27,17 +83,14 @@ def named_paths(text: str) -> list[str]:
         token = token.split("::")[0].rstrip(".,;:")
         if token.startswith(("/", "$", "~", "-")) or "://" in token or "*" in token or "{" in token:
             continue
-        if token.endswith(SUFFIXES) or (token.endswith("/") and len(token) > 1):
+        if _is_path(token):
             out.append(token)
     return sorted(set(out))
 
 
 def tracked_names() -> set[str]:
-    files = subprocess.run(
-        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.split()
     names = set()
-    for f in files:
+    for f in tracked_files():
         parts = f.split("/")
         names.add(parts[-1])
         names.update(p + "/" for p in parts[:-1])
@@ -47,6 +100,9 @@ def tracked_names() -> set[str]:
 def exists(path: str, names: set[str]) -> bool:
     if "/" not in path.rstrip("/"):  # a bare file or folder name
         return path in names
+    module = _module_of(path)
+    if module is not None:  # a Go import path of this tree: its module's directory
+        return (MODULES[module] / path[len(module) :].lstrip("/")).exists()
     return any((base / path).exists() for base in BASES)
 
 
@@ -76,3 +132,23 @@ def test_the_check_can_fail() -> None:
     assert not exists("engine/no_such_module.py", names)
     assert not exists("no_such_module.py", names)
     assert exists("engine/core.py", names) and exists("pyproject.toml", names)
+    # paths without a suffix: folders and scripts, Go packages from their module's root
+    assert exists("pkg/events", names) and exists("scripts/build-images", names)
+    assert not exists("pkg/no_such_package", names) and not exists("scripts/no-such", names)
+    assert exists("mmis.dev/router", names) and exists("mmis.dev/router/pkg/mmiscache", names)
+    assert not exists("mmis.dev/router/pkg/no_such_package", names)
+
+
+def test_paths_without_a_suffix_are_found() -> None:
+    text = (
+        "`pkg/events` `scripts/build-images` `mmis.dev/router` `mmis.dev/router/pkg/x`"
+        " `image/png` `apps/v1` `github.com/a/b` `word` `docs/`"
+    )
+    assert named_paths(text) == [
+        "docs/",
+        "mmis.dev/router",
+        "mmis.dev/router/pkg/x",
+        "pkg/events",
+        "scripts/build-images",
+    ]
+    assert {"pkg/events", "pkg/mmiscache", "mmis.dev/router"} <= set(named_paths(DOC.read_text()))
