@@ -126,13 +126,6 @@ def test_a_truncated_webm_gives_the_frames_up_to_the_cut() -> None:
     assert set(counts) == set(range(9))  # refused at first, then each frame as it arrives
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AttributeError,
-    reason="a bug to fix in video.py: an MP4 cut inside its index can leave the stream "
-    "without a codec context (stream.codec_context is None), and _decode reads its width: "
-    "an AttributeError, a 500, instead of the InvalidVideoError every other cut gets",
-)
 def test_every_cut_of_an_mp4_is_a_clear_400_or_its_frames() -> None:
     data = clip(8, fps=4)
     for cut in range(1, len(data), 2):

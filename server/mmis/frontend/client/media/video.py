@@ -111,10 +111,11 @@ def _decode(container: object, limits: VideoLimits, param: str | None) -> Decode
     if not streams.video:
         raise InvalidVideoError("the file has no video stream", param=param)
     stream = streams.video[0]
+    codec = stream.codec_context
+    if codec is None:  # e.g. an MP4 cut inside its index: the stream has no decoder
+        raise InvalidVideoError("the video stream cannot be decoded (truncated?)", param=param)
     stream.thread_type = "AUTO"
-    _check_pixels(
-        int(stream.codec_context.width or 0), int(stream.codec_context.height or 0), limits, param
-    )
+    _check_pixels(int(codec.width or 0), int(codec.height or 0), limits, param)
     duration = _duration(container, stream)
     if duration is None or duration <= 0:
         raise InvalidVideoError("the video declares no duration", param=param)
