@@ -12,6 +12,11 @@ routing benchmark's stack (docs/ROUTING.md).
 - ``mmis-epp`` (router/: GIE v1.5.0's runner with the mmis cache scorer) configured by
   ``mmis_operator.routing.picker_config`` (what the operator deploys), and ``mmis-gateway``, the
   gateway's side of its ext_proc protocol, which forwards each request where the picker says.
+- One internal token per stack (docs/SECURITY.md), as the operator's Secret ``NAME-internal``
+  is read in a cluster: each replica runs with ``MMIS_ENGINE_EVENTS_TOKEN`` (its event sockets
+  are PLAIN servers) and ``MMIS_FRONTEND_INTERNAL_TOKEN`` (``/internal/*`` needs the bearer
+  token), the picker with ``MMIS_INTERNAL_TOKEN``, so the picker reads events and block keys
+  the way it does when deployed.
 
 Invariant: every wait is a bounded poll of an observable (an HTTP answer, a metric), never a
 fixed sleep; :meth:`PickerStack.stop` stops every process it started, even after a failure.
@@ -22,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import secrets
 import sys
 import time
 from collections.abc import Callable
@@ -63,13 +69,16 @@ def _test_config(ops_port: int, events: EventPorts) -> dict[str, Any]:
 class Replica:
     """One ``mmis serve`` on its own loopback address."""
 
-    def __init__(self, proc: Proc, ip: str, http_port: int, ops_port: int) -> None:
+    def __init__(self, proc: Proc, ip: str, http_port: int, ops_port: int, token: str) -> None:
         self.proc, self.ip = proc, ip
         self.url = f"http://{ip}:{http_port}"
         self.ops_url = f"http://{ip}:{ops_port}"
+        self._internal = {"Authorization": f"Bearer {token}"}
 
     def reset_prefix_cache(self) -> int:
-        answer = httpx.post(self.ops_url + "/internal/reset_prefix_cache", timeout=30)
+        answer = httpx.post(
+            self.ops_url + "/internal/reset_prefix_cache", headers=self._internal, timeout=30
+        )
         answer.raise_for_status()
         blocks: int = answer.json()["blocks"]
         return blocks
@@ -100,6 +109,7 @@ class PickerStack:
         self.grpc_port, self.health_port, self.metrics_port, self.gateway_port = p[6:10]
         self.model = model or tiny_model_dir()
         self.config = (config_for or _test_config)(self.ops_port, self.events)
+        self.token = secrets.token_hex(32)  # the shape of the operator's Secret
         self.replicas: list[Replica] = []
         self._daemons: list[Daemon] = []
         self.url = f"http://127.0.0.1:{self.gateway_port}"
@@ -136,9 +146,10 @@ class PickerStack:
         args = ["serve", "--model", str(self.model), "--served-model-name", "tiny"]
         args += ["--host", ip, "--port", str(self.http_port), "--ops-port", str(self.ops_port)]
         args += [*engine_event_args(self.events, host=ip), *self._serve_args]
-        proc = Proc(f"serve-{i}", args, log_dir, announces=True)
+        env = {"MMIS_ENGINE_EVENTS_TOKEN": self.token, "MMIS_FRONTEND_INTERNAL_TOKEN": self.token}
+        proc = Proc(f"serve-{i}", args, log_dir, env=env, announces=True)
         self._daemons.append(proc)
-        self.replicas.append(Replica(proc, ip, self.http_port, self.ops_port))
+        self.replicas.append(Replica(proc, ip, self.http_port, self.ops_port, self.token))
 
     def _create_pod(self, r: Replica, i: int) -> None:
         name = f"replica-{i}"
@@ -209,6 +220,7 @@ class PickerStack:
                 "KUBECONFIG": str(self.cluster.kubeconfig),
                 "POD_NAME": "mmis-epp-test",
                 "POD_NAMESPACE": self.namespace,
+                "MMIS_INTERNAL_TOKEN": self.token,
             },
         )
         self._daemons.append(epp)
