@@ -93,7 +93,7 @@ func TestAFrameClaimingATebibyteFailsTheReplayNotTheProcess(t *testing.T) {
 // handshake, so a batch published long after it still arrives live (no probe runs here).
 func TestAQuietSubscriptionOutlivesItsHandshakeDeadline(t *testing.T) {
 	engine := startEngine(t, freePort(t), freePort(t))
-	engine.Publish(batch(t, cleared))
+	engine.Publish(batch(t, cleared, stored("early")))
 	idx := NewIndex()
 	s := kvStream(engine, idx)
 	s.Probe, s.Silence = time.Minute, time.Minute
@@ -101,7 +101,7 @@ func TestAQuietSubscriptionOutlivesItsHandshakeDeadline(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go s.Run(ctx)
-	eventually(t, "the first batch, from the replay", func() bool { return s.have })
+	eventually(t, "the first batch, from the replay", func() bool { return idx.Prefix([]string{"early"}) == 1 })
 	time.Sleep(1500 * time.Millisecond) // three handshake budgets of silence
 	engine.Publish(batch(t, stored("late")))
 	deadline := time.Now().Add(3 * time.Second)
