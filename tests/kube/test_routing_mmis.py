@@ -24,7 +24,6 @@ from __future__ import annotations
 import base64
 import copy
 import json
-import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Any
 import operator_kit as ok
 import pytest
 from kubecluster import Cluster, ToolsMissing, apply_crds, inference_pool_crd
+from tools import in_ci
 
 from mmis_operator import builders, routing
 from mmis_operator import kube as r
@@ -58,10 +58,6 @@ TYPES = {
     "Service": "services",
     "InferencePool": POOL_CRD,
 }
-
-
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +176,7 @@ def _pool_crd_file() -> Path:
     try:
         return inference_pool_crd()
     except ToolsMissing as exc:
-        if _in_ci():
+        if in_ci():
             pytest.fail(f"InferencePool CRD unavailable with CI=true: {exc}", pytrace=False)
         pytest.skip(f"InferencePool CRD unavailable: {exc}")
 

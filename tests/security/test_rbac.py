@@ -28,12 +28,16 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/tools.py
+from tools import in_ci
 
 from mmis_operator import routing
 
@@ -71,7 +75,7 @@ def _helm() -> Path:
     helm = tools / "bin" / "helm"
     if not helm.is_file():
         reason = f"{helm} not built: run scripts/gotools helm (or set MMIS_TOOLS_DIR)"
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        if in_ci():
             pytest.fail(reason, pytrace=False)
         pytest.skip(reason)
     return helm
