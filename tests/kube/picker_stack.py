@@ -18,6 +18,10 @@ routing benchmark's stack (docs/ROUTING.md).
   token), the picker with ``MMIS_INTERNAL_TOKEN``, so the picker reads events and block keys
   the way it does when deployed.
 
+- :func:`epp_binary`: the picker a stack runs: ``scripts/gotools``' ``mmis-epp``, or the
+  binary ``MMIS_EPP_BINARY`` names (a scratch build, e.g. with a behaviour broken on purpose
+  to show that a test fails without it).
+
 Invariant: every wait is a bounded poll of an observable (an HTTP answer, a metric), never a
 fixed sleep; :meth:`PickerStack.stop` stops every process it started, even after a failure.
 """
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import secrets
 import sys
@@ -40,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from kubecluster import Cluster, apply_crds, inference_pool_crd
 from procs import Proc
-from tools import Daemon, free_port, wait_until
+from tools import Daemon, free_port, go_tool, wait_until
 
 from mmis.tiny_models.tiny_model import tiny_model_dir
 from mmis_operator.routing import EventPorts, engine_event_args, picker_config, render
@@ -59,6 +64,19 @@ def _free_ports(n: int) -> list[int]:
 
 
 SILENCE_S = 4.0  # the tests' silenceSeconds: a stopped engine ages out within seconds
+EPP_OVERRIDE = "MMIS_EPP_BINARY"
+
+
+def epp_binary() -> Path:
+    """``$MMIS_EPP_BINARY`` when set (it must be an executable file), else ``go_tool("mmis-epp")``
+    (which fails under CI=true, or skips, when that is missing or stale)."""
+    override = os.environ.get(EPP_OVERRIDE)
+    if not override:
+        return go_tool("mmis-epp")
+    exe = Path(override)
+    if not (exe.is_file() and os.access(exe, os.X_OK)):
+        raise FileNotFoundError(f"{EPP_OVERRIDE}={override} is not an executable file")
+    return exe
 
 
 def _test_config(ops_port: int, events: EventPorts) -> dict[str, Any]:

@@ -7,18 +7,24 @@ forwards each request where the picker says (``picker_stack.py``).
   while new images spread over the replicas;
 - after the holder forgets the prefix (a forced eviction), the picker's index shows it within
   one event batch and the next repeat goes to the other holder;
-- a replica's engine restart (a new epoch) empties its index, and requests keep succeeding;
+- a replica's engine restart (a new epoch) empties its index, and requests keep succeeding:
+  behind a picker whose silence window outlasts the test, so that only the new epoch's
+  detection (a live batch of seq 0 that starts a life, or a replay that no longer holds the
+  last batch applied) can empty it, and the picker's log after the kill says so for that
+  replica;
 - an engine whose events fall silent (stopped) ages out of the picker's trust, and is followed
   again, its index rebuilt from a replay, once it answers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -27,9 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kubecluster import Cluster
-from picker_stack import SILENCE_S, PickerStack
+from picker_stack import SILENCE_S, PickerStack, epp_binary
 from procs import children, image_url, wait_for
 from tools import go_tool
+
+from mmis_operator.routing import EventPorts, picker_config
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.routing, pytest.mark.model, pytest.mark.slow]
 
@@ -55,18 +63,79 @@ def _color(i: int) -> tuple[int, int, int]:
     return ((37 * i) % 256, (101 * i + 50) % 256, (197 * i + 90) % 256)
 
 
-@pytest.fixture(scope="module")
-def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PickerStack]:
-    epp, gateway = go_tool("mmis-epp"), go_tool("mmis-gateway")
+RESTART_SILENCE_S = 3600.0  # outlasts the restart test: there, silence never empties an index
+
+
+@contextlib.contextmanager
+def _running_stack(cluster: Cluster, log_dir: Path, **options: Any) -> Iterator[PickerStack]:
+    """A :class:`PickerStack` (``options`` as its keywords) in a namespace of its own."""
+    epp, gateway = epp_binary(), go_tool("mmis-gateway")
     namespace = "picker-" + os.urandom(4).hex()
     cluster.kubectl("create", "namespace", namespace)
     try:
-        with PickerStack(
-            cluster, namespace, tmp_path_factory.mktemp("picker"), epp, gateway
-        ) as running:
+        with PickerStack(cluster, namespace, log_dir, epp, gateway, **options) as running:
             yield running
     finally:
         cluster.kubectl("delete", "namespace", namespace, "--wait=false")
+
+
+@pytest.fixture(scope="module")
+def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PickerStack]:
+    with _running_stack(cluster, tmp_path_factory.mktemp("picker")) as running:
+        yield running
+
+
+@pytest.fixture
+def patient_stack(
+    cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[PickerStack]:
+    """Two replicas behind a picker whose silenceSeconds (RESTART_SILENCE_S) outlasts the
+    test: no index there is emptied for silence."""
+
+    def patient(ops_port: int, events: EventPorts) -> dict[str, Any]:
+        return picker_config(ops_port, events, silence_seconds=RESTART_SILENCE_S)
+
+    log_dir = tmp_path_factory.mktemp("picker-restart")
+    with _running_stack(cluster, log_dir, replicas=2, config_for=patient) as running:
+        yield running
+
+
+def test_engine_restart_starts_a_new_epoch_and_requests_keep_succeeding(
+    patient_stack: PickerStack,
+) -> None:
+    """First in the module, so that its stack is gone before the module's stack starts."""
+    stack = patient_stack
+    body = _chat(_color(9), "What is in the picture?")
+    a, _ = stack.chat(body)
+    replica = next(r for r in stack.replicas if r.ip == a)
+    stack.wait_metric(f"{a}'s items known", "mmis_picker_index_items", lambda v: bool(v), pod=a)
+    stack.wait_metric(f"{a}'s blocks known", "mmis_picker_index_blocks", lambda v: bool(v), pod=a)
+    engines = children(replica.proc.popen.pid)
+    assert engines, "mmis serve has no engine child"
+    log_from = stack.epp.log_path.stat().st_size  # what the picker logs after the kill
+    os.kill(engines[0], signal.SIGKILL)
+
+    def back() -> bool:
+        return replica.proc.popen.poll() is None and bool(children(replica.proc.popen.pid))
+
+    wait_for("the engine restarted", back)
+    # the restarted engine opens with AllBlocksCleared / EpochStarted: both halves empty, and
+    # with silence out of the picture only the new epoch's detection can have emptied them
+    # (bounded by the new engine's start-up, which publishes the first batch of its life)
+    stack.wait_metric(f"{a} emptied", "mmis_picker_index_items", lambda v: v == 0, 300, pod=a)
+    stack.wait_metric(f"{a} emptied", "mmis_picker_index_blocks", lambda v: v == 0, 300, pod=a)
+    with stack.epp.log_path.open("rb") as log:
+        log.seek(log_from)
+        after = log.read().decode(errors="replace").splitlines()
+    about_a = [line for line in after if f"tcp://{a}:" in line]
+    assert any("restarted" in line for line in about_a), (
+        f"the picker logged no restart of {a} after the kill:\n" + "\n".join(after[-30:])
+    )
+    assert not any("silent" in line for line in about_a), "\n".join(about_a)
+
+    replica.proc.wait_http("/ready", timeout=300)
+    for i in range(3):
+        stack.chat(_chat(_color(9), f"Question {i}?"))  # never fails for lack of cache data
 
 
 def test_repeats_land_on_the_replica_that_holds_them(stack: PickerStack) -> None:
@@ -101,34 +170,6 @@ def test_forced_eviction_moves_the_next_choice_within_one_batch(stack: PickerSta
     for _ in range(3):
         dest, _ = stack.chat(body)
         assert dest == b, f"after {a} forgot the prefix the repeat went to {dest}, not {b}"
-
-
-def test_engine_restart_starts_a_new_epoch_and_requests_keep_succeeding(
-    stack: PickerStack,
-) -> None:
-    body = _chat(_color(9), "What is in the picture?")
-    a, _ = stack.chat(body)
-    replica = next(r for r in stack.replicas if r.ip == a)
-    stack.wait_metric(f"{a}'s items known", "mmis_picker_index_items", lambda v: bool(v), pod=a)
-    engines = children(replica.proc.popen.pid)
-    assert engines, "mmis serve has no engine child"
-    os.kill(engines[0], signal.SIGKILL)
-    # the restarted engine opens with AllBlocksCleared / EpochStarted: both halves empty
-    stack.wait_metric(f"{a} emptied", "mmis_picker_index_items", lambda v: v == 0, 60, pod=a)
-    stack.wait_metric(f"{a} emptied", "mmis_picker_index_blocks", lambda v: v == 0, 60, pod=a)
-
-    def back() -> bool:
-        return replica.proc.popen.poll() is None and bool(children(replica.proc.popen.pid))
-
-    wait_for("the engine restarted", back)
-    # seen either as a new life (the replay no longer has the last batch applied) or, when the
-    # restart outlasts silenceSeconds, as silence first; both empty the index (asserted above)
-    log = stack.epp.log_path.read_text(errors="replace")
-    assert "restarted" in log or "silent" in log, "the picker never noticed the restart"
-
-    replica.proc.wait_http("/ready", timeout=300)
-    for i in range(3):
-        stack.chat(_chat(_color(9), f"Question {i}?"))  # never fails for lack of cache data
 
 
 def test_a_silent_engine_ages_out_and_is_rebuilt_from_a_replay(stack: PickerStack) -> None:
