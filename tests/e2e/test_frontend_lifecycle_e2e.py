@@ -1,4 +1,10 @@
-"""``mmis frontend`` as a process: env settings, API key, and SIGTERM draining in-flight work."""
+"""``mmis frontend`` as a process: env settings, API key, and SIGTERM draining in-flight work.
+
+The request in flight at SIGTERM is greedy and runs past end-of-sequence to ``max_tokens``
+(``ignore_eos``), so its one right answer is known: the same request answered before the
+signal. Drained, it must end 200 with that exact text and ``finish_reason`` ``length``; an
+answer cut short by the drain, whatever its finish_reason, differs from it.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +21,16 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from procs import Engine, Frontend, Launcher, chat_body
 
-pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
+
+LONG_TOKENS = 1500
+
+
+def _long_body() -> dict[str, object]:
+    """Greedy (temperature 0) and to ``max_tokens`` whatever the model samples: one answer."""
+    body = chat_body((90, 30, 160), max_tokens=LONG_TOKENS)
+    body["ignore_eos"] = True
+    return body
 
 
 @pytest.fixture
@@ -35,18 +50,20 @@ def test_api_key_from_env_and_sigterm_drains_in_flight_requests(
         openai.OpenAI(base_url=frontend.base_url, api_key="wrong", max_retries=0).models.list()
     client = openai.OpenAI(base_url=frontend.base_url, api_key="sk-env", max_retries=0, timeout=300)
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    url, headers = frontend.base_url + "/chat/completions", {"Authorization": "Bearer sk-env"}
+
+    # the reference: the same request, uninterrupted
+    reference = httpx.post(url, json=_long_body(), headers=headers, timeout=300)
+    assert reference.status_code == 200, reference.text
+    expected = reference.json()
+    assert expected["choices"][0]["finish_reason"] == "length", expected["choices"][0]
+    assert expected["usage"]["completion_tokens"] == LONG_TOKENS, expected["usage"]
 
     result: dict[str, object] = {}
 
     def long_request() -> None:
-        body = chat_body((90, 30, 160), max_tokens=1500)
         try:
-            response = httpx.post(
-                frontend.base_url + "/chat/completions",
-                json=body,
-                headers={"Authorization": "Bearer sk-env"},
-                timeout=300,
-            )
+            response = httpx.post(url, json=_long_body(), headers=headers, timeout=300)
             result["status"] = response.status_code
             result["body"] = response.json()
         except Exception as exc:  # reported by the assertions below
@@ -62,5 +79,11 @@ def test_api_key_from_env_and_sigterm_drains_in_flight_requests(
     worker.join(300)
     assert result.get("status") == 200, result
     body = result["body"]
-    assert isinstance(body, dict) and body["choices"][0]["finish_reason"] in ("length", "stop")
+    assert isinstance(body, dict)
+    drained = body["choices"][0]
+    assert drained["finish_reason"] == "length", drained
+    assert body["usage"]["completion_tokens"] == LONG_TOKENS, body["usage"]
+    assert drained["message"]["content"] == expected["choices"][0]["message"]["content"], (
+        "the drained answer differs from the uninterrupted one"
+    )
     assert frontend.popen.wait(60) == 0
