@@ -249,6 +249,25 @@ class Jaeger(Daemon):
 
         wait_until("jaeger query API", up, timeout, self)
 
+    @classmethod
+    def start(cls, exe: Path, work_dir: Path, attempts: int = 3) -> Jaeger:
+        """A ready Jaeger; a port taken between ``free_port`` and Jaeger's bind picks new ones.
+
+        Jaeger needs four ports it cannot choose itself (its config names them), so a port
+        that another process of the suite binds in between is a race of the harness, not a
+        Jaeger failure: that (and only that, "address already in use") starts over.
+        """
+        for attempt in range(attempts):
+            running = cls(exe, work_dir)
+            try:
+                running.wait_ready()
+                return running
+            except RuntimeError:
+                running.stop()
+                if attempt + 1 == attempts or "address already in use" not in running.log_tail():
+                    raise
+        raise AssertionError("unreachable")
+
     def traces(self, service: str) -> list[dict[str, object]]:
         """Every trace of ``service`` in Jaeger's JSON (``/api/traces``), newest first."""
         reply = httpx.get(

@@ -39,9 +39,8 @@ SERVICES = {"mmis-frontend", "mmis-engine"}
 
 @pytest.fixture
 def jaeger(tmp_path: Path) -> Iterator[Jaeger]:
-    running = Jaeger(go_tool("jaeger"), tmp_path)
+    running = Jaeger.start(go_tool("jaeger"), tmp_path)
     try:
-        running.wait_ready()
         yield running
     finally:
         running.stop()
