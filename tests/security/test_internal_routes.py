@@ -114,9 +114,35 @@ def test_the_token_is_checked_before_any_body_byte_is_read(stack: Stack) -> None
     )
     with socket.create_connection(("127.0.0.1", stack.ops_port), timeout=10) as conn:
         conn.sendall(request.encode())
-        head = conn.recv(65536).decode(errors="replace")
-    assert head.startswith("HTTP/1.1 401"), head
-    assert "invalid_internal_token" in head
+        answer = _read_response(conn)
+    assert answer.startswith("HTTP/1.1 401"), answer
+    assert "invalid_internal_token" in answer
+
+
+def _read_response(conn: socket.socket) -> str:
+    """One whole HTTP/1.1 response: headers, then as many body bytes as Content-Length says.
+
+    The server may write the head and the body in separate segments; one ``recv`` can return
+    the head alone. A timeout (the server waiting for the announced body) fails the test.
+    """
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return data.decode(errors="replace")
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value.strip())
+    while len(body) < length:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return (head + b"\r\n\r\n" + body).decode(errors="replace")
 
 
 def test_without_an_ops_port_the_serving_port_needs_the_token(stack: Stack) -> None:
