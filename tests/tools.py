@@ -24,8 +24,8 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -36,6 +36,9 @@ import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "kube"))
+from kubecluster.process import free_port as free_port  # noqa: E402 - its one owner
+
 GOTOOLS = ROOT / "scripts" / "gotools"
 LISTENING = re.compile(r"listening on (http://\S+)")
 
@@ -72,13 +75,6 @@ def go_tool(name: str) -> Path:
     if in_ci():
         pytest.fail(f"with CI=true: {message}", pytrace=False)
     pytest.skip(message)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def wait_until(what: str, check: Callable[[], object], timeout: float, alive: Daemon) -> object:

@@ -30,7 +30,6 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -44,6 +43,7 @@ import openai
 import operator_kit as ok
 import pytest
 from kubecluster import Cluster, KubectlError
+from kubecluster.process import free_port
 from kubecluster.realnode import IMAGE, RealNode, missing, port_forward
 from PIL import Image
 from tools import in_ci  # tests/tools.py (on the path by conftest.py)
@@ -75,12 +75,6 @@ def _wait(what: str, check: Callable[[], Any], timeout: float = WAIT, every: flo
     pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def node(cluster: Cluster, crd: None) -> Iterator[RealNode]:
     reason = missing(cluster)
@@ -110,7 +104,7 @@ def operator(cluster: Cluster, node: RealNode) -> Iterator[str]:
     server = json.loads(cluster.kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
     values = _manifests(
         "operator-values", "--apiserver-port", server.rsplit(":", 1)[1],
-        "--liveness-port", str(_free_port()), "--probe-seconds", "3",
+        "--liveness-port", str(free_port()), "--probe-seconds", "3",
     )  # fmt: skip
     values_file = cluster.kubeconfig.parent / f"{ns}-values.json"
     values_file.write_text(json.dumps(values))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -30,12 +31,36 @@ class ComponentError(RuntimeError):
     """A component failed to start, died, or never became healthy."""
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ranges:
+            return int(ranges.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    """A TCP port on 127.0.0.1 that nothing listens on right now, below the ephemeral range.
+
+    A port the kernel hands out for ``bind(0)`` comes from the ephemeral range, the same range
+    every outgoing connection's source port comes from: between this probe and the caller's
+    own bind, any client in the suite can take it ("address already in use", CI run 49).
+    Ports from 10000 up to that range are only ever taken by explicit binds, so a random one
+    that binds now stays free unless another caller of this function draws the same number.
+    """
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = random.randrange(10000, max(low, 10001))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+        fallback: int = sock.getsockname()[1]
+        return fallback
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
