@@ -93,8 +93,12 @@ def _part(total: int, rank: int, size: int, what: str) -> tuple[int, int]:
 
 
 def shard_adapter(adapter: Any, rank: int, size: int) -> None:
-    """Split ``adapter``'s language model for ``rank`` of ``size`` (see the docstring)."""
+    """Split ``adapter``'s language model for ``rank`` of ``size`` (see the docstring); fused
+    projections (``model/fused.py``) are split apart first and this rank's rows fused again."""
+    from mmis.engine.execution.model.fused import fuse_projections, unfuse_projections
+
     heads, kv_heads, head_dim = adapter.num_heads, adapter.num_kv_heads, adapter.head_dim
+    fused = unfuse_projections(adapter.language_model.layers)
     q_lo, q_hi = _part(heads, rank, size, "attention heads")
     kv_lo, kv_hi = _part(kv_heads, rank, size, "KV heads")
     for i, layer in enumerate(adapter.language_model.layers):
@@ -114,6 +118,8 @@ def shard_adapter(adapter: Any, rank: int, size: int) -> None:
         _keep_rows(mlp.up_proj, m_lo, m_hi)
         mlp.down_proj = RowParallelLinear(mlp.down_proj, m_lo, m_hi)
     adapter.num_heads, adapter.num_kv_heads = q_hi - q_lo, kv_hi - kv_lo
+    if fused:
+        fuse_projections(adapter.language_model.layers)
 
 
 def free_port() -> int:

@@ -58,11 +58,12 @@ def load_adapter(
     dtype: torch.dtype | None = None,
     *,
     revision: str | None = None,
+    fuse: bool = True,
 ) -> ModelAdapter:
     """Load a checkpoint (at a hub ``revision``: branch, tag or commit) with the adapter of
-    its family (CUDA when available, else CPU)."""
+    its family (CUDA when available, else CPU); ``fuse``: :meth:`ModelAdapter.load`'s."""
     family = adapter_class(_model_type(path_or_id, revision))
-    return family.load(path_or_id, device, dtype, revision=revision)
+    return family.load(path_or_id, device, dtype, revision=revision, fuse=fuse)
 
 
 __all__ = [

@@ -19,6 +19,9 @@ Invariants:
   window to the kernel; bidirectional text attention; attention-logit soft-capping), or a
   decoder layer whose attention lacks its own ``layer_idx`` (it would read and write another
   layer's KV).
+- :meth:`ModelAdapter.load` fuses each decoder layer's q/k/v and gate/up projections into one
+  matmul each and runs the language model's RMSNorms as torch's ``rms_norm``
+  (``model/fused.py``), unless ``fuse=False``; the logits are those of the unfused model.
 """
 
 from __future__ import annotations
@@ -139,9 +142,12 @@ class ModelAdapter(abc.ABC):
         dtype: torch.dtype | None = None,
         *,
         revision: str | None = None,
+        fuse: bool = True,
     ) -> ModelAdapter:
         """``from_pretrained`` at ``revision`` (CUDA when available, else CPU) with paged text
-        attention; the weights load straight onto the device (``device_map``)."""
+        attention; the weights load straight onto the device (``device_map``). ``fuse``: merge
+        each decoder layer's q/k/v and gate/up into one matmul and run its RMSNorms as torch's
+        ``rms_norm`` (``model/fused.py``; off only to measure or debug the plain layers)."""
         from transformers import AutoModelForImageTextToText
 
         dev = torch.device(device) if device is not None else default_device()
@@ -151,7 +157,12 @@ class ModelAdapter(abc.ABC):
         )
         model = model.to(dev).eval()  # a no-op once device_map placed every weight
         model.set_attn_implementation({"text_config": ATTENTION_NAME})
-        return cls(model, dev, dt)
+        adapter = cls(model, dev, dt)
+        if fuse:
+            from mmis.engine.execution.model.fused import fuse_adapter
+
+            fuse_adapter(adapter)
+        return adapter
 
     def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
         return KVCacheSpec(

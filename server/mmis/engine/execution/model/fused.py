@@ -1,0 +1,332 @@
+"""Fused projections and norms for the unmodified Hugging Face decoder layers, made at load.
+
+A decoder layer of every family here computes ``q_proj(h)``, ``k_proj(h)``, ``v_proj(h)`` on the
+same tensor, and ``gate_proj(x)``, ``up_proj(x)`` on the same tensor: three and two matmuls
+(three and two kernel launches, three and two reads of ``h``) where one would do.
+:func:`fuse_adapter` (called by :meth:`ModelAdapter.load`, ``model/adapter.py``) merges each
+group's weights into one ``torch.nn.Linear`` (rows concatenated, biases too: Qwen2's q/k/v
+biases) held by a :class:`FusedProjection`, and puts a :class:`FusedPart` in each sibling's
+place. The modeling code is not touched: it still calls ``self.q_proj(h)`` and gets the same
+``[..., out_features]`` tensor, now a view of the one fused product; what it does next (Gemma 3's
+``q_norm``/``k_norm``, rotary embeddings, the activation) is unchanged and runs in its order.
+
+It also replaces the RMSNorm modules of the language model by :class:`FusedRMSNorm`, which calls
+``torch.nn.functional.rms_norm`` (``aten::_fused_rms_norm``: one CUDA kernel on every supported
+torch, where transformers' Python RMSNorm launches about eight, with float32 upcasts; on CPU torch
+decomposes it into the same ops as transformers, so CPU speed is unchanged). Torch has no fused
+residual-add + RMSNorm nor SiLU-and-mul in the supported range, so those stay as transformers
+runs them.
+
+Invariants:
+- A :class:`FusedPart` returns exactly what its original linear returned for the same input
+  (same values: the fused matmul computes each output column from the same row of weights and
+  the same input; same shape and dtype). The fused product of an input is reused by a sibling
+  only when the sibling is called with the *same tensor object* (the group holds a strong
+  reference to it, so its ``id`` cannot be recycled), with the same data pointer, shape, strides
+  and dtype, and, for a tensor that has a version counter (not an inference tensor), the same
+  ``_version`` (no in-place write since). Each part is handed out once per product: a part asked
+  for again, or any part for another input, recomputes. The product and the input are dropped
+  as soon as every part has been handed out. A different input can therefore never get a slice
+  of an earlier input's product. (An inference tensor has no version counter: an in-place write
+  to the input *between* the sibling calls of one attention or MLP forward would not be seen;
+  the modeling code of every family here calls the siblings back to back on the same tensor.)
+- Fusion never doubles the weights' memory: each group is concatenated and the original
+  modules are dropped before the next group is made (one group's weights extra at most).
+- A group is fused only when every member is a plain ``torch.nn.Linear`` with the same input
+  width, dtype and device, and either all or none have a bias; any other group stays as it
+  was (counted in the report).
+- A norm is replaced only if its class is a known transformers RMSNorm (:data:`LLAMA_STYLE`:
+  ``weight * normed.to(dtype)``; :data:`GEMMA_STYLE`: ``(normed * (1 + weight)).to(dtype)`` in
+  float32) and a probe at load finds the replacement equal to the module on a random input
+  (same dtype, values within :func:`probe_tolerance`); otherwise that class is kept. In float32
+  the replacement is the same arithmetic (torch's CPU decomposition is transformers' op
+  sequence); in bfloat16/float16 the Llama style rounds once instead of twice (at most one ulp
+  of the dtype per element).
+- Tensor parallelism (``engine/execution/tensor_parallel.py``) splits the unfused modules:
+  ``shard_adapter`` calls :func:`unfuse_projections` first (each part a view of the fused
+  weight: no copy) and :func:`fuse_projections` after, so each rank fuses its own rows.
+- ``engine/execution/cpu_linear.py`` packs the fused ``torch.nn.Linear`` (a child of the
+  :class:`FusedProjection`, reached once however many parts share it) like any other linear.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ATTENTION_GROUP = ("q_proj", "k_proj", "v_proj")
+MLP_GROUP = ("gate_proj", "up_proj")
+# RMSNorm classes of transformers by arithmetic (see the module docstring)
+LLAMA_STYLE = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen2VLRMSNorm", "Qwen2_5_VLRMSNorm"})
+GEMMA_STYLE = frozenset({"Gemma3RMSNorm"})
+
+
+class FusedProjection(torch.nn.Module):
+    """One linear computing several sibling projections of one input (see the docstring)."""
+
+    def __init__(self, linear: torch.nn.Module, sizes: Sequence[int]) -> None:
+        super().__init__()
+        self.linear = linear
+        self.sizes = tuple(int(s) for s in sizes)
+        bounds = [0]
+        for s in self.sizes:
+            bounds.append(bounds[-1] + s)
+        self.bounds = tuple(bounds)
+        self._clear()
+
+    def _clear(self) -> None:
+        self._input: torch.Tensor | None = None
+        self._key: tuple[Any, ...] | None = None
+        self._output: torch.Tensor | None = None
+        self._pending: set[int] = set()
+
+    @staticmethod
+    def _key_of(x: torch.Tensor) -> tuple[Any, ...]:
+        version = None if x.is_inference() else x._version
+        return (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, x.device, version)
+
+    def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Part ``index`` of the fused product of ``x``: reused from a sibling's call on the
+        same, unchanged tensor, else computed (for every part) now."""
+        output = self._output
+        if (
+            output is None
+            or self._input is not x
+            or index not in self._pending
+            or self._key != self._key_of(x)
+        ):
+            output = self.linear(x)
+            self._input, self._key, self._output = x, self._key_of(x), output
+            self._pending = set(range(len(self.sizes)))
+        self._pending.discard(index)
+        if not self._pending:  # every part handed out: nothing of this input is kept
+            self._clear()
+        assert output is not None
+        return output[..., self.bounds[index] : self.bounds[index + 1]]
+
+    def extra_repr(self) -> str:
+        return f"sizes={self.sizes}"
+
+
+class FusedPart(torch.nn.Module):
+    """Stands in for one sibling linear: its slice of a :class:`FusedProjection`."""
+
+    def __init__(self, group: FusedProjection, index: int, name: str) -> None:
+        super().__init__()
+        self.group = group
+        self.index = index
+        self.name = name
+        self.in_features = _in_features(group.linear)
+        self.out_features = group.sizes[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.part(self.index, x)
+
+    def extra_repr(self) -> str:
+        return f"{self.name}: part {self.index} of {self.group.sizes}"
+
+
+def _in_features(linear: torch.nn.Module) -> int:
+    return int(getattr(linear, "in_features"))  # noqa: B009 (a Linear or a packed linear)
+
+
+def _fusable(linears: Sequence[Any]) -> bool:
+    if not all(type(m) is torch.nn.Linear for m in linears):
+        return False
+    first = linears[0].weight
+    same = all(
+        m.in_features == linears[0].in_features
+        and m.weight.dtype == first.dtype
+        and m.weight.device == first.device
+        for m in linears
+    )
+    biases = {m.bias is None for m in linears}
+    return same and len(biases) == 1
+
+
+def fuse_group(parent: torch.nn.Module, names: Sequence[str]) -> bool:
+    """Merge ``parent``'s linears ``names`` into one :class:`FusedProjection`; False (nothing
+    changed) where they cannot be fused."""
+    linears = [getattr(parent, n, None) for n in names]
+    if any(m is None for m in linears) or not _fusable(linears):
+        return False
+    weight = torch.cat([m.weight.detach() for m in linears])
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([m.bias.detach() for m in linears]) if has_bias else None
+    first = linears[0]
+    fused = torch.nn.Linear(
+        first.in_features,
+        weight.shape[0],
+        bias=has_bias,
+        device=weight.device,
+        dtype=weight.dtype,
+    )
+    fused.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        fused.bias = torch.nn.Parameter(bias, requires_grad=False)
+    group = FusedProjection(fused, [m.out_features for m in linears])
+    for i, name in enumerate(names):
+        setattr(parent, name, FusedPart(group, i, name))
+    return True
+
+
+def unfuse_group(parent: torch.nn.Module, names: Sequence[str]) -> bool:
+    """Put plain linears back for a fused group (each weight a view of the fused one: no
+    copy); False where the group is not fused."""
+    parts = [getattr(parent, n, None) for n in names]
+    if not all(isinstance(p, FusedPart) for p in parts):
+        return False
+    group = parts[0].group  # type: ignore[union-attr]
+    fused = group.linear
+    if type(fused) is not torch.nn.Linear:
+        raise TypeError(f"cannot unfuse {names}: the fused linear is a {type(fused).__name__}")
+    for i, name in enumerate(names):
+        lo, hi = group.bounds[i], group.bounds[i + 1]
+        linear = torch.nn.Linear(
+            fused.in_features,
+            hi - lo,
+            bias=fused.bias is not None,
+            device="meta",
+            dtype=fused.weight.dtype,
+        )
+        linear.weight = torch.nn.Parameter(fused.weight.detach()[lo:hi], requires_grad=False)
+        if fused.bias is not None:
+            linear.bias = torch.nn.Parameter(fused.bias.detach()[lo:hi], requires_grad=False)
+        setattr(parent, name, linear)
+    return True
+
+
+def _groups(layers: torch.nn.Module) -> list[tuple[torch.nn.Module, tuple[str, ...]]]:
+    found: list[tuple[torch.nn.Module, tuple[str, ...]]] = []
+    for layer in layers:
+        for attr, names in (("self_attn", ATTENTION_GROUP), ("mlp", MLP_GROUP)):
+            parent = getattr(layer, attr, None)
+            if isinstance(parent, torch.nn.Module):
+                found.append((parent, names))
+    return found
+
+
+def fuse_projections(layers: torch.nn.Module) -> tuple[int, int]:
+    """Fuse every decoder layer's q/k/v and gate/up; returns (fused, kept) group counts."""
+    fused = kept = 0
+    for parent, names in _groups(layers):
+        if all(isinstance(getattr(parent, n, None), FusedPart) for n in names):
+            fused += 1  # already fused (a second call is a no-op)
+        elif fuse_group(parent, names):
+            fused += 1
+        else:
+            kept += 1
+    return fused, kept
+
+
+def unfuse_projections(layers: torch.nn.Module) -> bool:
+    """Undo :func:`fuse_projections` (for tensor parallelism's split); True if any was fused."""
+    found = False
+    for parent, names in _groups(layers):
+        found = unfuse_group(parent, names) or found
+    return found
+
+
+class FusedRMSNorm(torch.nn.Module):
+    """A transformers RMSNorm computed by ``torch.nn.functional.rms_norm`` (one kernel on
+    CUDA). ``gemma``: Gemma's ``(1 + weight)`` scale, applied in float32 like Gemma 3 does."""
+
+    def __init__(self, norm: torch.nn.Module, *, gemma: bool) -> None:
+        super().__init__()
+        weight = norm.weight.detach()
+        self.gemma = gemma
+        self.eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+        self.shape = (int(weight.shape[-1]),)
+        self.original = type(norm).__name__
+        if gemma:  # (1 + w) once, in float32, as Gemma3RMSNorm computes it per call
+            weight = 1.0 + weight.float()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rms_norm = torch.nn.functional.rms_norm
+        if self.gemma:
+            return rms_norm(x.float(), self.shape, self.weight, self.eps).to(x.dtype)
+        return rms_norm(x, self.shape, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.shape}, eps={self.eps}, from {self.original}"
+
+
+def probe_tolerance(dtype: torch.dtype) -> float:
+    """The probe's absolute and relative tolerance: a few ulps of ``dtype``."""
+    return 4 * float(torch.finfo(dtype).eps)
+
+
+def _probe(norm: torch.nn.Module, fused: FusedRMSNorm) -> bool:
+    weight = norm.weight
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(3, fused.shape[0], generator=generator).to(weight.device, weight.dtype)
+    with torch.inference_mode():
+        want, got = norm(x), fused(x)
+    if want.dtype != got.dtype or want.shape != got.shape:
+        return False
+    tol = probe_tolerance(want.dtype)
+    return bool(torch.allclose(got.float(), want.float(), atol=tol, rtol=tol))
+
+
+def fuse_norms(language_model: torch.nn.Module) -> tuple[int, int]:
+    """Replace the known RMSNorm modules of ``language_model`` (decoder layers and the final
+    norm); returns (replaced, kept) module counts."""
+    verdict: dict[type, bool] = {}
+    replaced = kept = 0
+    targets = [
+        (parent, name, child)
+        for parent in language_model.modules()
+        for name, child in parent.named_children()
+        if type(child).__name__.endswith("RMSNorm")
+    ]
+    for parent, name, child in targets:
+        cls = type(child)
+        gemma = cls.__name__ in GEMMA_STYLE
+        known = gemma or cls.__name__ in LLAMA_STYLE
+        if not known or not isinstance(getattr(child, "weight", None), torch.Tensor):
+            kept += 1
+            continue
+        fused = FusedRMSNorm(child, gemma=gemma)
+        if cls not in verdict:
+            verdict[cls] = _probe(child, fused)
+            if not verdict[cls]:
+                log.warning("fused norms: %s differs from rms_norm in a probe: kept", cls.__name__)
+        if verdict[cls]:
+            setattr(parent, name, fused)
+            replaced += 1
+        else:
+            kept += 1
+    return replaced, kept
+
+
+@dataclasses.dataclass
+class FuseReport:
+    """What :func:`fuse_adapter` did, for the start-up log."""
+
+    groups: int = 0
+    groups_kept: int = 0
+    norms: int = 0
+    norms_kept: int = 0
+
+    def describe(self) -> str:
+        return (
+            f"fused q/k/v and gate/up in {self.groups} groups ({self.groups_kept} kept); "
+            f"torch rms_norm for {self.norms} norms ({self.norms_kept} kept)"
+        )
+
+
+def fuse_adapter(adapter: Any) -> FuseReport:
+    """Fuse a model adapter's language model in place (see the module docstring), logged."""
+    lm = adapter.language_model
+    report = FuseReport()
+    report.groups, report.groups_kept = fuse_projections(lm.layers)
+    report.norms, report.norms_kept = fuse_norms(lm)
+    log.info("fused layers: %s", report.describe())
+    return report
