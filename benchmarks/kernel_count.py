@@ -54,18 +54,19 @@ ATTENTION = "mmis::attention"
 BLOCK_SIZE = 16
 TARGET = 20
 
+# ops that move no data: views, slices, aliasing reshapes, allocations, metadata
 NO_WORK = frozenset(
     "aten::" + n
-    for n in (
-        "view as_strided alias detach detach_ t transpose permute expand expand_as slice select "
-        "narrow unsqueeze squeeze split split_with_sizes chunk unbind unflatten view_as "
-        "_reshape_alias lift_fresh result_type empty empty_like empty_strided resize_ set_ "
-        "diagonal movedim swapaxes conj resolve_conj resolve_neg _unsafe_view unfold "
-        "_has_compatible_shallow_copy_type is_nonzero size stride dim"
-    ).split()
+    for n in """view as_strided alias detach detach_ t transpose permute expand expand_as slice
+    select narrow unsqueeze squeeze split split_with_sizes chunk unbind unflatten view_as
+    _reshape_alias lift_fresh result_type empty empty_like empty_strided resize_ set_ diagonal
+    movedim swapaxes conj resolve_conj resolve_neg _unsafe_view unfold is_nonzero size stride dim
+    _has_compatible_shallow_copy_type""".split()  # noqa: SIM905
 )
+# composite ops that return their input when there is nothing to do (no children then)
 MAYBE_NOOP = frozenset(
-    "aten::" + n for n in "to type_as contiguous reshape flatten float half bfloat16".split()
+    "aten::" + n
+    for n in "to type_as contiguous reshape flatten float half bfloat16".split()  # noqa: SIM905
 )
 
 
@@ -166,18 +167,13 @@ def decode_step_events(family: str, dtype: torch.dtype, fuse: bool, batch: int, 
     """The profile's events of one decode step of ``batch`` rows at ``context`` tokens."""
     adapter = load_adapter(tiny_model_dir(family), "cpu", dtype, fuse=fuse)
     per_request = -(-(context + 4) // BLOCK_SIZE)
-    runner = ModelRunner.create(
-        adapter, block_size=BLOCK_SIZE, num_blocks=batch * per_request + 1
-    )
+    runner = ModelRunner.create(adapter, block_size=BLOCK_SIZE, num_blocks=batch * per_request + 1)
     tables = [list(range(k * per_request, (k + 1) * per_request)) for k in range(batch)]
     vocab = adapter.vocab_size
     prompts = [[(7 * k + i) % (vocab - 10) + 5 for i in range(context)] for k in range(batch)]
     runner.execute(
         SchedulerOutput(
-            [
-                ScheduledRequest(f"r{k}", prompts[k], 0, tables[k], is_new=True)
-                for k in range(batch)
-            ]
+            [ScheduledRequest(f"r{k}", prompts[k], 0, tables[k], is_new=True) for k in range(batch)]
         )
     )
 
@@ -194,7 +190,9 @@ def decode_step_events(family: str, dtype: torch.dtype, fuse: bool, batch: int, 
     return adapter.num_layers, prof.events()
 
 
-def measure(family: str, dtype: torch.dtype, fuse: bool, batch: int, context: int) -> dict[str, Any]:
+def measure(
+    family: str, dtype: torch.dtype, fuse: bool, batch: int, context: int
+) -> dict[str, Any]:
     num_layers, events = decode_step_events(family, dtype, fuse, batch, context)
     layers = [e for e in events if e.name == LAYER]
     if len(layers) != num_layers:
@@ -246,14 +244,18 @@ def main(argv: list[str] | None = None) -> int:
             )
             if args.ops:
                 for label, m in (("before", before), ("after", after)):
-                    shown = ", ".join(f"{n.removeprefix('aten::')} {c}" for n, c in m["ops"].items())
+                    shown = ", ".join(
+                        f"{n.removeprefix('aten::')} {c}" for n, c in m["ops"].items()
+                    )
                     print(f"    {label}: {shown}")
             summary.append(
                 f"{family}/{dtype_name} {before['per_layer']}->{after['per_layer']} "
                 f"(attention {after['attention']})"
             )
-    print(f"SUMMARY kernel_count: per decoder layer, before->after: {'; '.join(summary)}; "
-          f"target <= {TARGET}")
+    print(
+        f"SUMMARY kernel_count: per decoder layer, before->after: {'; '.join(summary)}; "
+        f"target <= {TARGET}"
+    )
     return 0
 
 

@@ -18,9 +18,11 @@ residual-add + RMSNorm nor SiLU-and-mul in the supported range, so those stay as
 runs them.
 
 Invariants:
-- A :class:`FusedPart` returns exactly what its original linear returned for the same input
-  (same values: the fused matmul computes each output column from the same row of weights and
-  the same input; same shape and dtype). The fused product of an input is reused by a sibling
+- A :class:`FusedPart` returns what its original linear returned for the same input: same
+  shape and dtype, and the same values up to the matmul's rounding (each output column comes
+  from the same row of weights and the same input, but a GEMM of another width may sum in
+  another order; the tiny models' logits came out bit-equal on CPU, float32 and bfloat16).
+  The fused product of an input is reused by a sibling
   only when the sibling is called with the *same tensor object* (the group holds a strong
   reference to it, so its ``id`` cannot be recycled), with the same data pointer, shape, strides
   and dtype, and, for a tensor that has a version counter (not an inference tensor), the same
@@ -53,7 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -107,7 +109,6 @@ class FusedProjection(torch.nn.Module):
         self._pending.discard(index)
         if not self._pending:  # every part handed out: nothing of this input is kept
             self._clear()
-        assert output is not None
         return output[..., self.bounds[index] : self.bounds[index + 1]]
 
     def extra_repr(self) -> str:
@@ -153,8 +154,9 @@ def _fusable(linears: Sequence[Any]) -> bool:
 def fuse_group(parent: torch.nn.Module, names: Sequence[str]) -> bool:
     """Merge ``parent``'s linears ``names`` into one :class:`FusedProjection`; False (nothing
     changed) where they cannot be fused."""
-    linears = [getattr(parent, n, None) for n in names]
-    if any(m is None for m in linears) or not _fusable(linears):
+    found = [getattr(parent, n, None) for n in names]
+    linears: list[Any] = [m for m in found if m is not None]
+    if len(linears) != len(names) or not _fusable(linears):
         return False
     weight = torch.cat([m.weight.detach() for m in linears])
     has_bias = linears[0].bias is not None
@@ -202,7 +204,7 @@ def unfuse_group(parent: torch.nn.Module, names: Sequence[str]) -> bool:
     return True
 
 
-def _groups(layers: torch.nn.Module) -> list[tuple[torch.nn.Module, tuple[str, ...]]]:
+def _groups(layers: Iterable[torch.nn.Module]) -> list[tuple[torch.nn.Module, tuple[str, ...]]]:
     found: list[tuple[torch.nn.Module, tuple[str, ...]]] = []
     for layer in layers:
         for attr, names in (("self_attn", ATTENTION_GROUP), ("mlp", MLP_GROUP)):
@@ -212,7 +214,7 @@ def _groups(layers: torch.nn.Module) -> list[tuple[torch.nn.Module, tuple[str, .
     return found
 
 
-def fuse_projections(layers: torch.nn.Module) -> tuple[int, int]:
+def fuse_projections(layers: Iterable[torch.nn.Module]) -> tuple[int, int]:
     """Fuse every decoder layer's q/k/v and gate/up; returns (fused, kept) group counts."""
     fused = kept = 0
     for parent, names in _groups(layers):
@@ -225,7 +227,7 @@ def fuse_projections(layers: torch.nn.Module) -> tuple[int, int]:
     return fused, kept
 
 
-def unfuse_projections(layers: torch.nn.Module) -> bool:
+def unfuse_projections(layers: Iterable[torch.nn.Module]) -> bool:
     """Undo :func:`fuse_projections` (for tensor parallelism's split); True if any was fused."""
     found = False
     for parent, names in _groups(layers):
@@ -239,7 +241,7 @@ class FusedRMSNorm(torch.nn.Module):
 
     def __init__(self, norm: torch.nn.Module, *, gemma: bool) -> None:
         super().__init__()
-        weight = norm.weight.detach()
+        weight = _weight(norm).detach()
         self.gemma = gemma
         self.eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
         self.shape = (int(weight.shape[-1]),)
@@ -263,8 +265,15 @@ def probe_tolerance(dtype: torch.dtype) -> float:
     return 4 * float(torch.finfo(dtype).eps)
 
 
+def _weight(norm: torch.nn.Module) -> torch.Tensor:
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{type(norm).__name__} has no weight tensor")
+    return weight
+
+
 def _probe(norm: torch.nn.Module, fused: FusedRMSNorm) -> bool:
-    weight = norm.weight
+    weight = _weight(norm)
     generator = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(3, fused.shape[0], generator=generator).to(weight.device, weight.dtype)
     with torch.inference_mode():
