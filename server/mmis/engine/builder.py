@@ -244,7 +244,7 @@ def build(cfg: EngineConfig, path: str, worker_setup: Callable[[str], None]) -> 
     ``worker_setup``: the logging set-up tensor-parallel worker ranks run first (a
     module-level function: ``spawn`` pickles it)."""
     from mmis.engine.core_process import EngineCoreProc
-    from mmis.engine.execution.encoder_sizing import largest_item_tokens, load_image_processor
+    from mmis.engine.execution.encoder_sizing import largest_item, load_image_processor
     from mmis.engine.execution.kv_sizing import KVSizingError, plan_kv_pool
     from mmis.engine.execution.paged_attention import PagedAttentionError
     from mmis.engine.execution.runner import ModelRunner
@@ -278,8 +278,14 @@ def build(cfg: EngineConfig, path: str, worker_setup: Callable[[str], None]) -> 
 
     pack_adapter(adapter, cfg.cpu_linear)  # after the split: it packs each rank's own slice
     max_len = cfg.max_model_len or getattr(adapter.text_config, "max_position_embeddings", None)
+    probed = None  # the largest image item: the encoder cache's size, KV sizing's encoder batch
+    if cfg.encoder_cache_tokens is None or adapter.device.type == "cuda":
+        image_processor = load_image_processor(path, cfg.revision)
+        if image_processor is not None:
+            probed = largest_item(adapter, image_processor)
+    largest = None if probed is None else probed.tokens
     try:
-        plan = plan_kv_pool(cfg, adapter, max_len, tp)
+        plan = plan_kv_pool(cfg, adapter, max_len, tp, probed)
     except KVSizingError as exc:
         raise EngineStartError(str(exc)) from None
     try:
@@ -328,11 +334,6 @@ def build(cfg: EngineConfig, path: str, worker_setup: Callable[[str], None]) -> 
     )
     tracing = engine_tracing(cfg)
     spans = RequestSpans(tracing, background=True) if tracing.enabled else None
-    largest = None
-    if cfg.encoder_cache_tokens is None:
-        image_processor = load_image_processor(path, cfg.revision)
-        if image_processor is not None:
-            largest = largest_item_tokens(adapter, image_processor)
     core = make_core(
         cfg,
         runner,

@@ -191,6 +191,12 @@ class DecodeGraphs:
         step = PagedStep(self.pool, self.metadata(b), self.backend)
         return self.adapter.forward(self.embeds[:b], self.positions[..., :b], step)
 
+    def run_padded(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s static step over padding rows only, eager: what :meth:`capture`
+        records for it (KV sizing measures the graph pool with it, ``kv_sizing.py``)."""
+        self._pad(0, b)
+        return self._run(b)
+
     def forward(
         self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:

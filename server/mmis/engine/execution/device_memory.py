@@ -4,9 +4,11 @@ the others).
 
 Invariants:
 - :func:`rank_fit` is the one rule every rank applies to its own device: the KV cache and a
-  step's activations share ``total * fraction - used``; the step fits when its activations
-  take at most their share of that (``batch_limits.step_fits``); the blocks are what is left
-  after the peak. Ranks then agree on the minimum of both.
+  step's activations share ``total * fraction - used - reserved`` (``reserved``: memory
+  that will be held while serving but is not allocated at sizing time, the CUDA graph pool:
+  ``kv_sizing.py``); the step fits when its activations take at most their share of that
+  (``batch_limits.step_fits``); the blocks are what is left after the peak. Ranks then agree
+  on the minimum of both.
 - :class:`CudaMemory` reads torch's caching allocator; a peak counts only what the step
   allocates beyond what was allocated before it (its own KV pool excluded).
 """
@@ -67,11 +69,19 @@ class RankFit:
 
 
 def rank_fit(
-    memory: DeviceMemory, peak: int, fraction: float, bytes_per_block: int, *, last: bool
+    memory: DeviceMemory,
+    peak: int,
+    fraction: float,
+    bytes_per_block: int,
+    *,
+    last: bool,
+    reserved: int = 0,
 ) -> RankFit:
     """This rank's :class:`RankFit` after a profiling step that peaked at ``peak`` bytes
-    (``last``: the smallest step size, taken whatever it needs)."""
+    (``last``: the smallest step size, taken whatever it needs; ``reserved``: bytes held
+    aside for what is allocated after sizing)."""
     used, total = memory.used_and_total()
-    room = int(total * fraction) - used  # what the KV cache and a step's activations share
+    # what the KV cache and a step's activations share
+    room = int(total * fraction) - used - reserved
     blocks = max(room - peak, 0) // bytes_per_block
     return RankFit(last or step_fits(peak, room), blocks, used, total, peak)

@@ -20,12 +20,17 @@ Invariants:
   which case the flag must be raised with it.
 - A model without an image processor, or one that fails on the probe, is sized at the floor
   (logged), never refused at start-up for it.
+- :func:`largest_item` keeps the probed item's tensors with its count: KV sizing encodes
+  :func:`encoder_batch` copies of it in its profiling step (``engine/execution/kv_sizing.py``),
+  the most encoder work one step may schedule.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -59,18 +64,42 @@ def load_image_processor(model: str, revision: str | None) -> Any | None:
         return None
 
 
-def largest_item_tokens(adapter: ModelAdapter, image_processor: Any) -> int | None:
-    """The most placeholder tokens one image can take under the processor's limits."""
+@dataclasses.dataclass(frozen=True)
+class ProbedItem:
+    """The largest image item the probe found: its placeholder count and processor tensors
+    (what ``ModelAdapter.encode_images`` takes; it encodes to ``tokens`` embeddings)."""
+
+    tokens: int
+    data: Mapping[str, Any]
+
+
+def largest_item(adapter: ModelAdapter, image_processor: Any) -> ProbedItem | None:
+    """The item of the most placeholder tokens one image can take under the processor's
+    limits (None: the processor could not be probed)."""
     try:
         if getattr(image_processor, "image_grid_pinpoints", None):
             return _largest_on_a_grid(adapter, image_processor)
-        small = [_tokens(adapter, image_processor, size) for size in SMALL_PROBES]
-        if small[0] == small[1]:
+        small = [_probe(adapter, image_processor, size) for size in SMALL_PROBES]
+        if small[0].tokens == small[1].tokens:
             return small[1]
-        return max(small + [_tokens(adapter, image_processor, size) for size in PROBE_SIZES])
+        probes = small + [_probe(adapter, image_processor, size) for size in PROBE_SIZES]
+        return max(probes, key=lambda probe: probe.tokens)
     except Exception as exc:  # a processor we cannot probe: the floor still works
         log.warning("could not probe the image processor (%s): encoder cache at its floor", exc)
         return None
+
+
+def largest_item_tokens(adapter: ModelAdapter, image_processor: Any) -> int | None:
+    """The most placeholder tokens one image can take under the processor's limits."""
+    item = largest_item(adapter, image_processor)
+    return None if item is None else item.tokens
+
+
+def encoder_batch(budget_tokens: int, item_tokens: int) -> int:
+    """Copies of an item of ``item_tokens`` placeholders that one step may encode under the
+    scheduler's per-step encoder budget (``encoder_compute_budget``, the encoder cache's
+    size: :func:`encoder_cache_tokens`); 0 when one is beyond it (refused with a 400)."""
+    return budget_tokens // item_tokens if item_tokens > 0 else 0
 
 
 def _item(adapter: ModelAdapter, image_processor: Any, size: tuple[int, int]) -> Any:
@@ -83,11 +112,12 @@ def _item(adapter: ModelAdapter, image_processor: Any, size: tuple[int, int]) ->
     return item
 
 
-def _tokens(adapter: ModelAdapter, image_processor: Any, size: tuple[int, int]) -> int:
-    return int(adapter.num_placeholder_tokens(_item(adapter, image_processor, size)))
+def _probe(adapter: ModelAdapter, image_processor: Any, size: tuple[int, int]) -> ProbedItem:
+    item = _item(adapter, image_processor, size)
+    return ProbedItem(int(adapter.num_placeholder_tokens(item)), item)
 
 
-def _largest_on_a_grid(adapter: ModelAdapter, image_processor: Any) -> int:
+def _largest_on_a_grid(adapter: ModelAdapter, image_processor: Any) -> ProbedItem:
     """Any-resolution processors (``image_grid_pinpoints``: LLaVA-NeXT, OneVision).
 
     The count depends on the image only through its size (``image_sizes``) and the grid picked
@@ -99,7 +129,7 @@ def _largest_on_a_grid(adapter: ModelAdapter, image_processor: Any) -> int:
     pinpoints = [(int(h), int(w)) for h, w in image_processor.image_grid_pinpoints]
     height, width = max(pinpoints, key=lambda hw: hw[0] * hw[1])
     item = _item(adapter, image_processor, (width, height))
-    largest = int(adapter.num_placeholder_tokens(item))
+    largest = ProbedItem(int(adapter.num_placeholder_tokens(item)), item)
     sizes: set[tuple[int, int]] = set()
     for h, w in pinpoints:
         for step in range(1, GRID_SWEEP + 1):
@@ -110,7 +140,9 @@ def _largest_on_a_grid(adapter: ModelAdapter, image_processor: Any) -> int:
                 sizes.update({size, (size[0] * 8, size[1] * 8)})
     for size in sorted(sizes):
         swept = {**item, "image_sizes": np.asarray([size], dtype=np.int64)}
-        largest = max(largest, int(adapter.num_placeholder_tokens(swept)))
+        tokens = int(adapter.num_placeholder_tokens(swept))
+        if tokens > largest.tokens:
+            largest = ProbedItem(tokens, swept)
     return largest
 
 
