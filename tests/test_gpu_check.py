@@ -3,15 +3,22 @@
 The script's own dry run (``scripts/gpu-check run --dry-run``) exercises every step on CPU;
 these cheap checks keep its plan honest: the steps' limits fit one device call, every step
 has a function and a SUMMARY line, the header documents each step with its limit, and the
-script parses (and is shellcheck-clean where shellcheck is installed).
+script parses (and is shellcheck-clean where shellcheck is installed). One step runs for
+real: the environment step, as the dry run runs it (``gpu-check _step env`` with
+``GPU_CHECK_DRY=1``), must print this torch's attention kernel signatures and the backend
+mmis chooses for the 7B shape.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -76,3 +83,52 @@ def test_shellcheck_clean() -> None:
         pytest.fail("CI is set and no shellcheck: scripts/system-deps installs it")
     done = subprocess.run(["shellcheck", str(SCRIPT)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout
+
+
+def _signature(module: str, name: str) -> str:
+    try:
+        function = getattr(importlib.import_module(module), name)
+    except Exception:
+        return "absent"
+    return f"{name}{inspect.signature(function)}"
+
+
+def test_the_env_step_prints_the_kernels_and_the_backend(tmp_path: Path) -> None:
+    from mmis.engine.config import EngineConfig
+
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "python").write_text(sys.executable)  # what setup leaves for the later steps
+    env = dict(
+        os.environ,
+        GPU_CHECK_DIR=str(tmp_path),
+        GPU_CHECK_DRY="1",
+        GPU_CHECK_STATE=str(state),
+        GPU_CHECK_WHEELS=str(tmp_path / "no-wheels"),
+        GPU_CHECK_DEADLINE=str(int(time.time()) + 120),
+        PYTHONPATH=str(REPO / "server"),
+    )
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    done = subprocess.run(
+        [str(SCRIPT), "_step", "env"], env=env, capture_output=True, text=True, timeout=180
+    )
+    out = done.stdout
+    assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
+    for module, name in [
+        ("torch.nn.attention.varlen", "varlen_attn"),
+        ("torch.nn.attention.flex_attention", "flex_attention"),
+    ]:
+        expected = _signature(module, name)  # this interpreter's torch, as the step's
+        line = next(x for x in out.splitlines() if x.startswith(f"{name}: "))
+        assert (
+            line.startswith(f"{name}: absent")
+            if expected == "absent"
+            else line == (f"{name}: {expected}")
+        )
+    block = EngineConfig().block_size
+    shape = f"(32 heads, 32 KV heads, head_dim 128, bfloat16, block {block}) on cpu: torch-sdpa"
+    assert f"attention for LLaVA-7B {shape} (TorchBackend" in out  # no CUDA here
+    assert "  log: attention: torch-sdpa" in out  # the selection's own log
+    summary = [x for x in out.splitlines() if x.startswith("SUMMARY env:")]
+    assert len(summary) == 1 and summary[0].endswith("attention for the 7B shape: torch-sdpa")
+    assert "flex_attention present" in summary[0] or "flex_attention absent" in summary[0]
