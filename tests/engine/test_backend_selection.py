@@ -7,6 +7,7 @@ plain torch that mimic each known ``varlen_attn`` signature."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import random
 from collections.abc import Callable
@@ -116,20 +117,18 @@ def varlen_attn_2_14(  # torch 2.14's signature
     )
 
 
-def varlen_attn_2_11(  # torch 2.11's: no enable_gqa (its TypeError on an H200)
+def varlen_attn_2_11(  # torch 2.11's: no enable_gqa (its TypeError on an H200), no paging
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     cu_seq_q: torch.Tensor,
-    cu_seq_k: torch.Tensor | None,
+    cu_seq_k: torch.Tensor,
     max_q: int,
     max_k: int,
     *,
     return_aux: Any = None,
     scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1),
-    seqused_k: torch.Tensor | None = None,
-    block_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return _varlen(
         query,
@@ -140,9 +139,33 @@ def varlen_attn_2_11(  # torch 2.11's: no enable_gqa (its TypeError on an H200)
         scale=scale,
         window_size=window_size,
         enable_gqa=False,
-        seqused_k=seqused_k,
-        block_table=block_table,
+        seqused_k=None,
+        block_table=None,
     )
+
+
+# the fake of each release this range's CI installs (.venv: the pin; scripts/lowest-torch:
+# the lower bound); test_the_fake_of_the_installed_torch_has_its_real_signature keeps them true
+FAKE_OF_RELEASE = {"2.14": varlen_attn_2_14, "2.11": varlen_attn_2_11}
+
+
+def _params(fn: Callable[..., Any]) -> list[tuple[str, Any, Any]]:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+def test_the_fake_of_the_installed_torch_has_its_real_signature() -> None:
+    """The fakes are not written from memory: the one of the installed release (CI runs this
+    file on the pinned torch and, through scripts/lowest-torch, on the lowest) must have the
+    real ``varlen_attn``'s parameters, kinds and defaults."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    fake = FAKE_OF_RELEASE.get(release)
+    assert fake is not None, (
+        f"torch {torch.__version__}: add its varlen_attn signature to FAKE_OF_RELEASE "
+        f"({inspect.signature(varlen_attn)})"
+    )
+    assert _params(fake) == _params(varlen_attn)
 
 
 def varlen_attn_unpaged(  # no enable_gqa, no paged reads
@@ -233,11 +256,14 @@ def test_each_known_signature_is_probed_and_attends_like_sdpa(
     torch.testing.assert_close(got, _step_output(TorchBackend(), GQA, block), atol=3e-2, rtol=0)
 
 
-def test_torch_2_11_without_enable_gqa_keeps_paged_reads_for_equal_heads() -> None:
+def test_torch_2_11_varlen_never_reads_pages_even_for_equal_heads() -> None:
+    """2.11's ``varlen_attn`` takes no ``block_table``: its varlen path always gathers (on
+    that torch FlexAttention is what reads the pool in place, ``test_flex_backend.py``)."""
     mha = ProbeShape(num_heads=2, num_kv_heads=2, head_dim=16, dtype=torch.float16)
     kernel = torch_varlen_kernel(varlen_attn_2_11)
+    assert not kernel.paged_reads and not kernel.native_gqa
     backend = select_backend(CPU, 256, shape=mha, kernels=[_loader(kernel)])
-    assert isinstance(backend, VarlenBackend) and backend.paged
+    assert isinstance(backend, VarlenBackend) and not backend.paged
     torch.testing.assert_close(
         _step_output(backend, mha, 256), _step_output(TorchBackend(), mha, 256), atol=1e-2, rtol=0
     )
@@ -365,7 +391,7 @@ def test_a_kernel_that_fails_the_probe_gives_way_to_the_next(
     assert reason in caplog.text
     if shape.dtype == torch.float32:  # no flash kernel serves it: torch SDPA
         assert isinstance(backend, TorchBackend)
-        assert "no varlen flash kernel usable on cpu; torch SDPA" in caplog.text
+        assert "no paged or varlen kernel usable on cpu; torch SDPA" in caplog.text
     else:
         assert isinstance(backend, VarlenBackend) and backend.name == "next"
         assert "attention: next (" in caplog.text
@@ -389,7 +415,7 @@ def test_no_candidate_left_is_torch_sdpa(caplog: pytest.LogCaptureFixture) -> No
         )
     assert isinstance(backend, TorchBackend)
     assert "attention: x failed the start-up probe (RuntimeError" in caplog.text
-    assert "no varlen flash kernel usable on cpu; torch SDPA" in caplog.text
+    assert "no paged or varlen kernel usable on cpu; torch SDPA" in caplog.text
 
 
 def test_cpu_and_the_torch_name_never_load_a_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -244,6 +244,7 @@ def build(cfg: EngineConfig, path: str, worker_setup: Callable[[str], None]) -> 
     ``worker_setup``: the logging set-up tensor-parallel worker ranks run first (a
     module-level function: ``spawn`` pickles it)."""
     from mmis.engine.core_process import EngineCoreProc
+    from mmis.engine.execution.attn_backends import AttentionBackendError
     from mmis.engine.execution.encoder_sizing import largest_item, load_image_processor
     from mmis.engine.execution.kv_sizing import KVSizingError, plan_kv_pool
     from mmis.engine.execution.paged_attention import PagedAttentionError
@@ -294,7 +295,10 @@ def build(cfg: EngineConfig, path: str, worker_setup: Callable[[str], None]) -> 
             block_size=cfg.block_size,
             num_blocks=plan.num_blocks,
             kv_budget_bytes=plan.budget_bytes,
+            attention_backend=cfg.attention_backend,
         )
+    except AttentionBackendError as exc:
+        raise EngineStartError(f"{exc}; choose another --attention-backend") from None
     except PagedAttentionError as exc:
         raise EngineStartError(f"{exc}; raise --kv-cache-gb") from None
     if runner.pool.num_blocks < 2:

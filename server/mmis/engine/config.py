@@ -31,6 +31,7 @@ DEFAULT_KV_BLOCKS = 2048  # the KV pool's size when no KV sizing setting applies
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # on CUDA when no KV sizing flag is given
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 CPU_LINEAR_CHOICES = ("auto", "onednn", "torch")  # engine/execution/cpu_linear.py
+ATTENTION_CHOICES = ("auto", "flex", "torch")  # engine/execution/attn_backends.py
 MIN_ENCODER_CACHE_TOKENS = 8192  # the encoder cache's floor when sized from the processor
 
 
@@ -89,6 +90,19 @@ class EngineConfig:
         f"neither, {DEFAULT_KV_BLOCKS} on CPU, --gpu-memory-utilization on CUDA)",
     )
     block_size: int = setting(16, rule=AT_LEAST_1, help="tokens per KV block")
+    attention_backend: str = setting(
+        "auto",
+        choices=ATTENTION_CHOICES,
+        metavar="{" + ",".join(ATTENTION_CHOICES) + "}",
+        rule=(
+            lambda v: v in ATTENTION_CHOICES,
+            f"must be one of {', '.join(ATTENTION_CHOICES)}",
+        ),
+        help="the language model's attention (engine/execution/attn_backends.py); auto: on "
+        "CUDA FlexAttention reading the KV pages in place, else a varlen flash kernel, else "
+        "torch SDPA, each after a start-up probe; on CPU torch SDPA; flex: FlexAttention "
+        "(compiled) or refuse to start; torch: torch SDPA",
+    )
     encoder_cache_tokens: int | None = setting(
         None,
         rule=(lambda v: v is None or v >= 1, "must be at least 1"),

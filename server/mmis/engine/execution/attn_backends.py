@@ -39,10 +39,16 @@ causal). :func:`select_backend` picks one at start-up (below):
   ``decode_graphs.py``) without paged reads: the packed gather's length is a host int; with
   paged reads it runs as any step, ``max_seqlen_k`` being its upper bound.
 
+- ``flex_backend.FlexBackend`` (any device, torch >= 2.11): FlexAttention reading the pool
+  in place through a block mask at any block size, decode rows in one call on its decoding
+  kernel, windows and bidirectional spans in its ``mask_mod``; the CUDA default of ``auto``.
+
 Selection (:func:`select_backend`; ``runner.py`` calls it with the model's
-:class:`ProbeShape`): the name ``torch`` or a device other than CUDA is
-:class:`TorchBackend`. On CUDA the candidates are tried in the order of :data:`KERNELS`
-(flash-attn, then torch's ``varlen_attn``), then :class:`TorchBackend`. A candidate is
+:class:`ProbeShape` and ``--attention-backend``): the name ``torch`` or a device other than
+CUDA is :class:`TorchBackend`; ``flex`` is FlexAttention or a start-up error. On CUDA
+``auto`` tries FlexAttention first (its probe: :func:`probe_backend`), then the candidates in
+the order of :data:`KERNELS` (flash-attn, then torch's ``varlen_attn``), then
+:class:`TorchBackend`. A varlen candidate is
 chosen only if it imports AND passes :meth:`VarlenBackend.probe`: the exact call a step makes
 (paged or packed, same keywords), run on a tiny step in the model's head size, query and KV
 heads (GQA) and dtype, at the pool's block size (page size), without and with a sliding
@@ -79,7 +85,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from mmis.engine.execution.attn_metadata import AttentionMetadata
+from mmis.engine.config import ATTENTION_CHOICES
+from mmis.engine.execution.attn_metadata import AttentionMetadata, ChunkRows
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +166,6 @@ class TorchBackend:
         window: int | None,
     ) -> torch.Tensor:
         kv_heads, dim = key_cache.shape[2], key_cache.shape[3]
-        gqa = query.shape[1] != kv_heads
         out = torch.empty_like(query)
         rows = meta.decode
         if rows is not None:
@@ -191,26 +197,44 @@ class TorchBackend:
                 )
             out.index_copy_(0, rows.token_index, attended.reshape(rows.num, -1, dim))
         for chunk in meta.chunks:
-            q = query[chunk.lo : chunk.hi].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            if chunk.start == 0:  # everything it attends is this step's own keys
-                keys, values = new_key[chunk.lo : chunk.hi], new_value[chunk.lo : chunk.hi]
-            else:
-                flat = (-1, kv_heads, dim)
-                keys = self.space.gather(key_cache, chunk.block_index, 0).view(flat)
-                values = self.space.gather(value_cache, chunk.block_index, 1).view(flat)
-                keys, values = keys[: chunk.seq_len], values[: chunk.seq_len]
-            mask = chunk.mask(window)
-            attended = F.scaled_dot_product_attention(
-                q,
-                _as(keys, q.dtype).transpose(0, 1).unsqueeze(0),
-                _as(values, q.dtype).transpose(0, 1).unsqueeze(0),
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=scale,
-                enable_gqa=gqa,
+            out[chunk.lo : chunk.hi] = self.attend_chunk(
+                query, key_cache, value_cache, new_key, new_value, chunk, scale, window
             )
-            out[chunk.lo : chunk.hi] = attended[0].transpose(0, 1)
         return out
+
+    def attend_chunk(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        new_key: torch.Tensor,
+        new_value: torch.Tensor,
+        chunk: ChunkRows,
+        scale: float | None,
+        window: int | None,
+    ) -> torch.Tensor:
+        """``[n, H, D]``: one ``n > 1`` chunk's rows; a fresh prefill (start 0) reads only
+        ``new_key`` / ``new_value``, never the pool."""
+        kv_heads, dim = key_cache.shape[2], key_cache.shape[3]
+        q = query[chunk.lo : chunk.hi].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if chunk.start == 0:  # everything it attends is this step's own keys
+            keys, values = new_key[chunk.lo : chunk.hi], new_value[chunk.lo : chunk.hi]
+        else:
+            flat = (-1, kv_heads, dim)
+            keys = self.space.gather(key_cache, chunk.block_index, 0).view(flat)
+            values = self.space.gather(value_cache, chunk.block_index, 1).view(flat)
+            keys, values = keys[: chunk.seq_len], values[: chunk.seq_len]
+        mask = chunk.mask(window)
+        attended = F.scaled_dot_product_attention(
+            q,
+            _as(keys, q.dtype).transpose(0, 1).unsqueeze(0),
+            _as(values, q.dtype).transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=query.shape[1] != kv_heads,
+        )
+        return attended[0].transpose(0, 1)
 
 
 Kernel = Callable[..., torch.Tensor]
@@ -329,6 +353,7 @@ PROBE_WINDOW = 3  # the probe's sliding window (keys)
 PROBE_SCALE = 2.0  # x 1/sqrt(head_dim), the kernels' default scale: ignoring scale fails
 # max |kernel - torch SDPA| of the probe's outputs, by dtype (flash runs in these only)
 PROBE_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 5e-2}
+FLEX_TOLERANCE = {**PROBE_TOLERANCE, torch.float32: 1e-4}  # FlexAttention runs fp32 too
 
 
 class VarlenBackend:
@@ -407,64 +432,115 @@ class VarlenBackend:
         )
 
     def probe(self, shape: ProbeShape, device: torch.device) -> str | None:
-        """Why this kernel cannot serve ``shape`` on ``device`` (None: it can). Runs the path
-        :meth:`attend` takes (paged or packed) once without and once with a sliding window, on
-        a tiny step in ``shape``'s heads, head size and dtype over shuffled blocks of
-        ``block_size`` (a fresh prefill, a chunk on cached context across a block boundary,
-        two decode rows of different lengths), and compares with :class:`TorchBackend`: an
-        exception (but out-of-memory) or a difference over :data:`PROBE_TOLERANCE` is the
-        reason."""
+        """Why this kernel cannot serve ``shape`` on ``device`` (None: it can): the path
+        :meth:`attend` takes (paged or packed) through :func:`probe_backend`."""
         tolerance = PROBE_TOLERANCE.get(shape.dtype)
         if tolerance is None:
             return f"flash kernels run in float16/bfloat16 only; the model is {shape.dtype}"
-        bs, gen = self.block_size, torch.Generator().manual_seed(0)
-        scale = PROBE_SCALE / shape.head_dim**0.5
-        starts, lens = [0, bs - 1, 2 * bs - 1, 2], [5, 3, 1, 1]
-        needed = [-(-(s + n) // bs) for s, n in zip(starts, lens, strict=True)]
-        free = (torch.randperm(sum(needed), generator=gen) + 1).tolist()  # block 0: null
-        tables = [[free.pop() for _ in range(n)] for n in needed]
-        pool_shape = (sum(needed) + 1, bs, shape.num_kv_heads, shape.head_dim)
 
-        def rand(*size: int) -> torch.Tensor:
-            return torch.randn(size, generator=gen).to(device=device, dtype=shape.dtype)
+        def run(
+            query: torch.Tensor,
+            key_cache: torch.Tensor,
+            value_cache: torch.Tensor,
+            new_key: torch.Tensor,
+            new_value: torch.Tensor,
+            meta: AttentionMetadata,
+            scale: float | None,
+            window: int | None,
+        ) -> torch.Tensor:
+            return self._flash(query, key_cache, value_cache, meta, scale, window)
 
-        key_cache, value_cache = rand(*pool_shape), rand(*pool_shape)
-        meta = AttentionMetadata.build(lens, starts, tables, bs, pool_shape[0] * bs, device)
-        query = rand(meta.num_tokens, shape.num_heads, shape.head_dim)
-        flat = (-1, shape.num_kv_heads, shape.head_dim)
-        new_key = key_cache.view(flat)[meta.slot_mapping]
-        new_value = value_cache.view(flat)[meta.slot_mapping]
-        for window in (None, PROBE_WINDOW):
-            with torch.inference_mode():
-                want = TorchBackend().attend(
-                    query, key_cache, value_cache, new_key, new_value, meta, scale, window
-                )
-                try:
-                    got = self._flash(query, key_cache, value_cache, meta, scale, window)
-                except torch.OutOfMemoryError:
-                    raise
-                except Exception as exc:  # any failure (TypeError included): not usable
-                    return f"{type(exc).__name__}: {exc}"
-            if got.shape != want.shape:
-                return f"it returned shape {tuple(got.shape)}, not {tuple(want.shape)}"
-            worst = float((got.float() - want.float()).abs().max())
-            if not worst <= tolerance:  # NaN fails too
-                return (
-                    f"its output differs from torch SDPA by {worst:.3g} (window {window}, "
-                    f"tolerance {tolerance:g})"
-                )
-        return None
+        return probe_backend(run, self.block_size, shape, device, tolerance)
+
+
+def probe_backend(
+    run: Callable[..., torch.Tensor],
+    block_size: int,
+    shape: ProbeShape,
+    device: torch.device,
+    tolerance: float,
+) -> str | None:
+    """Why ``run`` (an ``AttentionBackend.attend``) cannot serve ``shape`` on ``device``
+    (None: it can). Runs it once without and once with a sliding window, on a tiny step in
+    ``shape``'s heads, head size and dtype over shuffled blocks of ``block_size`` (a fresh
+    prefill, a chunk on cached context across a block boundary, two decode rows of different
+    lengths), and compares with :class:`TorchBackend`: an exception (but out-of-memory) or a
+    difference over ``tolerance`` is the reason."""
+    bs, gen = block_size, torch.Generator().manual_seed(0)
+    scale = PROBE_SCALE / shape.head_dim**0.5
+    starts, lens = [0, bs - 1, 2 * bs - 1, 2], [5, 3, 1, 1]
+    needed = [-(-(s + n) // bs) for s, n in zip(starts, lens, strict=True)]
+    free = (torch.randperm(sum(needed), generator=gen) + 1).tolist()  # block 0: null
+    tables = [[free.pop() for _ in range(n)] for n in needed]
+    pool_shape = (sum(needed) + 1, bs, shape.num_kv_heads, shape.head_dim)
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(size, generator=gen).to(device=device, dtype=shape.dtype)
+
+    key_cache, value_cache = rand(*pool_shape), rand(*pool_shape)
+    meta = AttentionMetadata.build(lens, starts, tables, bs, pool_shape[0] * bs, device)
+    query = rand(meta.num_tokens, shape.num_heads, shape.head_dim)
+    flat = (-1, shape.num_kv_heads, shape.head_dim)
+    new_key = key_cache.view(flat)[meta.slot_mapping]
+    new_value = value_cache.view(flat)[meta.slot_mapping]
+    for window in (None, PROBE_WINDOW):
+        with torch.inference_mode():
+            want = TorchBackend().attend(
+                query, key_cache, value_cache, new_key, new_value, meta, scale, window
+            )
+            try:
+                got = run(query, key_cache, value_cache, new_key, new_value, meta, scale, window)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as exc:  # any failure (TypeError included): not usable
+                return f"{type(exc).__name__}: {exc}"
+        if got.shape != want.shape:
+            return f"it returned shape {tuple(got.shape)}, not {tuple(want.shape)}"
+        worst = float((got.float() - want.float()).abs().max())
+        if not worst <= tolerance:  # NaN fails too
+            return (
+                f"its output differs from torch SDPA by {worst:.3g} (window {window}, "
+                f"tolerance {tolerance:g})"
+            )
+    return None
 
 
 def packed_context_slots(meta: AttentionMetadata) -> torch.Tensor:
     """``[sum(seq_lens)]`` slot of every context position, sequences concatenated; built
-    on the device with vectorised ops (only the CUDA non-paged path needs it)."""
+    once per step (kept in ``meta.scratch``) on the device with vectorised ops and no
+    device-to-host sync (``output_size`` from the host's lengths); only the CUDA non-paged
+    path needs it."""
+    cached = meta.scratch.get("packed_context_slots")
+    if isinstance(cached, torch.Tensor):
+        return cached
     seq_lens = meta.seq_lens.long()
     total = int((meta.starts_host + meta.query_lens_host).sum())  # host ints: no device sync
-    row = torch.repeat_interleave(torch.arange(meta.num_seqs, device=seq_lens.device), seq_lens)
+    row = torch.repeat_interleave(
+        torch.arange(meta.num_seqs, device=seq_lens.device), seq_lens, output_size=total
+    )
     pos = torch.arange(total, device=seq_lens.device) - meta.cu_seqlens_k[:-1].long()[row]
     block = meta.block_tables.long()[row, pos // meta.block_size]
-    return block * meta.block_size + pos % meta.block_size
+    slots = block * meta.block_size + pos % meta.block_size
+    meta.scratch["packed_context_slots"] = slots  # once per step, not per layer
+    return slots
+
+
+class AttentionBackendError(RuntimeError):
+    """The attention backend asked for by name cannot run here (its probe's reason)."""
+
+
+def _flex_backend(
+    block_size: int, device: torch.device, shape: ProbeShape, compiled: bool
+) -> tuple[AttentionBackend | None, str]:
+    try:
+        from mmis.engine.execution.flex_backend import FlexBackend
+
+        backend = FlexBackend(block_size, device, TorchBackend().attend_chunk, compiled=compiled)
+    except Exception as exc:  # no flex_attention in this torch, no compiler: not usable
+        return None, f"{type(exc).__name__}: {exc}"
+    tolerance = FLEX_TOLERANCE.get(shape.dtype, FLEX_TOLERANCE[torch.float32])
+    reason = probe_backend(backend.attend, block_size, shape, device, tolerance)
+    return (backend, "") if reason is None else (None, reason)
 
 
 def select_backend(
@@ -474,16 +550,38 @@ def select_backend(
     *,
     shape: ProbeShape | None = None,
     kernels: Sequence[KernelLoader] | None = None,
+    compiled: bool = True,
 ) -> AttentionBackend:
-    """``torch``: always :class:`TorchBackend`; ``auto``: the first of ``kernels`` (default
-    :data:`KERNELS`, on a CUDA device only) that loads and passes :meth:`VarlenBackend.probe`
-    for ``shape`` (default :class:`ProbeShape`), else :class:`TorchBackend`. Each rejection is
-    logged with its reason, the choice too."""
-    if name not in ("auto", "torch"):
-        raise ValueError(f"unknown attention backend {name!r} (auto, torch)")
-    if name == "torch" or (kernels is None and device.type != "cuda"):
+    """The step's attention (each rejection logged with its reason, the choice at info):
+
+    - ``torch``: :class:`TorchBackend`.
+    - ``flex``: ``flex_backend.FlexBackend`` (``compiled``: through ``torch.compile``) if it
+      passes :func:`probe_backend` for ``shape`` (default :class:`ProbeShape`), else
+      :class:`AttentionBackendError` with the reason.
+    - ``auto`` on CUDA (``kernels`` not given): FlexAttention as above (paged reads in place
+      at any block size), else the first of :data:`KERNELS` that loads and passes
+      :meth:`VarlenBackend.probe`, else :class:`TorchBackend`. ``auto`` with ``kernels``
+      (tests: fake kernels on CPU) tries only those. ``auto`` on another device:
+      :class:`TorchBackend` (measured faster on CPU than eager or compiled FlexAttention,
+      ``benchmarks/README.md``).
+    """
+    if name not in ATTENTION_CHOICES:
+        raise ValueError(f"unknown attention backend {name!r} ({', '.join(ATTENTION_CHOICES)})")
+    if name == "torch":
+        log.info("attention: torch-sdpa (asked for by name)")
         return TorchBackend()
     shape = shape or ProbeShape()
+    if name == "flex" or (kernels is None and device.type == "cuda"):
+        flex, reason = _flex_backend(block_size, device, shape, compiled)
+        if flex is not None:
+            log.info("attention: flex (paged reads in place, block size %d)", block_size)
+            return flex
+        if name == "flex":
+            raise AttentionBackendError(f"the flex attention backend cannot run: {reason}")
+        log.warning("attention: flex failed the start-up probe (%s)", reason)
+    if kernels is None and device.type != "cuda":
+        log.info("attention: torch-sdpa (the %s path)", device.type)
+        return TorchBackend()
     for load in KERNELS if kernels is None else kernels:
         kernel = load()
         if kernel is None:
@@ -491,8 +589,8 @@ def select_backend(
         grouped = shape.num_heads != shape.num_kv_heads
         paged_reads = kernel.paged_reads and (kernel.native_gqa or not grouped)
         backend = VarlenBackend(kernel.run, kernel.name, block_size, paged_reads=paged_reads)
-        reason = backend.probe(shape, device)
-        if reason is None:
+        why = backend.probe(shape, device)
+        if why is None:
             log.info(
                 "attention: %s (%s reads, block size %d)",
                 kernel.name,
@@ -500,6 +598,6 @@ def select_backend(
                 block_size,
             )
             return backend
-        log.warning("attention: %s failed the start-up probe (%s)", kernel.name, reason)
-    log.warning("attention: no varlen flash kernel usable on %s; torch SDPA", device)
+        log.warning("attention: %s failed the start-up probe (%s)", kernel.name, why)
+    log.warning("attention: no paged or varlen kernel usable on %s; torch SDPA", device)
     return TorchBackend()

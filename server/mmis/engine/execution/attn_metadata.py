@@ -135,6 +135,13 @@ class DecodeRows:
         return index
 
     @property
+    def table(self) -> torch.Tensor:
+        """``[Bd, num_blocks]``: each row's pool blocks in logical order, 0-padded."""
+        if self._table is not None:
+            return self._table
+        return self.block_index.view(self.num, self.num_blocks)
+
+    @property
     def num(self) -> int:
         return int(self.token_index.shape[0])
 
@@ -210,6 +217,9 @@ class AttentionMetadata:
     chunks: tuple[ChunkRows, ...]
     has_spans: bool = False
     static: bool = False  # a fixed-shape decode step (see the module docstring)
+    # what a backend derives from this step once and reuses in every layer (block masks);
+    # a new step is a new object, so nothing here outlives its step
+    scratch: dict[object, object] = dataclasses.field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

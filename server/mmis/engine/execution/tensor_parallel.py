@@ -334,7 +334,7 @@ def worker_main(
     parent: int,
 ) -> None:
     """A worker rank: load, split, allocate, then mirror rank 0's forwards until told to stop."""
-    from mmis.engine.execution.attn_backends import select_backend
+    from mmis.engine.execution.attn_backends import ProbeShape, select_backend
     from mmis.engine.execution.dtype import resolve_dtype
     from mmis.engine.execution.host_memory import keep_freed_memory
     from mmis.engine.execution.model import load_adapter
@@ -362,7 +362,11 @@ def worker_main(
 
     pack_adapter(adapter, cfg.cpu_linear)  # as rank 0 does, over this rank's slice
     worker = WorkerRank(
-        adapter, select_backend(device, cfg.block_size), cfg.block_size, dtype, device
+        adapter,
+        select_backend(device, cfg.block_size, cfg.attention_backend, shape=ProbeShape.of(adapter)),
+        cfg.block_size,
+        dtype,
+        device,
     )
     pool = PagedKVPool(adapter.kv_cache_spec(cfg.block_size), worker_pool_size(worker))
     with torch.inference_mode():

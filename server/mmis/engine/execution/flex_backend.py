@@ -1,0 +1,292 @@
+"""FlexAttention over the paged KV pool, read in place at any block size (issue 44).
+
+:class:`FlexBackend` implements ``attn_backends.AttentionBackend`` with
+``torch.nn.attention.flex_attention`` (torch >= 2.11, every release of the supported range:
+``torch_support.py``). The pool of one layer, ``[num_blocks, block_size, KVH, D]``, is handed
+to the kernel as it lies, viewed as one ``[1, KVH, num_blocks * block_size, D]`` sequence of
+*physical* slots; which slots a query reads is said by a block mask whose KV block is one
+pool block (``BLOCK_SIZE=(Q_BLOCK, block_size)``):
+
+- ``kv_indices`` (``[B, 1, Q blocks, num_blocks]``): per query block, the pool blocks of its
+  sequence's context in logical order, starting at the first block its window reaches;
+  ``kv_num_blocks`` how many of them. The compiled kernel (Triton on CUDA, C++ on CPU) visits
+  only those blocks: no byte of the pool is copied, and a decode row reads its own context's
+  blocks and nothing else.
+- ``mask_mod`` is exact on its own: a physical slot is visible to a query only if its block
+  belongs to the query's sequence (``logical[row, block] >= 0``, a ``[B, num_blocks]`` table
+  of logical block numbers, -1 elsewhere), and its logical position is causal (or in the
+  query's bidirectional span), inside the window and below the sequence's length. So eager
+  ``flex_attention`` (which ignores ``kv_indices`` and materialises every score) gives the
+  same result, only slowly: a shape the compiler does not take runs correct.
+
+Steps map onto calls like this (per layer):
+
+- **Decode rows** (one token each): one call, batch = the rows padded to a bucket
+  (:func:`bucket_rows`, so a compiled kernel is reused), query length 1, GQA native
+  (``enable_gqa``): FlexAttention's decoding kernel (split-KV on CUDA). Padding rows have no
+  block (``kv_num_blocks`` 0) and no visible slot. For a static decode step
+  (``AttentionMetadata.static``, CUDA graphs) everything is built on the device from the
+  bucket's buffers with fixed shapes: no host value enters a shape, no device value reaches
+  the host.
+- **A chunk on cached context** (``start > 0``): one call per chunk, batch 1, its queries
+  padded to a multiple of :data:`Q_BLOCK` (padding queries see nothing), causal from
+  ``start``, with its window and bidirectional spans.
+- **A fresh prefill** (``start == 0``) never reads the pool: it attends its own new keys
+  through ``fresh``, ``attn_backends.TorchBackend.attend_chunk`` (SDPA with the kernel's
+  causal flag, or its on-device mask for spans and windows).
+
+Compilation: ``torch.compile(flex_attention)`` once per backend, ``dynamic`` on CUDA (one
+kernel for every batch and length), static shapes on CPU (torch's C++ template of
+FlexAttention does not compile dynamic shapes: verified on 2.14.1) where the buckets bound
+the number of graphs. ``compiled=False`` runs eager (tests of ``mask_mod`` alone).
+
+Invariants:
+- The backend never writes the pool and never copies from it; its per-step tensors (tables,
+  positions, block masks) are built once per step and window and reused by every layer
+  (kept in ``AttentionMetadata.scratch``, which dies with its step).
+- Every tensor it builds for a static step has a shape fixed by the bucket and the pool.
+- ``logical`` and ``kv_indices`` cost ``2 * 4 * rows * num_blocks`` bytes per step and window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+
+from mmis.engine.execution.attn_metadata import AttentionMetadata, ChunkRows, DecodeRows
+
+Q_BLOCK = 128  # FlexAttention's query block; chunk queries are padded to a multiple of it
+ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # decode batch padding
+
+
+def bucket_rows(rows: int) -> int:
+    """The padded decode batch for ``rows`` rows (multiples of 128 past the table)."""
+    for size in ROW_BUCKETS:
+        if size >= rows:
+            return size
+    return -(-rows // 128) * 128
+
+
+def _flex() -> Callable[..., Any]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention
+
+
+def _block_mask(**kw: Any) -> Any:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    return BlockMask.from_kv_blocks(compute_q_blocks=False, **kw)
+
+
+@dataclasses.dataclass
+class _Visible:
+    """What ``mask_mod`` reads, per batch row ``b`` and query ``q`` (see module docstring)."""
+
+    logical: torch.Tensor  # [B, num_blocks] int32: logical block of each pool block, or -1
+    qpos: torch.Tensor  # [B, Q] int64: each query's position (-1: a padding query)
+    lo: torch.Tensor  # [B, Q] int64: lowest visible position (the window's start)
+    seq_len: torch.Tensor  # [B] int64: keys at or past it do not exist yet
+    span_lo: torch.Tensor | None  # [B, Q] int64: the query's bidirectional span, or -1
+    span_hi: torch.Tensor | None
+
+    def mask_mod(self, block_size: int) -> Callable[..., torch.Tensor]:
+        logical, qpos, lo, seq_len = self.logical, self.qpos, self.lo, self.seq_len
+        span_lo, span_hi = self.span_lo, self.span_hi
+
+        def visible(
+            b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
+        ) -> torch.Tensor:
+            block = logical[b, kv // block_size]
+            pos = block * block_size + kv % block_size
+            seen = pos <= qpos[b, q]
+            if span_lo is not None and span_hi is not None:
+                seen = seen | ((pos >= span_lo[b, q]) & (pos < span_hi[b, q]))
+            return (block >= 0) & seen & (pos >= lo[b, q]) & (pos < seq_len[b])
+
+        return visible
+
+
+def _logical(table: torch.Tensor, used: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """``[B, num_blocks]`` int32: ``j`` at ``table[b, j]`` for ``j < used[b]``, else -1."""
+    rows, width = table.shape
+    j = torch.arange(width, device=table.device)
+    value = torch.where(j[None, :] < used[:, None], j[None, :], -1).to(torch.int32)
+    logical = torch.full((rows, num_blocks), -1, dtype=torch.int32, device=table.device)
+    # unused columns write -1 too: a later real entry of the same block (never in one row:
+    # a sequence's blocks are distinct; the null block 0 pads) is the only conflict, and
+    # block 0 is reset below
+    logical.scatter_reduce_(1, table.long(), value, reduce="amax")
+    logical[:, 0] = -1  # the null block pads every table; it holds no real token
+    return logical
+
+
+def _indices(table: torch.Tensor, first: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """``[B, num_blocks]`` int32: row ``b``'s table from column ``first[b]`` on, 0-padded."""
+    rows, width = table.shape
+    cols = (first[:, None] + torch.arange(width, device=table.device)[None, :]).clamp(max=width - 1)
+    out = torch.zeros((rows, num_blocks), dtype=torch.int32, device=table.device)
+    out[:, :width] = table.gather(1, cols).to(torch.int32)
+    return out
+
+
+def _once(
+    meta: AttentionMetadata, key: object, build: Callable[[], tuple[Any, int]]
+) -> tuple[Any, int]:
+    """``build()`` once per step and ``key`` (kept in ``meta.scratch``)."""
+    if key not in meta.scratch:
+        meta.scratch[key] = build()
+    mask, padded = cast(tuple[Any, int], meta.scratch[key])
+    return mask, padded
+
+
+class FlexBackend:
+    """Paged FlexAttention (see the module docstring)."""
+
+    name = "flex"
+
+    def __init__(
+        self,
+        block_size: int,
+        device: torch.device,
+        fresh: Callable[..., torch.Tensor],
+        *,
+        compiled: bool = True,
+    ) -> None:
+        """``fresh``: how a fresh prefill attends its own keys (``TorchBackend.attend_chunk``,
+        passed in by ``attn_backends.select_backend``: this module does not import that one)."""
+        self.block_size = block_size
+        self.fresh = fresh
+        flex = _flex()
+        self.flex: Callable[..., Any] = (
+            torch.compile(flex, dynamic=device.type == "cuda", fullgraph=True) if compiled else flex
+        )
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        new_key: torch.Tensor,
+        new_value: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float | None,
+        window: int | None,
+    ) -> torch.Tensor:
+        num_blocks, bs, kv_heads, dim = key_cache.shape
+        keys = key_cache.view(1, num_blocks * bs, kv_heads, dim).transpose(1, 2)
+        values = value_cache.view(1, num_blocks * bs, kv_heads, dim).transpose(1, 2)
+        gqa = query.shape[1] != kv_heads
+        out = torch.empty_like(query)
+        rows = meta.decode
+        if rows is not None:
+            mask, padded = _once(
+                meta,
+                (self, -1, window),
+                lambda: self._decode_mask(rows, num_blocks, window, meta.static),
+            )
+            q = query.index_select(0, rows.token_index)  # [Bd, H, D]
+            if padded != rows.num:
+                q = torch.cat([q, q.new_zeros((padded - rows.num, *q.shape[1:]))])
+            attended = self.flex(
+                q.unsqueeze(2), keys, values, block_mask=mask, scale=scale, enable_gqa=gqa
+            )
+            out.index_copy_(0, rows.token_index, attended[: rows.num, :, 0].to(out.dtype))
+        for index, chunk in enumerate(meta.chunks):
+            if chunk.start == 0:  # its own new keys only: SDPA, no pool read
+                out[chunk.lo : chunk.hi] = self.fresh(
+                    query, key_cache, value_cache, new_key, new_value, chunk, scale, window
+                )
+                continue
+            mask, padded = _once(
+                meta,
+                (self, index, window),
+                lambda c=chunk: self._chunk_mask(c, num_blocks, window),  # type: ignore[misc]
+            )
+            n = chunk.num_tokens
+            q = query[chunk.lo : chunk.hi].transpose(0, 1)  # [H, n, D]
+            if padded != n:
+                q = torch.cat([q, q.new_zeros((q.shape[0], padded - n, dim))], dim=1)
+            attended = self.flex(
+                q.unsqueeze(0), keys, values, block_mask=mask, scale=scale, enable_gqa=gqa
+            )
+            out[chunk.lo : chunk.hi] = attended[0, :, :n].transpose(0, 1).to(out.dtype)
+        return out
+
+    def _decode_mask(
+        self, rows: DecodeRows, num_blocks: int, window: int | None, static: bool
+    ) -> tuple[Any, int]:
+        bs = self.block_size
+        table, lens = rows.table, rows.seq_lens.long()
+        padded = rows.num if static else bucket_rows(rows.num)
+        if padded != rows.num:
+            extra = padded - rows.num
+            table = torch.cat([table, table.new_zeros((extra, table.shape[1]))])
+            lens = torch.cat([lens, lens.new_zeros(extra)])
+        qpos = lens - 1  # padding rows: -1, nothing visible
+        lo = torch.zeros_like(qpos) if window is None else (qpos - window + 1).clamp(min=0)
+        first = lo // bs
+        last = torch.where(qpos >= 0, qpos // bs, first - 1)
+        used = torch.where(qpos >= 0, last + 1, 0)
+        visible = _Visible(
+            logical=_logical(table, used, num_blocks),
+            qpos=qpos[:, None],
+            lo=lo[:, None],
+            seq_len=lens,
+            span_lo=None,
+            span_hi=None,
+        )
+        mask = _block_mask(
+            kv_num_blocks=(last - first + 1).to(torch.int32).view(padded, 1, 1),
+            kv_indices=_indices(table, first, num_blocks).view(padded, 1, 1, num_blocks),
+            BLOCK_SIZE=(Q_BLOCK, bs),
+            mask_mod=visible.mask_mod(bs),
+            seq_lengths=(1, num_blocks * bs),
+        )
+        return mask, padded
+
+    def _chunk_mask(self, chunk: ChunkRows, num_blocks: int, window: int | None) -> tuple[Any, int]:
+        bs, device = self.block_size, chunk.block_index.device
+        n = chunk.num_tokens
+        padded = -(-n // Q_BLOCK) * Q_BLOCK
+        q_blocks = padded // Q_BLOCK
+        pages = chunk.block_index.long()[None, :]  # [1, m]
+        m = pages.shape[1]
+        i = torch.arange(padded, device=device)
+        qpos = torch.where(i < n, chunk.start + i, -1)
+        lo = torch.zeros_like(qpos) if window is None else (qpos - window + 1).clamp(min=0)
+        span_lo = span_hi = None
+        top = qpos  # the highest position a query sees
+        if chunk.spans:
+            span_lo = torch.full_like(qpos, -1)
+            span_hi = torch.full_like(qpos, -1)
+            for a, b in chunk.spans:
+                inside = (qpos >= a) & (qpos < b)
+                span_lo = torch.where(inside, a, span_lo)
+                span_hi = torch.where(inside, b, span_hi)
+            top = torch.maximum(qpos, span_hi - 1).clamp(max=chunk.seq_len - 1)
+        # per query block: blocks from the lowest query's window start to the highest seen
+        real = qpos >= 0
+        block_lo = torch.where(real, lo, chunk.seq_len).view(q_blocks, Q_BLOCK).amin(1) // bs
+        block_hi = torch.where(real, top, -1).view(q_blocks, Q_BLOCK).amax(1) // bs
+        count = torch.where(block_hi >= block_lo, block_hi - block_lo + 1, 0)
+        table = pages.expand(q_blocks, m)
+        visible = _Visible(
+            logical=_logical(pages, torch.full((1,), m, device=device), num_blocks),
+            qpos=qpos[None, :],
+            lo=lo[None, :],
+            seq_len=torch.full((1,), chunk.seq_len, device=device),
+            span_lo=None if span_lo is None else span_lo[None, :],
+            span_hi=None if span_hi is None else span_hi[None, :],
+        )
+        mask = _block_mask(
+            kv_num_blocks=count.to(torch.int32).view(1, 1, q_blocks),
+            kv_indices=_indices(table, block_lo, num_blocks).view(1, 1, q_blocks, num_blocks),
+            BLOCK_SIZE=(Q_BLOCK, bs),
+            mask_mod=visible.mask_mod(bs),
+            seq_lengths=(padded, num_blocks * bs),
+        )
+        return mask, padded
