@@ -36,6 +36,7 @@ from mmis.engine.execution.decode_graphs import (
     capture_sizes,
     qualifies,
 )
+from mmis.engine.execution.flex_backend import FlexBackend
 from mmis.engine.execution.model import load_adapter
 from mmis.engine.execution.model.adapter import ModelAdapter
 from mmis.engine.execution.paged_attention import KVCacheSpec, PagedKVPool
@@ -197,6 +198,9 @@ def test_capturable_sizes_bound_the_gather(monkeypatch: pytest.MonkeyPatch) -> N
     assert paged.paged
     assert capturable_sizes(pool(torch.bfloat16, 256), paged, 64, 1024) == capture_sizes(64)
     assert capturable_sizes(fp32, paged, 64, 1024) == [1, 2, 4]  # fp32: TorchBackend's path
+    # FlexAttention reads the pool in place at any block size and dtype: every bucket
+    flex = FlexBackend(16, torch.device("cpu"), TorchBackend().attend_chunk, compiled=False)
+    assert capturable_sizes(fp32, flex, 256, 4096) == capture_sizes(256)
 
 
 # -- CUDA (scripts/gpu-check) ------------------------------------------------------------------

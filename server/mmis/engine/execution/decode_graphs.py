@@ -21,10 +21,13 @@ Invariants:
   through their block tables.
 - A static step's metadata (``AttentionMetadata.static``) has no per-step host int in a
   shape: ``ctx`` is fixed and the mask is built on the device from ``seq_lens``, window
-  included (``DecodeRows.mask``); ``VarlenBackend`` (``attn_backends.py``) runs it with its
-  paged kernel (``max_seqlen_k`` the upper bound ``ctx``) or else on ``TorchBackend``'s
-  gather path, whose per-layer gather of one bucket is bounded by :data:`GATHER_BYTES`
-  (larger buckets are not captured).
+  included (``DecodeRows.mask``); ``FlexBackend`` (``flex_backend.py``, CUDA's default)
+  builds its block mask on the device from ``seq_lens`` and the tables, so a replayed row
+  reads only its real context's blocks, in place, and every bucket is captured;
+  ``VarlenBackend`` (``attn_backends.py``) runs it with its paged kernel (``max_seqlen_k``
+  the upper bound ``ctx``) or else on ``TorchBackend``'s gather path, whose per-layer
+  gather of one bucket is bounded by :data:`GATHER_BYTES` (larger buckets are not
+  captured).
 - Graphs are captured on CUDA only, never under tensor parallelism (every rank runs the
   broadcast step eager, ``tensor_parallel.py``): largest bucket first into one shared
   memory pool, each after a warm-up run, under ``torch.inference_mode``; capture writes only
@@ -277,9 +280,13 @@ class DecodeGraphs:
 def capturable_sizes(
     pool: PagedKVPool, backend: AttentionBackend, max_num_seqs: int, max_model_len: int
 ) -> list[int]:
-    """:func:`capture_sizes`; without a paged varlen kernel (fp16/bf16) only those whose
+    """:func:`capture_sizes`: all of them (every decode batch up to ``max_num_seqs``) on a
+    backend that reads the pool in place (``flex_backend.FlexBackend``; a paged varlen kernel
+    in fp16/bf16), each row reading only its real context; otherwise only those whose
     per-layer K + V gather of ``ctx`` keys a row stays within :data:`GATHER_BYTES`."""
     spec, sizes = pool.spec, capture_sizes(max_num_seqs)
+    if getattr(backend, "name", "") == "flex":
+        return sizes
     paged = isinstance(backend, VarlenBackend) and backend.paged and backend.broken is None
     if paged and spec.dtype in (torch.float16, torch.bfloat16):
         return sizes
