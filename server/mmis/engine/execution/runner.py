@@ -25,7 +25,8 @@ Invariants:
   before the forward, from the
   runner's persistent block tables (``block_tables.BlockTables``: a request's row gains only
   its new block ids; ended requests release theirs), and every host input of the step (token
-  ids, sample rows, metadata) goes to the device in one copy; the
+  ids, sample rows, metadata, M-RoPE positions: ``ModelAdapter.host_positions``) goes to the
+  device in one copy; the
   attention backend (``attn_backends.py``, chosen per device at construction) reads it in
   every layer. ``hidden`` keeps every packed row, so logits at any prompt position (prompt
   logprobs) are one ``compute_logits`` away.
@@ -194,7 +195,11 @@ class ModelRunner:
             self._validate(seqs)  # raises the first problem, as the checks run row by row
         spans = self.adapter.bidirectional_spans(seqs)
         everything = len(sample_rows) == offset  # every packed row samples: no gather
-        meta, (token_tensor, rows_tensor) = build_step(
+        extra = [(flat, torch.long), (np.array(sample_rows, dtype=np.int64), torch.long)]
+        host_positions = self.adapter.host_positions(seqs)  # M-RoPE: in the one upload too
+        if host_positions is not None:
+            extra.append((host_positions, torch.long))
+        meta, uploaded = build_step(
             sizes,
             starts,
             ids,
@@ -202,13 +207,16 @@ class ModelRunner:
             self.block_tables,
             self.upload,
             bidirectional_spans=spans,
-            extra=[(flat, torch.long), (np.array(sample_rows, dtype=np.int64), torch.long)],
+            extra=extra,
         )
+        token_tensor, rows_tensor = uploaded[0], uploaded[1]
         out.encoded_mm_hashes = self._encode(seqs) if items else []
         embeds = self.adapter.embed_tokens(token_tensor)
         if items:
             self._scatter(embeds, seqs)
-        positions = self.adapter.step_positions(seqs, meta)
+        positions = (
+            meta.positions.unsqueeze(0) if host_positions is None else uploaded[2].unsqueeze(-2)
+        )
         if self.tensor_parallel is not None:  # the other ranks run the same forward
             self.tensor_parallel.broadcast_step(sizes, starts, tables, spans, embeds, positions)
         graphs = self.decode_graphs

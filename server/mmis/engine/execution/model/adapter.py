@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from mmis.engine.execution.attn_metadata import AttentionMetadata
@@ -218,6 +219,15 @@ class ModelAdapter(abc.ABC):
         return self.pack_positions(
             [self.positions(s.start_position, s.num_tokens, s.mm_items) for s in seqs]
         )
+
+    def host_positions(self, seqs: Sequence[ScheduledRequest]) -> np.ndarray | None:
+        """The step's ``position_ids`` on the host (``[N]`` or ``[3, N]`` int64), for the
+        step's one upload (``runner.py``), or None when they are the metadata's 1-D
+        positions (plain RoPE: in that upload already)."""
+        if type(self).positions is ModelAdapter.positions:
+            return None
+        per_sequence = [self.positions(s.start_position, s.num_tokens, s.mm_items) for s in seqs]
+        return torch.cat(per_sequence, dim=-1).numpy()
 
     def bidirectional_spans(
         self, seqs: Sequence[ScheduledRequest]

@@ -20,9 +20,11 @@ Invariants:
 - A Qwen2.5-VL video's ``second_per_grid_ts`` is read once, when the request is made, into
   its :class:`MultiModalInput` (``second_per_grid``, kept when the tensors are dropped), so
   every chunk of the item has it; a video without it gets transformers' default, 1 s.
-- A chunk past all of its items (every decode row) is the 1-D positions of the step's
-  metadata plus one per-request shift (sum of max(h, w) // merge - placeholder length over its
-  items), vectorised; only chunks that overlap an item take the per-token rule.
+- A chunk past all of its items (every decode row) is its 1-D positions plus one per-request
+  shift (sum of max(h, w) // merge - placeholder length over its items), vectorised; only
+  chunks that overlap an item take the per-token rule. The step's positions are built on the
+  host (:meth:`Qwen2VLAdapter.host_positions`) and travel in the step's one upload
+  (``runner.py``): no upload or device op of their own before the forward.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmis.engine.execution.attn_metadata import AttentionMetadata
+from mmis.engine.execution.attn_metadata import AttentionMetadata, to_device
 from mmis.engine.execution.model.adapter import ModelAdapter, ModelInputError, as_tensor
 from mmis.engine.scheduling.sched_output import MultiModalInput, ScheduledRequest
 
@@ -161,10 +163,14 @@ class Qwen2VLAdapter(ModelAdapter):
         self._fill_text(out, start, end, index, max(index, end), cursor)
         return out
 
-    def step_positions(
-        self, seqs: Sequence[ScheduledRequest], meta: AttentionMetadata
-    ) -> torch.Tensor:
-        shifts = np.zeros(len(seqs), dtype=np.int64)
+    def host_positions(self, seqs: Sequence[ScheduledRequest]) -> np.ndarray:
+        """``[3, N]`` int64 on the host: a chunk past all of its items is ``start ..`` plus its
+        request's shift (vectorised over the step); a chunk overlapping an item takes
+        :meth:`positions`."""
+        count = len(seqs)
+        sizes = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=count)
+        starts = np.fromiter((s.start_position for s in seqs), dtype=np.int64, count=count)
+        shifts = np.zeros(count, dtype=np.int64)
         overlapping = []
         for i, s in enumerate(seqs):
             start, end = s.start_position, s.end_position
@@ -178,14 +184,25 @@ class Qwen2VLAdapter(ModelAdapter):
                     raise ModelInputError(f"item {item.mm_hash} overlaps the previous item")
                 shifts[i] += self._advance(item) - item.length
                 index = item.end
-        shift = torch.from_numpy(np.repeat(shifts, meta.query_lens_host)).to(self.device)
-        out = (meta.positions + shift).unsqueeze(0).repeat(3, 1)
-        offsets = np.concatenate([[0], np.cumsum(meta.query_lens_host)])
+        offsets = np.zeros(count + 1, dtype=np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        pos = np.arange(offsets[-1], dtype=np.int64) - np.repeat(
+            offsets[:-1] - starts - shifts, sizes
+        )
+        out = np.repeat(pos[None, :], 3, axis=0)
         for i in overlapping:
             s = seqs[i]
             rows = self.positions(s.start_position, s.num_tokens, s.mm_items)
-            out[:, int(offsets[i]) : int(offsets[i + 1])] = rows.to(self.device)
-        return out.unsqueeze(1)  # [3, 1, N]
+            out[:, offsets[i] : offsets[i + 1]] = rows.numpy()
+        return out
+
+    def step_positions(
+        self, seqs: Sequence[ScheduledRequest], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """:meth:`host_positions` on the device (``[3, 1, N]``), pinned and non-blocking on
+        CUDA (the runner sends them in the step's one upload instead)."""
+        host = torch.from_numpy(self.host_positions(seqs))
+        return to_device(host, self.device).unsqueeze(1)
 
     def _advance(self, item: MultiModalInput) -> int:
         """How far an item moves the text position (validating its grid)."""
