@@ -6,6 +6,7 @@ checkout (the code before a change) vs one ``generate()`` per request.
         [--repeat 1] [--rounds 1] [--threads 1] [--device cpu|cuda] [--enforce-eager]
         [--dtype auto|float32|bfloat16]
         [--cpu-linear auto|onednn|torch] [--model-dir DIR] [--shape medium|llava-1.5-7b|...]
+        [--peak-json DIR/peak.json] [--out figures.json]
 
 The model (by default issue 11's "medium LLaVA") is built here, random, into ``--model-dir``
 (default a fresh temporary folder; never committed; a folder that holds a model already is
@@ -32,10 +33,14 @@ With ``--rounds 2`` or more the engine sides alternate (ABBA), best per side. Th
 output tokens of the engines are compared with ``generate``'s for the requests both
 ran. The engine's model FLOP/s is printed for the whole run and for the steps in which every
 request decodes (``--tokens`` must exceed the prefill steps for such steps to exist). For
-those steps it also prints the bytes roofline (``model_bytes.py``): the text model's weights
-once per step plus every row's KV, over the device's copy bandwidth measured here (CUDA: a
-2 GiB device-to-device copy; CPU: a 256 MiB memcpy; bytes read + written), and their time as
-a multiple of it (1.0x: as fast as the memory system allows).
+those steps it also prints the bytes roofline (``model_bytes.py``): the bytes a step must read,
+the text model's weights once plus the KV of every row's context (the steps' mean), over the
+device's copy bandwidth (``--peak-json``: ``benchmarks/device_peak.py``'s figure, which
+``scripts/gpu-check`` measures in its peak step; else measured here the same way: CUDA a 2 GiB
+device-to-device copy, CPU a 256 MiB memcpy; bytes read + written), and the measured step
+time as a multiple of it (1.0x: as fast as the memory system allows). ``--out`` writes every
+figure as JSON (the decode steps' under ``"decode"``: bytes per step, weights and KV, the
+bandwidth and its source, measured and roofline ms per step, the multiple).
 ``--device cuda`` runs every side on the GPU in bfloat16 (KV blocks of 256, the flash
 kernel's in-place layout; ``scripts/gpu-check`` runs it so) with the decode steps replayed as
 CUDA graphs as ``mmis engine`` captures them (``engine/execution/decode_graphs.py``;
@@ -279,6 +284,18 @@ def run_generate(args: argparse.Namespace) -> tuple[float, list[list[int]]]:
     return time.perf_counter() - start, outputs
 
 
+def device_bandwidth(args: argparse.Namespace) -> tuple[float, str]:
+    """Bytes/s (read + written) of a large copy on the device, and where it comes from:
+    ``--peak-json`` (``device_peak.py``'s ``copy``) when given, else measured here."""
+    if args.peak_json is not None:
+        copy = json.loads(args.peak_json.read_text())["copy"]
+        return float(copy["gb_per_s"]) * 1e9, (
+            f"{args.peak_json.name}: {int(copy['bytes']) >> 20} MiB copied, read + written"
+        )
+    bandwidth, copied = copy_bandwidth(args.device, args.threads)
+    return bandwidth, f"measured: {copied >> 20} MiB copied, read + written"
+
+
 def child(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(tree / "server"), OMP_NUM_THREADS=str(args.threads))
     cmd = [sys.executable, __file__, "--child", "--model-dir", str(args.model_dir)]
@@ -325,6 +342,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs for the engine's decode steps"
     )
+    parser.add_argument(
+        "--peak-json",
+        type=Path,
+        help="device_peak.py's JSON: its copy bandwidth for the bytes roofline (else measured)",
+    )
+    parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -384,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         dec = decodes["engine"]
         decode_share = roofline = None
+        decode_figures: dict[str, Any] | None = None
         if dec["contexts"]:
             steps = len(dec["contexts"]) // args.concurrency
             rate = decode_flops(args.model_dir, dec["contexts"]) / dec["seconds"]
@@ -394,16 +418,31 @@ def main(argv: list[str] | None = None) -> int:
                 f"{decode_share:.1%} of peak"
             )
             itemsize = _dtype(args).itemsize
-            bandwidth, copied = copy_bandwidth(args.device, args.threads)
+            bandwidth, source = device_bandwidth(args)
             weights = weight_bytes(args.model_dir, itemsize)
             kv = kv_bytes_per_token(args.model_dir, itemsize) * sum(dec["contexts"]) / steps
             floor = decode_bytes(args.model_dir, dec["contexts"], steps, itemsize) / bandwidth
             roofline = dec["seconds"] / floor
+            decode_figures = {
+                "steps": steps,
+                "rows": args.concurrency,
+                "seconds": dec["seconds"],
+                "mean_context": sum(dec["contexts"]) / len(dec["contexts"]),
+                "bytes_per_step": weights + kv,
+                "weight_bytes": weights,
+                "kv_bytes_per_step": kv,
+                "bandwidth_gb_per_s": bandwidth / 1e9,
+                "bandwidth_source": source,
+                "ms_per_step": dec["seconds"] / steps * 1e3,
+                "roofline_ms_per_step": floor / steps * 1e3,
+                "x_roofline": roofline,
+                "flops_share_of_peak": decode_share,
+            }
             print(
-                f"  decode steps' bytes roofline: {weights / 1e9:.3f} GB weights + "
-                f"{kv / 1e9:.3f} GB KV read per step (mean) over the copy bandwidth "
-                f"{bandwidth / 1e9:.1f} GB/s ({copied >> 20} MiB copied, read + written): "
-                f"{floor / steps * 1e3:.2f} ms/step; measured "
+                f"  decode steps' bytes roofline: {(weights + kv) / 1e9:.3f} GB read per step "
+                f"({weights / 1e9:.3f} GB weights + {kv / 1e9:.3f} GB KV of the rows' "
+                f"contexts, the steps' mean) over the copy bandwidth {bandwidth / 1e9:.1f} GB/s "
+                f"({source}): {floor / steps * 1e3:.2f} ms/step; measured "
                 f"{dec['seconds'] / steps * 1e3:.2f} ms/step = {roofline:.2f}x the roofline"
             )
         else:
@@ -414,12 +453,34 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if decode_share is not None:
         figures.append(f"decode steps {decode_share:.1%} of peak")
-    if roofline is not None:
-        figures.append(f"decode steps {roofline:.2f}x bytes roofline")
+    if decode_figures is not None:
+        d = decode_figures
+        figures.append(
+            f"decode step {d['bytes_per_step'] / 1e9:.3f} GB read "
+            f"({d['weight_bytes'] / 1e9:.3f} weights + {d['kv_bytes_per_step'] / 1e9:.3f} KV), "
+            f"{d['ms_per_step']:.2f} ms vs {d['roofline_ms_per_step']:.2f} ms at "
+            f"{d['bandwidth_gb_per_s']:.1f} GB/s ({d['bandwidth_source']}): "
+            f"{d['x_roofline']:.2f}x bytes roofline"
+        )
     if args.against is not None:
         old = tps[f"engine@{args.against}"]
         figures.append(f"engine/old tree {tps['engine'] / old:.2f}x")
         figures.append(f"old tree/generate {old / gen_tps:.2f}x")
+    if args.out is not None:
+        result = {
+            "model": args.model_dir.name,
+            "device": args.device,
+            "dtype": str(_dtype(args)).removeprefix("torch."),
+            "concurrency": args.concurrency,
+            "prompt_tokens": args.prompt_tokens,
+            "tokens": args.tokens,
+            "tokens_per_s": tps,
+            "generate_tokens_per_s": gen_tps,
+            "model_flops_share_of_peak": achieved / peak,
+            "decode": decode_figures,
+            "mismatches": mismatches,
+        }
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(
         f"SUMMARY bench_engine_medium: {args.model_dir.name} c={args.concurrency} "
         f"prompt~{args.prompt_tokens} "

@@ -132,3 +132,19 @@ def test_the_env_step_prints_the_kernels_and_the_backend(tmp_path: Path) -> None
     summary = [x for x in out.splitlines() if x.startswith("SUMMARY env:")]
     assert len(summary) == 1 and summary[0].endswith("attention for the 7B shape: torch-sdpa")
     assert "flex_attention present" in summary[0] or "flex_attention absent" in summary[0]
+
+
+def test_bench_engine_reads_the_peak_steps_bandwidth(tmp_path: Path) -> None:
+    text = body("bench_engine")
+    assert '--peak-json "$GPU_CHECK_DIR/peak.json"' in text  # the peak step's figure
+    assert '--out "$GPU_CHECK_DIR/bench_engine.json"' in text
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        bench = importlib.import_module("bench_engine_medium")
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    peak = tmp_path / "peak.json"
+    peak.write_text('{"copy": {"bytes": 2147483648, "gb_per_s": 4321.5}}')
+    args = bench.argparse.Namespace(peak_json=peak, device="cpu", threads=1)
+    bandwidth, source = bench.device_bandwidth(args)
+    assert bandwidth == 4321.5e9 and source.startswith("peak.json: 2048 MiB")
