@@ -24,6 +24,7 @@ from mmis.engine.execution.model.fused import (
     fuse_group,
     fuse_norms,
     fuse_projections,
+    probe_tolerance,
 )
 from mmis.engine.execution.tensor_parallel import shard_adapter
 from mmis.tiny_models.tiny_model import FAMILIES as ALL_FAMILIES
@@ -200,3 +201,34 @@ def test_fusing_twice_changes_nothing() -> None:
     assert fuse_projections(layers) == (1, 0)
     assert layers[0].self_attn.q_proj.group is group
     assert isinstance(group, FusedProjection)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_norm_of_a_transposed_slice_is_transformers_norm_in_its_layout(
+    dtype: torch.dtype,
+) -> None:
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gemma, llama = Gemma3RMSNorm(16), LlamaRMSNorm(16)
+    with torch.no_grad():
+        gemma.weight.normal_()
+        llama.weight.normal_()
+    model = torch.nn.Module()
+    model.gemma, model.llama = gemma.to(dtype), llama.to(dtype)
+    assert fuse_norms(model) == (2, 0)
+    # Gemma 3's q_norm input: a [1, heads, n, head_dim] transpose of a slice of the fused q/k/v
+    fused_qkv = torch.randn(1, 5, (4 + 2 + 2) * 16).to(dtype)
+    q = fused_qkv[..., : 4 * 16].view(1, 5, 4, 16).transpose(1, 2)
+    with torch.no_grad():
+        for original, replaced in ((gemma, model.gemma), (llama, model.llama)):
+            want, got = original(q), replaced(q)
+            assert got.dtype == want.dtype
+            if dtype == torch.float32 or original is gemma:  # the same arithmetic
+                assert torch.equal(got, want)
+            else:  # Llama's rounds twice (normed, then times the weight), rms_norm once
+                tol = probe_tolerance(dtype)
+                torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+            # rows in the input's memory order: transposing back to [1, n, heads * head_dim]
+            # (the attention output's reshape) needs no copy, as with transformers' norm
+            assert got.transpose(1, 2).is_contiguous() == want.transpose(1, 2).is_contiguous()

@@ -43,7 +43,9 @@ Invariants:
   (same dtype, values within :func:`probe_tolerance`); otherwise that class is kept. In float32
   the replacement is the same arithmetic (torch's CPU decomposition is transformers' op
   sequence); in bfloat16/float16 the Llama style rounds once instead of twice (at most one ulp
-  of the dtype per element).
+  of the dtype per element). A norm's output keeps its input's dimension order in memory (a
+  transposed view is normalised through its memory order, :func:`memory_order`), as
+  transformers' elementwise ops do, so the attention output's later reshape stays a view.
 - Tensor parallelism (``engine/execution/tensor_parallel.py``) splits the unfused modules:
   ``shard_adapter`` calls :func:`unfuse_projections` first (each part a view of the fused
   weight: no copy) and :func:`fuse_projections` after, so each rank fuses its own rows.
@@ -252,12 +254,35 @@ class FusedRMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rms_norm = torch.nn.functional.rms_norm
+        order = memory_order(x)
+        if order is not None:  # normalise in memory order: one dense copy at most, no transpose
+            x = x.permute(order)
         if self.gemma:
-            return rms_norm(x.float(), self.shape, self.weight, self.eps).to(x.dtype)
-        return rms_norm(x, self.shape, self.weight, self.eps)
+            out = rms_norm(x.float(), self.shape, self.weight, self.eps).to(x.dtype)
+        else:
+            out = rms_norm(x, self.shape, self.weight, self.eps)
+        if order is None:
+            return out
+        inverse = [0] * len(order)
+        for i, d in enumerate(order):
+            inverse[d] = i
+        return out.permute(inverse)
 
     def extra_repr(self) -> str:
         return f"{self.shape}, eps={self.eps}, from {self.original}"
+
+
+def memory_order(x: torch.Tensor) -> list[int] | None:
+    """The permutation putting ``x``'s dimensions in memory order (largest stride first, the
+    last dimension kept last), or None where that is already their order: a norm over the last
+    dimension of a transposed view (Gemma 3's ``q_norm`` on ``[1, heads, n, head_dim]``) then
+    reads rows as they lie and returns the same dimension order as transformers' elementwise
+    norm did, so no later reshape has to copy."""
+    last = x.dim() - 1
+    if last < 1 or x.stride(-1) != 1:
+        return None
+    order = [*sorted(range(last), key=lambda d: -x.stride(d)), last]
+    return None if order == list(range(x.dim())) else order
 
 
 def probe_tolerance(dtype: torch.dtype) -> float:
