@@ -281,7 +281,8 @@ def memory_order(x: torch.Tensor) -> list[int] | None:
     last = x.dim() - 1
     if last < 1 or x.stride(-1) != 1:
         return None
-    order = [*sorted(range(last), key=lambda d: -x.stride(d)), last]
+    strides = x.stride()
+    order = [*sorted(range(last), key=lambda d: -strides[d]), last]
     return None if order == list(range(x.dim())) else order
 
 
