@@ -31,7 +31,8 @@ whose size is known only once the data is read (which forces a sync to allocate 
   ``non_blocking=False`` (CUDA stages pageable memory after a stream sync), and
   ``aten.lift_fresh`` (``torch.tensor(...)`` / ``torch.as_tensor(...)`` of host data inside the
   forward: on CUDA such an upload; the step's host inputs arrive in its one upload,
-  ``step_builder.HostToDevice``);
+  ``step_builder.HostToDevice``); a 0-dim one is a Python scalar wrapped (torch 2.11 wraps
+  the ``-1`` of ``t[:, 0] = -1`` so), which kernels take as an argument: allowed;
 - host reads that the CPU dispatcher never sees (a CPU tensor's ``tolist``/``numpy`` read its
   memory directly), caught one level up by a ``TorchFunctionMode``: ``Tensor.tolist``,
   ``Tensor.numpy``, ``Tensor.__array__`` (``np.asarray(t)``).
@@ -161,6 +162,8 @@ def forbidden(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str |
     if packet in ALWAYS:
         return "reads tensor data on the host / its output size depends on the data"
     if packet in (aten.lift_fresh, aten.lift_fresh_copy):
+        if isinstance(args[0], torch.Tensor) and args[0].dim() == 0:
+            return None  # a Python scalar wrapped (``t[i] = -1``): a kernel argument, no upload
         return "a tensor from host data (torch.tensor / as_tensor): an upload on CUDA"
     if "unique" in name:
         return "output size = number of distinct values"

@@ -299,6 +299,12 @@ def test_guard_passes_integer_indexing_of_a_given_index() -> None:
     assert not _guard_of(lambda: x[index]).violations
 
 
+def test_guard_passes_a_scalar_written_into_a_slice() -> None:
+    """``t[:, 0] = -1``: a Python scalar (torch 2.11 wraps it in a 0-dim tensor first)."""
+    x = torch.zeros(2, 3)
+    assert not _guard_of(x.__setitem__, (slice(None), 0), -1).violations
+
+
 def test_guard_counts_only_copies_out_of_the_pool() -> None:
     pool = PagedKVPool(KVCacheSpec(1, 2, 4, torch.float32, torch.device("cpu"), 4), 8)
     flat = pool.flat_keys(0)  # [32, 2, 4] view: same storage
