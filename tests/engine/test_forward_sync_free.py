@@ -10,7 +10,10 @@ sampler stay outside) runs under :class:`sync_guard.ForwardGuard`: every step mu
 violation (the op list is in ``sync_guard.py``). Per step the bytes copied out of the pool
 are recorded (printed; ``-s`` shows them): the CPU default ``torch`` backend gathers (its
 decode steps must copy > 0 bytes, so the meter itself is checked), the ``flex`` backend reads
-the pool in place: 0 bytes in every step. The position ids the forward receives must be a
+the pool in place: 0 bytes in every step. On CUDA (``-m cuda``, ``scripts/gpu-check``; not
+yet run on a device) the same steps run in bf16 with the backend ``auto`` chooses (bytes
+recorded only) and with flex, and the guard also sees real device -> host copies and uploads
+from pageable memory. The position ids the forward receives must be a
 view of the step's one upload (``step_builder.build_step``: its metadata and extra arrays):
 M-RoPE positions included, no upload or device op of their own before the forward (an upload
 from pageable memory waits for the stream on CUDA).
@@ -69,17 +72,20 @@ def _flex_missing() -> str | None:
 
 
 FLEX_MISSING = _flex_missing()
+_NO_FLEX = pytest.mark.skipif(FLEX_MISSING is not None, reason=str(FLEX_MISSING))
+# (device, attention backend): on CPU the default gather and flex; on CUDA (scripts/gpu-check)
+# what ``auto`` chooses and flex, where the guard also sees device -> host copies and uploads
 BACKENDS = [
-    "torch",
-    pytest.param(
-        "flex", marks=pytest.mark.skipif(FLEX_MISSING is not None, reason=str(FLEX_MISSING))
-    ),
+    pytest.param("cpu", "torch", id="cpu-torch"),
+    pytest.param("cpu", "flex", marks=_NO_FLEX, id="cpu-flex"),
+    pytest.param("cuda", "auto", marks=pytest.mark.cuda, id="cuda-auto"),
+    pytest.param("cuda", "flex", marks=[pytest.mark.cuda, _NO_FLEX], id="cuda-flex"),
 ]
 BLOCK = 16
 CHUNK = 24  # prompt tokens per prefill chunk: the second prompt takes several steps
 DECODES = 4  # decode-only steps at the end
 
-_LOADED: dict[str, tuple[ModelKit, ModelAdapter]] = {}
+_LOADED: dict[tuple[str, str], tuple[ModelKit, ModelAdapter]] = {}
 
 
 @pytest.fixture(scope="module")
@@ -87,11 +93,15 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("sync-free")
 
 
-def _load(family: str, root: Path) -> tuple[ModelKit, ModelAdapter]:
-    if family not in _LOADED:
-        path = build_tiny_model(root / family, family)
-        _LOADED[family] = (ModelKit.load(family, path), load_adapter(path, "cpu", torch.float32))
-    return _LOADED[family]
+def _load(family: str, device: str, root: Path) -> tuple[ModelKit, ModelAdapter]:
+    """The family's processor kit and adapter on ``device`` (float32 on CPU, bf16 on CUDA)."""
+    if (family, device) not in _LOADED:
+        path = root / family
+        if not path.exists():
+            build_tiny_model(path, family)
+        dtype = torch.float32 if device == "cpu" else torch.bfloat16
+        _LOADED[family, device] = (ModelKit.load(family, path), load_adapter(path, device, dtype))
+    return _LOADED[family, device]
 
 
 class _Prompt:
@@ -174,12 +184,12 @@ def _kind(rows: list[tuple[_Prompt, int]]) -> str:
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("device", "backend"), BACKENDS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_forward_has_no_sync_and_counts_pool_copies(
-    family: str, backend: str, models: Path, monkeypatch: pytest.MonkeyPatch
+    family: str, device: str, backend: str, models: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    kit, adapter = _load(family, models)
+    kit, adapter = _load(family, device, models)
     runner = ModelRunner.create(adapter, num_blocks=64, block_size=BLOCK, attention_backend=backend)
     record: list[ForwardGuard] = []
     # the storages of each step's one upload (step_builder.build_step: metadata and extras)
@@ -222,7 +232,7 @@ def test_forward_has_no_sync_and_counts_pool_copies(
     assert len(record) == len(kinds)
     assert any(k.startswith("mixed") and "at 0" not in k for k in kinds), kinds
     report = [
-        f"{family}/{backend} step {i} {kind}: {g.bytes_out} bytes out of the pool "
+        f"{family}/{device}-{backend} step {i} {kind}: {g.bytes_out} bytes out of the pool "
         f"{dict(g.copies)}, reads in place {dict(g.reads)}, {len(g.violations)} violations"
         for i, (kind, g) in enumerate(zip(kinds, record, strict=True))
     ]
@@ -238,7 +248,7 @@ def test_forward_has_no_sync_and_counts_pool_copies(
     if backend == "flex":  # reads the pool in place (decode rows): no byte copied out
         assert all(g.bytes_out == 0 for g in record), "\n".join(report)
         assert all(g.reads for g, k in zip(record, kinds, strict=True) if k == "decode"), report
-    else:  # the gather path copies the decode rows' context: the meter sees it
+    elif backend == "torch":  # the gather path copies the decode rows' context: the meter sees it
         assert all(g.bytes_out > 0 for g, k in zip(record, kinds, strict=True) if k == "decode"), (
             "\n".join(report)
         )
