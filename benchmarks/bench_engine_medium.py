@@ -41,8 +41,9 @@ device-to-device copy, CPU a 256 MiB memcpy; bytes read + written), and the meas
 time as a multiple of it (1.0x: as fast as the memory system allows). ``--out`` writes every
 figure as JSON (the decode steps' under ``"decode"``: bytes per step, weights and KV, the
 bandwidth and its source, measured and roofline ms per step, the multiple).
-``--device cuda`` runs every side on the GPU in bfloat16 (KV blocks of 256, the flash
-kernel's in-place layout; ``scripts/gpu-check`` runs it so) with the decode steps replayed as
+``--device cuda`` runs every side on the GPU in bfloat16 (KV blocks of ``--block-size``,
+default the engine's; the attention backend ``mmis engine`` would choose there, FlexAttention
+reading the pages in place; ``scripts/gpu-check`` runs it so) with the decode steps replayed as
 CUDA graphs as ``mmis engine`` captures them (``engine/execution/decode_graphs.py``;
 ``--enforce-eager``: none; the count is printed per round), else the CPU in float32 (``--dtype``
 overrides
@@ -161,7 +162,7 @@ def run_engine_child(args: argparse.Namespace) -> None:
         pass
     else:
         linears = pack_adapter(adapter, args.cpu_linear).describe()
-    block = 256 if args.device == "cuda" else 16
+    block = args.block_size
     need = sum(-(-(len(it["ids"]) + args.tokens) // block) for it in items) + 16
     runner = ModelRunner.create(adapter, block_size=block, num_blocks=need)
     graphs = 0
@@ -302,7 +303,7 @@ def child(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
     cmd += ["--concurrency", str(args.concurrency), "--prompt-tokens", str(args.prompt_tokens)]
     cmd += ["--tokens", str(args.tokens), "--repeat", str(args.repeat)]
     cmd += ["--threads", str(args.threads), "--device", args.device, "--dtype", args.dtype]
-    cmd += ["--cpu-linear", args.cpu_linear]
+    cmd += ["--cpu-linear", args.cpu_linear, "--block-size", str(args.block_size)]
     cmd += ["--enforce-eager"] if args.enforce_eager else []
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -315,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", type=Path, help="another checkout (the baseline tree)")
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument(
+        "--block-size", type=int, default=16, help="KV block size (the engine's default: 16)"
+    )
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--generate-requests", type=int, default=2)

@@ -199,7 +199,7 @@ def test_capturable_sizes_bound_the_gather(monkeypatch: pytest.MonkeyPatch) -> N
     assert capturable_sizes(pool(torch.bfloat16, 256), paged, 64, 1024) == capture_sizes(64)
     assert capturable_sizes(fp32, paged, 64, 1024) == [1, 2, 4]  # fp32: TorchBackend's path
     # FlexAttention reads the pool in place at any block size and dtype: every bucket
-    flex = FlexBackend(16, torch.device("cpu"), TorchBackend().attend_chunk, compiled=False)
+    flex = FlexBackend(16, torch.device("cpu"), TorchBackend(), compiled=False)
     assert capturable_sizes(fp32, flex, 256, 4096) == capture_sizes(256)
 
 

@@ -80,11 +80,12 @@ def _step(block_size: int) -> Step:
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_compiled_flex_equals_sdpa_and_reads_only_its_blocks(block_size: int) -> None:
     meta, query, keys, values, new_key, new_value = _step(block_size)
-    flex = FlexBackend(block_size, CPU, TorchBackend().attend_chunk)
+    flex = FlexBackend(block_size, CPU, TorchBackend())
     assert meta.decode is not None and bucket_rows(meta.decode.num) > meta.decode.num
     for window in (None, 7):
         want = TorchBackend().attend(query, keys, values, new_key, new_value, meta, SCALE, window)
         got = flex.attend(query, keys, values, new_key, new_value, meta, SCALE, window)
+        assert flex.broken is None, flex.broken  # the compiled kernel ran: no fallback
         assert not got.isnan().any(), f"a block outside the step's tables was read ({window=})"
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
@@ -93,11 +94,28 @@ def test_the_mask_alone_is_exact() -> None:
     """Eager FlexAttention scores every pool slot: only ``mask_mod`` keeps others out."""
     meta, query, keys, values, new_key, new_value = _step(16)
     values = torch.nan_to_num(values)  # eager reads every slot; a NaN would spread
-    flex = FlexBackend(16, CPU, TorchBackend().attend_chunk, compiled=False)
+    flex = FlexBackend(16, CPU, TorchBackend(), compiled=False)
     for window in (None, 7):
         want = TorchBackend().attend(query, keys, values, new_key, new_value, meta, SCALE, window)
         got = flex.attend(query, keys, values, new_key, new_value, meta, SCALE, window)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_a_kernel_that_fails_falls_back_for_good(caplog: pytest.LogCaptureFixture) -> None:
+    meta, query, keys, values, new_key, new_value = _step(16)
+    values = torch.nan_to_num(values)
+    flex = FlexBackend(16, CPU, TorchBackend(), compiled=False)
+
+    def no_kernel(*args: Any, **kwargs: Any) -> torch.Tensor:
+        raise RuntimeError("CppCompileError: C++ compile error")
+
+    flex.flex = no_kernel
+    args = (query, keys, values, new_key, new_value, meta, SCALE, None)
+    with caplog.at_level(logging.WARNING):
+        got = flex.attend(*args)
+    assert flex.broken is not None and "CppCompileError" in flex.broken
+    assert "flex attention failed (RuntimeError: CppCompileError" in caplog.text
+    torch.testing.assert_close(got, TorchBackend().attend(*args))
 
 
 def test_selection_by_name(caplog: pytest.LogCaptureFixture) -> None:
@@ -113,7 +131,7 @@ def test_selection_by_name(caplog: pytest.LogCaptureFixture) -> None:
 
 def _flex_runner(adapter: Any, block_size: int = 8, static: bool = False) -> ModelRunner:
     runner = ModelRunner.create(adapter, num_blocks=64, block_size=block_size)
-    runner.backend = FlexBackend(block_size, CPU, TorchBackend().attend_chunk, compiled=False)
+    runner.backend = FlexBackend(block_size, CPU, TorchBackend(), compiled=False)
     if static:
         runner.decode_graphs = DecodeGraphs(
             adapter, runner.pool, runner.backend, capture_sizes(8), 256

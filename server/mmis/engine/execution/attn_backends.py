@@ -535,7 +535,7 @@ def _flex_backend(
     try:
         from mmis.engine.execution.flex_backend import FlexBackend
 
-        backend = FlexBackend(block_size, device, TorchBackend().attend_chunk, compiled=compiled)
+        backend = FlexBackend(block_size, device, TorchBackend(), compiled=compiled)
     except Exception as exc:  # no flex_attention in this torch, no compiler: not usable
         return None, f"{type(exc).__name__}: {exc}"
     tolerance = FLEX_TOLERANCE.get(shape.dtype, FLEX_TOLERANCE[torch.float32])

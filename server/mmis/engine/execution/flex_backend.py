@@ -38,7 +38,10 @@ Steps map onto calls like this (per layer):
 Compilation: ``torch.compile(flex_attention)`` once per backend, ``dynamic`` on CUDA (one
 kernel for every batch and length), static shapes on CPU (torch's C++ template of
 FlexAttention does not compile dynamic shapes: verified on 2.14.1) where the buckets bound
-the number of graphs. ``compiled=False`` runs eager (tests of ``mask_mod`` alone).
+the number of graphs. ``compiled=False`` runs eager (tests of ``mask_mod`` alone). A kernel
+that fails to build or run (torch 2.14.1's C++ template also fails to compile a row of 512+
+keys in 16-token blocks: a ``CppCompileError``, which is why ``auto`` never picks this
+backend on CPU) moves the backend to its ``fallback`` for good, logged once (``broken``).
 
 Invariants:
 - The backend never writes the pool and never copies from it; its per-step tensors (tables,
@@ -51,12 +54,15 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 
 from mmis.engine.execution.attn_metadata import AttentionMetadata, ChunkRows, DecodeRows
+
+log = logging.getLogger(__name__)
 
 Q_BLOCK = 128  # FlexAttention's query block; chunk queries are padded to a multiple of it
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # decode batch padding
@@ -152,20 +158,46 @@ class FlexBackend:
         self,
         block_size: int,
         device: torch.device,
-        fresh: Callable[..., torch.Tensor],
+        fallback: Any,
         *,
         compiled: bool = True,
     ) -> None:
-        """``fresh``: how a fresh prefill attends its own keys (``TorchBackend.attend_chunk``,
-        passed in by ``attn_backends.select_backend``: this module does not import that one)."""
+        """``fallback``: an ``attn_backends.TorchBackend`` (passed in by
+        ``attn_backends.select_backend``: this module does not import that one); fresh
+        prefills attend their own keys through its ``attend_chunk``, and every step runs on it
+        once the kernel failed (``broken``)."""
         self.block_size = block_size
-        self.fresh = fresh
+        self.fallback = fallback
+        self.broken: str | None = None  # why the kernel failed once (then: always fallback)
         flex = _flex()
         self.flex: Callable[..., Any] = (
             torch.compile(flex, dynamic=device.type == "cuda", fullgraph=True) if compiled else flex
         )
 
     def attend(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        new_key: torch.Tensor,
+        new_value: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float | None,
+        window: int | None,
+    ) -> torch.Tensor:
+        args = (query, key_cache, value_cache, new_key, new_value, meta, scale, window)
+        if self.broken is None:
+            try:
+                return self._attend(*args)
+            except (RuntimeError, NotImplementedError) as exc:  # a kernel that will not build
+                if isinstance(exc, torch.OutOfMemoryError):
+                    raise
+                self.broken = f"{type(exc).__name__}: {str(exc)[:300]}"
+                log.warning("flex attention failed (%s); falling back to torch SDPA", self.broken)
+        result: torch.Tensor = self.fallback.attend(*args)
+        return result
+
+    def _attend(
         self,
         query: torch.Tensor,
         key_cache: torch.Tensor,
@@ -197,7 +229,7 @@ class FlexBackend:
             out.index_copy_(0, rows.token_index, attended[: rows.num, :, 0].to(out.dtype))
         for index, chunk in enumerate(meta.chunks):
             if chunk.start == 0:  # its own new keys only: SDPA, no pool read
-                out[chunk.lo : chunk.hi] = self.fresh(
+                out[chunk.lo : chunk.hi] = self.fallback.attend_chunk(
                     query, key_cache, value_cache, new_key, new_value, chunk, scale, window
                 )
                 continue

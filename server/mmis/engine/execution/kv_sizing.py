@@ -108,6 +108,7 @@ class WorstCase:
     encoder_items: int = 0  # copies of it one step may encode (encoder_sizing.encoder_batch)
     sampling: SamplingParams | None = WORST_SAMPLING  # every row's (None: greedy, nothing else)
     decode_graphs: bool = False  # reserve the CUDA graph pool (captured after sizing)
+    attention_backend: str = "auto"  # --attention-backend: the graphs' backend, as the runner's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,7 +322,9 @@ def gpu_kv_blocks(
     seqs = max_num_seqs or MAX_AUTO_SEQS
     graphs = 0  # G: the graph pool's bytes
     if worst.decode_graphs and tp is None and max_model_len:
-        backend = select_backend(adapter.device, block_size, shape=ProbeShape.of(adapter))
+        backend = select_backend(
+            adapter.device, block_size, worst.attention_backend, shape=ProbeShape.of(adapter)
+        )
         graphs = graph_pool_bytes(
             adapter,
             backend,
@@ -397,6 +400,7 @@ def worst_case(
         encoder_item=encoder_item,
         encoder_items=copies,
         decode_graphs=not cfg.enforce_eager and tp is None,
+        attention_backend=cfg.attention_backend,
     )
 
 
