@@ -33,6 +33,8 @@ whose size is known only once the data is read (which forces a sync to allocate 
   forward: on CUDA such an upload; the step's host inputs arrive in its one upload,
   ``step_builder.HostToDevice``); a 0-dim one is a Python scalar wrapped (torch 2.11 wraps
   the ``-1`` of ``t[:, 0] = -1`` so), which kernels take as an argument: allowed;
+- explicit waits: ``torch.cuda.synchronize``, ``torch.cuda.Event.synchronize``,
+  ``torch.cuda.Stream.synchronize`` (patched while the guard is entered);
 - host reads that the CPU dispatcher never sees (a CPU tensor's ``tolist``/``numpy`` read its
   memory directly), caught one level up by a ``TorchFunctionMode``: ``Tensor.tolist``,
   ``Tensor.numpy``, ``Tensor.__array__`` (``np.asarray(t)``).
@@ -288,6 +290,7 @@ class ForwardGuard:
         self.copies: Counter[str] = Counter()
         self.reads: Counter[str] = Counter()
         self._modes: list[Any] = []
+        self._patched: list[tuple[Any, str, Any]] = []
 
     @classmethod
     def for_pool(cls, pool: Any) -> ForwardGuard:
@@ -325,13 +328,27 @@ class ForwardGuard:
         for mode in self._modes:
             mode.__enter__()
         _ACTIVE.append(self)
+        self._patched = [(owner, name, getattr(owner, name)) for owner, name in _SYNC_CALLS]
+        for owner, name, real in self._patched:
+            setattr(owner, name, self._recording(f"{owner.__name__}.{name}", real))
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        for owner, name, real in self._patched:
+            setattr(owner, name, real)
+        self._patched = []
         _ACTIVE.remove(self)
         for mode in reversed(self._modes):
             mode.__exit__(*exc)
         self._modes = []
+
+    def _recording(self, name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self in _ACTIVE:
+                self.violate(name, "an explicit synchronisation")
+            return real(*args, **kwargs)
+
+        return call
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -347,6 +364,12 @@ class ForwardGuard:
 
 
 _ACTIVE: list[ForwardGuard] = []
+# explicit waits, no dispatcher op: patched while a guard is entered
+_SYNC_CALLS = (
+    (torch.cuda, "synchronize"),
+    (torch.cuda.Event, "synchronize"),
+    (torch.cuda.Stream, "synchronize"),
+)
 
 
 def opaque(kernel: Callable[..., Any]) -> Callable[..., Any]:

@@ -31,6 +31,7 @@ a view of it count nothing.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import sys
@@ -72,6 +73,7 @@ def _flex_missing() -> str | None:
 
 
 FLEX_MISSING = _flex_missing()
+_REAL_SYNCHRONIZE = torch.cuda.synchronize
 _NO_FLEX = pytest.mark.skipif(FLEX_MISSING is not None, reason=str(FLEX_MISSING))
 # (device, attention backend): on CPU the default gather and flex; on CUDA (scripts/gpu-check)
 # what ``auto`` chooses and flex, where the guard also sees device -> host copies and uploads
@@ -290,6 +292,14 @@ def test_guard_fails_a_sync_or_a_data_dependent_shape(bad: Any) -> None:
     guard = _guard_of(bad, x)
     assert guard.violations, "the guard let it pass"
     assert all(__file__ in v.where for v in guard.violations), guard.violations
+
+
+def test_guard_fails_an_explicit_synchronisation() -> None:
+    guard = ForwardGuard()
+    with guard, contextlib.suppress(Exception):  # no CUDA here: the call itself raises
+        torch.cuda.synchronize()
+    assert [v.op for v in guard.violations] == ["torch.cuda.synchronize"]
+    assert torch.cuda.synchronize is _REAL_SYNCHRONIZE  # restored
 
 
 @pytest.mark.parametrize(
