@@ -9,7 +9,10 @@ pool block (``BLOCK_SIZE=(Q_BLOCK, block_size)``):
 
 - ``kv_indices`` (``[B, 1, Q blocks, num_blocks]``): per query block, the pool blocks of its
   sequence's context in logical order, starting at the first block its window reaches;
-  ``kv_num_blocks`` how many of them. The compiled kernel (Triton on CUDA, C++ on CPU) visits
+  ``kv_num_blocks`` how many of them. For decode rows these are split: ``mask_mod`` runs
+  only on the partial blocks (the last, and the first when a window starts inside it),
+  the ones between are listed as full blocks (``full_kv_indices``), read without a mask.
+  The compiled kernel (Triton on CUDA, C++ on CPU) visits
   only those blocks: no byte of the pool is copied, and a decode row reads its own context's
   blocks and nothing else.
 - ``mask_mod`` is exact on its own: a physical slot is visible to a query only if its block
@@ -271,9 +274,21 @@ class FlexBackend:
             span_lo=None,
             span_hi=None,
         )
+        # mask_mod runs only on the partial blocks: the last (its tail past the context) and
+        # the first when the window starts inside it; the blocks between are full (no mask)
+        real = qpos >= 0
+        cut = real & (lo % bs != 0) & (first < last)
+        partial = real.long() + cut.long()
+        ends = torch.stack([last.clamp(min=0), first], dim=1)  # [B, 2] table columns
+        partial_blocks = torch.zeros((padded, num_blocks), dtype=torch.int32, device=lo.device)
+        partial_blocks[:, :2] = table.gather(1, ends).to(torch.int32)
+        full_start = first + cut.long()
+        full = torch.where(real, last - full_start, 0).clamp(min=0)
         mask = _block_mask(
-            kv_num_blocks=(last - first + 1).to(torch.int32).view(padded, 1, 1),
-            kv_indices=_indices(table, first, num_blocks).view(padded, 1, 1, num_blocks),
+            kv_num_blocks=partial.to(torch.int32).view(padded, 1, 1),
+            kv_indices=partial_blocks.view(padded, 1, 1, num_blocks),
+            full_kv_num_blocks=full.to(torch.int32).view(padded, 1, 1),
+            full_kv_indices=_indices(table, full_start, num_blocks).view(padded, 1, 1, num_blocks),
             BLOCK_SIZE=(Q_BLOCK, bs),
             mask_mod=visible.mask_mod(bs),
             seq_lengths=(1, num_blocks * bs),
