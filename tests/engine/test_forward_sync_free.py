@@ -49,6 +49,7 @@ from sync_guard import ForwardGuard, guarded, opaque
 
 from mmis.engine.execution import attn_backends
 from mmis.engine.execution import runner as runner_module
+from mmis.engine.execution.attn_backends import TorchBackend
 from mmis.engine.execution.model import ModelAdapter, load_adapter
 from mmis.engine.execution.paged_attention import KVCacheSpec, PagedKVPool
 from mmis.engine.execution.runner import ModelRunner
@@ -213,6 +214,14 @@ def test_forward_has_no_sync_and_counts_pool_copies(
 
     monkeypatch.setattr(runner_module, "build_step", build)
     monkeypatch.setattr(adapter, "forward", forward)
+    if device == "cpu" and backend == "flex":
+        # torch's C++ template of compiled FlexAttention fails to build for this pool on 2.14.1
+        # (CppCompileError; flex_backend.py), and the kernel is opaque to the guard either
+        # way: the eager kernel stands in here. The compiled kernel's parity and its in-place
+        # reads are tests/engine/test_flex_backend.py's; what is guarded is the rest.
+        from mmis.engine.execution.flex_backend import FlexBackend
+
+        runner.backend = FlexBackend(BLOCK, runner.adapter.device, TorchBackend(), compiled=False)
     kernel = getattr(runner.backend, "flex", None)
     if callable(kernel):  # torch.compile'd flex_attention refuses a user dispatch mode
         monkeypatch.setattr(runner.backend, "flex", opaque(kernel))
@@ -248,6 +257,7 @@ def test_forward_has_no_sync_and_counts_pool_copies(
     ]
     assert not own, f"steps whose position ids are not a view of the step's one upload: {own}"
     if backend == "flex":  # reads the pool in place (decode rows): no byte copied out
+        assert getattr(runner.backend, "broken", None) is None, runner.backend.broken
         assert all(g.bytes_out == 0 for g in record), "\n".join(report)
         assert all(g.reads for g, k in zip(record, kinds, strict=True) if k == "decode"), report
     elif backend == "torch":  # the gather path copies the decode rows' context: the meter sees it
