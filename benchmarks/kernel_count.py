@@ -4,8 +4,9 @@
         [--dtypes bfloat16 float32] [--batch 4] [--context 40]
 
 For each tiny model family (``mmis.tiny_models``) and dtype, the adapter is loaded twice in this
-one process, ``fuse=False`` (transformers' layers as they are) and ``fuse=True`` (q/k/v and
-gate/up merged, RMSNorm as torch's ``rms_norm``: ``engine/execution/model/fused.py``). Each
+one process, ``fuse=False`` (transformers' layers as they are), and fused as a CUDA load fuses
+it (q/k/v and gate/up merged, RMSNorm as torch's ``rms_norm``: ``engine/execution/model/fused.py``,
+``fuse_adapter(adapter, norms=True)``; a CPU load keeps transformers' norms). Each
 runs, through the real :class:`ModelRunner` on CPU, a prefill of ``--batch`` text requests of
 ``--context`` tokens and one warm-up decode step, then one decode step of ``--batch`` rows under
 ``torch.profiler`` (CPU activities). Forward hooks wrap every decoder layer in a
@@ -34,8 +35,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import statistics
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -45,6 +48,7 @@ from transformers import AttentionInterface
 
 from mmis.engine.execution import paged_attention
 from mmis.engine.execution.model import load_adapter
+from mmis.engine.execution.model.fused import fuse_adapter
 from mmis.engine.execution.runner import ModelRunner
 from mmis.engine.scheduling.sched_output import ScheduledRequest, SchedulerOutput
 from mmis.tiny_models.tiny_model import FAMILIES, tiny_model_dir
@@ -163,10 +167,23 @@ def labelled(adapter: Any) -> Iterator[None]:
             h.remove()
 
 
-def decode_step_events(family: str, dtype: torch.dtype, fuse: bool, batch: int, context: int):
-    """The profile's events of one decode step of ``batch`` rows at ``context`` tokens."""
-    adapter = load_adapter(tiny_model_dir(family), "cpu", dtype, fuse=fuse)
-    per_request = -(-(context + 4) // BLOCK_SIZE)
+def prefilled(
+    family: str,
+    dtype: torch.dtype,
+    fuse: bool,
+    batch: int,
+    context: int,
+    steps: int = 4,
+    *,
+    norms: bool = True,
+) -> tuple[Any, Callable[[int], None]]:
+    """An adapter and a ``decode(position)`` of ``batch`` rows through a real runner, after a
+    prefill of ``context`` tokens per row (room for ``steps`` decode steps); ``fuse``: fused
+    as a CUDA load fuses (``norms``) or as a CPU load does (not ``norms``: projections only)."""
+    adapter = load_adapter(tiny_model_dir(family), "cpu", dtype, fuse=False)
+    if fuse:
+        fuse_adapter(adapter, norms=norms)
+    per_request = -(-(context + steps) // BLOCK_SIZE)
     runner = ModelRunner.create(adapter, block_size=BLOCK_SIZE, num_blocks=batch * per_request + 1)
     tables = [list(range(k * per_request, (k + 1) * per_request)) for k in range(batch)]
     vocab = adapter.vocab_size
@@ -184,10 +201,34 @@ def decode_step_events(family: str, dtype: torch.dtype, fuse: bool, batch: int, 
             )
         )
 
+    return adapter, decode
+
+
+def decode_step_events(family: str, dtype: torch.dtype, fuse: bool, batch: int, context: int):
+    """The profile's events of one decode step of ``batch`` rows at ``context`` tokens."""
+    adapter, decode = prefilled(family, dtype, fuse, batch, context)
     decode(context)  # warm-up
     with labelled(adapter), profile(activities=[ProfilerActivity.CPU]) as prof:
         decode(context + 1)
     return adapter.num_layers, prof.events()
+
+
+def step_times(
+    family: str, dtype: torch.dtype, batch: int, context: int, steps: int
+) -> tuple[float, float]:
+    """Median wall ms of a decode step, unfused and fused as a CPU load fuses (projections
+    only), the two runners alternating step by step (so load on a shared machine falls on both
+    alike)."""
+    plain = prefilled(family, dtype, False, batch, context, steps + 2)[1]
+    fused = prefilled(family, dtype, True, batch, context, steps + 2, norms=False)[1]
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(steps + 2):
+        for decode, out in ((plain, times[0]), (fused, times[1])):
+            start = time.perf_counter()
+            decode(context + i)
+            if i >= 2:  # two warm-up steps
+                out.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def measure(
@@ -228,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--context", type=int, default=40)
     parser.add_argument("--ops", action="store_true", help="print the counted ops of layer 0")
+    parser.add_argument(
+        "--time-steps", type=int, default=0, help="also time this many decode steps each way"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     summary = []
@@ -242,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{family:16} {dtype_name:9} {before['per_layer']:7d} {after['per_layer']:6d} "
                 f"{after['attention']:5d} {before['raw_cpu']:5d} -> {after['raw_cpu']:3d}"
             )
+            if args.time_steps:
+                ms = step_times(family, dtype, args.batch, args.context, args.time_steps)
+                print(f"    CPU decode step median: {ms[0]:.2f} ms unfused, {ms[1]:.2f} ms fused")
             if args.ops:
                 for label, m in (("before", before), ("after", after)):
                     shown = ", ".join(

@@ -21,9 +21,11 @@ from mmis.engine.execution.model.fused import (
     FusedPart,
     FusedProjection,
     FusedRMSNorm,
+    fuse_adapter,
     fuse_group,
     fuse_norms,
     fuse_projections,
+    fused_norm_kernel,
     probe_tolerance,
 )
 from mmis.engine.execution.tensor_parallel import shard_adapter
@@ -72,7 +74,7 @@ def test_a_sibling_never_returns_a_slice_of_another_inputs_product(inference: bo
         # every part out: nothing of the input or its product is kept
         for name in QKV:
             getattr(module, name)(x2)
-        assert group._output is None and group._input is None
+        assert group._state is None
 
 
 def test_an_input_written_in_place_between_siblings_is_computed_again() -> None:
@@ -122,22 +124,30 @@ def test_every_family_decodes_the_same_fused_and_unfused(
     name: str, tiny_dirs: dict[str, Path], driver_cls: Any
 ) -> None:
     plain = load_adapter(tiny_dirs[name], "cpu", torch.float32, fuse=False)
-    fused = load_adapter(tiny_dirs[name], "cpu", torch.float32)
-    layers = fused.language_model.layers
-    for layer in layers:  # really fused, every layer
-        assert all(isinstance(getattr(layer.self_attn, n), FusedPart) for n in QKV)
-        assert isinstance(layer.mlp.gate_proj, FusedPart)
+    fused = load_adapter(tiny_dirs[name], "cpu", torch.float32)  # CPU: projections only
+    cuda_like = load_adapter(tiny_dirs[name], "cpu", torch.float32, fuse=False)
+    fuse_adapter(cuda_like, norms=True)  # what a CUDA load fuses, norms included
+    assert not fused_norm_kernel(torch.device("cpu"))
+    assert not any(isinstance(m, FusedRMSNorm) for m in fused.model.modules())
+    for layer in cuda_like.language_model.layers:
         assert isinstance(layer.input_layernorm, FusedRMSNorm)
-    assert isinstance(fused.language_model.norm, FusedRMSNorm)
-    # the weights are not held twice
+    assert isinstance(cuda_like.language_model.norm, FusedRMSNorm)
     count = lambda a: sum(p.numel() for p in a.language_model.parameters())  # noqa: E731
-    assert count(fused) == count(plain)
-    # per layer: the fused q/k/v, o_proj, the fused gate/up, down_proj (no unfused one left)
-    assert sum(type(m) is torch.nn.Linear for m in layers.modules()) == 4 * len(layers)
     ids = list(range(5, 45))
     with torch.inference_mode():  # the self-check's reference forward (transformers' sdpa)
-        torch.testing.assert_close(fused.reference_logits(ids), plain.reference_logits(ids))
-    assert _text_run(fused, driver_cls) == _text_run(plain, driver_cls)
+        want = plain.reference_logits(ids)
+    expected = _text_run(plain, driver_cls)
+    for adapter in (fused, cuda_like):
+        layers = adapter.language_model.layers
+        for layer in layers:  # really fused, every layer
+            assert all(isinstance(getattr(layer.self_attn, n), FusedPart) for n in QKV)
+            assert isinstance(layer.mlp.gate_proj, FusedPart)
+        assert count(adapter) == count(plain)  # the weights are not held twice
+        # per layer: the fused q/k/v, o_proj, the fused gate/up, down_proj (no unfused one left)
+        assert sum(type(m) is torch.nn.Linear for m in layers.modules()) == 4 * len(layers)
+        with torch.inference_mode():
+            torch.testing.assert_close(adapter.reference_logits(ids), want)
+        assert _text_run(adapter, driver_cls) == expected
 
 
 @pytest.mark.model

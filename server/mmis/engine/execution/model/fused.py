@@ -10,12 +10,14 @@ place. The modeling code is not touched: it still calls ``self.q_proj(h)`` and g
 ``[..., out_features]`` tensor, now a view of the one fused product; what it does next (Gemma 3's
 ``q_norm``/``k_norm``, rotary embeddings, the activation) is unchanged and runs in its order.
 
-It also replaces the RMSNorm modules of the language model by :class:`FusedRMSNorm`, which calls
+On a device where torch has a fused RMSNorm kernel (CUDA: :func:`fused_norm_kernel`) it also
+replaces the RMSNorm modules of the language model by :class:`FusedRMSNorm`, which calls
 ``torch.nn.functional.rms_norm`` (``aten::_fused_rms_norm``: one CUDA kernel on every supported
-torch, where transformers' Python RMSNorm launches about eight, with float32 upcasts; on CPU torch
-decomposes it into the same ops as transformers, so CPU speed is unchanged). Torch has no fused
-residual-add + RMSNorm nor SiLU-and-mul in the supported range, so those stay as transformers
-runs them.
+torch, where transformers' Python RMSNorm launches about eight, with float32 upcasts). On CPU
+torch decomposes that op into the same ops transformers runs, with more dispatch overhead
+(measured ~10-25 us a norm slower on the tiny models), so CPU models keep transformers' norms.
+Torch has no fused residual-add + RMSNorm nor SiLU-and-mul in the supported range, so those
+stay as transformers runs them.
 
 Invariants:
 - A :class:`FusedPart` returns what its original linear returned for the same input: same
@@ -57,7 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -78,40 +80,40 @@ class FusedProjection(torch.nn.Module):
         super().__init__()
         self.linear = linear
         self.sizes = tuple(int(s) for s in sizes)
-        bounds = [0]
-        for s in self.sizes:
-            bounds.append(bounds[-1] + s)
-        self.bounds = tuple(bounds)
-        self._clear()
-
-    def _clear(self) -> None:
-        self._input: torch.Tensor | None = None
-        self._key: tuple[Any, ...] | None = None
-        self._output: torch.Tensor | None = None
-        self._pending: set[int] = set()
-
-    @staticmethod
-    def _key_of(x: torch.Tensor) -> tuple[Any, ...]:
-        version = None if x.is_inference() else x._version
-        return (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, x.device, version)
+        spans, lo = [], 0
+        for size in self.sizes:
+            spans.append((lo, size))
+            lo += size
+        self.spans = tuple(spans)
+        self.all_parts = (1 << len(self.sizes)) - 1
+        # (input, its data pointer, shape, version, fused product, parts not yet handed out as
+        # a bit mask) while a product is shared, else None
+        self._state: tuple[torch.Tensor, int, torch.Size, int | None, torch.Tensor, int] | None
+        self._state = None
 
     def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Part ``index`` of the fused product of ``x``: reused from a sibling's call on the
         same, unchanged tensor, else computed (for every part) now."""
-        output = self._output
+        bit = 1 << index
+        state = self._state
+        version = None if x.is_inference() else x._version
         if (
-            output is None
-            or self._input is not x
-            or index not in self._pending
-            or self._key != self._key_of(x)
+            state is not None
+            and state[0] is x
+            and state[5] & bit
+            and state[3] == version
+            and state[1] == x.data_ptr()
+            and state[2] == x.shape
         ):
-            output = self.linear(x)
-            self._input, self._key, self._output = x, self._key_of(x), output
-            self._pending = set(range(len(self.sizes)))
-        self._pending.discard(index)
-        if not self._pending:  # every part handed out: nothing of this input is kept
-            self._clear()
-        return output[..., self.bounds[index] : self.bounds[index + 1]]
+            output, pending = state[4], state[5] & ~bit
+        else:
+            # the linear's forward itself: no module-call overhead (packing may replace it)
+            linear: Any = self._modules["linear"]
+            output, pending = linear.forward(x), self.all_parts & ~bit
+        # every part handed out: nothing of this input is kept
+        self._state = (x, x.data_ptr(), x.shape, version, output, pending) if pending else None
+        lo, size = self.spans[index]
+        return output.narrow(-1, lo, size)
 
     def extra_repr(self) -> str:
         return f"sizes={self.sizes}"
@@ -123,13 +125,15 @@ class FusedPart(torch.nn.Module):
     def __init__(self, group: FusedProjection, index: int, name: str) -> None:
         super().__init__()
         self.group = group
+        self.__dict__["_part"] = group.part  # a plain attribute: no module lookup per call
         self.index = index
         self.name = name
         self.in_features = _in_features(group.linear)
         self.out_features = group.sizes[index]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.part(self.index, x)
+        part: Callable[[int, torch.Tensor], torch.Tensor] = self.__dict__["_part"]
+        return part(self.index, x)
 
     def extra_repr(self) -> str:
         return f"{self.name}: part {self.index} of {self.group.sizes}"
@@ -191,7 +195,8 @@ def unfuse_group(parent: torch.nn.Module, names: Sequence[str]) -> bool:
     if type(fused) is not torch.nn.Linear:
         raise TypeError(f"cannot unfuse {names}: the fused linear is a {type(fused).__name__}")
     for i, name in enumerate(names):
-        lo, hi = group.bounds[i], group.bounds[i + 1]
+        lo, size = group.spans[i]
+        hi = lo + size
         linear = torch.nn.Linear(
             fused.in_features,
             hi - lo,
@@ -279,7 +284,7 @@ def memory_order(x: torch.Tensor) -> list[int] | None:
     reads rows as they lie and returns the same dimension order as transformers' elementwise
     norm did, so no later reshape has to copy."""
     last = x.dim() - 1
-    if last < 1 or x.stride(-1) != 1:
+    if last < 1 or x.is_contiguous() or x.stride(-1) != 1:
         return None
     strides = x.stride()
     order = [*sorted(range(last), key=lambda d: -strides[d]), last]
@@ -357,11 +362,27 @@ class FuseReport:
         )
 
 
-def fuse_adapter(adapter: Any) -> FuseReport:
-    """Fuse a model adapter's language model in place (see the module docstring), logged."""
+def fused_norm_kernel(device: torch.device) -> bool:
+    """Whether torch has a fused RMSNorm kernel for ``device`` (``aten::_fused_rms_norm``: CUDA
+    on every supported torch; on CPU it is a composite of the ops transformers runs, slower
+    from Python than transformers' own norm, so CPU models keep theirs)."""
+    key = "CUDA" if device.type == "cuda" else device.type.upper()
+    try:
+        return bool(torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm", key))
+    except RuntimeError:  # an older torch without the op
+        return False
+
+
+def fuse_adapter(adapter: Any, *, norms: bool | None = None) -> FuseReport:
+    """Fuse a model adapter's language model in place (see the module docstring), logged.
+    ``norms``: replace the RMSNorms too (default: where :func:`fused_norm_kernel` says so for
+    the adapter's device)."""
     lm = adapter.language_model
     report = FuseReport()
     report.groups, report.groups_kept = fuse_projections(lm.layers)
-    report.norms, report.norms_kept = fuse_norms(lm)
+    if norms is None:
+        norms = fused_norm_kernel(torch.device(adapter.device))
+    if norms:
+        report.norms, report.norms_kept = fuse_norms(lm)
     log.info("fused layers: %s", report.describe())
     return report
