@@ -182,7 +182,7 @@ def prefilled(
     as a CUDA load fuses (``norms``) or as a CPU load does (not ``norms``: projections only)."""
     adapter = load_adapter(tiny_model_dir(family), "cpu", dtype, fuse=False)
     if fuse:
-        fuse_adapter(adapter, norms=norms)
+        fuse_adapter(adapter, projections=True, norms=norms)
     per_request = -(-(context + steps) // BLOCK_SIZE)
     runner = ModelRunner.create(adapter, block_size=BLOCK_SIZE, num_blocks=batch * per_request + 1)
     tables = [list(range(k * per_request, (k + 1) * per_request)) for k in range(batch)]

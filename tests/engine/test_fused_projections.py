@@ -124,9 +124,12 @@ def test_every_family_decodes_the_same_fused_and_unfused(
     name: str, tiny_dirs: dict[str, Path], driver_cls: Any
 ) -> None:
     plain = load_adapter(tiny_dirs[name], "cpu", torch.float32, fuse=False)
-    fused = load_adapter(tiny_dirs[name], "cpu", torch.float32)  # CPU: projections only
+    cpu_load = load_adapter(tiny_dirs[name], "cpu", torch.float32)  # a CPU load fuses nothing
+    assert not any(isinstance(m, (FusedPart, FusedRMSNorm)) for m in cpu_load.model.modules())
+    fused = load_adapter(tiny_dirs[name], "cpu", torch.float32, fuse=False)
+    fuse_adapter(fused, projections=True, norms=False)  # projections only
     cuda_like = load_adapter(tiny_dirs[name], "cpu", torch.float32, fuse=False)
-    fuse_adapter(cuda_like, norms=True)  # what a CUDA load fuses, norms included
+    fuse_adapter(cuda_like, projections=True, norms=True)  # what a CUDA load fuses
     assert not fused_norm_kernel(torch.device("cpu"))
     assert not any(isinstance(m, FusedRMSNorm) for m in fused.model.modules())
     for layer in cuda_like.language_model.layers:
@@ -157,7 +160,8 @@ def test_tensor_parallel_splits_a_fused_model_like_a_plain_one(
 ) -> None:
     for rank in range(2):
         plain = load_adapter(tiny_dirs[name], "cpu", torch.float32, fuse=False)
-        fused = load_adapter(tiny_dirs[name], "cpu", torch.float32)
+        fused = load_adapter(tiny_dirs[name], "cpu", torch.float32, fuse=False)
+        fuse_adapter(fused, projections=True, norms=False)
         shard_adapter(plain, rank, 2)
         shard_adapter(fused, rank, 2)
         assert (fused.num_heads, fused.num_kv_heads) == (plain.num_heads, plain.num_kv_heads)
