@@ -55,7 +55,7 @@ Step = tuple[
 ]
 
 
-def _step(block_size: int) -> Step:
+def _step(block_size: int, device: torch.device = CPU, dtype: torch.dtype = torch.float32) -> Step:
     """One step of every kind over shuffled blocks; blocks nobody holds hold NaN values."""
     bs, gen = block_size, torch.Generator().manual_seed(block_size)
     lens = [1, 1, 5, 20, 1, 37, 1, 1]  # 5 decode rows: padded to a bucket of 8
@@ -69,8 +69,9 @@ def _step(block_size: int) -> Step:
     keys = torch.randn(num_blocks, bs, KVH, D, generator=gen)
     values = torch.randn(num_blocks, bs, KVH, D, generator=gen)
     values[free] = float("nan")  # never read by a correct step
-    meta = AttentionMetadata.build(lens, starts, tables, bs, num_blocks * bs, CPU, spans)
-    query = torch.randn(meta.num_tokens, H, D, generator=gen)
+    keys, values = keys.to(device, dtype), values.to(device, dtype)
+    meta = AttentionMetadata.build(lens, starts, tables, bs, num_blocks * bs, device, spans)
+    query = torch.randn(meta.num_tokens, H, D, generator=gen).to(device, dtype)
     flat = (-1, KVH, D)
     new_key = keys.view(flat)[meta.slot_mapping]
     new_value = values.view(flat)[meta.slot_mapping]
@@ -88,6 +89,22 @@ def test_compiled_flex_equals_sdpa_and_reads_only_its_blocks(block_size: int) ->
         assert flex.broken is None, flex.broken  # the compiled kernel ran: no fallback
         assert not got.isnan().any(), f"a block outside the step's tables was read ({window=})"
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_flex_on_cuda_equals_sdpa_and_reads_only_its_blocks(block_size: int) -> None:
+    """The Triton kernels (decoding and prefill, whose KV tile must divide a 16-token block:
+    torch 2.11 does not shrink it itself, ``FlexBackend.chunk_options``) in bfloat16."""
+    cuda = torch.device("cuda")
+    meta, query, keys, values, new_key, new_value = _step(block_size, cuda, torch.bfloat16)
+    flex = FlexBackend(block_size, cuda, TorchBackend())
+    for window in (None, 7):
+        want = TorchBackend().attend(query, keys, values, new_key, new_value, meta, SCALE, window)
+        got = flex.attend(query, keys, values, new_key, new_value, meta, SCALE, window)
+        assert flex.broken is None, flex.broken
+        assert not got.isnan().any(), f"a block outside the step's tables was read ({window=})"
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=0)
 
 
 def test_the_mask_alone_is_exact() -> None:

@@ -173,6 +173,12 @@ class FlexBackend:
         self.block_size = block_size
         self.fallback = fallback
         self.broken: str | None = None  # why the kernel failed once (then: always fallback)
+        # the prefill kernel's KV tile must divide the mask's KV block (a pool block): torch
+        # 2.14 shrinks its default tile to a smaller power-of-2 block itself, torch 2.11 does
+        # not (its decode kernel does), so on CUDA a block below 128 pins the tile to it
+        self.chunk_options: dict[str, Any] | None = (
+            {"BLOCK_N": block_size} if device.type == "cuda" and block_size < 128 else None
+        )
         flex = _flex()
         if compiled:
             # one graph per mask structure and (on CPU) shape; dynamo's default of 8 per code
@@ -254,7 +260,13 @@ class FlexBackend:
             if padded != n:
                 q = torch.cat([q, q.new_zeros((q.shape[0], padded - n, dim))], dim=1)
             attended = self.flex(
-                q.unsqueeze(0), keys, values, block_mask=mask, scale=scale, enable_gqa=gqa
+                q.unsqueeze(0),
+                keys,
+                values,
+                block_mask=mask,
+                scale=scale,
+                enable_gqa=gqa,
+                kernel_options=self.chunk_options,
             )
             out[chunk.lo : chunk.hi] = attended[0, :, :n].transpose(0, 1).to(out.dtype)
         return out
