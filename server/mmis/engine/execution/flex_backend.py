@@ -26,8 +26,12 @@ Steps map onto calls like this (per layer):
 
 - **Decode rows** (one token each): one call, batch = the rows padded to a bucket
   (:func:`bucket_rows`, so a compiled kernel is reused), query length 1, GQA native
-  (``enable_gqa``): FlexAttention's decoding kernel (split-KV on CUDA). Padding rows have no
-  block (``kv_num_blocks`` 0) and no visible slot. For a static decode step
+  (``enable_gqa``). Padding rows have no block (``kv_num_blocks`` 0) and no visible slot.
+  Compiled with dynamic shapes (CUDA), torch takes its main kernel for these calls, not
+  the split-KV decoding one (that one needs a static batch: ``_use_flex_decoding``): one
+  compile for every batch, each (row, head) a program of its own; static decode buckets
+  would trade ~13 compiles for split-KV, a choice for a GPU session to measure
+  (``benchmarks/bench_flex_blocks.py``). For a static decode step
   (``AttentionMetadata.static``, CUDA graphs) everything is built on the device from the
   bucket's buffers with fixed shapes: no host value enters a shape, no device value reaches
   the host.
