@@ -116,11 +116,16 @@ def test_a_truncated_webm_gives_the_frames_up_to_the_cut() -> None:
     counts: list[int] = []  # frames decoded at each cut, 0 for a refusal
     for cut in range(1, len(data), 4):
         try:
-            got = indices(decode_video(data[:cut], limits).frames)
+            decoded = decode_video(data[:cut], limits)
         except InvalidVideoError:
             counts.append(0)
             continue
+        got = indices(decoded.frames)
         assert got == list(range(len(got))), (cut, got)
+        # the rate of the frames sent: the clip's 4 fps, not 4 * arrived / 8 (the header's
+        # whole duration); the duration is what they cover
+        assert decoded.fps == pytest.approx(4.0), (cut, decoded.fps)
+        assert decoded.duration_s == pytest.approx(len(got) / 4.0), (cut, decoded.duration_s)
         counts.append(len(got))
     assert counts == sorted(counts)  # more bytes never give fewer frames, or a refusal
     assert set(counts) == set(range(9))  # refused at first, then each frame as it arrives

@@ -12,7 +12,11 @@ Invariants:
   not-yet-taken frame starting at or after it, so frames are distinct and in order, and a
   clip with fewer frames than ``n`` gives all of them. Decoding stops once every target is
   taken. The sampled rate (``len(frames) / duration``) is what the processor is told, so
-  Qwen2.5-VL's ``second_per_grid_ts`` follows the frames actually sent.
+  Qwen2.5-VL's ``second_per_grid_ts`` follows the frames actually sent. A stream whose
+  frames end before the duration its header declares (a truncated WebM: the header names the
+  whole clip) has ``duration`` = the time its frames cover (the last one's time plus one
+  frame period), so the rate stays the sampling rate instead of falling with the missing
+  frames.
 - Every frame is converted to the first frame's size (``rgb24``): ``frames`` is one
   ``[T, H, W, 3]`` uint8 array. A video that cannot be decoded or has no frames is an
   :class:`InvalidVideoError` (400), one over a limit a :class:`VideoTooLargeError` (400); the
@@ -123,6 +127,7 @@ def _decode(container: object, limits: VideoLimits, param: str | None) -> Decode
     targets = sample_times(duration, limits)
     frames: list[np.ndarray] = []
     first: float | None = None
+    last = 0.0  # the latest decoded frame's time from the first
     size: tuple[int, int] | None = None
     k = 0
     decode = getattr(container, "decode")  # noqa: B009
@@ -131,7 +136,7 @@ def _decode(container: object, limits: VideoLimits, param: str | None) -> Decode
         if time is None:
             continue
         first = time if first is None else first
-        rel = float(time) - first
+        rel = last = float(time) - first
         _check_duration(rel, limits, param)
         if rel + 1e-6 < targets[k]:
             continue
@@ -145,6 +150,12 @@ def _decode(container: object, limits: VideoLimits, param: str | None) -> Decode
             break
     if not frames:
         raise InvalidVideoError("the video has no decodable frames", param=param)
+    if k < len(targets):  # the stream ended before its last target: truncated, or short
+        rate = getattr(stream, "average_rate", None)
+        period = 1.0 / float(rate) if rate else duration / len(targets)
+        covered = last + period  # the time its frames cover (the last one's included)
+        if covered < duration - 1e-3:  # it ended before the duration its header declared
+            duration = covered
     return DecodedVideo(np.stack(frames), len(frames) / duration, duration)
 
 
