@@ -131,6 +131,25 @@ def test_a_truncated_webm_gives_the_frames_up_to_the_cut() -> None:
     assert set(counts) == set(range(9))  # refused at first, then each frame as it arrives
 
 
+def test_a_truncated_avi_never_repeats_a_frame() -> None:
+    """An AVI cut inside a frame's packet decodes it as the previous frame with the rest
+    concealed (FFmpeg marks it corrupt): it is dropped, so every cut gives the frames that
+    arrived whole, each once, at the clip's rate (before: (0, 1, 1) at some cuts)."""
+    data = clip(8, fps=4, fmt="avi")
+    limits = VideoLimits(fps=4.0, min_frames=2)
+    seen = set()
+    for cut in range(1, len(data), 4):
+        try:
+            decoded = decode_video(data[:cut], limits)
+        except InvalidVideoError:
+            continue
+        got = indices(decoded.frames)
+        assert got == list(range(len(got))), (cut, got)
+        assert decoded.fps == pytest.approx(4.0), (cut, decoded.fps)
+        seen.add(len(got))
+    assert seen == set(range(1, 9))
+
+
 def test_every_cut_of_an_mp4_is_a_clear_400_or_its_frames() -> None:
     data = clip(8, fps=4)
     for cut in range(1, len(data), 2):

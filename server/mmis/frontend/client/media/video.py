@@ -10,8 +10,10 @@ Invariants:
 - Sampling (:func:`sample_times`): ``n = clamp(round(duration * fps), min_frames,
   max_frames)`` target times ``k * duration / n`` (k = 0..n-1); each takes the first
   not-yet-taken frame starting at or after it, so frames are distinct and in order, and a
-  clip with fewer frames than ``n`` gives all of them. Decoding stops once every target is
-  taken. The sampled rate (``len(frames) / duration``) is what the processor is told, so
+  clip with fewer frames than ``n`` gives all of them. A frame the decoder marks corrupt
+  (decoded from a cut packet, its gaps concealed with an earlier frame) is never taken.
+  Decoding stops once every target is taken. The sampled rate (``len(frames) / duration``)
+  is what the processor is told, so
   Qwen2.5-VL's ``second_per_grid_ts`` follows the frames actually sent. A stream whose
   frames end before the duration its header declares (a truncated WebM: the header names the
   whole clip) has ``duration`` = the time its frames cover (the last one's time plus one
@@ -133,8 +135,8 @@ def _decode(container: object, limits: VideoLimits, param: str | None) -> Decode
     decode = getattr(container, "decode")  # noqa: B009
     for frame in decode(stream):
         time = frame.time
-        if time is None:
-            continue
+        if time is None or frame.is_corrupt:  # e.g. the last frame of a truncated AVI: its
+            continue  # missing part concealed with the previous frame's (a repeat, not data)
         first = time if first is None else first
         rel = last = float(time) - first
         _check_duration(rel, limits, param)
