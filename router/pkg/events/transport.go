@@ -32,8 +32,8 @@ import (
 // Invariants:
 //   - Read never returns the bytes of a frame header whose size exceeds MaxFrameBytes, of a
 //     frame that would take its message past MaxMessageBytes, or of a message's
-//     MaxMessageFrames+1-th frame; the connection is closed and every later Read fails with
-//     *FrameError.
+//     MaxMessageFrames+1-th frame; the connection is closed and every later Read and Write
+//     fails with *FrameError.
 //   - A replay connection (mmis-bounded-tcp) carries its dialling context's deadline for its
 //     whole life: an engine that is stopped (SIGSTOP) still accepts TCP connections in its
 //     kernel but never greets, and an unbounded handshake would hang a stream's goroutine
@@ -102,10 +102,7 @@ func newCappedConn(c net.Conn, onReady func()) *cappedConn {
 }
 
 func (c *cappedConn) Read(p []byte) (int, error) {
-	c.mu.Lock()
-	err := c.err
-	c.mu.Unlock()
-	if err != nil {
+	if err := c.failed(); err != nil {
 		return 0, err
 	}
 	n, rerr := c.Conn.Read(p)
@@ -117,6 +114,29 @@ func (c *cappedConn) Read(p []byte) (int, error) {
 		return 0, err
 	}
 	return n, rerr
+}
+
+// Write fails with the read side's *FrameError once there is one: a peer that sent an
+// oversized frame header is refused for that reason, whichever of the two sides of the
+// connection notices first (a send racing the read would otherwise report only "use of
+// closed network connection").
+func (c *cappedConn) Write(p []byte) (int, error) {
+	if err := c.failed(); err != nil {
+		return 0, err
+	}
+	n, err := c.Conn.Write(p)
+	if err != nil {
+		if ferr := c.failed(); ferr != nil {
+			return n, ferr
+		}
+	}
+	return n, err
+}
+
+func (c *cappedConn) failed() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.err
 }
 
 func (c *cappedConn) Close() error {
