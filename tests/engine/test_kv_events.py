@@ -205,8 +205,12 @@ def _answers(
         if user is not None:
             dealer.setsockopt(zmq.PLAIN_USERNAME, user)
             dealer.setsockopt(zmq.PLAIN_PASSWORD, password)
+        dealer.setsockopt(zmq.SNDTIMEO, 1500)  # a refused handshake leaves no peer to send to
         dealer.connect(pub.replay_endpoint)
-        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        try:
+            dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        except zmq.Again:
+            return False
         return bool(dealer.poll(1500))
     finally:
         dealer.close(linger=0)

@@ -104,10 +104,16 @@ def _socket(kind: int, endpoint: str, token: str | None) -> zmq.Socket[bytes]:
 
 
 def _replay(endpoint: str, token: str | None, wait_s: float = 10.0) -> list[bytes] | None:
-    """Every payload the replay socket holds from 0, or None if it never answers."""
+    """Every payload the replay socket holds from 0, or None if it never answers (a stranger's
+    DEALER may not even get to send: once its refused handshake has dropped the connection it
+    has no peer, and a send would block for ever; bounded by ``wait_s`` too)."""
     dealer = _socket(zmq.DEALER, endpoint, token)
+    dealer.setsockopt(zmq.SNDTIMEO, int(wait_s * 1000))
     try:
-        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        try:
+            dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        except zmq.Again:
+            return None
         payloads = []
         while dealer.poll(int(wait_s * 1000)):
             frames = dealer.recv_multipart()
