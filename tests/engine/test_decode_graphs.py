@@ -201,6 +201,8 @@ def test_capturable_sizes_bound_the_gather(monkeypatch: pytest.MonkeyPatch) -> N
     # FlexAttention reads the pool in place at any block size and dtype: every bucket
     flex = FlexBackend(16, torch.device("cpu"), TorchBackend(), compiled=False)
     assert capturable_sizes(fp32, flex, 256, 4096) == capture_sizes(256)
+    flex.broken = "no kernel"  # fallen back to the gather: bounded like it
+    assert capturable_sizes(fp32, flex, 64, 1024) == [1, 2, 4]
 
 
 # -- CUDA (scripts/gpu-check) ------------------------------------------------------------------

@@ -285,7 +285,7 @@ def capturable_sizes(
     in fp16/bf16), each row reading only its real context; otherwise only those whose
     per-layer K + V gather of ``ctx`` keys a row stays within :data:`GATHER_BYTES`."""
     spec, sizes = pool.spec, capture_sizes(max_num_seqs)
-    if getattr(backend, "name", "") == "flex":
+    if getattr(backend, "reads_in_place", False):  # flex_backend.FlexBackend, any dtype
         return sizes
     paged = isinstance(backend, VarlenBackend) and backend.paged and backend.broken is None
     if paged and spec.dtype in (torch.float16, torch.bfloat16):

@@ -162,6 +162,12 @@ class FlexBackend:
 
     name = "flex"
 
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether a step reads the pool without copying it (``decode_graphs``): until the
+        kernel fails and the gather fallback takes over."""
+        return self.broken is None
+
     def __init__(
         self,
         block_size: int,
