@@ -61,6 +61,19 @@ class EngineStartError(RuntimeError):
     """The engine cannot start with these settings or this model; the message says why."""
 
 
+def set_threads(cfg: EngineConfig) -> int:
+    """Size torch's intra-op pool for this rank (``--threads``, else ``mmis/cpus.py``'s
+    default); returns the count, also logged."""
+    import torch
+
+    from mmis.cpus import rank_threads
+
+    threads = rank_threads(cfg.threads, cfg.tensor_parallel_size)
+    torch.set_num_threads(threads)
+    log.info("compute threads: %d (%s)", threads, "--threads" if cfg.threads else "default")
+    return threads
+
+
 def load_model(cfg: EngineConfig, path: str) -> ModelAdapter:
     """The model adapter of ``cfg.model`` (resolved to ``path`` by the launcher) at
     ``cfg.revision``."""
@@ -254,6 +267,7 @@ def build(cfg: EngineConfig, path: str, worker_setup: Callable[[str], None]) -> 
     from mmis.telemetry.request_spans import RequestSpans
 
     check_event_endpoints(cfg)  # before anything loads: a refused bind is one line at once
+    set_threads(cfg)
     tp = None
     if cfg.tensor_parallel_size > 1:
         from mmis.engine.execution.tensor_parallel import start_workers

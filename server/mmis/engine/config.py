@@ -129,6 +129,13 @@ class EngineConfig:
         "max_model_len", rule=(lambda v: v is None or v >= 2, "must be at least 2")
     )
     device: str | None = setting(None, help="torch device (default: cuda if available, else cpu)")
+    threads: int | None = setting(
+        None,
+        rule=(lambda v: v is None or v >= 1, "must be at least 1"),
+        help="P1's torch compute (intra-op) threads, shared by its tensor-parallel ranks; "
+        "default: OMP_NUM_THREADS if set, else the CPUs the process may use (affinity and "
+        "cgroup CPU quota: mmis/cpus.py) less one per front-end process under mmis serve",
+    )
     tensor_parallel_size: int = setting(
         1,
         rule=AT_LEAST_1,

@@ -342,6 +342,9 @@ def worker_main(
 
     setup_logging(cfg.log_level)
     keep_freed_memory()  # as rank 0 does (entrypoints/engine.py)
+    from mmis.cpus import rank_threads
+
+    torch.set_num_threads(rank_threads(cfg.threads, size))  # as rank 0 does (builder.py)
     device = rank_device(_base_device(cfg), rank)
 
     def orphan_watch() -> None:
