@@ -18,6 +18,7 @@ from mmis.protocol.codec import (
 from mmis.protocol.errors import MMISError, MultiModalCacheMissError, ProtocolError
 from mmis.protocol.messages import (
     AbortRequests,
+    CachedItem,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -44,6 +45,7 @@ __all__ = [
     "TENSOR_EXT_CODE",
     "WIRE_STRUCTS",
     "AbortRequests",
+    "CachedItem",
     "EngineCoreOutput",
     "EngineCoreOutputs",
     "EngineCoreRequest",

@@ -242,8 +242,28 @@ class EngineCoreOutput(msgspec.Struct, array_like=True):
     prompt_logprobs: TokenLogprobs | None = None  # in the first output, when asked for
 
 
+class CachedItem(msgspec.Struct, array_like=True, frozen=True):
+    """An item P1's receiver cache stored, as another P0's shadow needs it (protocol v7).
+
+    ``nbytes`` is what both sides charge it (``multimodal/cache.py`` ``item_nbytes``);
+    ``placeholder_length`` is the number of placeholder tokens its prompt expanded to (the
+    length of the storing request's ``PlaceholderRange``), fixed by ``mm_hash``.
+    """
+
+    mm_hash: str
+    nbytes: int
+    placeholder_length: int
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True):
-    """One batch of outputs from P1 to one client (P0)."""
+    """One batch of outputs from P1 to one client (P0).
+
+    Besides the outputs it carries what that client has not heard yet of P1's receiver cache
+    (``engine/output_channel.py``; the invariant is in ``multimodal/cache.py``), to be applied
+    in this order: ``shadow_reset`` (forget the whole shadow: P1 lost track of what this
+    client heard), then ``evicted_mm_hashes``, then ``stored_mm_items`` (items other clients'
+    requests stored, oldest first). A hash appears in at most one of the two lists.
+    """
 
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     engine_index: int = 0
@@ -251,3 +271,5 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True):
     cache_epoch: str = ""
     evicted_mm_hashes: list[str] = msgspec.field(default_factory=list)
     utility_result: UtilityResult | None = None
+    stored_mm_items: list[CachedItem] = msgspec.field(default_factory=list)
+    shadow_reset: bool = False

@@ -28,6 +28,7 @@ import msgspec
 
 from mmis.protocol.messages import (
     AbortRequests,
+    CachedItem,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -59,6 +60,7 @@ WIRE_STRUCTS: tuple[type[msgspec.Struct], ...] = (
     UtilityResult,
     TokenLogprobs,
     EngineCoreOutput,
+    CachedItem,
     EngineCoreOutputs,
 )
 

@@ -8,7 +8,8 @@ Layout of this folder:
 ``CURRENT_VERSION`` is what the current code must reproduce byte for byte. When a field is
 appended (or retired in place, ``protocol/schema.py``) after a release, bump it and
 regenerate (``regenerate.py``): older version folders stay as they are and keep proving that
-the current decoders read them. v6 retired ``MultiModalFeature``'s second hash.
+the current decoders read them. v6 retired ``MultiModalFeature``'s second hash; v7 appended
+``EngineCoreOutputs.stored_mm_items`` (``CachedItem``) and ``shadow_reset``.
 
 Every sample is deterministic (no randomness, no clocks), so its encoding is stable.
 """
@@ -25,6 +26,7 @@ import torch
 
 from mmis.protocol import (
     AbortRequests,
+    CachedItem,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -43,7 +45,7 @@ from mmis.protocol import (
 )
 
 GOLDEN_DIR = Path(__file__).resolve().parent
-CURRENT_VERSION = "v6"
+CURRENT_VERSION = "v7"
 SUFFIX = ".msgpack"
 
 
@@ -174,6 +176,8 @@ def samples() -> list[Sample]:
                 "epoch-6f1c",
                 ["f6" * 32],
                 UtilityResult(7, True, {"freed": 3}),
+                [CachedItem("a1" * 32, 896, 16), CachedItem("d4" * 32, 512, 4)],
+                True,
             ),
         ),
         Sample(
@@ -196,6 +200,7 @@ def samples() -> list[Sample]:
         Sample("struct_TokenLogprobs", "struct", TokenLogprobs([[5]], [[-0.75]], [1])),
         Sample("struct_UtilityResult", "struct", UtilityResult(9, True, [1, "two", 3.0])),
         Sample("struct_EngineCoreOutput", "struct", pooled_output),
+        Sample("struct_CachedItem", "struct", CachedItem("e5" * 32, 12_448, 576)),
     ]
 
 
