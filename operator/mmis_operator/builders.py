@@ -47,6 +47,18 @@ The inference pod:
 - Probes: a startup probe on ``/health`` whose budget is ``probes.startupTimeoutSeconds``
   (slow downloads and model loads), readiness on ``/ready``, liveness on ``/health`` with a
   short grace period of its own (a hung process is not drained).
+- N P0 processes (``spec.frontend.apiServers``, ``--api-servers N``, no flag when N is 1):
+  one supervisor binds the API and ops ports for all N, so ports, probe paths, the Service and
+  the PodMonitor are those of one process; a probe reaches whichever process accepts it. The
+  container's CPU/memory requests are the spec's (``spec.parse_frontend``: N times one
+  process's defaults when unset); the /dev/shm volume is not multiplied (``--shm-gb`` is the
+  total of all N). The startup budget does not depend on N: the N children start together
+  and the pod's start is bounded by the download and the engine's model load, which N does
+  not change. SIGTERM drains the N in parallel, each within the same
+  ``--graceful-shutdown-s``; the supervisor lets a draining child run
+  :data:`API_SERVERS_STOP_MARGIN_SECONDS` longer before killing it, and holds the drain lock
+  until the last has exited, so with N > 1 the engine's wait (and the grace period) is that
+  much longer (:func:`engine_wait_seconds`).
 - Non-root, no privilege escalation, all capabilities dropped, read-only root filesystem, on
   every container (Pod Security ``restricted``); writable paths are volumes (/tmp, the model
   cache). No service-account token is mounted (``automountServiceAccountToken: false``): the
@@ -384,6 +396,10 @@ DRAIN_LOCK = f"{r.SHM_MOUNT}/frontend-drain.lock"
 # default, which the operator does not set (tests/contract/test_pod_contract.py checks it)
 FRONTEND_GRACEFUL_SECONDS = 30
 ENGINE_STOP_SECONDS = 15  # P1's own stop after SIGTERM (the grace period's last part)
+# with --api-servers N > 1: how much longer than --graceful-shutdown-s the supervisor lets a
+# draining child run before it kills it (mmis.entrypoints.api_servers.STOP_MARGIN_S;
+# tests/contract/test_pod_contract.py checks it)
+API_SERVERS_STOP_MARGIN_SECONDS = 10
 TOKEN_ENV = "HF_TOKEN"
 # snapshot_download of the weights, config, tokenizer and processor files of one revision
 # into HF_HOME (huggingface_hub ships with transformers in the server image); formats the
@@ -433,6 +449,8 @@ def frontend_args(spec: ServiceSpec) -> list[str]:
     args += ["--host", "0.0.0.0", "--port", str(r.HTTP_PORT), "--ops-port", str(r.OPS_PORT)]
     args += address_args()
     args += ["--drain-lock", DRAIN_LOCK]
+    if spec.api_servers > 1:  # one process: no flag, the server's default
+        args += ["--api-servers", str(spec.api_servers)]
     shadow = gib(spec.cache.size_bytes)
     args += ["--mm-cache-type", spec.cache.type, "--mm-cache-gb", shadow]
     if spec.cache.type == "shm":
@@ -582,8 +600,10 @@ def _pre_stop(seconds: int) -> dict[str, Any]:
 
 def engine_wait_seconds(spec: ServiceSpec) -> int:
     """The longest the engine's preStop waits for the pod's front ends to exit: the front
-    end's preStop pause (endpoint removal), its graceful shutdown, and 5 s of slack."""
-    return spec.drain_seconds + FRONTEND_GRACEFUL_SECONDS + 5
+    end's preStop pause (endpoint removal), its graceful shutdown, and 5 s of slack; with
+    several P0 processes also the supervisor's margin before it kills a draining child."""
+    margin = API_SERVERS_STOP_MARGIN_SECONDS if spec.api_servers > 1 else 0
+    return spec.drain_seconds + FRONTEND_GRACEFUL_SECONDS + margin + 5
 
 
 def _wait_frontend(spec: ServiceSpec) -> dict[str, Any]:

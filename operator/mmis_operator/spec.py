@@ -3,7 +3,8 @@
 Owns (each a section below): the error every parser raises (:class:`InvalidSpecError`), the
 Kubernetes quantities spec fields hold, ``spec.autoscaling``, ``spec.monitoring`` and
 ``spec.routing`` as parsed specs (the objects they become are :mod:`mmis_operator.builders`' and
-:mod:`mmis_operator.routing`'s), the defaults (:data:`DEFAULTS`) and the typed readers of one
+:mod:`mmis_operator.routing`'s), ``spec.frontend`` (how many P0 processes, the P0 container's
+requests), the defaults (:data:`DEFAULTS`) and the typed readers of one
 field, ``spec.model``, the whole spec (:func:`parse_spec`, the checks across fields, policy) and
 the merge of a user's ``podTemplate`` over the generated pod template (:func:`merge`). Pure: no
 I/O, and no import of any other module of the operator.
@@ -57,6 +58,15 @@ Invariants:
   no port). The picker image's default follows the operator's version (:func:`default_image`),
   so it has no CRD default (one stored in the resource would pin an old picker across operator
   upgrades).
+- ``spec.frontend.apiServers`` (:func:`parse_frontend`): N P0 processes in the front-end
+  container (``mmis frontend --api-servers N``), 1..64. ``resources.frontendCpu`` and
+  ``resources.frontendMemory`` are always the P0 *container's* requests, shared by its N
+  processes: set, each is taken exactly as written; unset, each is N times one process's
+  request (:data:`PROCESS_DEFAULTS`: 2 CPUs, 4Gi), so neither has a CRD default (a stored
+  default could not be told from a value the user wrote). ``apiServers`` unset is derived from
+  the container's CPU request: one process per :data:`CPUS_PER_API_SERVER` CPUs, at least 1,
+  at most :data:`DERIVED_API_SERVERS_MAX`; today's default request (2) gives 1, and with
+  everything unset the pod is byte for byte what it was before the field existed.
 - The ``podTemplate`` override (:func:`merge`): mappings merge recursively; the override wins
   on scalars. Lists of named items (containers, volumes, env, volumeMounts, ports, ...) merge
   item by item on ``name``: an override entry updates the generated entry of the same name,
@@ -360,6 +370,77 @@ def parse_routing(spec: Mapping[str, Any]) -> RoutingSpec | None:
     )
 
 
+# --- spec.frontend: P0 processes per pod ----------------------------------------------------------
+
+API_SERVERS_MAX = 64  # the server's bound (mmis frontend --api-servers 1..64)
+# One P0 process keeps about two cores busy under image load: its render worker (fetch, decode,
+# resize, the processor, hashing: one thread) and its event loop with the tokenizing worker
+# (HTTP, JSON, templating, detokenizing). So a derived default gives each process two CPUs of
+# the container's request, and today's default request (2) stays one process.
+CPUS_PER_API_SERVER = 2
+# A derived default stops at 8 (KServe's LLMInferenceService runs vLLM with 8 API servers):
+# every process is a whole P0 (its own processor, tokenizer, shadow and engine connection, one
+# more output topic for P1 to publish), so past 8 the per-process cost outgrows what a default
+# should pick. More is a deliberate choice: set apiServers (up to API_SERVERS_MAX).
+DERIVED_API_SERVERS_MAX = 8
+# One P0 process's requests: resources.frontendCpu / frontendMemory, when unset, are these
+# times the number of processes (they have no CRD default; see parse_frontend)
+PROCESS_DEFAULTS: dict[str, str] = {
+    "resources.frontendCpu": "2",
+    "resources.frontendMemory": "4Gi",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class FrontendResources:
+    """The P0 container: ``api_servers`` processes sharing ``cpu`` and ``memory_bytes`` (the
+    container's requests, before the /dev/shm volume the builders add to its memory)."""
+
+    api_servers: int
+    cpu: str
+    memory_bytes: int
+
+
+def derived_api_servers(cpu: Decimal) -> int:
+    """The default of ``spec.frontend.apiServers`` for a P0 container requesting ``cpu`` CPUs:
+    one process per :data:`CPUS_PER_API_SERVER`, at least 1, at most
+    :data:`DERIVED_API_SERVERS_MAX` (2 -> 1, 3 -> 1, 4 -> 2, 16 -> 8, 64 -> 8)."""
+    whole = int(cpu // CPUS_PER_API_SERVER)
+    return max(1, min(DERIVED_API_SERVERS_MAX, whole))
+
+
+def _times(cpu: str, count: int) -> str:
+    """``count`` times the CPU quantity ``cpu``, whole CPUs as such, else millicores."""
+    total = parse(cpu, "spec.resources.frontendCpu") * count
+    return str(int(total)) if total == total.to_integral_value() else f"{int(total * 1000)}m"
+
+
+def parse_frontend(spec: Mapping[str, Any]) -> FrontendResources:
+    """``spec.frontend.apiServers`` with ``spec.resources.frontendCpu`` / ``frontendMemory``
+    (see the module invariants): the number of P0 processes and the container's requests."""
+    res, front = read_section(spec, "resources"), read_section(spec, "frontend")
+    field = "spec.frontend.apiServers"
+    count = front.get("apiServers")
+    if count is not None and (
+        isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= API_SERVERS_MAX
+    ):
+        raise InvalidSpecError(
+            field, f"must be a whole number in [1, {API_SERVERS_MAX}], got {count!r}"
+        )
+    cpu_set, memory_set = res.get("frontendCpu"), res.get("frontendMemory")
+    cpu = read_cpu(res, "spec.resources.frontendCpu") if cpu_set is not None else None
+    if count is None:
+        request = PROCESS_DEFAULTS["resources.frontendCpu"] if cpu is None else cpu
+        count = derived_api_servers(parse(request, "spec.resources.frontendCpu"))
+    if cpu is None:
+        cpu = _times(PROCESS_DEFAULTS["resources.frontendCpu"], count)
+    if memory_set is not None:
+        memory = read_bytes(res, "spec.resources.frontendMemory") or 0
+    else:
+        memory = count * parse_bytes(PROCESS_DEFAULTS["resources.frontendMemory"], field)
+    return FrontendResources(api_servers=count, cpu=cpu, memory_bytes=memory)
+
+
 # --- Defaults and field readers (was spec_fields.py) ----------------------------------------------
 
 # CRD path (below spec) -> default
@@ -370,8 +451,7 @@ DEFAULTS: dict[str, Any] = {
     "resources.gpus": 1,
     "resources.memory": "16Gi",
     "resources.cpu": "4",
-    "resources.frontendMemory": "4Gi",
-    "resources.frontendCpu": "2",
+    # resources.frontendCpu / frontendMemory: PROCESS_DEFAULTS times spec.frontend.apiServers
     "cache.type": "lru",  # server: mm_cache_type
     "cache.size": "4Gi",  # server: mm_cache_gb
     "cache.driftThreshold": 0.01,
@@ -613,8 +693,8 @@ class ServiceSpec:
     gpus: int
     engine_memory_bytes: int
     engine_cpu: str
-    frontend_memory_bytes: int
-    frontend_cpu: str
+    frontend_memory_bytes: int  # the P0 container's, shared by its api_servers processes
+    frontend_cpu: str  # the P0 container's request, shared by its api_servers processes
     max_num_seqs: int | None
     max_num_batched_tokens: int | None
     kv_cache_bytes: int | None
@@ -637,6 +717,7 @@ class ServiceSpec:
     autoscaling: AutoscalingSpec | None  # None: not enabled
     monitoring: MonitoringSpec
     routing: RoutingSpec | None = None  # None: no endpoint picker (spec.routing absent)
+    api_servers: int = 1  # P0 processes in the front-end container (spec.frontend.apiServers)
 
 
 def _zero(value: int | str) -> bool:
@@ -727,6 +808,7 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
         read_section(spec, "auth").get("apiKeySecretRef"),
         DEFAULTS["auth.apiKeySecretRef.key"],
     )
+    front = parse_frontend(spec)
     parsed = ServiceSpec(
         model=parse_model(spec),
         replicas=read_int(spec, "spec.replicas"),
@@ -735,8 +817,8 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
         gpus=read_int(res, "spec.resources.gpus"),
         engine_memory_bytes=read_bytes(res, "spec.resources.memory") or 0,
         engine_cpu=read_cpu(res, "spec.resources.cpu"),
-        frontend_memory_bytes=read_bytes(res, "spec.resources.frontendMemory") or 0,
-        frontend_cpu=read_cpu(res, "spec.resources.frontendCpu"),
+        frontend_memory_bytes=front.memory_bytes,
+        frontend_cpu=front.cpu,
         max_num_seqs=read_int(eng, "spec.engine.maxNumSeqs", low=1),
         max_num_batched_tokens=read_int(eng, "spec.engine.maxNumBatchedTokens", low=1),
         kv_cache_bytes=read_bytes(eng, "spec.engine.kvCacheMemory"),
@@ -762,6 +844,7 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
         autoscaling=parse_autoscaling(spec),
         monitoring=parse_monitoring(spec),
         routing=parse_routing(spec),
+        api_servers=front.api_servers,
     )
     if parsed.engine_memory_bytes <= 0 or parsed.frontend_memory_bytes <= 0:
         raise InvalidSpecError("spec.resources", "memory and frontendMemory must be positive")

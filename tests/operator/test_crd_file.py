@@ -57,3 +57,21 @@ def test_cel_rules_are_present() -> None:
     assert spec["properties"]["resources"]["properties"]["gpus"]["minimum"] == 0
     drift = spec["properties"]["cache"]["properties"]["driftThreshold"]
     assert (drift["minimum"], drift["maximum"]) == (0, 1)
+
+
+def test_api_servers_bounds_and_the_front_end_requests_have_no_stored_default() -> None:
+    """``spec.frontend.apiServers`` is 1..64 (the server's bound) with no CRD default (it is
+    derived from the CPU request); the P0 container's requests have none either, so the
+    operator can tell unset (one process's request times apiServers) from a value written."""
+    (version,) = _crd()["spec"]["versions"]
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    count = spec["frontend"]["properties"]["apiServers"]
+    assert (count["type"], count["minimum"], count["maximum"]) == ("integer", 1, 64)
+    assert "default" not in count and "default" not in spec["frontend"]
+    assert count["description"] and spec["frontend"]["description"]
+    for name in ("frontendCpu", "frontendMemory"):
+        field = spec["resources"]["properties"][name]
+        assert "default" not in field, name
+        assert "per process" in " ".join(field["description"].split()), name
+    # printer columns untouched by it
+    assert not any("frontend" in c["jsonPath"] for c in version["additionalPrinterColumns"])

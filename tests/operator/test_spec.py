@@ -40,8 +40,6 @@ def test_python_defaults_match_the_crd_defaults() -> None:
         "resources.gpus": parsed.gpus,
         "resources.memory": parsed.engine_memory_bytes / gi,
         "resources.cpu": parsed.engine_cpu,
-        "resources.frontendMemory": parsed.frontend_memory_bytes / gi,
-        "resources.frontendCpu": parsed.frontend_cpu,
         "cache.type": parsed.cache.type,
         "cache.size": parsed.cache.size_bytes / gi,
         "cache.driftThreshold": parsed.cache.drift_threshold,
@@ -80,6 +78,12 @@ def test_python_defaults_match_the_crd_defaults() -> None:
     for key in ("auth.apiKeySecretRef.key", "ingress.path", "model.tokenSecretRef.key"):
         crd_values.pop(key)
     assert crd_values == observed
+    # the P0 container's requests have none in the CRD (a stored default could not be told
+    # from a value written): unset, one process's defaults times apiServers (1 here)
+    assert "resources.frontendCpu" not in defaults and "resources.frontendMemory" not in defaults
+    assert parsed.api_servers == 1
+    assert parsed.frontend_cpu == specmod.PROCESS_DEFAULTS["resources.frontendCpu"] == "2"
+    assert parsed.frontend_memory_bytes / gi == 4.0
     # server settings the operator does not need have no default of its own (not passed)
     assert parsed.max_num_seqs is None and parsed.max_num_batched_tokens is None
     assert parsed.cache.drift_window_seconds is None
