@@ -24,6 +24,9 @@ Invariants:
   engine container's preStop, ``mmis wait-frontend --lock FILE``, returns once no front end
   holds it, so P1 outlives every request P0 still serves (docs/SECURITY.md, "Termination in
   order"). Taken before anything else starts, so no request is served without it.
+- With ``--api-servers N`` above 1 this process is the supervisor of N P0 processes
+  (:mod:`mmis.entrypoints.api_servers`): the same two lines, the same signals and exit
+  statuses, every child holding the drain lock too.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from mmis.frontend.config import FrontendConfig
 if TYPE_CHECKING:
     import uvicorn
 
+    from mmis.frontend.api.api_server_group import ApiServerGroup
     from mmis.frontend.api.drain import Drain
 
 UVICORN_BACKSTOP_S = 1
@@ -147,9 +151,47 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(settings: FrontendConfig, engine_failed: Callable[[], str | None] | None = None) -> int:
+def _listen_unix(path: str) -> socket.socket:
+    with contextlib.suppress(FileNotFoundError):  # a dead predecessor's socket file
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(path)
+    sock.listen(64)
+    return sock
+
+
+def bind(settings: FrontendConfig) -> tuple[FrontendConfig, list[socket.socket]]:
+    """Bind ``--port`` (and ``--ops-port``) and print their lines; the settings with the
+    ports bound (``--port 0``, ``--ops-port 0``) and the listening sockets."""
+    sock = _listen(settings.host, settings.port)
+    host, port = sock.getsockname()[:2]
+    print(f"mmis frontend listening on http://{host}:{port}", flush=True)
+    settings = dataclasses.replace(settings, port=port)
+    sockets = [sock]
+    if settings.ops_port is not None:
+        ops = _listen(settings.host, settings.ops_port)
+        sockets.append(ops)
+        ops_port = ops.getsockname()[1]
+        settings = dataclasses.replace(settings, ops_port=ops_port)
+        print(f"mmis frontend operations on http://{host}:{ops_port}", flush=True)
+    return settings, sockets
+
+
+def serve(
+    settings: FrontendConfig,
+    engine_failed: Callable[[], str | None] | None = None,
+    *,
+    group: ApiServerGroup | None = None,
+    sockets: list[socket.socket] | None = None,
+) -> int:
     """Bind, announce the address, serve until a signal; the exit status. ``engine_failed``
-    (``mmis serve``'s supervisor): why P1 will never answer, so start-up stops waiting."""
+    (``mmis serve``'s supervisor): why P1 will never answer, so start-up stops waiting.
+    ``--api-servers`` above 1: supervise that many processes instead; each of them runs this
+    with its ``group`` and the supervisor's listening ``sockets`` (nothing bound or printed)."""
+    if group is None and settings.api_servers > 1:
+        from mmis.entrypoints.api_servers import supervise
+
+        return supervise(settings, engine_failed)
     import uvicorn
 
     from mmis.frontend.api.api_server import create_app
@@ -160,18 +202,23 @@ def serve(settings: FrontendConfig, engine_failed: Callable[[], str | None] | No
         except OSError as exc:
             why = one_line(exc)
             print(f"mmis frontend: failed to start: the drain lock: {why}", file=sys.stderr)
+            if group is not None:
+                group.set_status(group.index, f"the drain lock: {why}")
             return 1
-    sock = _listen(settings.host, settings.port)
-    host, port = sock.getsockname()[:2]
-    print(f"mmis frontend listening on http://{host}:{port}", flush=True)
-    sockets = [sock]
-    if settings.ops_port is not None:
-        ops = _listen(settings.host, settings.ops_port)
-        sockets.append(ops)
-        ops_port = ops.getsockname()[1]
-        settings = dataclasses.replace(settings, ops_port=ops_port)
-        print(f"mmis frontend operations on http://{host}:{ops_port}", flush=True)
-    app = create_app(settings, on_state=_freeze_gc, engine_failed=engine_failed)
+    if sockets is None:
+        settings, sockets = bind(settings)
+    on_state: Callable[[object], None] = _freeze_gc
+    if group is not None:
+        from mmis.frontend.api.api_server_group import READY
+
+        one_of_n = group
+        sockets = [*sockets, _listen_unix(group.socket_path(group.index))]
+
+        def on_state(state: object) -> None:
+            _freeze_gc(state)
+            one_of_n.set_status(one_of_n.index, READY)
+
+    app = create_app(settings, on_state=on_state, engine_failed=engine_failed, group=group)
     config = uvicorn.Config(
         app,
         log_level=settings.log_level.lower(),
@@ -189,4 +236,6 @@ def serve(settings: FrontendConfig, engine_failed: Callable[[], str | None] | No
     error = getattr(app.state, "startup_error", None)
     why = one_line(error) if error is not None else "the server did not start"
     print(f"mmis frontend: failed to start: {why}", file=sys.stderr, flush=True)
+    if group is not None:
+        group.set_status(group.index, why)
     return 1

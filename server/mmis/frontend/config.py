@@ -20,6 +20,9 @@ from mmis.config import NOT_NEGATIVE, POSITIVE, check, setting, shared
 from mmis.multimodal.hashing import DEFAULT_ALGORITHM, HASH_ALGORITHMS
 
 MiB = 1 << 20
+MAX_API_SERVERS = 64
+"""The most P0 processes per engine (``--api-servers``); their metrics' ``api_server`` label
+takes the values "0" .. "63" (``mmis.telemetry.catalog.API_SERVER_INDICES``)."""
 
 # Formats PIL may open. Deliberately short: no EPS/PS (Ghostscript), no exotic decoders.
 DEFAULT_IMAGE_FORMATS: tuple[str, ...] = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
@@ -102,6 +105,15 @@ class FrontendConfig:
         "that 'mmis wait-frontend --lock FILE', the engine container's preStop, waits for P0 "
         "to exit; empty: no lock",
     )
+    api_servers: int = setting(
+        1,
+        rule=(lambda v: 1 <= v <= MAX_API_SERVERS, f"must be 1 to {MAX_API_SERVERS}"),
+        help="P0 processes serving this engine behind the one --port (and --ops-port): each "
+        "has its own render worker, shadow cache, SHM store and engine client (client index "
+        "--client-index + i), all accept on one shared listening socket, one that dies is "
+        "restarted alone, SIGTERM drains them all; /metrics and /stats/cache answer for all "
+        "of them. 1: one process, no supervisor",
+    )
     max_model_len: int | None = shared("max_model_len")
     engine_input_address: str = shared("engine_input_address")
     engine_output_address: str = shared("engine_output_address")
@@ -132,7 +144,11 @@ class FrontendConfig:
     mm_cache_type: str = shared("mm_cache_type")
     mm_cache_gb: float = shared("mm_cache_gb")
     shm_dir: str = shared("shm_dir")
-    shm_gb: float = setting(1.0, help="size of the shared-memory store in GiB (shm)")
+    shm_gb: float = setting(
+        1.0,
+        help="size of the shared-memory store in GiB (shm): the total for all P0 processes "
+        "(with --api-servers N each has its own store of --shm-gb / N)",
+    )
     hash_algorithm: str = setting(
         DEFAULT_ALGORITHM, choices=HASH_ALGORITHMS, help="mm_hash algorithm"
     )

@@ -11,6 +11,11 @@ Invariants:
 - Label names come from :data:`ALLOWED_LABELS` only, and every label has a closed value set:
   request ids, hashes, uuids or any other per-request value never become a label (checked at
   import time here, and by a test that scans everything a registry exposes).
+- ``api_server`` (the P0 process index, "0" .. "63") is on no spec: with ``--api-servers N``
+  above 1 every P0 series (all but P1's ``Owner.ENGINE`` figures) gets it at exposition
+  (:meth:`~mmis.telemetry.metrics.MMISMetrics.exposition`); with one P0 it is absent, so
+  one-process scrapes are what they always were and every query that sums ``by (model)``
+  holds for any N.
 - ``Owner.ENGINE`` metrics are produced by P1 and reach P0 as a stats snapshot; their
   ``snapshot_key`` names the snapshot field (see :mod:`engine_stats`).
 """
@@ -44,7 +49,9 @@ ENDPOINTS = frozenset(
 # hash_only: the missing items were sent by uuid only, so no retry: refused with a 422.
 RETRY_OUTCOMES = frozenset({"success", "failed", "error", "hash_only"})
 STATUS_CLASSES = frozenset({"1xx", "2xx", "3xx", "4xx", "5xx"})
-ALLOWED_LABELS = frozenset({"model", "endpoint", "outcome", "status"})
+# the P0 process index under --api-servers N (mmis.frontend.config.MAX_API_SERVERS = 64)
+API_SERVER_INDICES = frozenset(str(i) for i in range(64))
+ALLOWED_LABELS = frozenset({"model", "endpoint", "outcome", "status", "api_server"})
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0)
@@ -175,6 +182,12 @@ RECEIVER_EVICTIONS = _p1(
     "P1 multimodal (receiver) cache evictions.",
     "receiver_cache_evictions",
 )
+RECEIVER_STORES = _p1(
+    "mmis_receiver_cache_stores_total",
+    C,
+    "Items P1's receiver cache stored (sent with data by some P0; shared by every P0).",
+    "receiver_cache_stores",
+)
 
 ALL: tuple[MetricSpec, ...] = tuple(
     v for v in list(globals().values()) if isinstance(v, MetricSpec)
@@ -189,7 +202,12 @@ def series_names() -> frozenset[str]:
 
 def check_label(name: str, value: str) -> str:
     """Return ``value`` if it belongs to the closed set of label ``name``, else raise."""
-    allowed = {"endpoint": ENDPOINTS, "outcome": RETRY_OUTCOMES, "status": STATUS_CLASSES}.get(name)
+    allowed = {
+        "endpoint": ENDPOINTS,
+        "outcome": RETRY_OUTCOMES,
+        "status": STATUS_CLASSES,
+        "api_server": API_SERVER_INDICES,
+    }.get(name)
     if allowed is not None and value not in allowed:
         raise LabelValueError(f"label {name}={value!r} is not one of {sorted(allowed)}")
     return value

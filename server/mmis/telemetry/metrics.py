@@ -12,6 +12,10 @@ Invariants:
   alerts built on them) see the first increment; a series born at 1 would show no increase.
 - P1's figures are not instruments here: :meth:`attach` adds collectors (the engine-stats
   snapshot, the drift window) that render at scrape time.
+- ``exposition(accept, api_server="i")`` (one of N P0 processes, ``--api-servers``) adds the
+  label ``api_server="i"`` to every family but P1's (:data:`ENGINE_FAMILIES`): the P0 series
+  of N processes never collide when merged (:mod:`mmis.telemetry.aggregate`), and a restarted
+  process's counters reset its own series only. Without it the exposition is unchanged.
 """
 
 from __future__ import annotations
@@ -21,11 +25,45 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from mmis.telemetry import catalog
 from mmis.telemetry.catalog import Kind, MetricSpec, Owner, check_label
 from mmis.telemetry.errors import TelemetryError
+
+ENGINE_FAMILIES = frozenset(
+    spec.name.removesuffix("_total") if spec.kind is Kind.COUNTER else spec.name
+    for spec in catalog.ALL
+    if spec.owner is Owner.ENGINE
+)
+"""The metric-family names of P1's figures (a counter's family name drops ``_total``): they
+carry no ``api_server`` label and appear once in a merged exposition."""
+
+
+def with_label(family: Metric, name: str, value: str) -> Metric:
+    """A copy of ``family`` whose every sample also carries ``name="value"``."""
+    out = Metric(family.name, family.documentation, family.type, family.unit)
+    out.samples = [s._replace(labels={**s.labels, name: value}) for s in family.samples]
+    return out
+
+
+class Families(Collector):
+    """A fixed list of metric families (an exposition to encode)."""
+
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self._families = list(families)
+
+    def collect(self) -> Iterable[Metric]:
+        return iter(self._families)
+
+
+def encode(families: Iterable[Metric], accept: str | None) -> tuple[bytes, str]:
+    """``families`` as a ``/metrics`` body and its content type, negotiated from ``Accept``."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Families(families))
+    encoder, content_type = choose_encoder(accept or "")
+    return encoder(registry), content_type
 
 
 def counter_value(counter: Counter, **labels: str) -> float:
@@ -159,7 +197,19 @@ class MMISMetrics:
         """Current value of a P0 counter, summed over the label sets that include ``labels``."""
         return counter_value(self._counter(spec), **labels)
 
-    def exposition(self, accept: str | None = None) -> tuple[bytes, str]:
-        """The ``/metrics`` body and its content type, negotiated from ``Accept``."""
-        encoder, content_type = choose_encoder(accept or "")
-        return encoder(self.registry), content_type
+    def exposition(
+        self, accept: str | None = None, *, api_server: str | None = None
+    ) -> tuple[bytes, str]:
+        """The ``/metrics`` body and its content type, negotiated from ``Accept``; with
+        ``api_server`` every P0 family carries that process index (not P1's figures)."""
+        if api_server is None:
+            encoder, content_type = choose_encoder(accept or "")
+            return encoder(self.registry), content_type
+        index = check_label("api_server", api_server)
+        return encode(
+            (
+                f if f.name in ENGINE_FAMILIES else with_label(f, "api_server", index)
+                for f in self.registry.collect()
+            ),
+            accept,
+        )

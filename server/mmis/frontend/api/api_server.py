@@ -7,8 +7,10 @@ answers: the front-end container's liveness, whatever the engine does), ``GET /r
 synthetic image request completed since start, and the engine link up: readiness),
 and the operations routes ``GET /metrics`` (the process' one metrics registry: P0's series,
 P1's polled figures, the drift gauge and P0's level gauges; P1 is polled first when its
-snapshot is stale), ``GET /stats/cache``, ``POST /internal/block_keys`` (a chat request's
-prefix-cache block keys, for routers: docs/ROUTING.md) and ``POST /internal/reset_prefix_cache``
+snapshot is stale; one of N processes, ``--api-servers``, answers for all N there:
+:mod:`mmis.frontend.api.api_server_group`), ``GET /stats/cache``,
+``POST /internal/block_keys`` (a chat request's prefix-cache block keys, for routers:
+docs/ROUTING.md) and ``POST /internal/reset_prefix_cache``
 (P1 forgets its cached prefix blocks and announces it; answers how many) — on ``--ops-port``
 when it is set. The two ``/internal/*`` routes answer only the internal token
 (``MMIS_FRONTEND_INTERNAL_TOKEN``; 403 without one configured), never the API key.
@@ -61,6 +63,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from mmis.frontend.api import generation_defaults
+from mmis.frontend.api.api_server_group import ApiServerGroup, group_cache_stats, group_metrics
 from mmis.frontend.api.drain import Drain, DrainMiddleware
 from mmis.frontend.api.http_gate import HttpGate, MiB, tenant_of
 from mmis.frontend.api.openapi import install_openapi
@@ -112,10 +115,12 @@ def create_app(
     on_state: Callable[[FrontendState], None] | None = None,
     tracing: Tracing | None = None,
     engine_failed: Callable[[], str | None] | None = None,
+    group: ApiServerGroup | None = None,
 ) -> FastAPI:
     """The P0 app; ``on_state`` sees the state once it exists (tests, embedding servers);
     ``tracing`` replaces the one built from the settings (tests: an in-memory exporter);
-    ``engine_failed`` says why P1 will never answer (start-up then fails at once)."""
+    ``engine_failed`` says why P1 will never answer (start-up then fails at once); ``group``:
+    this process is one of N (``--api-servers``), its private socket and siblings there."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -169,6 +174,7 @@ def create_app(
         ops_port=settings.ops_port,
         internal_token=settings.internal_token,
         tenant_header=settings.tenant_header,
+        private_socket=None if group is None else group.socket_path(group.index),
     )
     served = settings.served_names
 
@@ -251,12 +257,22 @@ def create_app(
     async def metrics(request: Request) -> Response:
         state = state_of(request)
         await state.stats.refresh_if_stale()
-        body, content_type = state.telemetry.metrics.exposition(request.headers.get("accept"))
+        accept = request.headers.get("accept")
+        own = state.telemetry.metrics
+        if group is None:
+            body, content_type = own.exposition(accept)
+        elif group.is_private(request.scope):  # a sibling asks: this process's own figures
+            body, content_type = own.exposition(accept, api_server=group.label)
+        else:
+            body, content_type = await group_metrics(group, own, accept)
         return Response(body, media_type=content_type)
 
     @app.get("/stats/cache")
     async def cache_stats(request: Request) -> Response:
-        return JSONResponse(state_of(request).telemetry.drift.stats())
+        own = state_of(request).telemetry.drift.stats()
+        if group is None or group.is_private(request.scope):
+            return JSONResponse(own)
+        return JSONResponse(await group_cache_stats(group, own))
 
     @app.post("/internal/block_keys")
     async def block_keys(request: Request) -> Response:

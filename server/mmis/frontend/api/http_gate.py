@@ -11,7 +11,9 @@ in this order:
    probes (404). The operator's Service and Ingress expose the serving port only;
    Prometheus and the operator's coherence probe reach ``/metrics`` and ``/stats/cache`` on
    the operations port pod to pod, without a key. Without ``--ops-port`` all of them live on
-   the serving port.
+   the serving port. One of N P0 processes (``--api-servers``) also listens on a private
+   unix socket (``private_socket``) for its siblings: it answers there as on the operations
+   port (the operations routes and the probes, no API key), with this process's own figures.
 2. **Internal token.** :data:`INTERNAL_PATHS` (``/internal/*``: a router's key request, the
    prefix-cache reset) answer only ``Authorization: Bearer <internal token>``
    (``--internal-token``, set through ``MMIS_FRONTEND_INTERNAL_TOKEN``), on whichever port
@@ -152,8 +154,10 @@ class HttpGate:
         ops_port: int | None = None,
         internal_token: str | None = None,
         tenant_header: str | None = None,
+        private_socket: str | None = None,
     ) -> None:
         self.app = app
+        self.private_socket = private_socket
         # key bytes -> tenant id (a digest: the key itself is never a tenant's name)
         self.keys = {k.encode(): key_tenant(k) for k in api_keys if k}
         self.internal = internal_token.encode() if internal_token else None
@@ -186,6 +190,12 @@ class HttpGate:
         path: str = scope["path"]
         server = scope.get("server") or (None, None)
         on_ops = self.ops_port is not None and server[1] == self.ops_port
+        # a unix socket's scope["server"] is (its path, None): the siblings' private socket
+        on_ops = on_ops or (
+            self.private_socket is not None
+            and server[1] is None
+            and server[0] == self.private_socket
+        )
         key_tenant_id: str | None = None
         if on_ops and path not in OPS_PATHS:
             if path in OPEN_PATHS:
