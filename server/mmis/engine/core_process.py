@@ -10,7 +10,9 @@ Threads and what each one owns (the invariants that keep P1 crash-free under dri
   it typed messages (:class:`AddRequest`, :class:`Abort`, :class:`CoreUtility`) on one queue;
 - the **output thread** (:class:`OutputChannel`) owns the PUB socket: it encodes and sends
   outputs, one topic frame per client (``client_index``), each batch stamped with the cache
-  epoch and the evictions that client has not yet been told about.
+  epoch and what that client has not yet heard of the receiver cache: the evictions, and
+  the items other clients' requests stored (the input thread publishes both after every
+  message it handled; the N-shadow invariant is in ``multimodal/cache.py``).
 - No message can stop a thread: a malformed one is dropped (logged), an unexpected failure
   while admitting a request is answered with an ``internal_error`` output.
 - Every output of a request reaches the client that sent it; the owner is forgotten once the
@@ -19,7 +21,9 @@ Threads and what each one owns (the invariants that keep P1 crash-free under dri
   (:meth:`EngineCoreProc.utilities`): the shell's own calls run on the input thread (they
   touch the receiver cache), the core's (:meth:`EngineCore.utilities`) on the busy loop.
 - ``reset_mm_cache`` empties the receiver cache and switches to its new epoch, so P0 drops
-  its whole shadow instead of drifting.
+  its whole shadow instead of drifting. ``mm_cache_sync`` (a P0's once, after its
+  handshake) queues for that client a reset and what the receiver holds now, so a restarted
+  P0 learns every item already in P1.
 
 Wire: P0 processes PUSH to our PULL (many clients may share one P1); we PUB to their SUB with
 the client index as the topic. A client handshakes with the ``hello`` utility call until the
@@ -35,6 +39,7 @@ P0 sees a crash through its sockets, not through missing answers
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import logging
 import queue
@@ -48,7 +53,7 @@ import msgspec
 import zmq
 
 from mmis.engine.mm_events import MMEventStream
-from mmis.engine.output_channel import OutputChannel, topic
+from mmis.engine.output_channel import MAX_BACKLOG, OutputChannel, topic
 from mmis.multimodal.cache import ReceiverCache
 from mmis.protocol.codec import WireCodec as Codec
 from mmis.protocol.errors import MMISError, MultiModalCacheMissError, ProtocolError
@@ -98,7 +103,10 @@ class EngineCore(Protocol):
     def utilities(self) -> Mapping[str, Callable[..., Any]]: ...
 
 
-__all__ = ["EngineCore", "EngineCoreProc", "topic"]
+__all__ = ["MM_CACHE_SYNC", "EngineCore", "EngineCoreProc", "topic"]
+
+MM_CACHE_SYNC = "mm_cache_sync"
+"""The utility call a P0 makes once after its handshake: the receiver's current entries."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -169,6 +177,7 @@ class EngineCoreProc:
             "receiver_stats": self.receiver.stats,
             "reset_mm_cache": self._reset_mm_cache,
             "set_fault_evict_rate": self._set_fault,
+            MM_CACHE_SYNC: self._sync_shadow,  # called with the caller's client index
         }
         self._stop = threading.Event()
         self._in_codec = Codec()  # input thread only
@@ -215,12 +224,17 @@ class EngineCoreProc:
 
     def _handle_frames(self, frames: list[memoryview]) -> None:
         kind, msg = self._in_codec.decode_request(frames)
-        if kind == RequestType.ADD and isinstance(msg, EngineCoreRequest):
-            self._admit(msg)
-        elif kind == RequestType.ABORT and isinstance(msg, AbortRequests):
-            self._core_queue.put(Abort(list(msg.request_ids)))
-        elif kind == RequestType.UTILITY and isinstance(msg, UtilityCall):
-            self._utility(msg)
+        origin: int | None = None
+        try:
+            if kind == RequestType.ADD and isinstance(msg, EngineCoreRequest):
+                origin = msg.client_index
+                self._admit(msg)
+            elif kind == RequestType.ABORT and isinstance(msg, AbortRequests):
+                self._core_queue.put(Abort(list(msg.request_ids)))
+            elif kind == RequestType.UTILITY and isinstance(msg, UtilityCall):
+                self._utility(msg)
+        finally:  # what is left to tell (a failed resolve may have stored items)
+            self._publish_changes(origin)
         if self.mm_events is not None:  # what this message changed in the receiver cache
             self.mm_events.flush()
 
@@ -232,7 +246,7 @@ class EngineCoreProc:
         try:
             tensors = self.receiver.resolve(request.mm_features)
         except MultiModalCacheMissError as miss:
-            self._publish_evictions()
+            self._publish_changes(request.client_index)  # before the miss reaches P0
             out = EngineCoreOutput(
                 request_id=request.request_id,
                 finish_reason=FinishReason.ERROR.value,
@@ -248,7 +262,7 @@ class EngineCoreProc:
             log.exception("resolving the items of %s failed", request.request_id)
             self._send_error(request, RequestError(ErrorCode.INTERNAL.value, str(exc)))
             return
-        self._publish_evictions()
+        self._publish_changes(request.client_index)
         features = [
             msgspec.structs.replace(feature, data=data)
             for feature, data in zip(request.mm_features, tensors, strict=True)
@@ -261,8 +275,10 @@ class EngineCoreProc:
         )
         self._send(request.client_index, [out])
 
-    def _publish_evictions(self) -> None:
-        self._out.publish_evictions(self.receiver.drain_evicted())
+    def _publish_changes(self, origin: int | None) -> None:
+        """Queue the receiver's stores and evictions since the last call for every client
+        (its stores for all but ``origin``, the client whose request made them)."""
+        self._out.publish(self.receiver.drain_stored(), self.receiver.drain_evicted(), origin)
 
     def utilities(self) -> dict[str, tuple[bool, Callable[..., Any]]]:
         """The one utility table: name -> (runs on the busy loop?, function)."""
@@ -272,6 +288,8 @@ class EngineCoreProc:
     def _utility(self, call: UtilityCall) -> None:
         self._out.register(call.client_index)
         on_core, fn = self.utilities().get(call.method, (False, _unknown(call.method)))
+        if call.method == MM_CACHE_SYNC:
+            fn = functools.partial(fn, call.client_index)
         if on_core:
             self._core_queue.put(CoreUtility(call, fn))
         else:  # the shell's calls touch the receiver cache: they run here, on its thread
@@ -286,8 +304,15 @@ class EngineCoreProc:
 
     def _reset_mm_cache(self) -> bool:
         self.receiver.clear()
+        self._out.forget_all()  # stores of the old epoch must not reach any shadow
         self.cache_epoch = self.receiver.epoch  # P0 drops its whole shadow on the new epoch
         return True
+
+    def _sync_shadow(self, client: int) -> int:
+        """Queue a reset and the receiver's newest entries for ``client``; how many."""
+        snapshot = self.receiver.snapshot(MAX_BACKLOG)
+        self._out.resync(client, snapshot)
+        return len(snapshot)
 
     def _set_fault(self, rate: float) -> float:
         if not 0.0 <= float(rate) <= 1.0:

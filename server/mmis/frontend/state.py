@@ -153,6 +153,8 @@ class FrontendState:
             on_missing=self._on_missing,
             on_evicted=self._on_evicted,
             on_epoch_change=self._on_epoch_change,
+            on_stored=self.pending.learn,
+            on_reset=self.pending.request_clear,
             ping_interval_s=settings.ping_interval_s,
             liveness_timeout_s=settings.liveness_timeout_s,
         )

@@ -6,25 +6,48 @@ hit*, ``data=None``) when it believes P1 still holds it. Both sides are the same
 :class:`ByteBudgetLRU` with the same byte budget, and both charge an item
 :func:`item_nbytes` of the same processor output.
 
-The mirror invariant:
-- **What the shadow believes.** While nothing drifts, the shadow holds exactly the keys the
-  receiver holds, in the same LRU order: per request both apply the same two steps, first
-  touch every item that is cached, then store the items that came with data in request
-  order (an item larger than the whole budget is stored by neither, and is sent with its
-  data every time). Lookups (``is_cached``, ``lookup``, ``peek``) never change the order.
-- **When they may drift.** Only P1 loses items without P0 knowing right away: evictions
-  made by storing reach P0 later (on P1's outputs, through :meth:`ReceiverCache.drain_evicted`),
-  the fault hooks :meth:`ReceiverCache.evict`/:meth:`~ReceiverCache.evict_random` drop entries
-  silently (drift on purpose), a stale shared-memory descriptor loses its payload, and a P1
-  restart empties everything (a new :attr:`ReceiverCache.epoch`). In that window P0 may
-  send a shadow hit for an item P1 no longer holds; P0 never holds *fewer* than P1 thinks.
-- **How drift is healed.** P1 never guesses: :meth:`ReceiverCache.resolve` ingests every item
+The mirror invariant, for N shadows (P0 processes, client indexes 0..N-1, one P1; N = 1 is
+the special case where every shadow is exact):
+
+- **What a shadow may believe.** Let R be the keys P1's receiver holds. Shadow *i* holds
+  (a) the items its own requests recorded (:meth:`SenderCache.record_request`, at render
+  time: per request, first touch every item that is cached, then store the items sent with
+  data in request order; an item larger than the budget is stored by neither side and is
+  sent with its data every time), and (b) the items P1 reports that *other* clients'
+  requests stored (:class:`~mmis.protocol.messages.CachedItem`, learned by
+  :meth:`SenderCache.learn`; P1 never reports a client's own stores back to it), minus
+  every hash P1 reports evicted. Lookups (``is_cached``, ``lookup``, ``peek``) never change
+  the order. With one P0 (b) is empty and the shadow is R in the same LRU order. With N,
+  each shadow's order is its own (other P0s' touches are not reported), so its own budget
+  may drop items P1 still holds: a shadow may know *less* than R, which costs one resend of
+  the data (P1 replaces the entry), never an error. So an item stored once is a shadow hit
+  in every P0 and crosses to P1 once per pod, until P1 evicts it.
+- **When it may be wrong** (believe an item P1 does not hold): between an eviction made by
+  storing and the moment its report reaches the shadow (it rides on that client's next
+  batch, at the latest the answer to its next ``hello`` heartbeat, and is applied by the
+  next render before its first lookup); after the fault hooks
+  :meth:`ReceiverCache.evict`/:meth:`~ReceiverCache.evict_random` dropped entries
+  silently (drift on purpose); when a shared-memory descriptor went stale; after a P1
+  restart (a new :attr:`ReceiverCache.epoch`) until the first batch that shows it; for an
+  item one of its own requests recorded but P1 did not store (a smaller P1 budget, or the
+  request never arrived). Its pending record is applied in P1's order per hash: the last
+  event P1 reports for a hash wins (``engine/output_channel.py`` keeps one per hash).
+- **How drift heals.** P1 never guesses: :meth:`ReceiverCache.resolve` ingests every item
   it can, then raises ONE typed, retryable
   :class:`~mmis.protocol.errors.MultiModalCacheMissError` naming every missing hash. P0
-  queues those hashes (and reported evictions, and a full clear on a new epoch) as a batch
-  (:mod:`mmis.frontend.client.pending_invalidations`), applies them on its render worker, and
-  retries the request ONCE with every item carrying its data
-  (:mod:`mmis.frontend.client.recovery`); a miss on the retry is a 503, never a crash.
+  queues those hashes as a batch (:mod:`mmis.frontend.client.pending_invalidations`),
+  applies them on its render worker, and retries the request ONCE with every item carrying
+  its data (:mod:`mmis.frontend.client.recovery`); a miss on the retry is a 503, never a
+  crash. That chain is the only healing path; reported evictions, learned stores, a new
+  epoch and a ``shadow_reset`` only make drift rarer, through the same pending set.
+- **Restarts and bounds.** A restarted P0 starts with an empty shadow (it believes nothing,
+  so it cannot be wrong) and asks P1 once for what it holds (``mm_cache_sync``: the
+  newest entries, with a reset). A P1 restart empties every shadow through its new epoch.
+  P1 keeps at most ``MAX_BACKLOG`` unheard hashes per client and forgets a client silent
+  for ``CLIENT_TTL_S``; past either, that client gets one ``shadow_reset`` instead (forget
+  everything), so a slow or gone P0 never grows P1's memory. P0's pending set holds
+  evictions only of hashes its shadow holds and at most ``MAX_PENDING_STORES`` learned
+  items (the oldest dropped first: forgetting is always safe).
 
 Threads: the shadow is mutated only on P0's multimodal render worker (``is_cached`` is a
 single dict membership test, safe to call from the asyncio output handler); the receiver is
@@ -43,7 +66,7 @@ from typing import Any, Final, Generic, Protocol, TypeVar
 import numpy as np
 
 from mmis.protocol.errors import MMISError, MultiModalCacheMissError, ProtocolError
-from mmis.protocol.messages import ErrorCode, MultiModalFeature, ShmAddress
+from mmis.protocol.messages import CachedItem, ErrorCode, MultiModalFeature, ShmAddress
 from mmis.shm.errors import ShmHandleError, StaleHandleError
 
 # -- sizing: both sides charge an item the same bytes --------------------------------
@@ -231,6 +254,7 @@ class SenderCacheStats:
     entries: int
     total_bytes: int
     capacity_bytes: int
+    learned: int = 0
 
 
 class SenderCache:
@@ -253,6 +277,7 @@ class SenderCache:
         self.evictions = 0
         self.invalidations = 0
         self.clears = 0
+        self.learned = 0
 
     @property
     def capacity_bytes(self) -> int:
@@ -304,6 +329,23 @@ class SenderCache:
         self.evictions += len(evicted)
         return evicted
 
+    def learn(self, items: Iterable[CachedItem]) -> list[str]:
+        """Believe what P1 reports another client's requests stored, oldest first.
+
+        An item the shadow already holds is left where it is (no touch: its order is this
+        shadow's own); one larger than the budget is skipped. Returns the hashes evicted to
+        make room (the shadow forgets them; P1 may still hold them).
+        """
+        evicted: list[str] = []
+        for item in items:
+            if item.mm_hash in self._lru or not self._lru.fits(item.nbytes):
+                continue
+            entry = ShadowEntry(item.nbytes, item.placeholder_length)
+            evicted.extend(self._lru.put(item.mm_hash, entry, item.nbytes))
+            self.learned += 1
+        self.evictions += len(evicted)
+        return evicted
+
     def invalidate(self, mm_hash: str) -> bool:
         """Forget ``mm_hash`` (P1 reported it missing or evicted); ``True`` if it was cached."""
         if self._lru.pop(mm_hash) is None:
@@ -332,6 +374,7 @@ class SenderCache:
             entries=len(self._lru),
             total_bytes=self._lru.total_bytes,
             capacity_bytes=self._lru.capacity_bytes,
+            learned=self.learned,
         )
 
 
@@ -378,13 +421,18 @@ class ReceiverCache:
     error is raised, so the retry only needs to carry the missing ones. A forged or unknown
     descriptor fails the request with its :class:`~mmis.shm.errors.ShmHandleError`, raised
     only after every other descriptor was read and acknowledged (the writer's space is
-    reclaimed). Evictions made by storing are kept until :meth:`drain_evicted`.
+    reclaimed). Evictions made by storing are kept until :meth:`drain_evicted`, stores
+    (what other P0s' shadows learn) until :meth:`drain_stored`; both only ever name
+    hashes stored at least once, so they are bounded by the entries the budget holds plus
+    the evictions since the last drain (P1's input thread drains both after each message).
     """
 
     def __init__(self, capacity_bytes: int, shm_reader: ShmReader | None = None) -> None:
         self._lru: ByteBudgetLRU[str, Tensors] = ByteBudgetLRU(capacity_bytes)
         self._shm_reader = shm_reader
         self._evicted: list[str] = []
+        self._stored: dict[str, CachedItem] = {}  # stored since the last drain, still held
+        self._lengths: dict[str, int] = {}  # placeholder length of every held entry
         self.epoch = uuid.uuid4().hex  # changes on every P1 start
         # told every store, eviction (silent ones too) and clear: engine/mm_events.py
         self.listener: CacheListener | None = None
@@ -434,7 +482,7 @@ class ReceiverCache:
             except ShmHandleError as exc:  # forged or unknown: fail, after reading the rest
                 failure = failure or exc
                 continue
-            self._store(feature.mm_hash, tensors)
+            self._store(feature.mm_hash, tensors, feature.placeholder.length)
             provided[feature.mm_hash] = tensors
             resolved[i] = tensors
         if failure is not None:
@@ -469,7 +517,7 @@ class ReceiverCache:
             )
         return dict(data)
 
-    def _store(self, mm_hash: str, tensors: Tensors) -> None:
+    def _store(self, mm_hash: str, tensors: Tensors, placeholder_length: int) -> None:
         nbytes = item_nbytes(tensors)
         fits = self._lru.fits(nbytes)
         if fits:
@@ -477,14 +525,33 @@ class ReceiverCache:
         else:
             self.oversize += 1  # used for this request only; put() drops any stale entry
         self._note_evicted(self._lru.put(mm_hash, tensors, nbytes))
-        if fits and self.listener is not None:
-            self.listener.stored(mm_hash, nbytes)
+        if fits:
+            self._lengths[mm_hash] = placeholder_length
+            self._stored.pop(mm_hash, None)  # the newest store last
+            self._stored[mm_hash] = CachedItem(mm_hash, nbytes, placeholder_length)
+            if self.listener is not None:
+                self.listener.stored(mm_hash, nbytes)
 
     def _note_evicted(self, hashes: list[str]) -> None:
         self.evictions += len(hashes)
         self._evicted.extend(hashes)
+        for mm_hash in hashes:
+            self._stored.pop(mm_hash, None)
+            self._lengths.pop(mm_hash, None)
         if hashes and self.listener is not None:
             self.listener.evicted(hashes)
+
+    def drain_stored(self) -> list[CachedItem]:
+        """Items stored since the last drain that are still held, oldest store first."""
+        stored, self._stored = self._stored, {}
+        return [item for item in stored.values() if item.mm_hash in self._lru]
+
+    def snapshot(self, limit: int) -> list[CachedItem]:
+        """What the cache holds now, least recently used first: its newest ``limit`` entries
+        as a fresh shadow needs them (the placeholder lengths P1 learned when storing)."""
+        keys = list(self._lru)[-limit:] if limit > 0 else []
+        lengths = self._lengths
+        return [CachedItem(h, self._lru.size_of(h) or 0, lengths[h]) for h in keys if h in lengths]
 
     def drain_evicted(self) -> list[str]:
         """Hashes evicted since the last drain that are still absent, oldest first."""
@@ -498,6 +565,9 @@ class ReceiverCache:
         ``silent=False`` also queues them for :meth:`drain_evicted`.
         """
         dropped = [h for h in dict.fromkeys(mm_hashes) if self._lru.pop(h) is not None]
+        for mm_hash in dropped:
+            self._stored.pop(mm_hash, None)
+            self._lengths.pop(mm_hash, None)
         self.fault_evictions += len(dropped)
         if dropped and self.listener is not None:  # silent to P0, never to routers
             self.listener.evicted(dropped)
@@ -515,6 +585,9 @@ class ReceiverCache:
     def clear(self) -> None:
         """Drop everything without reporting (a restart gets a new epoch instead)."""
         self._lru.clear()
+        self._stored.clear()
+        self._lengths.clear()
+        self._evicted.clear()
         self.epoch = uuid.uuid4().hex
         if self.listener is not None:
             self.listener.cleared(self.epoch)

@@ -41,6 +41,7 @@ class EngineStats:
     receiver_cache_queries: int = 0
     receiver_cache_hits: int = 0
     receiver_cache_evictions: int = 0
+    receiver_cache_stores: int = 0  # items stored: each crossed from a P0 to P1 once
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -10,6 +10,11 @@ Invariants:
 - evicted hashes and a changed cache epoch (P1 restarted) are handed to ``on_evicted`` /
   ``on_epoch_change`` before the outputs of the same batch, so drift is prevented, not only
   healed: a restart costs at most one miss per item;
+- what P1 says the shadow should know besides (the N-shadow invariant of
+  ``multimodal/cache.py``) goes the same way, in the batch's order: ``shadow_reset`` to
+  ``on_reset`` first (with the epoch change), then the evictions, then the items other P0s
+  stored to ``on_stored``; after its handshake the client asks P1 once for what it holds
+  (``mm_cache_sync``; an older P1 without it is ignored);
 - a request id is used for one attempt only (the caller derives fresh ids per attempt), and
   outputs for ids no longer registered are dropped, so a late output never mixes in;
 - the client never blocks the event loop on P1: sends are ZMQ sends awaited on the loop,
@@ -53,6 +58,7 @@ from mmis.protocol.codec import WireCodec
 from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import (
     AbortRequests,
+    CachedItem,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -63,6 +69,8 @@ from mmis.protocol.messages import (
 )
 
 log = logging.getLogger(__name__)
+
+MM_CACHE_SYNC = "mm_cache_sync"  # P1's utility call (engine/core_process.py)
 
 OutputQueue = asyncio.Queue[EngineCoreOutput]
 
@@ -101,6 +109,8 @@ class EngineClient(EngineLiveness):
         on_missing: Callable[[list[str]], None] | None = None,
         on_evicted: Callable[[list[str]], None] | None = None,
         on_epoch_change: Callable[[str], None] | None = None,
+        on_stored: Callable[[list[CachedItem]], object] | None = None,
+        on_reset: Callable[[], None] | None = None,
         ping_interval_s: float = default_of(FrontendConfig, "ping_interval_s"),
         liveness_timeout_s: float = default_of(FrontendConfig, "liveness_timeout_s"),
     ) -> None:
@@ -110,6 +120,9 @@ class EngineClient(EngineLiveness):
         self.on_missing = on_missing
         self.on_evicted = on_evicted
         self.on_epoch_change = on_epoch_change
+        self.on_stored = on_stored
+        self.on_reset = on_reset
+        self.shadow_resets = 0  # shadow_reset flags received
         self.cache_epoch = ""
         self.engine_info: dict[str, str] = {}  # the model as P1's hello describes it
         self.epoch_changes = 0
@@ -172,6 +185,14 @@ class EngineClient(EngineLiveness):
             k: str(hello[k]) for k in ("dtype", "device", "block_size") if k in hello
         }
         self._handshaken(loop)
+        await self._sync_shadow()
+
+    async def _sync_shadow(self) -> None:
+        """Ask P1 for what its receiver cache holds (it arrives as a reset and stores)."""
+        try:
+            await self.call_utility(MM_CACHE_SYNC, timeout=10.0)
+        except (UtilityCallError, TimeoutError, EngineUnavailableError) as exc:
+            log.info("the engine did not send its cache entries (%s); the shadow starts empty", exc)
 
     async def close(self) -> None:
         """Stop the tasks, fail whatever is still in flight, close the sockets (idempotent)."""
@@ -285,8 +306,14 @@ class EngineClient(EngineLiveness):
             previous, self.cache_epoch = self.cache_epoch, batch.cache_epoch
             if previous:
                 self._epoch_changed(previous, batch.cache_epoch)
+        if batch.shadow_reset:
+            self.shadow_resets += 1
+            if self.on_reset is not None:
+                self.on_reset()
         if batch.evicted_mm_hashes and self.on_evicted is not None:
             self.on_evicted(batch.evicted_mm_hashes)
+        if batch.stored_mm_items and self.on_stored is not None:
+            self.on_stored(batch.stored_mm_items)
         missing = [h for out in batch.outputs for h in out.missing_mm_hashes]
         if missing and self.on_missing is not None:
             self.on_missing(missing)  # before any output of this batch is published

@@ -1,11 +1,14 @@
 """P0's current levels on ``/metrics``, read from the front end's state at each scrape.
 
 :class:`FrontendLevels` renders unlabelled gauges ``mmis_frontend_engine_requests_in_flight``,
-``_shadow_entries``, ``_shadow_bytes``, ``_pending_invalidations``, ``_shm_used_bytes``,
-``_ready`` and the counter ``mmis_frontend_epoch_changes_total`` (P1 restarts noticed through
-a changed cache epoch). They are P0-local diagnostics (leak checks), not in the catalog, and
-duplicate no catalog series. P0's catalog counters are updated directly on
-:class:`~mmis.telemetry.metrics.MMISMetrics` by the code that counts.
+``_shadow_entries``, ``_shadow_bytes``, ``_pending_invalidations``, ``_shadow_pending_learned``
+(items other P0s stored, heard of and not yet applied), ``_shm_used_bytes``, ``_ready`` and
+the counters ``mmis_frontend_epoch_changes_total`` (P1 restarts noticed through a changed
+cache epoch), ``_shadow_learned_total`` (items the shadow learned from P1's reports of other
+P0s' stores) and ``_shadow_resets_total`` (P1's ``shadow_reset`` flags received). They are
+P0-local diagnostics (leak checks), not in the catalog, and duplicate no catalog series.
+P0's catalog counters are updated directly on :class:`~mmis.telemetry.metrics.MMISMetrics`
+by the code that counts.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ class FrontendLevels(Collector):
             "shadow_entries": lambda: len(state.shadow),
             "shadow_bytes": lambda: state.shadow.stats().total_bytes,
             "pending_invalidations": lambda: len(state.pending),
+            "shadow_pending_learned": lambda: len(state.pending.learned()),
             "shm_used_bytes": shm_used,
             # 0 when the store is off or could not be created (frontend/state.py)
             "shm_capacity_bytes": shm_stat("capacity"),
@@ -85,4 +89,14 @@ class FrontendLevels(Collector):
             "mmis_frontend_epoch_changes",
             "P1 restarts noticed through a changed cache epoch.",
             value=self._state.epoch_changes,
+        )
+        yield CounterMetricFamily(
+            "mmis_frontend_shadow_learned",
+            "Items the shadow learned from P1's reports of other P0s' stores.",
+            value=self._state.shadow.learned,
+        )
+        yield CounterMetricFamily(
+            "mmis_frontend_shadow_resets",
+            "Shadow resets P1 asked for (a new or forgotten client, an overflowed backlog).",
+            value=self._state.client.shadow_resets,
         )

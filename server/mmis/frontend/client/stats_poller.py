@@ -43,6 +43,7 @@ def receiver_figures(answer: Any) -> dict[str, int]:
         "receiver_cache_queries": hits + misses,
         "receiver_cache_hits": hits,
         "receiver_cache_evictions": evictions,
+        "receiver_cache_stores": int(answer.get("stored", 0)),
     }
 
 
