@@ -22,6 +22,7 @@ import yaml
 
 from mmis.cli import COMMANDS
 from mmis.config import SHARED_SETTINGS, GiB, default_of, from_env
+from mmis.cpus import engine_threads
 from mmis.engine import batch_limits
 from mmis.engine.config import EngineConfig
 from mmis.engine.scheduling.sched_config import SchedulerConfig
@@ -98,7 +99,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
     for key in list(os.environ):
-        if key.startswith(("MMIS_", "OTEL_")):
+        if key.startswith(("MMIS_", "OTEL_")) or key == "OMP_NUM_THREADS":
             monkeypatch.delenv(key)
 
 
@@ -128,12 +129,30 @@ def test_serve_takes_the_front_end_flags_and_every_engine_setting(clean_env: Non
     # every engine flag but the status file, which serve sets for its child itself
     assert set(_parser(engine_cli)._option_string_actions) - {"--status-file"} <= flags
     assert "--status-file" not in flags
-    # with no flags, the child P1 gets no engine-only value: its own defaults apply
+    # with no flags, the child P1 gets no engine-only value but its threads, sized for the
+    # CPUs it shares with the front ends (mmis/cpus.py): its own defaults apply to the rest
     args = parser.parse_args([])
     child = serve_cli.engine_settings(args, serve_cli.frontend_settings(args))
     engine_only = {f.name for f in dataclasses.fields(EngineConfig) if "shared" not in f.metadata}
-    assert set(child) & engine_only == {"model"}
-    assert from_env(EngineConfig, "engine", environ={}, **child) == EngineConfig()
+    assert set(child) & engine_only == {"model", "threads"}
+    assert child["threads"] == engine_threads(1)
+    expected = EngineConfig(threads=engine_threads(1))
+    assert from_env(EngineConfig, "engine", environ={}, **child) == expected
+
+
+def test_serve_leaves_p1s_threads_to_the_environment_when_it_sizes_them(
+    clean_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parser = _parser(serve_cli)
+    args = parser.parse_args(["--api-servers", "2"])
+    settings = serve_cli.frontend_settings(args)
+    assert serve_cli.engine_settings(args, settings)["threads"] == engine_threads(2)
+    for name in ("OMP_NUM_THREADS", "MMIS_ENGINE_THREADS"):
+        monkeypatch.setenv(name, "3")
+        assert "threads" not in serve_cli.engine_settings(args, settings)
+        monkeypatch.delenv(name)
+    args = parser.parse_args(["--threads", "5"])
+    assert serve_cli.engine_settings(args, serve_cli.frontend_settings(args))["threads"] == 5
 
 
 def test_parsers_with_no_flags_give_the_dataclass_defaults(clean_env: None) -> None:

@@ -35,6 +35,10 @@ Invariants:
   (SIGKILL), the kernel sends P1 SIGTERM (Linux parent-death signal): no orphan keeps running.
 - Bad settings of either process exit 2 before anything starts (not through a P1 restart
   loop): P1's are checked here by building its ``EngineConfig``.
+- P1 and the front ends share this machine's CPUs: unless ``--threads``, ``OMP_NUM_THREADS``
+  or ``MMIS_ENGINE_THREADS`` size them, P1 runs with the usable CPUs less one per front-end
+  process (``mmis/cpus.py``; a torch pool on every core spins between P1's small ops on the
+  cores P0's image work needs: benchmarks/README.md, "Where a request's host time goes").
 - P1 gets the model's ``--revision`` too (both sides load the same revision); processor
   kwargs stay in P0, the only side that runs the processor.
 """
@@ -56,6 +60,7 @@ from types import FrameType
 from typing import Any
 
 from mmis.config import ConfigError, add_flags, default_of, flag_of, from_env
+from mmis.cpus import engine_threads
 from mmis.engine.config import EngineConfig
 from mmis.entrypoints import frontend
 from mmis.entrypoints.common import resolve_model, served_name, setup_logging
@@ -116,7 +121,15 @@ def engine_settings(args: argparse.Namespace, settings: FrontendConfig) -> dict[
             values[field.name] = given
         elif field.metadata.get("shared") in p0:
             values[field.name] = p0[field.metadata["shared"]]
+    if "threads" not in values and not _env_threads():
+        # P1 and the N front ends share these CPUs: leave each front end one (mmis/cpus.py)
+        values["threads"] = engine_threads(settings.api_servers)
     return values
+
+
+def _env_threads() -> bool:
+    """Whether the environment already sizes P1's threads (it wins over our default)."""
+    return bool(os.environ.get("MMIS_ENGINE_THREADS") or os.environ.get("OMP_NUM_THREADS"))
 
 
 def engine_command(
