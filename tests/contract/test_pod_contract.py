@@ -27,6 +27,7 @@ from mmis.config import GiB, default_of
 from mmis.engine.config import EngineConfig
 from mmis.entrypoints import engine as engine_cli
 from mmis.entrypoints import frontend as frontend_cli
+from mmis.entrypoints.api_servers import STOP_MARGIN_S
 from mmis.frontend.config import FrontendConfig
 from mmis_operator import builders
 from mmis_operator import kube as r
@@ -78,6 +79,7 @@ def _variants() -> Iterator[tuple[str, dict[str, Any]]]:
         },
         "revision-processor-kwargs": {"model": {"id": "acme/vlm", **MODEL_EXTRAS}},
         "routing": {"routing": {"cacheWeight": 2}},  # the engine's cache-event flags
+        "api-servers": {"frontend": {"apiServers": 4}},  # P0 processes: --api-servers
     }
     for name, change in changes.items():
         obj = copy.deepcopy(base)
@@ -219,6 +221,7 @@ def test_server_settings_match_the_spec(variant: str, monkeypatch: pytest.Monkey
     assert settings.otlp_traces_endpoint == engine.otlp_traces_endpoint == spec.otlp_endpoint
     assert settings.api_key == (SECRET_VALUE if spec.api_key_secret else None)
     assert settings.allowed_local_media_path == spec.allowed_local_media_path
+    assert settings.api_servers == spec.api_servers
     # the port the probes and the Service use is the one the server binds; the operations
     # port (what Prometheus and the coherence probe reach, pod to pod) is the one it opens
     http, ops = front_c["ports"]
@@ -304,7 +307,7 @@ def test_routing_event_endpoints_bind_the_named_engine_ports(
         assert _parse(plain_engine, patch).kv_events_endpoint is None
 
 
-@pytest.mark.parametrize("variant", ["llava-lru", "routing"])
+@pytest.mark.parametrize("variant", ["llava-lru", "routing", "api-servers"])
 def test_engine_prestop_waits_on_the_front_ends_drain_lock(
     variant: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -325,7 +328,10 @@ def test_engine_prestop_waits_on_the_front_ends_drain_lock(
     assert "--graceful-shutdown-s" not in by_name[r.FRONTEND]["args"]
     graceful = default_of(FrontendConfig, "graceful_shutdown_s")
     assert builders.FRONTEND_GRACEFUL_SECONDS == settings.graceful_shutdown_s == graceful
-    assert waits.timeout_s > spec.drain_seconds + settings.graceful_shutdown_s
+    # several P0s: the supervisor kills a draining child STOP_MARGIN_S after its graceful time
+    assert builders.API_SERVERS_STOP_MARGIN_SECONDS == STOP_MARGIN_S
+    margin = STOP_MARGIN_S if settings.api_servers > 1 else 0
+    assert waits.timeout_s > spec.drain_seconds + settings.graceful_shutdown_s + margin
     assert pod["terminationGracePeriodSeconds"] > waits.timeout_s
 
 

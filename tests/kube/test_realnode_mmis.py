@@ -15,6 +15,10 @@ waits for the state it needs, so a failure names its own point):
 4. faults: the engine killed or stopped is restarted alone while the front end answers
    ``/health``; a deleted pod is replaced; ``kubectl scale`` to 2 serves from both.
 
+Then issue 45 item 1 on a second service of its own (``spec.frontend.apiServers: 2``): image
+chats through its Service are answered by both P0 processes of its one pod (its ``/metrics``
+counts them under ``api_server="0"`` and ``"1"``).
+
 The pods' image is a 2 MB busybox (``scripts/realnode-image``); the interpreter, this
 checkout with its venv and the model arrive as read-only PersistentVolumes of type
 hostPath, bound to claims (a claim passes ``restricted``; a hostPath volume would not). The
@@ -25,10 +29,12 @@ manifests and helm values are ``scripts/realnode-manifests``'s, as in
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import contextlib
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -435,3 +441,73 @@ def test_volume_below_the_store_is_a_clear_error_not_a_crash_loop(cluster: Clust
     assert _metric(pod, "mmis_frontend_shm_capacity_bytes") == 0
     assert _chat(f"{_pod_url(pod)}/v1", seed=9)  # the tensors travel inline
     assert _restarts(_ready_pods(cluster, served)[0]) == {"frontend": 0, "engine": 0}
+
+
+# -- issue 45: two P0 processes in one pod ------------------------------------------------------
+
+API_SERVERS = 2
+# the P0 container's requests, written: exactly these for both processes (the node has 2 CPUs,
+# so the unset default, 2 CPUs per process, would not fit beside the first service)
+FRONTEND_REQUESTS = {"frontendCpu": "250m", "frontendMemory": "3Gi"}
+_SERIES = re.compile(r"^mmis_requests_total\{(?P<labels>[^}]*)\} (?P<value>\S+)$")
+
+
+@pytest.fixture(scope="module")
+def two_servers(cluster: Cluster, operator: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A namespace (restricted) holding a tiny-model service with ``apiServers: 2``, Ready."""
+    ns = f"rn2-{uuid.uuid4().hex[:6]}"
+    models = tmp_path_factory.mktemp("realnode-models-2")
+    models.chmod(0o755)
+    build_tiny_model(models / "tiny-llava")
+    docs = _manifests("service", "--namespace", ns, "--models", str(models))
+    (resource,) = [d for d in docs["items"] if d["kind"] == "MMInferenceService"]
+    resource["spec"]["frontend"] = {"apiServers": API_SERVERS}
+    resource["spec"]["resources"].update(FRONTEND_REQUESTS)
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(docs))
+    _wait_ready(cluster, ns, 1)
+    yield ns
+    cluster.kubectl("delete", "namespace", ns, "--wait=false")
+    for doc in docs["items"]:
+        if doc["kind"] == "PersistentVolume":
+            cluster.kubectl("delete", "pv", doc["metadata"]["name"], "--wait=false", check=False)
+
+
+def _chats_by_process(pod: dict[str, Any]) -> dict[str, float]:
+    """Finished 2xx chat requests of the pod's P0 processes, by ``api_server``."""
+    text = httpx.get(f"{_pod_url(pod, 8001)}/metrics", timeout=10).text
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        found = _SERIES.match(line)
+        if found is None:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', found["labels"]))
+        if labels.get("endpoint") == "/v1/chat/completions" and labels.get("status") == "2xx":
+            index = labels.get("api_server", "none")  # every P0 series has it with N > 1
+            counts[index] = counts.get(index, 0.0) + float(found["value"])
+    return counts
+
+
+def test_two_api_servers_serve_image_chats_through_the_service(cluster: Cluster, two_servers: str):
+    (pod,) = _ready_pods(cluster, two_servers)
+    (front,) = [c for c in pod["spec"]["containers"] if c["name"] == "frontend"]
+    args = front["args"]
+    assert args[args.index("--api-servers") + 1] == str(API_SERVERS)
+    # written requests are taken exactly (plus the /dev/shm volume on the memory)
+    assert front["resources"]["requests"]["cpu"] == FRONTEND_REQUESTS["frontendCpu"]
+    assert _chats_by_process(pod) == {}
+    sent = 0
+    with port_forward(cluster, two_servers, f"svc/{NAME}", 8000) as port:
+        base = f"http://127.0.0.1:{port}/v1"
+        # concurrent chats, each its own client (its own connection through the Service): the
+        # processes accept on one shared socket, so a busy one leaves the next to the other
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            for batch in range(6):
+                seeds = range(100 + 8 * batch, 108 + 8 * batch)
+                list(pool.map(lambda seed: _chat(base, seed), seeds))  # each asserts its answer
+                sent += len(seeds)
+                if len(_chats_by_process(pod)) == API_SERVERS:
+                    break
+    counts = _chats_by_process(pod)
+    assert set(counts) == {str(i) for i in range(API_SERVERS)}, counts
+    assert all(n > 0 for n in counts.values()) and sum(counts.values()) == sent, (counts, sent)
+    assert _restarts(_ready_pods(cluster, two_servers)[0]) == {"frontend": 0, "engine": 0}
