@@ -12,10 +12,10 @@ from typing import Any, cast
 
 from starlette.requests import Request
 
-from mmis.frontend.api.detokenizer import IncrementalDetokenizer
 from mmis.frontend.api.schemas import CompletionRequest
 from mmis.frontend.api.serving_completions import CompletionFormat
 from mmis.frontend.api.serving_generate import TextGenerator
+from mmis.frontend.client.output_processor import IncrementalDetokenizer
 from mmis.frontend.client.recovery import RecoveryPolicy
 from mmis.frontend.client.renderer import RenderedPrompt, SourcePrompt
 from mmis.protocol.messages import EngineCoreOutput, EngineCoreRequest

@@ -102,6 +102,8 @@ class ChatFormat(ChunkStream):
         self.parsers: dict[int, tool_calls.ToolCallParser] = {}
 
     def _parser(self, index: int) -> tool_calls.ToolCallParser | None:
+        if self.choice is None:  # no tools offered: nothing to parse
+            return None
         if index not in self.parsers:
             parser = tool_calls.parser_for(self.choice, self.function, self.parallel)
             if parser is None:

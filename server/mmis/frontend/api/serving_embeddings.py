@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,24 +27,18 @@ from mmis.frontend.api.schemas import (
     ImagePart,
 )
 from mmis.frontend.api.serving_common import new_request_id, unless_disconnected
-from mmis.frontend.client.renderer import ImageRef, RenderedPrompt, SourcePrompt
+from mmis.frontend.client.output_processor import OutputProcessor
+from mmis.frontend.client.renderer import ImageRef, SourcePrompt
 from mmis.frontend.client.tenancy import ANONYMOUS
 from mmis.frontend.request_telemetry import current_record
 from mmis.protocol.errors import MMISError
-from mmis.protocol.messages import EngineCoreRequest, ErrorCode, PoolingParams
+from mmis.protocol.messages import ErrorCode, PoolingParams
 
 if TYPE_CHECKING:
     from mmis.frontend.state import FrontendState
 
 
-def _build(rid: str, rendered: RenderedPrompt, choice: int) -> EngineCoreRequest:
-    return EngineCoreRequest(
-        rid,
-        rendered.token_ids,
-        rendered.features[choice],
-        pooling_params=PoolingParams(pooling_type="mean", normalize=True),
-        arrival_time=time.time(),
-    )
+POOLING = PoolingParams(pooling_type="mean", normalize=True)
 
 
 def _vector(pooled: Any) -> np.ndarray:
@@ -64,6 +57,7 @@ def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
 class EmbeddingServing:
     def __init__(self, state: FrontendState) -> None:
         self.state = state
+        self.outputs = OutputProcessor(state.policy, state.processor, state.max_model_len)
 
     async def _prepare(self, item: Any, tenant: str | None) -> SourcePrompt:
         renderer = self.state.renderer
@@ -82,11 +76,10 @@ class EmbeddingServing:
         return await renderer.prepare("\n".join(texts), images, param="input", tenant=tenant)
 
     async def _embed(self, source: SourcePrompt, request_id: str) -> tuple[np.ndarray, int]:
-        rendered, outputs = await self.state.policy.complete(
-            source, endpoint="embeddings", request_id=request_id, n=1, reserve=0, build=_build
+        pooled, num_tokens = await self.outputs.pool(
+            source, endpoint="embeddings", request_id=request_id, params=POOLING
         )
-        pooled = next((o.pooled for o in reversed(outputs[0]) if o.pooled is not None), None)
-        return _vector(pooled), rendered.num_tokens
+        return _vector(pooled), num_tokens
 
     async def _embed_all(
         self, sources: list[SourcePrompt], base: str

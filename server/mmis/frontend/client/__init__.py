@@ -4,7 +4,9 @@ It owns the ZMQ link to P1 (:mod:`.engine_client`) and its liveness (:mod:`.engi
 rendering prompts and media through the model's processor (:mod:`.renderer`,
 :mod:`.processor`, :mod:`.media` with its SSRF guard :mod:`.ssrf`), the sender half of the
 multimodal cache mirror's invalidations (:mod:`.pending_invalidations`), one generation
-attempt and the recovery/retry rules around it (:mod:`.generation`, :mod:`.recovery`), and
+attempt and the recovery/retry rules around it (:mod:`.generation`, :mod:`.recovery`), a
+request from its prepared prompt to finished outputs with text (:mod:`.output_processor`:
+engine requests per choice, detokenizing, stop strings, logprob rows), and
 the engine's numbers (:mod:`.levels`, :mod:`.stats_poller`).
 
 Imports flow one way: ``client`` imports only the shared modules at ``mmis.frontend`` level

@@ -129,7 +129,9 @@ RETRY_OUTCOMES = {
     "hash_only": "hash_only",
 }
 
-# (request id, rendered prompt, choice index) -> the engine request of that sibling
+# (request id, rendered prompt, choice index) -> the engine request of that sibling. Both
+# callables are the client's own (``output_processor.py``, the readiness probe of
+# ``frontend/state.py``): ``api`` hands the client data only (issue 45).
 RequestBuilder = Callable[[str, RenderedPrompt, int], EngineCoreRequest]
 # (choice index, its latest output) -> whether P0 ends that choice here
 ChoiceWatch = Callable[[int, EngineCoreOutput], bool]
