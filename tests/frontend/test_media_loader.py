@@ -157,4 +157,4 @@ async def test_blocking_work_runs_in_the_executor(media_dir: Path) -> None:
     load = MediaLoader(FrontendConfig(allowed_local_media_path=str(media_dir)), executor=executor)
     await load.load_image(f"file://{media_dir}/a.png")
     executor.shutdown()
-    assert executor.calls == ["read", "decode_image"]
+    assert executor.calls == ["read", "decode_sync"]

@@ -3,7 +3,9 @@
 Two stages:
 
 1. :meth:`Renderer.prepare` (asyncio): loads the images with the media loader (limits, SSRF
-   guard), hashes each one by its content and tokenizes the prompt with one image token per
+   guard), hashes each one by its content (bytes the content memo has seen give their hash
+   without being decoded: :mod:`~mmis.frontend.client.media.content_memo`; their pixels are
+   decoded only if a render needs them) and tokenizes the prompt with one image token per
    image, on a worker thread (a long prompt never stalls the event loop), after refusing a
    prompt too long for the context from its length alone. A client's ``uuid`` only names an
    item for its tenant (:mod:`~mmis.frontend.client.tenancy`): sent with data it is bound to
@@ -60,6 +62,7 @@ from typing import Any
 from PIL import Image
 
 from mmis.frontend.client.media import DecodedVideo, MediaLoader, check_image_count
+from mmis.frontend.client.media.content_memo import ContentMemo, EncodedImage, bytes_digest
 from mmis.frontend.client.pending_invalidations import PendingInvalidations
 from mmis.frontend.client.processor import ModelProcessor, PromptError
 from mmis.frontend.client.tenancy import ANONYMOUS, UuidBindings
@@ -92,11 +95,19 @@ class ImageRef:
     modality: str = MODALITY  # or VIDEO: a video_url part
 
 
+ItemData = Image.Image | EncodedImage | DecodedVideo | None
+"""An item's content: pixels, bytes whose pixels are decoded on first use, a clip, or none."""
+
+
+def _pixels(data: Image.Image | EncodedImage) -> Image.Image:
+    return data.image if isinstance(data, EncodedImage) else data
+
+
 @dataclasses.dataclass(frozen=True)
 class SourceItem:
     mm_hash: str  # the content's hash (a uuid-only item: its binding's; UNBOUND in key requests)
     uuid: str | None  # the client's name for it: never sent to P1
-    image: Image.Image | DecodedVideo | None  # None: hash-only, the engine must still hold it
+    image: ItemData  # None: hash-only, the engine must still hold it
     param: str | None
     processor_kwargs: dict[str, Any] | None = None  # None: the processor's own (--processor-kwargs)
     modality: str = MODALITY
@@ -171,6 +182,7 @@ class Renderer:
         self.shm_writer = shm_writer
         self.metrics = metrics or MMISMetrics(model_id)
         self.bindings = UuidBindings()  # only the event loop touches it (prepare)
+        self.memo = ContentMemo()  # likewise
         self._lengths: collections.OrderedDict[str, int] = collections.OrderedDict()
 
     def _remember(self, mm_hash: str, length: int) -> None:
@@ -202,16 +214,12 @@ class Renderer:
             elif ref.url is None:
                 raise InvalidRequestError("an image part needs a url or a uuid", param=ref.param)
         with_data = [ref for ref in images if ref.url is not None and ref.modality != VIDEO]
-        loaded = await self.loader.load_images(
-            [ref.url for ref in with_data if ref.url is not None],
-            params=[ref.param for ref in with_data],
-        )
-        pictures = iter(loaded)
+        pictures = iter(await self._load_images(with_data))
         clips = iter(
             [await self.loader.load_video(ref.url or "", param=ref.param) for ref in videos]
         )
         loop = asyncio.get_running_loop()
-        hashed: list[tuple[ImageRef, str | None, Image.Image | DecodedVideo | None, Any]] = []
+        hashed: list[tuple[ImageRef, str | None, ItemData, Any]] = []
         for ref in images:
             if ref.modality == VIDEO:
                 clip = next(clips)
@@ -219,13 +227,10 @@ class Renderer:
                 mm_hash = await loop.run_in_executor(None, self.hash_video, clip, kwargs)
                 hashed.append((ref, mm_hash, clip, kwargs))
                 continue
-            kwargs = self.processor.image_kwargs(ref.detail)
-            if ref.url is None:
-                hashed.append((ref, None, None, kwargs))  # uuid only: resolved below
+            if ref.url is None:  # uuid only: resolved below
+                hashed.append((ref, None, None, self.processor.image_kwargs(ref.detail)))
                 continue
-            image = next(pictures).image
-            mm_hash = await loop.run_in_executor(None, self.hash_image, image, kwargs)
-            hashed.append((ref, mm_hash, image, kwargs))
+            hashed.append((ref, *next(pictures)))
         if isinstance(prompt, str):
             self._check_prompt_chars(len(prompt), param)
         token_ids = await loop.run_in_executor(None, self.processor.prompt_token_ids, prompt)
@@ -249,9 +254,52 @@ class Renderer:
         items = self._bind(hashed, tenant, keys_only, param)
         return SourcePrompt(token_ids=token_ids, items=items, param=param)
 
+    async def _load_images(
+        self, refs: Sequence[ImageRef]
+    ) -> list[tuple[str, Image.Image | EncodedImage, dict[str, Any]]]:
+        """``(mm_hash, pixels, kwargs)`` of each image with a URL: bytes the content memo
+        knows (``media/content_memo.py``) keep their bytes, decoded only if a render needs
+        them; the others are decoded and hashed concurrently, and remembered."""
+        datas = await self.loader.load_encoded(
+            [ref.url or "" for ref in refs], params=[ref.param for ref in refs]
+        )
+        loop = asyncio.get_running_loop()
+        digests = await asyncio.gather(
+            *(loop.run_in_executor(None, bytes_digest, data) for data in datas)
+        )
+
+        async def one(
+            ref: ImageRef, data: bytes, digest: bytes
+        ) -> tuple[str, Image.Image | EncodedImage, dict[str, Any]]:
+            kwargs = self.processor.image_kwargs(ref.detail)
+            context = self._memo_context(kwargs)
+            known = self.memo.get(digest, context)
+            if known is not None:
+                return known, EncodedImage(data, self.loader.decode_sync), kwargs
+            image = await self.loader.decode(data, param=ref.param)
+            mm_hash = await loop.run_in_executor(None, self.hash_image, image, kwargs)
+            self.memo.put(digest, context, mm_hash)
+            return mm_hash, image, kwargs
+
+        return list(
+            await asyncio.gather(
+                *(one(ref, d, g) for ref, d, g in zip(refs, datas, digests, strict=True))
+            )
+        )
+
+    def _memo_context(self, kwargs: dict[str, Any]) -> str:
+        """What besides the bytes decides an image's mm_hash: the model and the kwargs."""
+        return item_mm_hash(
+            model_id=self.model_id,
+            modality="memo-context",
+            item=b"",
+            processor_kwargs=kwargs,
+            algorithm=self.hash_algorithm,
+        )
+
     def _bind(
         self,
-        hashed: Sequence[tuple[ImageRef, str | None, Image.Image | DecodedVideo | None, Any]],
+        hashed: Sequence[tuple[ImageRef, str | None, ItemData, Any]],
         tenant: str | None,
         keys_only: bool,
         param: str,
@@ -354,7 +402,7 @@ class Renderer:
             if isinstance(item.image, DecodedVideo):
                 processed = self.processor.process_video(item.image, item.processor_kwargs)
             else:
-                processed = self.processor.process_image(item.image, item.processor_kwargs)
+                processed = self.processor.process_image(_pixels(item.image), item.processor_kwargs)
             nbytes = item_nbytes(processed.tensors)
             self._remember(item.mm_hash, processed.num_tokens)
             plan.append(
@@ -415,7 +463,8 @@ class Renderer:
                 if isinstance(item.image, DecodedVideo):
                     n = self.processor.process_video(item.image, item.processor_kwargs).num_tokens
                 else:
-                    n = self.processor.process_image(item.image, item.processor_kwargs).num_tokens
+                    pixels = _pixels(item.image)
+                    n = self.processor.process_image(pixels, item.processor_kwargs).num_tokens
                 self._remember(item.mm_hash, n)
                 lengths.append(n)
         try:

@@ -7,6 +7,9 @@ Invariants:
 - Every image is size-limited in bytes (all sources) and in pixels (from the header).
 - Videos (:meth:`MediaLoader.load_video`) come from the same sources under the same byte
   limit; decoding and frame sampling (:mod:`.video`) run in ``executor`` like images.
+- :meth:`MediaLoader.load_encoded` stops before decoding: the renderer decodes only the
+  bytes its content memo has not seen (``media/content_memo.py``), under the same limits
+  (:meth:`MediaLoader.decode`).
 - Blocking work (base64 decoding, file reads, image decoding) runs in ``executor``
   (default: asyncio's), never on the event loop.
 - Loading several images is all-or-nothing: the first failure cancels the other loads and is
@@ -96,16 +99,21 @@ class MediaLoader:
 
     async def load_image(self, url: str, *, param: str | None = None) -> LoadedImage:
         data, source, media_type = await self.load_bytes(url, param=param)
-        image = await self._blocking(
-            functools.partial(
-                decode_image,
-                data,
-                max_pixels=self.config.media_max_pixels,
-                formats=self.config.image_formats,
-                param=param,
-            )
-        )
+        image = await self.decode(data, param=param)
         return LoadedImage(image=image, data=data, source=source, media_type=media_type)
+
+    def decode_sync(self, data: bytes, param: str | None = None) -> Image.Image:
+        """``data`` decoded under this loader's limits (blocking: call it off the loop)."""
+        return decode_image(
+            data,
+            max_pixels=self.config.media_max_pixels,
+            formats=self.config.image_formats,
+            param=param,
+        )
+
+    async def decode(self, data: bytes, *, param: str | None = None) -> Image.Image:
+        """:meth:`decode_sync` in ``executor``."""
+        return await self._blocking(functools.partial(self.decode_sync, data, param))
 
     @property
     def video_limits(self) -> VideoLimits:
@@ -142,6 +150,24 @@ class MediaLoader:
         except BaseExceptionGroup as group_error:
             raise _first_leaf(group_error) from None
         return [task.result() for task in tasks]
+
+    async def load_encoded(
+        self, urls: Sequence[str], *, params: Sequence[str | None]
+    ) -> list[bytes]:
+        """The encoded bytes of all images of one prompt, fetched concurrently, not decoded
+        (``Renderer.prepare`` decodes what its content memo does not know); all or nothing,
+        the count checked first."""
+        check_image_count(len(urls), self.config.max_images_per_prompt)
+        if len(params) != len(urls):
+            raise ValueError("params must be as long as urls")
+        tasks: list[asyncio.Task[tuple[bytes, str, str | None]]] = []
+        try:
+            async with asyncio.TaskGroup() as group:
+                for url, name in zip(urls, params, strict=True):
+                    tasks.append(group.create_task(self.load_bytes(url, param=name)))
+        except BaseExceptionGroup as group_error:
+            raise _first_leaf(group_error) from None
+        return [task.result()[0] for task in tasks]
 
     async def _blocking(self, call: functools.partial[T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, call)

@@ -1,0 +1,158 @@
+"""The content memo (``frontend/client/media/content_memo.py``) in the real renderer.
+
+The real tiny-model processor, shadow and single worker: bytes seen before give the pixels'
+``mm_hash`` without decoding; a render that needs the pixels decodes them and sends exactly
+what a first sight sends; other bytes of the same pixels reach the same hash; a corrupt image
+is refused whatever the memo holds.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mmis.frontend.client.media import MediaLoader
+from mmis.frontend.client.media.content_memo import ContentMemo, EncodedImage
+from mmis.frontend.client.pending_invalidations import PendingInvalidations
+from mmis.frontend.client.processor import ModelProcessor
+from mmis.frontend.client.renderer import ImageRef, Renderer, SourcePrompt
+from mmis.frontend.config import FrontendConfig
+from mmis.frontend.errors import InvalidMediaError
+from mmis.frontend.state import load_processor
+from mmis.multimodal.cache import SenderCache
+from mmis.tiny_models.tiny_model import tiny_model_dir
+
+from .test_processor_kwargs import settings_for
+
+
+@pytest.fixture(scope="module")
+def processor() -> ModelProcessor:
+    return ModelProcessor.from_pretrained(str(tiny_model_dir()))
+
+
+@pytest.fixture
+async def renderer(processor: ModelProcessor) -> AsyncIterator[Renderer]:
+    shadow = SenderCache(1 << 30)
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        yield Renderer(
+            processor,
+            MediaLoader(FrontendConfig()),
+            shadow,
+            PendingInvalidations(shadow),
+            executor,
+            model_id="tiny",
+            max_model_len=256,
+            max_images=4,
+        )
+
+
+def _photo(seed: int) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 255, (48, 64, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def _url(image: Image.Image, compress_level: int = 6) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", compress_level=compress_level)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+async def _prepare(r: Renderer, url: str, detail: str | None = None) -> SourcePrompt:
+    prompt = r.processor.chat_prompt(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}]
+    )
+    return await r.prepare(prompt, [ImageRef(url, None, "messages[0]", detail=detail)])
+
+
+async def test_bytes_seen_before_give_the_pixels_hash_without_decoding(renderer: Renderer) -> None:
+    image = _photo(1)
+    url = _url(image)
+    first = (await _prepare(renderer, url)).items[0]
+    assert isinstance(first.image, Image.Image)  # a first sight decodes
+    again = (await _prepare(renderer, url)).items[0]
+    assert isinstance(again.image, EncodedImage)
+    assert "image" not in vars(again.image)  # not decoded
+    assert again.mm_hash == first.mm_hash == renderer.hash_image(image)
+    assert (renderer.memo.hits, renderer.memo.misses) == (1, 1)
+
+
+async def test_a_render_that_needs_the_pixels_sends_what_a_first_sight_sends(
+    renderer: Renderer,
+) -> None:
+    url = _url(_photo(2))
+    first = await renderer.render(await _prepare(renderer, url), bypass=False, reserve_tokens=1)
+    assert first.processed == 1
+    again = await _prepare(renderer, url)
+    hit = await renderer.render(again, bypass=False, reserve_tokens=1)
+    assert hit.shadow_hits == 1
+    assert "image" not in vars(again.items[0].image)  # a shadow hit never decodes
+    # P1 lost it (the retry path): the render decodes the bytes and sends the same tensors
+    resent = await renderer.render(again, bypass=True, reserve_tokens=1)
+    assert resent.processed == 1 and "image" in vars(again.items[0].image)
+    assert resent.token_ids == first.token_ids
+    sent, fresh = first.features[0][0].data, resent.features[0][0].data
+    assert isinstance(sent, dict) and isinstance(fresh, dict) and sent.keys() == fresh.keys()
+    for name in sent:
+        np.testing.assert_array_equal(np.asarray(sent[name]), np.asarray(fresh[name]))
+
+
+async def test_other_bytes_of_the_same_pixels_reach_the_same_hash(renderer: Renderer) -> None:
+    image = _photo(3)
+    fast, small = _url(image, compress_level=1), _url(image, compress_level=9)
+    assert fast != small
+    a = (await _prepare(renderer, fast)).items[0]
+    b = (await _prepare(renderer, small)).items[0]
+    assert isinstance(b.image, Image.Image)  # a memo miss: decoded and hashed
+    assert a.mm_hash == b.mm_hash
+
+
+async def test_the_detail_budget_is_part_of_the_memo_key() -> None:
+    processor, _ = load_processor(settings_for(tiny_model_dir("qwen2-vl-hub")))
+    low_kwargs = processor.image_kwargs("low")
+    assert low_kwargs != processor.image_kwargs(None)  # Qwen2-VL pins a smaller budget
+    shadow = SenderCache(1 << 30)
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        r = Renderer(
+            processor,
+            MediaLoader(FrontendConfig()),
+            shadow,
+            PendingInvalidations(shadow),
+            executor,
+            model_id="tiny-qwen",
+            max_model_len=4096,
+            max_images=4,
+        )
+        image = _photo(4)
+        url = _url(image)
+        auto = (await _prepare(r, url)).items[0]
+        low = (await _prepare(r, url, detail="low")).items[0]
+        assert isinstance(low.image, Image.Image)  # same bytes, other kwargs: a memo miss
+        assert low.mm_hash == r.hash_image(image, low_kwargs) != auto.mm_hash
+        assert (await _prepare(r, url, detail="low")).items[0].mm_hash == low.mm_hash
+
+
+async def test_corrupt_bytes_are_refused_and_never_remembered(renderer: Renderer) -> None:
+    buf = io.BytesIO()
+    _photo(5).save(buf, format="PNG")
+    broken = "data:image/png;base64," + base64.b64encode(buf.getvalue()[:200]).decode()
+    for _ in range(2):
+        with pytest.raises(InvalidMediaError):
+            await _prepare(renderer, broken)
+    assert len(renderer.memo) == 0
+
+
+def test_the_memo_is_bounded_least_recently_used_first() -> None:
+    memo = ContentMemo(entries=2)
+    memo.put(b"a", "ctx", "h-a")
+    memo.put(b"b", "ctx", "h-b")
+    assert memo.get(b"a", "ctx") == "h-a"  # a is now the most recent
+    memo.put(b"c", "ctx", "h-c")
+    assert memo.get(b"b", "ctx") is None and len(memo) == 2
+    assert memo.get(b"a", "other") is None  # the context is part of the key
+    assert (memo.get(b"a", "ctx"), memo.get(b"c", "ctx")) == ("h-a", "h-c")
