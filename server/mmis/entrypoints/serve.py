@@ -8,13 +8,16 @@ engine flags given and every shared setting as P0 has it.
 
 Invariants:
 - P1 runs as a child process (``mmis engine``) on fresh IPC addresses in a private temporary
-  directory; P0 runs in this process (``mmis frontend``'s code path, same flags). The first
+  directory; P0 runs in this process (``mmis frontend``'s code path, same flags; with
+  ``--api-servers N`` above 1 this process is the supervisor of N P0 children,
+  :mod:`mmis.entrypoints.api_servers`, and everything below holds for any N). The first
   stdout line is P0's ``mmis frontend listening on http://HOST:PORT`` (also with ``--port 0``):
   P1's stdout goes to our stderr so it can never come first.
 - If P1 exits before it was ever ready (its ``--status-file`` in our temporary directory never
   said ``ready``: a missing dependency, a model that does not load), nothing is restarted:
-  P0 stops waiting for its handshake, and we exit 1 within seconds with P1's one-line cause
-  as our last stderr line (``mmis serve: the engine failed to start: ...``). A deterministic
+  P0 stops waiting for its handshake (under N P0s the supervisor relays it to each), and we
+  exit 1 within seconds with P1's one-line cause as our last stderr line
+  (``mmis serve: the engine failed to start: ...``). A deterministic
   failure retried as a crash would only hide its cause behind minutes of restarts.
 - If P1 exits unexpectedly after it was ready it is restarted (as a pod's container would
   be); P0 stays up, sees the loss at once (its socket monitor,
