@@ -172,6 +172,40 @@ def test_greedy_outputs_equal_one_process(group: Group, tiny_serve: Proc) -> Non
     assert two == one
 
 
+def _uuid_chat(proc: Proc, uuid: str, color: tuple[int, int, int] | None) -> str:
+    """A greedy chat naming its image by ``uuid``, with the data (``color``) or by uuid alone."""
+    inner: dict[str, object] = {"uuid": uuid}
+    if color is not None:
+        inner["url"] = image_url(color)
+    part = {"type": "image_url", "image_url": inner}
+    with openai_client(proc) as client:
+        answer = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": [part, {"type": "text", "text": "And now?"}]}],  # type: ignore[list-item,misc]
+            max_tokens=8,
+            temperature=0,  # type: ignore[arg-type]
+        )
+    return answer.choices[0].message.content or ""
+
+
+def test_a_uuid_bound_in_one_process_resolves_in_the_other(group: Group) -> None:
+    """The data with its uuid lands on one process, the uuid alone on whichever accepts next:
+    every uuid-only request answers (its process asks its sibling on the private socket),
+    and as a shadow hit, never with a 422."""
+    before = group.by_index("mmis_requests_total")
+    sent = 0
+    for n in range(4):
+        uuid, color = f"photo-{n}", (n * 50, 200, 17)
+        first = _uuid_chat(group.proc, uuid, color)
+        sent += 1
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            repeats = list(pool.map(_uuid_chat, [group.proc] * 6, [uuid] * 6, [None] * 6))
+        sent += 6
+        assert repeats == [first] * 6
+    delta = {k: v - before.get(k, 0.0) for k, v in group.by_index("mmis_requests_total").items()}
+    assert sum(delta.values()) == sent and all(delta.get(k, 0) > 0 for k in ("0", "1")), delta
+
+
 # -- one process killed under load -----------------------------------------------------------
 def test_a_killed_process_is_restarted_alone_under_load(group: Group) -> None:
     pids = group.p0_pids()
@@ -352,7 +386,12 @@ def _frontend_without_engine(tmp_path: Path, *flags: str) -> subprocess.Popen[st
 
 def test_an_engine_that_never_answers_fails_the_start_in_one_line(tmp_path: Path) -> None:
     proc = _frontend_without_engine(tmp_path, "--engine-timeout-s", "2")
-    out, err = proc.communicate(timeout=240)
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:  # a supervisor that restarts failed starts for ever is stopped here
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
     lines = [line for line in err.splitlines() if line.strip()]
     assert proc.returncode == 1, err[-3000:]
     assert out.splitlines()[0].startswith("mmis frontend listening on http://")
