@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_host_step.py [--sizes 32x1024 256x1024 256x8192 32x8192]
         [--steps 200] [--warmup 30] [--device cpu|cuda] [--threads 1] [--profile 25]
+        [--async-scheduling auto|on|off]
 
 The real :class:`EngineCore` (built by ``make_core`` as ``mmis engine`` builds it: scheduler,
 KV/prefix cache, encoder cache, runner, sampler, output building) runs the tiny LLaVA
@@ -23,6 +24,10 @@ adds). The cyclic collector is set up as in the engine process: everything loade
 (``gc.freeze``, as ``mmis engine`` does after load) and the busy loop's thresholds apply
 (``core_process.tune_gc``). The KV pool has as many blocks as the contexts need but a one-float spec
 (1 layer, 1 KV head, head dim 1): the stub never reads it, so its bytes would only cost memory.
+
+With ``--async-scheduling on`` a timed ``core.step()`` schedules and launches step N+1, then
+collects and updates step N (``engine/core.py``): the same work per call, its rows' input ids
+taken from the previous step's sampled ids on the device.
 
 The median is over windows of ``BLOCK_SIZE`` consecutive steps, each window's mean per step
 (``per_window``: every row crosses one block boundary in a window, wherever the prefill left
@@ -71,6 +76,7 @@ TARGET_256_MS = 1.0
 TARGET_32_MS = 0.3
 TARGET_RATIO = 0.10  # 8k vs 1k context: within 10% of each other
 BLOCK_SIZE = 16
+ASYNC_SCHEDULING = "auto"  # --async-scheduling (the engine's default: on on CUDA only)
 
 
 class BenchmarkError(RuntimeError):
@@ -134,6 +140,8 @@ def build_core(
         block_size=BLOCK_SIZE,
         max_model_len=context + decode_steps + 1,
     )
+    if ASYNC_SCHEDULING != "auto":  # only then: an older tree's config has no such field
+        cfg = dataclasses.replace(cfg, async_scheduling=ASYNC_SCHEDULING)
     return make_core(cfg, runner)
 
 
@@ -376,7 +384,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--breakdown", action="store_true", help="mean time in schedule / execute / update"
     )
+    parser.add_argument(
+        "--async-scheduling",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="the engine's --async-scheduling (auto: the engine's default, off on CPU)",
+    )
     args = parser.parse_args(argv)
+    global ASYNC_SCHEDULING
+    ASYNC_SCHEDULING = args.async_scheduling
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")
     sizes = [parse_size(s) for s in args.sizes]

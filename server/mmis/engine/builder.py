@@ -150,6 +150,8 @@ def make_core(
         spans=spans,
         grammar=None if tokenizer_dir is None else load_grammar(cfg, adapter, tokenizer_dir),
         kv_events=kv_event_stream(cfg),
+        async_scheduling=cfg.async_scheduling == "on"
+        or (cfg.async_scheduling == "auto" and adapter.device.type == "cuda"),
     )
 
 

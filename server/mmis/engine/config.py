@@ -32,6 +32,7 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # on CUDA when no KV sizing flag is given
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 CPU_LINEAR_CHOICES = ("auto", "onednn", "torch")  # engine/execution/cpu_linear.py
 ATTENTION_CHOICES = ("auto", "flex", "torch")  # engine/execution/attn_backends.py
+ASYNC_SCHEDULING_CHOICES = ("auto", "on", "off")  # engine/core.py
 MIN_ENCODER_CACHE_TOKENS = 8192  # the encoder cache's floor when sized from the processor
 
 
@@ -124,6 +125,18 @@ class EngineConfig:
         help="do not capture CUDA graphs: on CUDA, P1 captures one per decode batch size at "
         "start-up (verified against eager) and replays them for decode-only steps; this runs "
         "every step eager (CPU never captures)",
+    )
+    async_scheduling: str = setting(
+        "auto",
+        choices=ASYNC_SCHEDULING_CHOICES,
+        metavar="{" + ",".join(ASYNC_SCHEDULING_CHOICES) + "}",
+        rule=(
+            lambda v: v in ASYNC_SCHEDULING_CHOICES,
+            f"must be one of {', '.join(ASYNC_SCHEDULING_CHOICES)}",
+        ),
+        help="schedule the next engine step while the current one runs on the device, its "
+        "sampled tokens copied back on a copy stream (engine/core.py; the same tokens as the "
+        "synchronous loop); auto: on on CUDA, off elsewhere (no overlap to gain on CPU)",
     )
     max_model_len: int | None = shared(
         "max_model_len", rule=(lambda v: v is None or v >= 2, "must be at least 2")

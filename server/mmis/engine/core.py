@@ -29,6 +29,24 @@ Invariants:
   overwrites its rows), and sent whole in the request's first output with tokens; dropped
   when the request ends. Such requests bypass the prefix cache (``Request.skip_cache``).
 - :meth:`utilities` is the core's part of the one utility table (``core_process.py``).
+- Async scheduling (``async_scheduling``; ``--async-scheduling``, on by default on CUDA): at
+  most one step is in flight between two :meth:`step` calls. A call schedules step N+1 while
+  step N runs on the device, launches it (queued behind N), then collects N (waits for its
+  sampled ids' copy) and runs N's update; its outputs are N's. In N+1 a decode row whose
+  previous token is N's holds a placeholder (the scheduler counts it as a computed token,
+  ``scheduler.py``), read by the runner from N's sampled ids on the device; N's update turns
+  it into the token, so outputs, stop checks and prefix-cache keys only ever see real tokens.
+  A request N's update finishes (EOS, stop ids; ``max_tokens`` and ``max_model_len`` are seen
+  ahead and get no row) has its N+1 row computed for nothing: its token is dropped, its
+  blocks were freed by the finish; an abort between calls drops the step in flight's token
+  too, as the synchronous loop never produced it before the abort. Every request's tokens are
+  the synchronous loop's (greedy and seeded sampling: ``tests/engine/test_async_scheduling.py``).
+  The synchronous step is kept where overlap would not be exact: a step whose sampled rows
+  include a request that is not ``Request.overlappable`` (penalties read the token history,
+  a grammar mask needs the accepted token, prompt logprobs) is updated before the next pass;
+  under tensor parallelism every step is. Preemption is exact either way (a request preempted
+  while its token is in flight still gets it, ``scheduler.py``). A failed launch first
+  finishes the step in flight, then fails its own requests.
 """
 
 from __future__ import annotations
@@ -36,15 +54,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 import numpy as np
 
-from mmis.engine.execution.runner import ModelRunner
+from mmis.engine.execution.runner import LaunchedStep, ModelRunner
 from mmis.engine.scheduling.admission import ModelLimits, Problem, check_request
 from mmis.engine.scheduling.request import Request
-from mmis.engine.scheduling.sched_output import SchedulerOutput
+from mmis.engine.scheduling.sched_output import SchedulerOutput, StepOutput
 from mmis.engine.scheduling.scheduler import Scheduler
 from mmis.protocol.errors import MMISError
 from mmis.protocol.kv_events import RESET_PREFIX_CACHE
@@ -69,6 +87,9 @@ log = logging.getLogger(__name__)
 __all__ = ["EngineCore"]
 
 
+_NOTHING = StepOutput()  # a step that sampled nothing (empty or failed); never changed
+
+
 def _error(
     request_id: str, code: ErrorCode, message: str, param: str | None = None
 ) -> EngineCoreOutput:
@@ -77,6 +98,14 @@ def _error(
         finish_reason=FinishReason.ERROR.value,
         error=RequestError(code=code.value, message=message, retryable=False, param=param),
     )
+
+
+class _InFlight(NamedTuple):
+    """The step launched and not yet collected (async scheduling)."""
+
+    sched_out: SchedulerOutput
+    launched: LaunchedStep
+    started_ns: int
 
 
 class EngineCore:
@@ -90,6 +119,7 @@ class EngineCore:
         spans: RequestSpans | None = None,
         grammar: GrammarEngine | None = None,
         kv_events: KVEventStream | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         self.spans = spans  # P1 tracing (None when off): see telemetry.request_spans
         self.scheduler = scheduler
@@ -108,6 +138,10 @@ class EngineCore:
         self.kv_events = kv_events
         if kv_events is not None:
             scheduler.kv.pool.events = kv_events.log
+        # schedule step N+1 while step N runs (see the module docstring)
+        self.async_scheduling = scheduler.async_scheduling = async_scheduling
+        log.info("async scheduling: %s", "on" if async_scheduling else "off")
+        self._in_flight: _InFlight | None = None
 
     # ------------------------------------------------------------------ intake
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -167,30 +201,89 @@ class EngineCore:
             self.spans.forget(request_ids)
 
     def has_work(self) -> bool:
-        return bool(self._immediate) or self.scheduler.has_unfinished_requests()
+        return (
+            bool(self._immediate)
+            or self.scheduler.has_unfinished_requests()
+            or self._in_flight is not None
+        )
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[EngineCoreOutput]:
         outputs, self._immediate = self._immediate, []
+        if self.async_scheduling:
+            return self._step_ahead(outputs)
         scheduler = self.scheduler
         if not scheduler.has_unfinished_requests() and not scheduler.has_pending_outputs():
             return outputs
         sched_out = self.scheduler.schedule()
         started_ns = time.time_ns()
-        sampled: list[int] = []
-        pooled: dict[str, Any] = {}
-        logprobs: dict[str, TokenLogprobs] = {}
+        result = _NOTHING
         if not sched_out.is_empty:
             try:
                 result = self.runner.execute(sched_out, self.scheduler.requests)
             except Exception as exc:  # one bad step fails its requests, never the engine
                 outputs.extend(self._fail_step(sched_out, exc))
             else:
-                sampled = result.sampled
-                pooled = result.pooled
-                logprobs = result.logprobs
                 self._keep_prompt_rows(result.prompt_logprobs)
             self.num_steps += 1
+        outputs.extend(self._update(sched_out, result, started_ns))
+        return outputs
+
+    def _step_ahead(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """One call of the async loop: schedule and launch step N+1, then collect and update
+        step N (the one in flight); ``outputs`` so far, plus N's."""
+        scheduler = self.scheduler
+        flight = self._in_flight
+        if flight is not None and (
+            flight.sched_out.needs_update_first or self.runner.tensor_parallel is not None
+        ):  # the next pass needs this step's tokens on the host
+            outputs.extend(self._land())
+            flight = None
+        if not scheduler.has_unfinished_requests() and not scheduler.has_pending_outputs():
+            if flight is not None:
+                outputs.extend(self._land())
+            return outputs
+        sched_out = scheduler.schedule()
+        if sched_out.is_empty:  # nothing to overlap: finish N, then deliver the pass's outputs
+            if flight is not None:
+                outputs.extend(self._land())
+            outputs.extend(self._update(sched_out, _NOTHING, time.time_ns()))
+            return outputs
+        started_ns = time.time_ns()
+        try:
+            launched = self.runner.launch(sched_out, scheduler.requests)
+        except Exception as exc:  # N's tokens first, as the synchronous loop had them
+            if flight is not None:
+                outputs.extend(self._land())
+            outputs.extend(self._fail_step(sched_out, exc))
+            self.num_steps += 1
+            outputs.extend(self._update(sched_out, _NOTHING, started_ns))
+            return outputs
+        self.num_steps += 1
+        if flight is not None:
+            outputs.extend(self._land())
+        self._in_flight = _InFlight(sched_out, launched, started_ns)
+        return outputs
+
+    def _land(self) -> list[EngineCoreOutput]:
+        """Collect the step in flight (if any) and run its update; its outputs."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return []
+        try:
+            result = self.runner.collect(flight.launched)
+        except Exception as exc:  # as a failed step of the synchronous loop
+            failed = self._fail_step(flight.sched_out, exc)
+            return failed + self._update(flight.sched_out, _NOTHING, flight.started_ns)
+        self._keep_prompt_rows(result.prompt_logprobs)
+        return self._update(flight.sched_out, result, flight.started_ns)
+
+    def _update(
+        self, sched_out: SchedulerOutput, result: StepOutput, started_ns: int
+    ) -> list[EngineCoreOutput]:
+        """The scheduler's update for a step that ran (``result``; ``_NOTHING`` for an
+        empty or failed step) and the wire outputs it gives."""
+        sampled, pooled, logprobs = result.sampled, result.pooled, result.logprobs
         produced = self.scheduler.update_from_output(sched_out, sampled)
         if self.kv_events is not None:
             self.kv_events.flush()
@@ -210,10 +303,9 @@ class EngineCore:
                     and (out.new_token_ids or out.finish_reason is not None)
                 ):
                     out.prompt_logprobs = self._take_prompt_rows(rid, out.new_token_ids)
-        outputs.extend(produced)
         if self.spans is not None:
             self.spans.on_step(sched_out.scheduled, produced, started_ns, time.time_ns())
-        return outputs
+        return produced
 
     def _keep_prompt_rows(self, chunks: Mapping[str, tuple[int, TokenLogprobs]]) -> None:
         for request_id, (start, lp) in chunks.items():

@@ -39,10 +39,21 @@ Invariants:
   drops all three.
 - Inconsistent input raises a typed :class:`StepInputError` (or the adapter's
   ``ModelInputError``) before the KV pool is written.
+- A step is :meth:`ModelRunner.launch` then :meth:`ModelRunner.collect` (:meth:`execute` is
+  both). ``launch`` enqueues the encoder, the forward and the sampling and starts the sampled
+  ids' copy to the host (``async_output.py``: a copy stream and an event on CUDA); nothing in
+  it waits for the device on a plain step (rows that need logprobs or pooling vectors read
+  them in ``collect``; prompt logprobs and pooling still read theirs in ``launch``).
+  ``collect`` waits for that copy and fills ``StepOutput.sampled`` (and logprobs). Between
+  the two the next step may be launched (async scheduling, ``engine/core.py``): a row in its
+  ``pending_rows`` takes its token id from the sampled ids of the step launched just before
+  (kept on the device, with its step number), by an index copy on the device: no host sync,
+  and the host never sees that token before that step's ``collect``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
 from collections.abc import Mapping, Sequence
@@ -52,6 +63,7 @@ import numpy as np
 import torch
 
 from mmis.engine.execution import logprobs
+from mmis.engine.execution.async_output import SampledCopies, SampledCopy
 from mmis.engine.execution.attn_backends import AttentionBackend, ProbeShape, select_backend
 from mmis.engine.execution.block_tables import BlockTables
 from mmis.engine.execution.model.adapter import ModelAdapter
@@ -59,7 +71,13 @@ from mmis.engine.execution.paged_attention import DEFAULT_BLOCK_SIZE, PagedKVPoo
 from mmis.engine.execution.sampler import Sampler
 from mmis.engine.execution.step_builder import HostToDevice, build_step
 from mmis.engine.execution.token_history import TokenCounts, TokenHistory, TokenHistoryCache
-from mmis.engine.scheduling.sched_output import ScheduledRequest, SchedulerOutput, StepOutput
+from mmis.engine.scheduling.sched_output import (
+    PLACEHOLDER_TOKEN,
+    ScheduledRequest,
+    SchedulerOutput,
+    StepOutput,
+    identity,
+)
 from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import ErrorCode, SamplingParams
 
@@ -84,6 +102,17 @@ class EncoderOutputMissingError(StepInputError):
     code = ErrorCode.INTERNAL.value
 
 
+@dataclasses.dataclass(slots=True)
+class LaunchedStep:
+    """A step :meth:`ModelRunner.launch` enqueued: its output without the sampled ids (and
+    logprobs) that :meth:`ModelRunner.collect` adds once their copy completed."""
+
+    out: StepOutput
+    sampled: SampledCopy | None = None
+    logprobs: logprobs.Pending | None = None
+    sampled_device: torch.Tensor | None = None  # what logprobs.finish reads
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -104,6 +133,11 @@ class ModelRunner:
         # persistent per-request block table rows and the step's one host->device copy
         self.block_tables = BlockTables(pool.block_size, pool.num_slots, adapter.device)
         self.upload = HostToDevice(adapter.device)
+        self.copies = SampledCopies(adapter.device)
+        # the sampled ids of the step launched last, on the device, and its step number: the
+        # source of the next step's ``pending_rows`` (async scheduling)
+        self._prev_sampled: torch.Tensor | None = None
+        self._prev_step = -1
         self.num_forwards = 0
         self.num_encoder_calls = 0
         # set by ``mmis engine`` under --tensor-parallel-size > 1
@@ -138,7 +172,37 @@ class ModelRunner:
         self, batch: SchedulerOutput, histories: Mapping[str, TokenHistory] | None = None
     ) -> StepOutput:
         """Run one step; ``histories`` is required when a sampled row has a penalty."""
+        return self._collect(self._launch(batch, histories))
+
+    @torch.inference_mode()
+    def collect(self, launched: LaunchedStep) -> StepOutput:
+        """The launched step's output, once its sampled ids are on the host (a step with
+        logprobs reads them here, behind whatever was launched since)."""
+        return self._collect(launched)
+
+    @torch.inference_mode()
+    def launch(
+        self, batch: SchedulerOutput, histories: Mapping[str, TokenHistory] | None = None
+    ) -> LaunchedStep:
+        """Enqueue one step (see the module docstring); :meth:`collect` gives its output.
+        ``histories`` is required when a sampled row has a penalty; they must hold every
+        token of those rows (the core never launches such a row over a placeholder)."""
+        return self._launch(batch, histories)
+
+    def _collect(self, launched: LaunchedStep) -> StepOutput:
+        out = launched.out
+        if launched.sampled is not None:
+            out.sampled = launched.sampled.tolist()
+        if launched.logprobs is not None and launched.sampled_device is not None:
+            for row, lp in logprobs.finish(launched.logprobs, launched.sampled_device).items():
+                out.logprobs[out.sampled_ids[row]] = lp
+        return out
+
+    def _launch(
+        self, batch: SchedulerOutput, histories: Mapping[str, TokenHistory] | None
+    ) -> LaunchedStep:
         out = StepOutput()
+        launched = LaunchedStep(out)
         for mm_hash in batch.freed_encoder_hashes:
             self.encoder_outputs.pop(mm_hash, None)
         ended = batch.ended_request_ids
@@ -148,7 +212,7 @@ class ModelRunner:
         self.block_tables.release(ended)
         seqs = list(batch.scheduled)
         if not seqs:
-            return out
+            return launched
         # every later stage reads columns: one transpose of the rows (named tuples)
         (
             ids,
@@ -184,13 +248,27 @@ class ModelRunner:
                 if s.pooling_params is None and s.sample:
                     sample_rows.append(end - 1)
                     chosen.append(s)
-        flat = np.array(token_ids, dtype=np.int64)
+        # async scheduling: ``replace`` when every token is the previous step's sampled id of
+        # the same row (the steady state), else ``patch`` (destinations, sources) of some
+        replace: torch.Tensor | None = None
+        patch = None
+        if batch.pending_rows:
+            prev = self._pending_source(batch)
+            count = len(batch.pending_rows)
+            if count == offset and batch.pending_sources is identity(count):
+                replace = prev[:count]
+                flat = np.zeros(offset, dtype=np.int64)
+            else:
+                flat = np.array(token_ids, dtype=np.int64)
+                patch = self._pending_tokens(batch, sizes, flat, prev)
+        else:
+            flat = np.array(token_ids, dtype=np.int64)
         vocab = self.adapter.vocab_size
         if (
             items
             or min(sizes) == 0
             or len(set(ids)) != len(ids)
-            or (flat.size and (int(flat.min()) < 0 or int(flat.max()) >= vocab))
+            or (replace is None and flat.size and (int(flat.min()) < 0 or int(flat.max()) >= vocab))
         ):
             self._validate(seqs)  # raises the first problem, as the checks run row by row
         spans = self.adapter.bidirectional_spans(seqs)
@@ -199,6 +277,8 @@ class ModelRunner:
         host_positions = self.adapter.host_positions(seqs)  # M-RoPE: in the one upload too
         if host_positions is not None:
             extra.append((host_positions, torch.long))
+        if patch is not None:  # last: the other extras keep their places
+            extra += [(patch[0], torch.long), (patch[1], torch.long)]
         meta, uploaded = build_step(
             sizes,
             starts,
@@ -210,6 +290,12 @@ class ModelRunner:
             extra=extra,
         )
         token_tensor, rows_tensor = uploaded[0], uploaded[1]
+        # the placeholders: the previous step's sampled ids, on the device, no host sync
+        if replace is not None:
+            token_tensor = replace
+        elif patch is not None:
+            dst, src = uploaded[-2], uploaded[-1]
+            token_tensor.index_copy_(0, dst, patch[2].index_select(0, src))
         out.encoded_mm_hashes = self._encode(seqs) if items else []
         embeds = self.adapter.embed_tokens(token_tensor)
         if items:
@@ -234,13 +320,52 @@ class ModelRunner:
                 ends = [s.start_position + len(s.token_ids) for s in chosen]
             rows = hidden if everything else hidden[rows_tensor]
             params = params_all if chosen is seqs else [s.sampling_params for s in chosen]
-            self._sample(rows, chosen, params, ends, out, histories, plain)
+            sampled, launched.logprobs = self._sample(rows, chosen, params, ends, histories, plain)
+            launched.sampled = self.copies.start(sampled)
+            if launched.logprobs is not None:
+                launched.sampled_device = sampled
+            self._prev_sampled, self._prev_step = sampled, batch.step
+        else:
+            self._prev_sampled = None
         if extras:
             self._prompt_logprobs(hidden, seqs, out, histories)
             self._pool(hidden, seqs, out)
-        return out
+        return launched
 
     # -- steps -----------------------------------------------------------------------------
+    def _pending_source(self, batch: SchedulerOutput) -> torch.Tensor:
+        """The previous step's sampled ids, which ``batch.pending_rows`` read (checked: that
+        step was the one launched last, and it sampled enough rows)."""
+        prev, sources = self._prev_sampled, batch.pending_sources
+        if (
+            prev is None
+            or self._prev_step != batch.step - 1
+            or len(sources) != len(batch.pending_rows)
+            or min(sources) < 0
+            or max(sources) >= prev.shape[0]
+        ):
+            raise StepInputError(
+                f"step {batch.step}: {len(batch.pending_rows)} row(s) wait for sampled ids of "
+                f"step {batch.step - 1}, which the runner did not just launch (last: "
+                f"{self._prev_step}, {0 if prev is None else prev.shape[0]} ids)"
+            )
+        return prev
+
+    @staticmethod
+    def _pending_tokens(
+        batch: SchedulerOutput, sizes: Sequence[int], flat: np.ndarray, prev: torch.Tensor
+    ) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
+        """The packed index of each placeholder (``batch.pending_rows``: a row's last token),
+        its row among the previous step's sampled ids (``prev``) and ``prev``; the
+        placeholders in ``flat`` are set to 0 (a valid id for the checks; the device gets the
+        sampled one)."""
+        rows = np.asarray(batch.pending_rows, dtype=np.int64)
+        dst = np.cumsum(np.asarray(sizes, dtype=np.int64))[rows] - 1
+        if (flat[dst] != PLACEHOLDER_TOKEN).any():
+            raise StepInputError(f"step {batch.step}: a pending row does not end in a placeholder")
+        flat[dst] = 0
+        return dst, np.asarray(batch.pending_sources, dtype=np.int64), prev
+
     def _validate(self, seqs: Sequence[ScheduledRequest]) -> None:
         ids = [s.request_id for s in seqs]
         if len(set(ids)) != len(ids):
@@ -250,6 +375,8 @@ class ModelRunner:
             s.check_encoder_inputs()
             if not s.token_ids:
                 raise StepInputError(f"request {s.request_id}: no tokens scheduled")
+            if s.token_ids[-1] == PLACEHOLDER_TOKEN:  # set on the device (``_pending_tokens``)
+                s = s._replace(token_ids=[*s.token_ids[:-1], 0])
             if min(s.token_ids) < 0 or max(s.token_ids) >= vocab:
                 raise StepInputError(f"request {s.request_id}: token id outside [0, {vocab})")
             for item in s.mm_items:
@@ -302,24 +429,20 @@ class ModelRunner:
         chosen: Sequence[ScheduledRequest],
         params: Sequence[SamplingParams | None],
         positions: Sequence[int],
-        out: StepOutput,
         histories: Mapping[str, TokenHistory] | None,
         plain: bool,
-    ) -> None:
+    ) -> tuple[torch.Tensor, logprobs.Pending | None]:
         """Sample after the last row of every ``chosen`` chunk (``hidden``: those rows;
         ``params``, ``positions``: their sampling params and end positions; ``plain``:
-        every row ``is_plain``, so no history, logprobs or per-row checks)."""
+        every row ``is_plain``, so no history, logprobs or per-row checks); returns the
+        sampled ids (1-D int64, on the device) and the logprobs still to read."""
         logits = self.adapter.compute_logits(hidden)
         if plain:
             counts, pending = None, None
         else:
             counts = self._token_counts(chosen, histories, logits)
             pending = logprobs.prepare(logits, params)  # before the sampler touches the logits
-        sampled = self.sampler(logits, params, positions, counts, plain=plain)
-        out.sampled = sampled.tolist()
-        if pending is not None:
-            for row, lp in logprobs.finish(pending, sampled).items():
-                out.logprobs[out.sampled_ids[row]] = lp
+        return self.sampler(logits, params, positions, counts, plain=plain), pending
 
     def _prompt_logprobs(
         self,

@@ -166,14 +166,18 @@ class KVCacheManager:
         request.kv_capacity = len(ids) * self.block_size
         return ids
 
-    def cache_computed_blocks(self, request: Request) -> None:
-        """Register the full blocks whose tokens are all computed (after the step ran)."""
+    def cache_computed_blocks(self, request: Request, computed: int | None = None) -> None:
+        """Register the full blocks whose tokens are all computed (after the step ran);
+        ``computed``: the tokens the step computed (default ``num_computed_tokens``, which a
+        pass scheduled since may have advanced past the tokens known on the host)."""
         if not self.enable_prefix_caching or request.skip_cache:
             return
         blocks = self.req_blocks.get(request.request_id)
         if not blocks:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        if computed is None:
+            computed = request.num_computed_tokens
+        num_full = min(computed // self.block_size, len(blocks))
         done = self._num_cached_blocks.get(request.request_id, 0)
         if num_full <= done:
             return

@@ -22,6 +22,15 @@ Invariants:
   runner never saw may appear) and ``preempted_request_ids`` (lost their KV this pass; they
   come back later with ``is_new=True``) together are ``ended_request_ids``: the runner drops
   their per-request state.
+- Async scheduling (``engine/core.py``): a step may be scheduled while the previous one
+  (``step - 1``) is still in flight. A row whose last token is the token that step samples
+  for the same request (its *placeholder*, not on the host yet) is listed in ``pending_rows``
+  (indexes into ``scheduled``; such a row is one decode token) with ``pending_sources``, the
+  index of that token among step ``step - 1``'s sampled rows; its ``token_ids`` hold
+  :data:`PLACEHOLDER_TOKEN` there, which the runner replaces on the device from the previous
+  step's sampled ids (never read as a token on the host). ``needs_update_first``: a row of
+  this step samples for a request that is not ``Request.overlappable``; the next pass must
+  wait for this step's update.
 """
 
 from __future__ import annotations
@@ -34,6 +43,19 @@ from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import PoolingParams, SamplingParams, TokenLogprobs
 
 GREEDY_EPSILON = 1e-5  # a temperature below it means greedy (``sampler.py``)
+# a scheduled token that the previous step is still sampling (async scheduling); not a token id
+PLACEHOLDER_TOKEN = -1
+_IDENTITIES: dict[int, list[int]] = {}
+
+
+def identity(count: int) -> list[int]:
+    """``list(range(count))``, one shared list per count (read only): async scheduling's
+    steady-state ``pending_rows`` / ``pending_sources``, which the runner recognises by
+    identity."""
+    ident = _IDENTITIES.get(count)
+    if ident is None:
+        ident = _IDENTITIES[count] = list(range(count))
+    return ident
 
 
 def is_plain(params: SamplingParams | None, pooling: PoolingParams | None) -> bool:
@@ -160,6 +182,11 @@ class SchedulerOutput:
     finished_request_ids: Sequence[str] = ()
     preempted_request_ids: Sequence[str] = ()
     step: int = 0
+    # async scheduling (see the module docstring): rows whose last token is a placeholder, the
+    # previous step's sampled row of each, and whether the next pass must follow the update
+    pending_rows: Sequence[int] = ()
+    pending_sources: Sequence[int] = ()
+    needs_update_first: bool = False
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -31,7 +31,23 @@ Invariants:
   once in the next pass's ``finished_request_ids``. Encoder references are also released once
   the request's computed tokens pass an item.
 - ``num_computed_tokens`` advances when a chunk is scheduled; KV blocks are registered in the
-  prefix cache in ``update_from_output``, after the step computed them.
+  prefix cache in ``update_from_output``, after the step computed them, up to that step's
+  chunk end (never past the tokens known on the host: keys come from real tokens).
+- Async scheduling (``engine/core.py``; :attr:`Scheduler.async_scheduling`, set by the core):
+  a pass may run while the previous step is in flight. A running request whose last row
+  sampled a token not yet updated (its *placeholder*: ``num_computed_tokens >= num_tokens``,
+  ``request.py``) gets the row after it: one decode token, :data:`PLACEHOLDER_TOKEN` in
+  ``token_ids``, listed in ``pending_rows`` with its row among the previous pass's sampled rows
+  (the scheduler keeps each pass's sampled request ids; in the steady state both lists are
+  ``sched_output.identity``); the step's update turns the placeholder into the
+  real token (the only place tokens are appended). A request whose placeholder will end it
+  for sure (``max_tokens``, ``max_model_len``) gets no further row; one that the update
+  finishes (a stop id, EOS) had its next row computed for nothing: that row's token is
+  dropped (the request is gone by its update) and its blocks were freed by the finish. A
+  request preempted while its token was in flight still gets that token from the update (it
+  may end it there, in ``waiting``), as the synchronous loop would have given it before the
+  pass. Off (the synchronous loop: every update runs before the next pass) no row ever holds
+  a placeholder and no per-pass state is kept.
 - Importable and runnable without torch.
 """
 
@@ -48,11 +64,18 @@ from mmis.engine.scheduling.encoder_plan import Budget, EncoderPlan, plan_chunk,
 from mmis.engine.scheduling.kv_cache import KVCacheManager
 from mmis.engine.scheduling.request import InvalidRequestError, Request, RequestStatus
 from mmis.engine.scheduling.sched_config import SchedulerConfig, never_schedulable
-from mmis.engine.scheduling.sched_output import MultiModalInput, ScheduledRequest, SchedulerOutput
+from mmis.engine.scheduling.sched_output import (
+    PLACEHOLDER_TOKEN,
+    MultiModalInput,
+    ScheduledRequest,
+    SchedulerOutput,
+    identity,
+)
 from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import EngineCoreOutput, ErrorCode, FinishReason, RequestError
 
 new_row = tuple.__new__  # builds a ScheduledRequest (a named tuple) from its field values
+_PLACEHOLDER_CHUNK = (PLACEHOLDER_TOKEN,)  # a decode row over the step in flight's token
 
 
 def _spread(scheduled: Sequence[ScheduledRequest], sampled: Sequence[int]) -> list[int | None]:
@@ -118,6 +141,13 @@ class Scheduler:
         self._pending_outputs: list[EngineCoreOutput] = []
         self._seq = itertools.count()
         self._step = 0
+        # set by the core when a pass may run before the previous step's update (async)
+        self.async_scheduling = False
+        # async: the ids of this pass's sampled rows (the runner's order) and the last pass's,
+        # and whether a sampled row's request is not overlappable
+        self._sampled_ids: list[str] = []
+        self._prev_sampled_ids: list[str] = []
+        self._blocked = False
         self.num_preemptions = 0
         self.num_rejected = 0
 
@@ -176,30 +206,50 @@ class Scheduler:
         budget = Budget(self.config.max_num_batched_tokens, self.config.encoder_compute_budget)
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
-        self._schedule_running(budget, scheduled, preempted)
+        pending: list[str] = []  # the request ids of the rows over a placeholder, in order
+        if self.async_scheduling:
+            self._prev_sampled_ids, self._sampled_ids = self._sampled_ids, []
+        self._blocked = False
+        self._schedule_running(budget, scheduled, preempted, pending, self.async_scheduling)
         if not preempted:
             self._schedule_waiting(budget, scheduled)
+        rows, sources = self._pending_rows(scheduled, pending) if pending else ((), ())
         out = SchedulerOutput(
             scheduled=scheduled,
             freed_encoder_hashes=self.encoder_cache.take_freed(),
             finished_request_ids=self._finished_ids,
             preempted_request_ids=preempted,
             step=self._step,
+            pending_rows=rows,
+            pending_sources=sources,
+            needs_update_first=self._blocked,
         )
         self._finished_ids = []
         return out
 
     def _schedule_running(
-        self, budget: Budget, scheduled: list[ScheduledRequest], preempted: list[str]
+        self,
+        budget: Budget,
+        scheduled: list[ScheduledRequest],
+        preempted: list[str],
+        pending: list[str],
+        ahead_on: bool,
     ) -> None:
         running, kv = self.running, self.kv
         held = kv.block_ids  # a request's persistent block ids
+        limit = self.config.max_model_len or float("inf")
         i = 0
         while i < len(running) and budget.tokens > 0:
             request = running[i]
             start = request.num_computed_tokens
             tokens = request.all_token_ids
-            num_new = len(tokens) - start
+            known = total = len(tokens)
+            if start >= known and request.pooling_params is None:  # a placeholder (async)
+                total = start + 1
+                if total >= request.length_cap or total >= limit:  # that token ends it
+                    i += 1
+                    continue
+            num_new = total - start
             if num_new > budget.tokens:
                 num_new = budget.tokens
             plan: EncoderPlan | None = None
@@ -226,16 +276,30 @@ class Scheduler:
                     end = start + num_new
                     request.num_computed_tokens = end
                     budget.tokens -= num_new
+                    sample = end == total
+                    chunk: Sequence[int]
+                    if not ahead_on:
+                        chunk = tokens[start:end]
+                    else:
+                        if end > known:  # its token is the step in flight's: a placeholder
+                            chunk = _PLACEHOLDER_CHUNK  # start == known: one step in flight
+                            pending.append(request.request_id)
+                        else:
+                            chunk = tokens[start:end]
+                        if sample and request.pooling_params is None:
+                            self._sampled_ids.append(request.request_id)
+                            if not request.plain and not request.overlappable:
+                                self._blocked = True
                     scheduled.append(
                         new_row(  # ScheduledRequest(...) without its Python-level __new__
                             ScheduledRequest,
                             (
                                 request.request_id,
-                                tokens[start:end],
+                                chunk,
                                 start,
                                 table,
                                 request.mm_items,  # every item starts before the chunk
-                                end == len(tokens),
+                                sample,
                                 request.sampling_params,
                                 request.pooling_params,
                                 False,
@@ -283,6 +347,23 @@ class Scheduler:
                 request.num_cached_tokens = num_hit
             scheduled.append(self._commit(request, plan, plan.num_new_tokens, budget, is_new=True))
 
+    def _pending_rows(
+        self, scheduled: Sequence[ScheduledRequest], pending: list[str]
+    ) -> tuple[Sequence[int], Sequence[int]]:
+        """``pending_rows`` and ``pending_sources`` of a pass whose rows over a placeholder are
+        those of ``pending`` (request ids, in schedule order): shared identity lists in the
+        steady state (every row pending, in the last pass's sampled order)."""
+        count = len(pending)
+        if count == len(scheduled):
+            rows: Sequence[int] = identity(count)
+        else:
+            rows = [k for k, row in enumerate(scheduled) if row[1] is _PLACEHOLDER_CHUNK]
+        prev = self._prev_sampled_ids
+        if prev[:count] == pending:
+            return rows, identity(count)
+        where = {rid: k for k, rid in enumerate(prev)}
+        return rows, [where[rid] for rid in pending]
+
     def _plan_encoder(
         self, request: Request, start: int, num_new: int, budget: Budget
     ) -> EncoderPlan:
@@ -301,11 +382,18 @@ class Scheduler:
         is_new: bool,
     ) -> ScheduledRequest:
         """Schedule ``num_new`` tokens of ``request`` (``plan``: its encoder runs; ``None``
-        when no item lies at or after the chunk's start)."""
+        when no item lies at or after the chunk's start). Such a chunk never holds a
+        placeholder: an admission follows its request's update, and a chunk with encoder
+        work lies inside the prompt."""
         start = request.num_computed_tokens
         end = start + num_new
         request.num_computed_tokens = end
         budget.tokens -= num_new
+        sample = end == request.num_tokens
+        if sample and self.async_scheduling and request.pooling_params is None:
+            self._sampled_ids.append(request.request_id)
+            if not request.plain and not request.overlappable:
+                self._blocked = True
         items: Sequence[MultiModalInput]
         encoder_inputs: list[int] = []
         if plan is not None and plan.encoder_inputs:
@@ -332,7 +420,7 @@ class Scheduler:
             start,
             self.kv.block_table(request.request_id),
             items,
-            end == request.num_tokens,
+            sample,
             request.sampling_params,
             request.pooling_params,
             is_new,
@@ -354,7 +442,8 @@ class Scheduler:
         full KV blocks are registered in the prefix cache only when it crossed a block
         boundary: every earlier update registered every block full by then (a prefix hit
         registers its blocks at admission, ``kv_cache.py``), so a chunk inside one block
-        completes none.
+        completes none. Each sampled token fills its request's placeholder (async
+        scheduling: the next pass may already have scheduled a row after it).
         """
         outputs, self._pending_outputs = self._pending_outputs, []
         requests, cache_blocks = self.requests, self.kv.cache_computed_blocks
@@ -373,12 +462,18 @@ class Scheduler:
                     f"a sampled token for {item.request_id!r}, which did not sample"
                 )
             request = requests.get(item.request_id)
-            if request is None or request.status is not running:
+            if request is None:
                 continue
-            if item.start_position // bs != request.num_computed_tokens // bs:
-                cache_blocks(request)  # the chunk completed a block
+            if request.status is not running:
+                if token is not None and request.status is RequestStatus.PREEMPTED:
+                    # preempted by a pass that ran while this step was in flight (async)
+                    outputs.append(self._token_after_preemption(request, token))
+                continue
+            end = item.start_position + len(item.token_ids)
+            if item.start_position // bs != end // bs:
+                cache_blocks(request, end)  # the chunk completed a block
             if request.mm_features:
-                self._release_passed_items(request)
+                self._release_passed_items(request, end)
             if not item.sample:
                 continue
             if item.pooling_params is not None:
@@ -418,11 +513,32 @@ class Scheduler:
                 )
         return outputs
 
-    def _release_passed_items(self, request: Request) -> None:
+    def _release_passed_items(self, request: Request, computed: int) -> None:
+        """Release the encoder references of the items before ``computed`` (a step's end)."""
         for feature in request.mm_features:
             placeholder = feature.placeholder
-            if placeholder.offset + placeholder.length <= request.num_computed_tokens:
+            if placeholder.offset + placeholder.length <= computed:
                 self.encoder_cache.release(request.request_id, feature.mm_hash)
+
+    def _token_after_preemption(self, request: Request, token: int) -> EngineCoreOutput:
+        """Append the token a step in flight sampled for ``request``, preempted since (it is
+        in ``waiting``): what the synchronous loop appended before that pass; it may end the
+        request there."""
+        request.append_output_token(token)
+        if not request.check_stop(token):
+            limit = self.config.max_model_len
+            if limit is not None and request.num_tokens >= limit:
+                request.finish(FinishReason.LENGTH)
+        if request.status is RequestStatus.FINISHED:
+            self.waiting.remove(request)
+            self._release(request)
+            return _output(request, [token])
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[token],
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
 
     # -- transitions -------------------------------------------------------------------------
 
