@@ -204,6 +204,10 @@ def test_a_uuid_bound_in_one_process_resolves_in_the_other(group: Group) -> None
         assert repeats == [first] * 6
     delta = {k: v - before.get(k, 0.0) for k, v in group.by_index("mmis_requests_total").items()}
     assert sum(delta.values()) == sent and all(delta.get(k, 0) > 0 for k in ("0", "1")), delta
+    # the siblings' route answers on their private sockets only, never on a port
+    ask = {"tenant": "x", "modality": "image", "uuid": "photo-0"}
+    for base in (group.proc.root_url, group.ops):
+        assert httpx.post(base + "/sibling/uuid_binding", json=ask, timeout=30).status_code == 404
 
 
 # -- one process killed under load -----------------------------------------------------------

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from importlib import metadata
@@ -83,9 +84,11 @@ from mmis.frontend.api.serving_common import ClientGoneError
 from mmis.frontend.api.serving_completions import CompletionServing
 from mmis.frontend.api.serving_embeddings import EmbeddingServing
 from mmis.frontend.api.serving_responses import ResponsesServing
+from mmis.frontend.client.sibling_bindings import SiblingBindings
 from mmis.frontend.config import FrontendConfig
 from mmis.frontend.errors import (
     FrontendError,
+    InvalidRequestError,
     ModelNotFoundError,
     error_body,
     json_response,
@@ -130,6 +133,10 @@ def create_app(
             app.state.startup_error = exc
             raise
         app.state.mmis = state
+        if group is not None and group.count > 1:  # a uuid bound by a sibling resolves here
+            state.renderer.siblings = SiblingBindings(
+                [group.socket_path(i) for i in group.siblings]
+            )
         app.state.generation_defaults = await asyncio.to_thread(
             generation_defaults.load, settings.model, settings.revision, settings.generation_config
         )
@@ -273,6 +280,25 @@ def create_app(
         if group is None or group.is_private(request.scope):
             return JSONResponse(own)
         return JSONResponse(await group_cache_stats(group, own))
+
+    @app.post("/sibling/uuid_binding")
+    async def sibling_uuid_binding(request: Request) -> Response:
+        """A sibling P0 asks what a tenant's uuid is bound to here (private socket only:
+        ``http_gate.SIBLING_PATHS``), and what this shadow knows of that content."""
+        try:
+            body = json.loads(await request.body())
+            tenant, modality, uuid = body["tenant"], body["modality"], body["uuid"]
+        except (ValueError, KeyError, TypeError):
+            raise InvalidRequestError("expected {tenant, modality, uuid}") from None
+        if not all(isinstance(v, str) for v in (tenant, modality, uuid)):
+            raise InvalidRequestError("tenant, modality and uuid are strings")
+        state = state_of(request)
+        mm_hash = state.renderer.bindings.resolve(tenant, modality, uuid)
+        entry = None if mm_hash is None else state.shadow.get(mm_hash)
+        shown = None
+        if entry is not None:
+            shown = {"nbytes": entry.nbytes, "placeholder_length": entry.placeholder_length}
+        return JSONResponse({"mm_hash": mm_hash, "entry": shown})
 
     @app.post("/internal/block_keys")
     async def block_keys(request: Request) -> Response:

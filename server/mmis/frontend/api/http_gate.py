@@ -13,7 +13,9 @@ in this order:
    the operations port pod to pod, without a key. Without ``--ops-port`` all of them live on
    the serving port. One of N P0 processes (``--api-servers``) also listens on a private
    unix socket (``private_socket``) for its siblings: it answers there as on the operations
-   port (the operations routes and the probes, no API key), with this process's own figures.
+   port (the operations routes and the probes, no API key), with this process's own figures,
+   and :data:`SIBLING_PATHS` (a sibling asking for a uuid binding), which nothing else
+   answers (404).
 2. **Internal token.** :data:`INTERNAL_PATHS` (``/internal/*``: a router's key request, the
    prefix-cache reset) answer only ``Authorization: Bearer <internal token>``
    (``--internal-token``, set through ``MMIS_FRONTEND_INTERNAL_TOKEN``), on whichever port
@@ -74,6 +76,7 @@ from mmis.frontend.errors import (
 INTERNAL_PATHS = frozenset({"/internal/block_keys", "/internal/reset_prefix_cache"})
 OPS_PATHS = frozenset({"/metrics", "/stats/cache"}) | INTERNAL_PATHS
 OPEN_PATHS = frozenset({"/health", "/ready"})  # kubelet's probes carry no key
+SIBLING_PATHS = frozenset({"/sibling/uuid_binding"})  # one P0 of N asks another, privately
 TENANT_SCOPE_KEY = "mmis.tenant"  # where the gate leaves a request's tenant (tenant_of)
 INTERNAL_TOKEN_ENV = "MMIS_FRONTEND_INTERNAL_TOKEN"
 DRAIN_FACTOR = 4
@@ -191,12 +194,15 @@ class HttpGate:
         server = scope.get("server") or (None, None)
         on_ops = self.ops_port is not None and server[1] == self.ops_port
         # a unix socket's scope["server"] is (its path, None): the siblings' private socket
-        on_ops = on_ops or (
+        on_private = (
             self.private_socket is not None
             and server[1] is None
             and server[0] == self.private_socket
         )
+        on_ops = on_ops or on_private
         key_tenant_id: str | None = None
+        if path in SIBLING_PATHS:  # no key: only the pod's own processes reach that socket
+            return None if on_private else NotFoundError(f"{path} is not served here")
         if on_ops and path not in OPS_PATHS:
             if path in OPEN_PATHS:
                 return None

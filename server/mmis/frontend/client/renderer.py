@@ -22,7 +22,8 @@ Invariants:
 - Every shadow mutation happens on the worker, inside one render, after its drain.
 - Every ``mm_hash`` P0 sends is the hash of an item's content: a client's uuid never leaves
   P0 (no engine request, event, block key or trace carries it; only the sender's own 422
-  names it). A uuid-only item whose tenant has no binding for it is the 422 naming the uuid,
+  names it). A uuid-only item whose tenant has no binding for it (here, nor in a sibling P0
+  of the pod: :mod:`~mmis.frontend.client.sibling_bindings`) is the 422 naming the uuid,
   at :meth:`Renderer.prepare`; one bound to content the shadow no longer holds, the same 422
   at the render.
 - A request rejected during rendering (hash-only item not in the shadow -> 422 naming the
@@ -65,6 +66,7 @@ from mmis.frontend.client.media import DecodedVideo, MediaLoader, check_image_co
 from mmis.frontend.client.media.content_memo import ContentMemo, EncodedImage, bytes_digest
 from mmis.frontend.client.pending_invalidations import PendingInvalidations
 from mmis.frontend.client.processor import ModelProcessor, PromptError
+from mmis.frontend.client.sibling_bindings import SiblingBindings
 from mmis.frontend.client.tenancy import ANONYMOUS, UuidBindings
 from mmis.frontend.errors import (
     ContextLengthExceededError,
@@ -183,6 +185,7 @@ class Renderer:
         self.metrics = metrics or MMISMetrics(model_id)
         self.bindings = UuidBindings()  # only the event loop touches it (prepare)
         self.memo = ContentMemo()  # likewise
+        self.siblings: SiblingBindings | None = None  # one P0 of N: frontend/api/api_server.py
         self._lengths: collections.OrderedDict[str, int] = collections.OrderedDict()
 
     def _remember(self, mm_hash: str, length: int) -> None:
@@ -251,8 +254,31 @@ class Renderer:
                     "in text",
                     param=param,
                 )
+        if self.siblings is not None and tenant is not None:
+            await self._ask_siblings(self.siblings, hashed, tenant)
         items = self._bind(hashed, tenant, keys_only, param)
         return SourcePrompt(token_ids=token_ids, items=items, param=param)
+
+    async def _ask_siblings(
+        self,
+        siblings: SiblingBindings,
+        hashed: Sequence[tuple[ImageRef, str | None, ItemData, Any]],
+        tenant: str,
+    ) -> None:
+        """Bind here what another P0 of the pod bound (``--api-servers``): each uuid-only item
+        this process cannot resolve (:mod:`~mmis.frontend.client.sibling_bindings`)."""
+        for ref, mm_hash, _, _ in hashed:
+            if mm_hash is not None or ref.uuid is None:
+                continue
+            if self.bindings.resolve(tenant, ref.modality, ref.uuid) is not None:
+                continue
+            found = await siblings.resolve(tenant, ref.modality, ref.uuid)
+            if found is None:
+                continue
+            content, entry = found
+            self.bindings.bind(tenant, ref.modality, ref.uuid, content)
+            if entry is not None and not self.shadow.is_cached(content):
+                self.pending.learn([entry])  # the next render's drain applies it
 
     async def _load_images(
         self, refs: Sequence[ImageRef]
