@@ -41,7 +41,7 @@ from mmis.engine.config import EngineConfig
 from mmis.engine.core import EngineCore
 from mmis.engine.execution.model import ModelAdapter, load_adapter
 from mmis.engine.execution.runner import ModelRunner
-from mmis.protocol.messages import EngineCoreRequest
+from mmis.protocol.messages import EngineCoreRequest, SamplingParams
 from mmis.tiny_models.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.model
@@ -319,3 +319,29 @@ def test_engine_process_with_async_scheduling_matches_generate(kit):
         want = kit_.reference(text, images, request.sampling_params.max_tokens)
         assert result.token_ids == want, request.request_id
         assert result.finish_reason == {0: "length"}
+
+
+def test_a_request_preempted_with_its_token_in_flight_still_gets_that_token():
+    """Scheduler level: a pass that runs before the update of the step in flight preempts a
+    request whose token that step sampled; the update appends it (and sends it) as the
+    synchronous loop would have before the pass. (Through the real core this cannot be seen
+    in the tokens: a greedy or seeded request recomputed without its token samples the same
+    token again at the same position.)"""
+    from mmis.engine.scheduling.request import Request, RequestStatus
+    from mmis.engine.scheduling.sched_config import SchedulerConfig
+    from mmis.engine.scheduling.scheduler import Scheduler
+
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=4, max_num_seqs=2))
+    sched.async_scheduling = True  # 3 usable blocks: each prompt fills one
+    for rid, arrival in (("A", 1.0), ("B", 2.0)):
+        params = SamplingParams(max_tokens=8)
+        sched.add_request(Request(rid, [5, 6, 7, 8], sampling_params=params, arrival_time=arrival))
+    first = sched.schedule()
+    assert [s.request_id for s in first.scheduled] == ["A", "B"]
+    second = sched.schedule()  # the first step still in flight: A takes the last free block
+    assert second.preempted_request_ids == ["B"]
+    assert [s.request_id for s in second.scheduled] == ["A"] and second.pending_rows == [0]
+    outputs = sched.update_from_output(first, [11, 12])
+    assert {o.request_id: o.new_token_ids for o in outputs} == {"A": [11], "B": [12]}
+    b = next(r for r in sched.waiting if r.request_id == "B")
+    assert b.status is RequestStatus.PREEMPTED and b.output_token_ids == [12]
