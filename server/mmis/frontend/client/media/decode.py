@@ -45,7 +45,7 @@ def decode_image(
         raise _too_many_pixels(None, max_pixels, param) from exc
     except (OSError, ValueError, SyntaxError) as exc:  # PIL raises SyntaxError for bad headers
         raise InvalidMediaError(f"the image header is corrupt ({exc})", param=param) from exc
-    with image:
+    try:
         width, height = image.size
         if width <= 0 or height <= 0:
             raise InvalidMediaError(f"the image has an empty size {width}x{height}", param=param)
@@ -57,12 +57,20 @@ def decode_image(
             raise InvalidMediaError(
                 f"the {image.format} image is truncated or corrupt ({exc})", param=param
             ) from exc
-        return _to_rgb(image)
+        rgb = _to_rgb(image)
+    except BaseException:
+        image.close()
+        raise
+    if rgb is not image:
+        image.close()
+    return rgb
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
+    """``image`` in RGB: itself when it already is (decoded, its pixels are its own: no copy
+    of a 12 MP photo's 36 MB), else a converted copy."""
     if image.mode == "RGB":
-        return image.copy()
+        return image
     has_alpha = image.mode in ("RGBA", "LA", "PA") or (
         image.mode == "P" and "transparency" in image.info
     )
