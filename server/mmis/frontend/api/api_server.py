@@ -281,7 +281,7 @@ def create_app(
             return JSONResponse(own)
         return JSONResponse(await group_cache_stats(group, own))
 
-    @app.post("/sibling/uuid_binding")
+    @app.post("/sibling/uuid_binding", include_in_schema=False)  # no port serves it
     async def sibling_uuid_binding(request: Request) -> Response:
         """A sibling P0 asks what a tenant's uuid is bound to here (private socket only:
         ``http_gate.SIBLING_PATHS``), and what this shadow knows of that content."""
