@@ -38,15 +38,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_vs_vllm import PEER_PORT, PEER_ROOT, REPO, _one, wait_quiet
+from bench_vs_vllm import PEER_PORT, PEER_ROOT, REPO, send_streamed, wait_quiet
 from serve_client import ServerProcess
 
 PHOTOS = Path.home() / ".cache/mmis/bench-photos"
@@ -101,20 +99,7 @@ async def load(
     base: str, bodies: list[dict[str, object]], concurrency: int
 ) -> tuple[float, list[float]]:
     """Send every body once, ``concurrency`` in flight: (wall seconds, every TTFT)."""
-    todo = iter(bodies)
-    ttfts: list[float] = []
-    url = base + "/v1/chat/completions"
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-
-    async def worker(http: httpx.AsyncClient) -> None:
-        for one in todo:
-            ttft, _ = await _one(http, url, one)
-            ttfts.append(ttft)
-
-    async with httpx.AsyncClient(limits=limits, timeout=600) as http:
-        start = time.perf_counter()
-        await asyncio.gather(*(worker(http) for _ in range(concurrency)))
-        return time.perf_counter() - start, ttfts
+    return await send_streamed(base, bodies, concurrency)  # type: ignore[arg-type]
 
 
 def warm(base: str, pool: list[str], concurrency: int) -> None:

@@ -138,6 +138,13 @@ async def load(
 ) -> tuple[float, list[float]]:
     """One round: (wall seconds, every request's TTFT)."""
     bodies = [request_body(model, tokens, workload, seed, k) for k in range(requests)]
+    return await send_streamed(base, bodies, concurrency)
+
+
+async def send_streamed(
+    base: str, bodies: list[dict[str, Any]], concurrency: int
+) -> tuple[float, list[float]]:
+    """Stream every chat body once, ``concurrency`` in flight: (wall seconds, every TTFT)."""
     todo = iter(bodies)
     ttfts: list[float] = []
     url = base + "/v1/chat/completions"
