@@ -32,6 +32,8 @@ def full_registry() -> MMISMetrics:
     metrics.drift_misses(1)
     metrics.invalidations(1)
     metrics.retry(CHAT, "success")
+    metrics.encoder_request("ok")
+    metrics.encoder_fallback("timeout")
     metrics.request_finished(CHAT, 200, 0.8, prompt_tokens=12, generation_tokens=5)
     metrics.first_token(CHAT, 0.1)
     metrics.output_tokens(CHAT, [0.02, 0.03])

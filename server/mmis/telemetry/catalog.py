@@ -49,9 +49,13 @@ ENDPOINTS = frozenset(
 # hash_only: the missing items were sent by uuid only, so no retry: refused with a 422.
 RETRY_OUTCOMES = frozenset({"success", "failed", "error", "hash_only"})
 STATUS_CLASSES = frozenset({"1xx", "2xx", "3xx", "4xx", "5xx"})
+# E/PD (issue 46), P0's asks of an encoder per item: ok (encoded for this ask), cached (the
+# encoder held it), fallback (P0 sent the pixels: the reason says why)
+ENCODER_REQUEST_OUTCOMES = frozenset({"ok", "cached", "fallback"})
+ENCODER_FALLBACK_REASONS = frozenset({"timeout", "down", "error", "mislabelled", "none_live"})
 # the P0 process index under --api-servers N (mmis.frontend.config.MAX_API_SERVERS = 64)
 API_SERVER_INDICES = frozenset(str(i) for i in range(64))
-ALLOWED_LABELS = frozenset({"model", "endpoint", "outcome", "status", "api_server"})
+ALLOWED_LABELS = frozenset({"model", "endpoint", "outcome", "status", "api_server", "reason"})
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0)
@@ -121,6 +125,23 @@ RETRIES = _p0(
     "ended: success, failed (missed again, 503), error, hash_only (uuid-only items, 422).",
     *ME,
     "outcome",
+)
+ENCODER_REQUESTS = _p0(
+    "mmis_encoder_requests_total",
+    C,
+    "Items P0 asked an encoder for (E/PD), by outcome: ok (encoded), cached (the encoder "
+    "held it), fallback (P0 sent the pixels, P1 encoded them).",
+    "model",
+    "outcome",
+)
+ENCODER_FALLBACKS = _p0(
+    "mmis_encoder_fallbacks_total",
+    C,
+    "Items P0 sent as pixels although encoders are configured, by reason: timeout, down "
+    "(the encoder went away), error (it answered an error), mislabelled (another key or "
+    "hash), none_live (no encoder in the live set).",
+    "model",
+    "reason",
 )
 UUID_REBINDS = _p0(
     "mmis:uuid_rebinds_total",
@@ -204,7 +225,8 @@ def check_label(name: str, value: str) -> str:
     """Return ``value`` if it belongs to the closed set of label ``name``, else raise."""
     allowed = {
         "endpoint": ENDPOINTS,
-        "outcome": RETRY_OUTCOMES,
+        "outcome": RETRY_OUTCOMES | ENCODER_REQUEST_OUTCOMES,
+        "reason": ENCODER_FALLBACK_REASONS,
         "status": STATUS_CLASSES,
         "api_server": API_SERVER_INDICES,
     }.get(name)

@@ -156,6 +156,23 @@ class MMISMetrics:
         """
         self._inc(catalog.RETRIES, 1, endpoint=endpoint, outcome=outcome)
 
+    def encoder_request(self, outcome: str, count: int = 1) -> None:
+        """``count`` items P0 asked an encoder for (E/PD), by ``outcome``: ok | cached |
+        fallback (``catalog.ENCODER_REQUEST_OUTCOMES``)."""
+        if outcome not in catalog.ENCODER_REQUEST_OUTCOMES:
+            raise TelemetryError(
+                f"encoder request outcome {outcome!r} is not one of "
+                f"{sorted(catalog.ENCODER_REQUEST_OUTCOMES)}"
+            )
+        self._inc(catalog.ENCODER_REQUESTS, count, outcome=outcome)
+
+    def encoder_fallback(self, reason: str, count: int = 1) -> None:
+        """``count`` items sent as pixels although encoders are configured, by ``reason``
+        (``catalog.ENCODER_FALLBACK_REASONS``); each is also an ``encoder_request``
+        ``fallback``."""
+        self._inc(catalog.ENCODER_FALLBACKS, count, reason=reason)
+        self.encoder_request("fallback", count)
+
     # -- requests ------------------------------------------------------------------------
 
     def request_finished(
