@@ -89,6 +89,10 @@ The inference pod:
   :data:`ENGINE_STOP_SECONDS` for the engine's own stop. No in-flight request loses its engine.
 - With ``spec.routing`` the front end, the engine and the picker read the internal token from
   the Secret ``NAME-internal`` (``routing.token_env``: ``secretKeyRef``, never a value).
+- With ``spec.encoder`` the front end also gets ``--encoder-service
+  NAME-encoder.NAMESPACE.svc:PORT`` (:func:`encoder_service`, the encoders' headless Service:
+  :mod:`mmis_operator.encoder` builds the encoder objects) and ``MMIS_ENCODER_TOKEN`` from the
+  internal token's Secret, both last, so without it the pod is exactly what it was before.
 - NetworkPolicy ``NAME`` (:func:`network_policy`) selects the inference pods: the API port
   from anywhere; the ops port from the picker, the operator and the scrapers; the engine's
   event ports (with routing) from the picker only; nothing else (the kubelet's probes are node
@@ -151,7 +155,9 @@ def _metadata(owner: Mapping[str, Any], name: str) -> dict[str, Any]:
     }
 
 
-def pod_template(spec: ServiceSpec, name: str) -> dict[str, Any]:
+def pod_template(spec: ServiceSpec, name: str, namespace: str | None = None) -> dict[str, Any]:
+    """The inference pods' template; ``namespace`` names the encoders' Service (with
+    ``spec.encoder``; None: the Service's short name, resolved in the pod's namespace)."""
     generated = {
         "metadata": {
             "labels": r.child_labels(name),
@@ -160,7 +166,7 @@ def pod_template(spec: ServiceSpec, name: str) -> dict[str, Any]:
                 **scrape_annotations(spec.monitoring),
             },
         },
-        "spec": pod_spec(spec, name),
+        "spec": pod_spec(spec, name, namespace),
     }
     merged = merge(generated, spec.pod_template) if spec.pod_template else generated
     merged.setdefault("metadata", {}).setdefault("labels", {}).update(r.selector_labels(name))
@@ -190,7 +196,7 @@ def deployment(owner: Mapping[str, Any], spec: ServiceSpec) -> dict[str, Any]:
             },
             "progressDeadlineSeconds": spec.startup_timeout_seconds + 600,
             "revisionHistoryLimit": 5,
-            "template": pod_template(spec, name),
+            "template": pod_template(spec, name, owner["metadata"].get("namespace")),
         },
     }
 
@@ -401,6 +407,8 @@ ENGINE_STOP_SECONDS = 15  # P1's own stop after SIGTERM (the grace period's last
 # tests/contract/test_pod_contract.py checks it)
 API_SERVERS_STOP_MARGIN_SECONDS = 10
 TOKEN_ENV = "HF_TOKEN"
+# P0's and the encoder's token (epd: MMIS_ENCODER_TOKEN), read from the internal token's Secret
+ENCODER_TOKEN_ENV = "MMIS_ENCODER_TOKEN"
 # snapshot_download of the weights, config, tokenizer and processor files of one revision
 # into HF_HOME (huggingface_hub ships with transformers in the server image); formats the
 # server never loads are left out
@@ -442,8 +450,10 @@ def _shm_args(spec: ServiceSpec) -> list[str]:
     return ["--shm-dir", r.SHM_MOUNT] if spec.cache.type == "shm" else []
 
 
-def frontend_args(spec: ServiceSpec) -> list[str]:
-    """``mmis frontend`` flags; every one exists in ``mmis.entrypoints.frontend``."""
+def frontend_args(spec: ServiceSpec, encoder_service: str | None = None) -> list[str]:
+    """``mmis frontend`` flags; every one exists in ``mmis.entrypoints.frontend``.
+    ``encoder_service``: the encoders' headless Service as ``HOST:PORT`` (with
+    ``spec.encoder``; its flag comes last, so without it the flags are as before)."""
     args = ["frontend", "--model", spec.model.name, "--served-model-name", spec.model.served_name]
     args += [*revision_args(spec), *processor_kwargs_args(spec)]
     args += ["--host", "0.0.0.0", "--port", str(r.HTTP_PORT), "--ops-port", str(r.OPS_PORT)]
@@ -461,6 +471,8 @@ def frontend_args(spec: ServiceSpec) -> list[str]:
         args += ["--allowed-local-media-path", spec.allowed_local_media_path]
     if spec.otlp_endpoint:
         args += ["--otlp-traces-endpoint", spec.otlp_endpoint]
+    if spec.encoder is not None and encoder_service:
+        args += ["--encoder-service", encoder_service]
     return args
 
 
@@ -594,6 +606,14 @@ def download_container(spec: ServiceSpec, name: str) -> dict[str, Any] | None:
     return container
 
 
+def encoder_service(name: str, namespace: str | None) -> str:
+    """The front end's ``--encoder-service`` for resource ``name``: the encoders' headless
+    Service, ``NAME-encoder.NAMESPACE.svc:PORT`` (``NAME-encoder:PORT`` without a namespace)."""
+    if namespace:
+        return r.encoder_service_address(name, namespace)
+    return f"{r.encoder_name(name)}:{r.ENCODER_PORT}"
+
+
 def _pre_stop(seconds: int) -> dict[str, Any]:
     return {"preStop": {"exec": {"command": ["sleep", str(seconds)]}}}
 
@@ -613,12 +633,16 @@ def _wait_frontend(spec: ServiceSpec) -> dict[str, Any]:
     return {"preStop": {"exec": {"command": command}}}
 
 
-def frontend_container(spec: ServiceSpec, name: str) -> dict[str, Any]:
+def frontend_container(
+    spec: ServiceSpec, name: str, namespace: str | None = None
+) -> dict[str, Any]:
     memory = format_bytes(spec.frontend_memory_bytes + spec.cache.shm_volume_bytes)
     # the front end needs no GPU: the NVIDIA runtime then mounts none into it
     env = [*common_env(spec, name), {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
     if spec.routing is not None:  # /internal/* answers only the picker's bearer token
         env.append(routing.token_env(name, routing.FRONTEND_TOKEN_ENV))
+    if spec.encoder is not None:  # the encoders admit only the internal token (ZMQ PLAIN)
+        env.append(routing.token_env(name, ENCODER_TOKEN_ENV))
     if spec.api_key_secret:
         secret, key = spec.api_key_secret
         # read by the server's config layer; never a flag (it would show in the pod spec)
@@ -633,7 +657,7 @@ def frontend_container(spec: ServiceSpec, name: str) -> dict[str, Any]:
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["mmis"],
-        "args": frontend_args(spec),
+        "args": frontend_args(spec, encoder_service(name, namespace)),
         "ports": [
             {"name": r.HTTP_PORT_NAME, "containerPort": r.HTTP_PORT, "protocol": "TCP"},
             {"name": r.OPS_PORT_NAME, "containerPort": r.OPS_PORT, "protocol": "TCP"},
@@ -704,14 +728,17 @@ def engine_container(spec: ServiceSpec, name: str) -> dict[str, Any]:
     }
 
 
-def pod_spec(spec: ServiceSpec, name: str) -> dict[str, Any]:
+def pod_spec(spec: ServiceSpec, name: str, namespace: str | None = None) -> dict[str, Any]:
     """The generated pod spec, before the user's ``podTemplate`` override."""
     scheduling = spec.scheduling
     tolerations = list(scheduling.get("tolerations") or [])
     if spec.gpus:
         tolerations.append({"key": r.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
     body: dict[str, Any] = {
-        "containers": [frontend_container(spec, name), engine_container(spec, name)],
+        "containers": [
+            frontend_container(spec, name, namespace),
+            engine_container(spec, name),
+        ],
         "volumes": [
             {
                 "name": r.SHM_VOLUME,

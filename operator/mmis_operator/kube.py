@@ -71,6 +71,14 @@ ENGINE_HEALTH_PORT = 8002
 ENGINE_HEALTH_PORT_NAME = "engine-health"
 ENGINE_INPUT_ADDRESS = "tcp://127.0.0.1:5570"
 ENGINE_OUTPUT_ADDRESS = "tcp://127.0.0.1:5571"
+# the encoder pods (spec.encoder, ``mmis encoder``; mmis_operator/encoder.py): the ROUTER the
+# front ends reach through the headless Service NAME-encoder, and the health port that also
+# serves the encoder's /metrics (kubelet and scrapers only)
+ENCODER = "encoder"
+ENCODER_PORT = 5580
+ENCODER_PORT_NAME = "encoder"
+ENCODER_HEALTH_PORT = 8003
+ENCODER_HEALTH_PORT_NAME = "health"
 SHM_VOLUME = "dshm"
 SHM_MOUNT = "/dev/shm"
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -93,6 +101,7 @@ PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
 CACHE_COHERENT = "CacheCoherent"
 ROUTING = "Routing"
+ENCODERS = "Encoders"  # only while spec.encoder is set
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -103,6 +112,18 @@ def selector_labels(name: str) -> dict[str, str]:
 def selector_string(name: str) -> str:
     """``selector_labels`` as a label-selector string (``status.selector``, scale subresource)."""
     return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+
+
+def encoder_name(name: str) -> str:
+    """The name of resource ``name``'s encoder Deployment, headless Service, PodMonitor,
+    NetworkPolicy and autoscaler."""
+    return f"{name}-{ENCODER}"
+
+
+def encoder_service_address(name: str, namespace: str) -> str:
+    """``HOST:PORT`` of the encoders' headless Service (the front end's ``--encoder-service``:
+    every A record is one ready encoder pod)."""
+    return f"{encoder_name(name)}.{namespace}.svc:{ENCODER_PORT}"
 
 
 def child_labels(name: str) -> dict[str, str]:

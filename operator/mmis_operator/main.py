@@ -25,6 +25,7 @@ Invariants:
   threaded operator tests exercise exactly what ``mmis operator`` runs.
 - What the chart's values grant and ask reach the reconciler as flags
   (:meth:`Options.security`): ``--picker-cluster-role`` (set with ``routing.enabled``),
+  ``--encoders`` (``encoder.enabled``),
   ``--no-network-policies`` (``networkPolicy.enabled=false``), ``--network-policy-scrapers``
   (``networkPolicy.scrapers``, a NetworkPolicyPeer as JSON), ``--operator-pod-labels`` and the
   operator's namespace (``--operator-namespace``, else ``$POD_NAMESPACE``: the downward API).
@@ -90,6 +91,9 @@ class Options:
     )
     operator_namespace: str | None = None
     operator_pod_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # installed with encoder.enabled (it may create the internal token's Secret): spec.encoder
+    # is built; otherwise refused (Encoders False, EncodersNotEnabled)
+    encoders: bool = False
 
     def __post_init__(self) -> None:
         if self.watch_client_timeout <= self.watch_server_timeout:
@@ -112,6 +116,7 @@ class Options:
             scrapers=self.network_policy_scrapers,
             operator_namespace=self.operator_namespace,
             operator_labels=self.operator_pod_labels,
+            encoders=self.encoders,
         )
 
 
@@ -181,6 +186,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the endpoint picker's ClusterRole (the chart's, with routing.enabled) that the "
         "operator binds per resource; unset, spec.routing is refused (Routing False, "
         "RoutingNotEnabled)",
+    )
+    parser.add_argument(
+        "--encoders",
+        action="store_const",
+        const=True,
+        help="build spec.encoder (the chart's encoder.enabled, which lets the operator create "
+        "the internal token's Secret); unset, spec.encoder is refused (Encoders False, "
+        "EncodersNotEnabled)",
     )
     parser.add_argument(
         "--no-network-policies",

@@ -14,8 +14,14 @@ Invariants:
   started with ``allow_endpoint_override``; otherwise it is ignored, so a resource's author
   cannot point the operator at arbitrary URLs in production.
 - The status write (:func:`status.write`: fresh read, 409 -> retry) touches only
-  ``status.cache`` and the ``CacheCoherent`` condition: Ready/Progressing/Degraded survive, and
-  ``CacheCoherent`` never feeds ``Ready``.
+  ``status.cache``, ``status.encoderFallbacksPerMinute`` and the ``CacheCoherent`` condition:
+  Ready/Progressing/Degraded survive, and ``CacheCoherent`` never feeds ``Ready``.
+- With ``spec.encoder`` the same cycle also GETs each ready pod's ``/metrics`` (same port,
+  same timeout) and sums P0's ``mmis_encoder_fallbacks_total``; the rate per minute over the
+  pods answering in this cycle and the previous one (kept in memory per resource, so it
+  needs two cycles after the operator starts) is ``status.encoderFallbacksPerMinute``. A pod
+  that does not answer is left out of the rate; with no pod sampled twice the field is left as
+  it is. Without ``spec.encoder`` nothing more is fetched.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import dataclasses
 import functools
 import logging
 import ssl
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -37,6 +44,7 @@ from mmis_operator.kube import Kube
 logger = logging.getLogger(__name__)
 OVERRIDE_ANNOTATION = f"{r.GROUP}/stats-endpoints"
 STATS_PATH = "/stats/cache"
+METRICS_PATH = "/metrics"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +113,29 @@ async def fetch_all(found: Sequence[Target], timeout: float) -> list[status.Prob
         return list(await asyncio.gather(*(_fetch(c, t) for t in found)))
 
 
+async def _fetch_fallbacks(client: httpx.AsyncClient, target: Target) -> float | None:
+    url = target.url.removesuffix(STATS_PATH) + METRICS_PATH
+    try:
+        response = await client.get(url)
+        response.raise_for_status()
+        return status.fallbacks_total(response.text)
+    except (httpx.HTTPError, status.StatsError) as exc:
+        logger.debug("encoder fallbacks of %s: %s", target.pod, exc)
+        return None
+
+
+async def fetch_fallbacks(found: Sequence[Target], timeout: float) -> dict[str, float]:
+    """Pod -> its front end's ``mmis_encoder_fallbacks_total`` (every reason summed), for the
+    pods that answered ``GET /metrics`` within ``timeout`` seconds."""
+    if not found:
+        return {}
+    async with httpx.AsyncClient(
+        timeout=timeout, follow_redirects=False, trust_env=False, verify=_tls()
+    ) as c:
+        answers = await asyncio.gather(*(_fetch_fallbacks(c, t) for t in found))
+    return {t.pod: v for t, v in zip(found, answers, strict=True) if v is not None}
+
+
 class CoherenceProbe:
     """One operator's probe: its Kube client, HTTP timeout and override permission."""
 
@@ -114,6 +145,9 @@ class CoherenceProbe:
         self.kube = kube
         self.timeout = timeout
         self.allow_override = allow_override
+        # per resource: pod -> (monotonic seconds, fallbacks total) of the last cycle
+        self._fallbacks: dict[tuple[str, str], dict[str, tuple[float, float]]] = {}
+        self.clock = time.monotonic
 
     def list_pods(self, namespace: str, name: str) -> list[dict[str, Any]]:
         path = f"/api/v1/namespaces/{namespace}/pods"
@@ -124,12 +158,34 @@ class CoherenceProbe:
         """Probe, judge and store; returns what was stored."""
         meta = body["metadata"]
         pods = await asyncio.to_thread(self.list_pods, meta["namespace"], meta["name"])
-        results = await fetch_all(targets(body, pods, self.allow_override), self.timeout)
+        found = targets(body, pods, self.allow_override)
+        results = await fetch_all(found, self.timeout)
         judged = status.evaluate(results, threshold)
-        await asyncio.to_thread(self.store, meta["namespace"], meta["name"], judged)
+        rate = None
+        key = (meta["namespace"], meta["name"])
+        if (body.get("spec") or {}).get("encoder") is not None:
+            rate = await self.fallback_rate(key, found)
+        else:
+            self._fallbacks.pop(key, None)
+        await asyncio.to_thread(self.store, meta["namespace"], meta["name"], judged, rate)
         return judged
 
-    def store(self, namespace: str, name: str, judged: status.Coherence) -> None:
-        """Write ``status.cache`` and ``CacheCoherent`` (an Event when its status flips)."""
-        update = status.DesiredStatus({"cache": judged.cache}, (judged.condition,))
+    async def fallback_rate(self, key: tuple[str, str], found: Sequence[Target]) -> float | None:
+        """Encoder fallbacks per minute of resource ``key``'s pods since the last cycle."""
+        totals = await fetch_fallbacks(found, self.timeout)
+        now = self.clock()
+        sampled = {pod: (now, total) for pod, total in totals.items()}
+        before = self._fallbacks.get(key, {})
+        self._fallbacks[key] = sampled
+        return status.fallbacks_per_minute(before, sampled)
+
+    def store(
+        self, namespace: str, name: str, judged: status.Coherence, rate: float | None = None
+    ) -> None:
+        """Write ``status.cache`` and ``CacheCoherent`` (an Event when its status flips) and,
+        when known, ``status.encoderFallbacksPerMinute``."""
+        fields: dict[str, Any] = {"cache": judged.cache}
+        if rate is not None:
+            fields[status.ENCODER_FALLBACKS] = rate
+        update = status.DesiredStatus(fields, (judged.condition,))
         status.write(self.kube, namespace, name, lambda _: update)

@@ -93,7 +93,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from mmis_operator import builders, routing, status
+from mmis_operator import builders, encoder, routing, status
 from mmis_operator import kube as r  # the resource's names (kube.py's first section)
 from mmis_operator.builders import created_claim_name
 from mmis_operator.kube import Kube, KubeError, object_path, service_path
@@ -135,6 +135,14 @@ POOL_API_MISSING = (
 )
 
 
+ENCODERS_NOT_ENABLED = (
+    "spec.encoder needs the operator installed with encoders: helm upgrade the mmis chart with "
+    "--set encoder.enabled=true (it lets the operator create the internal token's Secret the "
+    "encoders and front ends read); until then no encoder is created and the pods encode their "
+    "images themselves"
+)
+
+
 ROUTING_NOT_ENABLED = (
     "spec.routing needs the operator installed with routing: helm upgrade the mmis chart with "
     "--set routing.enabled=true (it ships the picker's ClusterRole and lets the operator bind "
@@ -149,7 +157,9 @@ class Security:
     ``mmis operator`` flags: :class:`mmis_operator.main.Options`).
 
     ``picker_cluster_role``: the chart's picker ClusterRole the operator may bind (empty:
-    installed without ``routing.enabled``, so ``spec.routing`` is refused). ``network_policies``:
+    installed without ``routing.enabled``, so ``spec.routing`` is refused). ``encoders``: the
+    chart's ``encoder.enabled`` (the operator may create the internal token's Secret), without
+    which ``spec.encoder`` is refused the same way. ``network_policies``:
     render the NetworkPolicies; ``scrapers``: the NetworkPolicyPeer of whoever scrapes the
     pods' metrics; ``operator_namespace`` / ``operator_labels``: where the operator's own pods
     are and their labels, admitted to the ops port (the coherence probe); unknown (out of
@@ -163,6 +173,7 @@ class Security:
     )
     operator_namespace: str | None = None
     operator_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    encoders: bool = False  # installed with encoder.enabled: spec.encoder is built
 
     def operator_peer(self) -> dict[str, Any] | None:
         """The operator's pods as a NetworkPolicyPeer, or None when not known."""
@@ -223,6 +234,8 @@ class Reconciler:
         self._routed: dict[tuple[str, str], bool] = {}
         # per resource: whether this process applied its NetworkPolicies (absent: not looked)
         self._policies: dict[tuple[str, str], bool] = {}
+        # per resource: the encoder kinds this process applied (absent: not looked yet)
+        self._encoded: dict[tuple[str, str], set[str]] = {}
 
     def _wanted_integrations(
         self, body: Mapping[str, Any], spec: ServiceSpec
@@ -276,10 +289,59 @@ class Reconciler:
     def _pod_spec(self, spec: ServiceSpec) -> ServiceSpec:
         """The spec the pods are built from: routing the operator may not deploy (installed
         without a picker ClusterRole) is no routing for the pods (no event ports, no token
-        Secret to read)."""
+        Secret to read); likewise encoders (installed without ``encoder.enabled``)."""
         if spec.routing is not None and not self.security.picker_cluster_role:
-            return dataclasses.replace(spec, routing=None)
+            spec = dataclasses.replace(spec, routing=None)
+        if spec.encoder is not None and not self.security.encoders:
+            spec = dataclasses.replace(spec, encoder=None)
         return spec
+
+    def _encoder_condition(self, body: Mapping[str, Any], spec: ServiceSpec) -> Condition | None:
+        """The Encoders condition (None: no spec.encoder)."""
+        if spec.encoder is None:
+            return None
+        if not self.security.encoders:
+            return Condition(r.ENCODERS, "False", "EncodersNotEnabled", ENCODERS_NOT_ENABLED)
+        meta = body["metadata"]
+        address = builders.encoder_service(meta["name"], meta["namespace"])
+        message = (
+            f"encoder Deployment {r.encoder_name(meta['name'])} and its headless Service are "
+            f"applied; the front ends ask {address} and encode locally whatever it does not "
+            "answer (status.encoderFallbacksPerMinute)"
+        )
+        return Condition(r.ENCODERS, "True", "EncodersApplied", message)
+
+    def _encoder_objects(
+        self, body: Mapping[str, Any], pods: ServiceSpec
+    ) -> dict[str, dict[str, Any] | None]:
+        """Kind -> the encoder object to apply (None: to delete if this resource owns it)."""
+        key = (body["metadata"]["namespace"], body["metadata"]["name"])
+        if pods.encoder is None and self._encoded.get(key) == set():
+            return {}  # none applied, none looked for again: a steady reconcile costs nothing
+        auto = pods.encoder is not None and pods.encoder.autoscaling is not None
+        kind = autoscaler_kind(self.integrations, self.discovery) if auto else ""
+        monitors = pods.encoder is not None and pod_monitors_wanted(
+            self.integrations, self.discovery
+        )
+        scrapers = self.security.scrapers if self.security.network_policies else None
+        return encoder.manifests(body, pods, kind, monitors, scrapers)
+
+    def _sync_encoders(
+        self, meta: Mapping[str, Any], wanted: Mapping[str, dict[str, Any] | None]
+    ) -> None:
+        """Apply the wanted encoder objects and delete the unwanted ones this resource owns:
+        looked for on its first reconcile in this process, afterwards only the kinds this
+        process applied."""
+        key = (meta["namespace"], meta["name"])
+        before = self._encoded.get(key)
+        for kind, manifest in wanted.items():
+            if manifest is not None:
+                self.kube.apply(manifest)
+            elif before is None or kind in before:
+                path = _child_path(kind, meta["namespace"], r.encoder_name(meta["name"]))
+                self._delete_owned(path, meta)
+        if wanted or before is None:
+            self._encoded[key] = {k for k, m in wanted.items() if m is not None}
 
     def _apply_routing(self, manifest: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
         try:
@@ -337,18 +399,23 @@ class Reconciler:
         problem: status.Problem | None = None,
         routing_condition: Condition | None = None,
         drop_routing: bool = False,
+        encoder_condition: Condition | None = None,
+        drop_encoder: bool = False,
     ) -> dict[str, Any] | None:
         """Store the status computed from the fresh resource, ``deployment`` and its pods; with
-        the reconcile's Routing condition, or removing it (``drop_routing``)."""
+        the reconcile's Routing and Encoders conditions, or removing them (``drop_routing``,
+        ``drop_encoder``: the status field ``encoderFallbacksPerMinute`` goes with the latter)."""
         pods = [] if _settled(deployment) else self._pods(namespace, name)
-        extra = (routing_condition,) if routing_condition is not None else ()
-        dropped = (r.ROUTING,) if drop_routing else ()
+        extra = tuple(c for c in (routing_condition, encoder_condition) if c is not None)
+        dropped = ((r.ROUTING,) if drop_routing else ()) + ((r.ENCODERS,) if drop_encoder else ())
+        gone = {status.ENCODER_FALLBACKS: None} if drop_encoder else {}
 
         def compute(obj: Mapping[str, Any]) -> status.DesiredStatus:
             desired = status.desired_status(
                 obj, deployment, problem, pods, self.allow_fault_injection
             )
-            return status.DesiredStatus(desired.fields, desired.conditions + extra, dropped)
+            fields = {**desired.fields, **gone}
+            return status.DesiredStatus(fields, desired.conditions + extra, dropped)
 
         stored = status.write(self.kube, namespace, name, compute, observed_generation)
         key = (namespace, name)
@@ -393,12 +460,16 @@ class Reconciler:
         integrations = self._wanted_integrations(body, spec)
         manifests += [m for m in integrations.values() if m is not None]
         routed, routing_condition = self._routing(body, spec)
+        encoder_condition = self._encoder_condition(body, spec)
         applied: dict[str, dict[str, Any]] = {}
         try:
-            if pods.routing is not None:  # before the pods that read it
+            # before the pods that read it (the picker's, the encoders' and the front ends')
+            if pods.routing is not None or pods.encoder is not None:
                 self.kube.create(builders.token_secret(body, secrets.token_hex(32)))
+            encoders = self._encoder_objects(body, pods)
             for manifest in manifests:
                 applied[manifest["kind"]] = self.kube.apply(manifest)
+            self._sync_encoders(meta, encoders)
             for manifest in routed:  # the picker's Deployment and Service are not the resource's
                 self._apply_routing(manifest, meta)
             for kind, wanted in optional.items():
@@ -432,6 +503,8 @@ class Reconciler:
             observed_generation=meta.get("generation"),
             routing_condition=routing_condition,
             drop_routing=spec.routing is None,
+            encoder_condition=encoder_condition,
+            drop_encoder=spec.encoder is None,
         )
         return deployment
 

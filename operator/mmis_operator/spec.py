@@ -1,9 +1,10 @@
 """The MMInferenceService spec, parsed into frozen dataclasses with every default applied.
 
 Owns (each a section below): the error every parser raises (:class:`InvalidSpecError`), the
-Kubernetes quantities spec fields hold, ``spec.autoscaling``, ``spec.monitoring`` and
-``spec.routing`` as parsed specs (the objects they become are :mod:`mmis_operator.builders`' and
-:mod:`mmis_operator.routing`'s), ``spec.frontend`` (how many P0 processes, the P0 container's
+Kubernetes quantities spec fields hold, ``spec.autoscaling``, ``spec.monitoring``,
+``spec.routing`` and ``spec.encoder`` as parsed specs (the objects they become are
+:mod:`mmis_operator.builders`', :mod:`mmis_operator.routing`'s and
+:mod:`mmis_operator.encoder`'s), ``spec.frontend`` (how many P0 processes, the P0 container's
 requests), the defaults (:data:`DEFAULTS`) and the typed readers of one
 field, ``spec.model``, the whole spec (:func:`parse_spec`, the checks across fields, policy) and
 the merge of a user's ``podTemplate`` over the generated pod template (:func:`merge`). Pure: no
@@ -67,6 +68,11 @@ Invariants:
   the container's CPU request: one process per :data:`CPUS_PER_API_SERVER` CPUs, at least 1,
   at most :data:`DERIVED_API_SERVERS_MAX`; today's default request (2) gives 1, and with
   everything unset the pod is byte for byte what it was before the field existed.
+- ``spec.encoder`` (:func:`parse_encoder`): absent, it parses to None and nothing changes (no
+  object, no flag, no env). Its fields have no CRD default (:data:`ENCODER_DEFAULTS`; the
+  encoders' GPUs follow ``resources.gpus``: 1 when the PD pods use GPUs, else 0). Its
+  autoscaler always reads :data:`ENCODER_QUEUE` and has the bounds and windows of
+  ``spec.autoscaling``.
 - The ``podTemplate`` override (:func:`merge`): mappings merge recursively; the override wins
   on scalars. Lists of named items (containers, volumes, env, volumeMounts, ports, ...) merge
   item by item on ``name``: an override entry updates the generated entry of the same name,
@@ -200,28 +206,28 @@ class AutoscalingSpec:
         return max(self.min_replicas, min(self.max_replicas, replicas))
 
 
-def _window(section: Mapping[str, Any], key: str) -> int:
+def _window(section: Mapping[str, Any], key: str, where: str = "spec.autoscaling") -> int:
     value = section.get(key, AUTOSCALING_DEFAULTS[f"autoscaling.{key}"])
     whole = isinstance(value, int) and not isinstance(value, bool)
     if not whole or not 0 <= value <= MAX_WINDOW_SECONDS:
         raise InvalidSpecError(
-            f"spec.autoscaling.{key}",
+            f"{where}.{key}",
             f"must be whole seconds in [0, {MAX_WINDOW_SECONDS}], got {value!r}",
         )
     return value
 
 
-def _replicas(section: Mapping[str, Any], key: str) -> int:
+def _replicas(section: Mapping[str, Any], key: str, where: str = "spec.autoscaling") -> int:
     value = section.get(key, AUTOSCALING_DEFAULTS.get(f"autoscaling.{key}"))
     if value is None:
-        raise InvalidSpecError(f"spec.autoscaling.{key}", "is required when enabled is true")
+        raise InvalidSpecError(f"{where}.{key}", "is required when enabled is true")
     if (
         isinstance(value, bool)
         or not isinstance(value, int)
         or not 1 <= value <= AUTOSCALING_MAX_REPLICAS
     ):
         raise InvalidSpecError(
-            f"spec.autoscaling.{key}",
+            f"{where}.{key}",
             f"must be an integer in [1, {AUTOSCALING_MAX_REPLICAS}], got {value!r}",
         )
     return value
@@ -439,6 +445,115 @@ def parse_frontend(spec: Mapping[str, Any]) -> FrontendResources:
     else:
         memory = count * parse_bytes(PROCESS_DEFAULTS["resources.frontendMemory"], field)
     return FrontendResources(api_servers=count, cpu=cpu, memory_bytes=memory)
+
+
+# --- spec.encoder: the pool's encoder pods (E/PD, issue 46) ---------------------------------------
+
+# The metric the encoder autoscaler reads: items received and not yet answered by one
+# ``mmis encoder`` (queued plus in its running batch), on its health port's /metrics. Defined
+# here for the operator; the encoder process must export it under this name.
+ENCODER_QUEUE = "mmis_encoder_queue_items"
+ENCODER_MAX_REPLICAS = 1000
+# spec.encoder's fields have no CRD default (as spec.frontend.apiServers): unset, these, and
+# resources.gpus follows the PD pods (1 when they use GPUs, else 0: a CPU pool gets CPU
+# encoders). The autoscaler's windows and Prometheus are AUTOSCALING_DEFAULTS'.
+ENCODER_DEFAULTS: dict[str, Any] = {
+    "encoder.replicas": 1,
+    "encoder.resources.cpu": "2",
+    "encoder.resources.memory": "8Gi",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderSpec:
+    """``spec.encoder``: the encoder Deployment's size (``replicas`` until an autoscaler owns
+    it), each encoder container's requests and the autoscaler (None: a fixed count)."""
+
+    replicas: int
+    gpus: int
+    cpu: str
+    memory_bytes: int
+    autoscaling: AutoscalingSpec | None
+
+
+def _encoder_autoscaling(section: Mapping[str, Any]) -> AutoscalingSpec | None:
+    """``spec.encoder.autoscaling`` (the metric is always :data:`ENCODER_QUEUE`)."""
+    where = "spec.encoder.autoscaling"
+    auto = section.get("autoscaling") or {}
+    if not isinstance(auto, Mapping):
+        raise InvalidSpecError(where, "must be an object")
+    enabled = auto.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise InvalidSpecError(f"{where}.enabled", f"must be a boolean, got {enabled!r}")
+    if not enabled:
+        return None
+    low = _replicas(auto, "minReplicas", where)
+    high = _replicas(auto, "maxReplicas", where)
+    if low > high:
+        raise InvalidSpecError(where, f"minReplicas ({low}) must not exceed maxReplicas ({high})")
+    target = auto.get("target")
+    if target is None:
+        raise InvalidSpecError(
+            f"{where}.target",
+            f"is required when enabled is true: the per-encoder average of {ENCODER_QUEUE}",
+        )
+    if isinstance(target, bool) or not isinstance(target, int | float) or target <= 0:
+        raise InvalidSpecError(f"{where}.target", f"must be positive, got {target!r}")
+    address = auto.get("prometheusAddress") or AUTOSCALING_DEFAULTS["autoscaling.prometheusAddress"]
+    return AutoscalingSpec(
+        min_replicas=low,
+        max_replicas=high,
+        metric=ENCODER_QUEUE,
+        target=float(target),
+        scale_up_window_seconds=_window(auto, "scaleUpStabilizationSeconds", where),
+        scale_down_window_seconds=_window(auto, "scaleDownStabilizationSeconds", where),
+        prometheus_address=str(address),
+    )
+
+
+def parse_encoder(spec: Mapping[str, Any], pd_gpus: int) -> EncoderSpec | None:
+    """``spec.encoder``, or None when absent (no encoder, the pods exactly as without it);
+    ``pd_gpus`` is ``spec.resources.gpus`` (the default of the encoders' GPUs follows it)."""
+    section = spec.get("encoder")
+    if section is None:
+        return None
+    if not isinstance(section, Mapping):
+        raise InvalidSpecError("spec.encoder", f"must be an object, got {type(section).__name__}")
+    replicas = section.get("replicas", ENCODER_DEFAULTS["encoder.replicas"])
+    if (
+        isinstance(replicas, bool)
+        or not isinstance(replicas, int)
+        or not 1 <= replicas <= ENCODER_MAX_REPLICAS
+    ):
+        raise InvalidSpecError(
+            "spec.encoder.replicas",
+            f"must be a whole number in [1, {ENCODER_MAX_REPLICAS}], got {replicas!r}",
+        )
+    res = section.get("resources") or {}
+    if not isinstance(res, Mapping):
+        raise InvalidSpecError("spec.encoder.resources", "must be an object")
+    gpus = res.get("gpus", 1 if pd_gpus else 0)
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or not 0 <= gpus <= 64:
+        raise InvalidSpecError(
+            "spec.encoder.resources.gpus", f"must be a whole number in [0, 64], got {gpus!r}"
+        )
+    cpu = read_cpu(
+        {"cpu": res.get("cpu", ENCODER_DEFAULTS["encoder.resources.cpu"])},
+        "spec.encoder.resources.cpu",
+    )
+    memory = read_bytes(
+        {"memory": res.get("memory", ENCODER_DEFAULTS["encoder.resources.memory"])},
+        "spec.encoder.resources.memory",
+    )
+    if not memory:
+        raise InvalidSpecError("spec.encoder.resources.memory", "must be positive")
+    return EncoderSpec(
+        replicas=replicas,
+        gpus=gpus,
+        cpu=cpu,
+        memory_bytes=memory,
+        autoscaling=_encoder_autoscaling(section),
+    )
 
 
 # --- Defaults and field readers (was spec_fields.py) ----------------------------------------------
@@ -718,6 +833,7 @@ class ServiceSpec:
     monitoring: MonitoringSpec
     routing: RoutingSpec | None = None  # None: no endpoint picker (spec.routing absent)
     api_servers: int = 1  # P0 processes in the front-end container (spec.frontend.apiServers)
+    encoder: EncoderSpec | None = None  # None: no encoder pods (spec.encoder absent)
 
 
 def _zero(value: int | str) -> bool:
@@ -845,6 +961,7 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
         monitoring=parse_monitoring(spec),
         routing=parse_routing(spec),
         api_servers=front.api_servers,
+        encoder=parse_encoder(spec, read_int(res, "spec.resources.gpus")),
     )
     if parsed.engine_memory_bytes <= 0 or parsed.frontend_memory_bytes <= 0:
         raise InvalidSpecError("spec.resources", "memory and frontendMemory must be positive")

@@ -394,9 +394,9 @@ def merged_status(
     observed_generation: int | None = None,
     now: str | None = None,
 ) -> dict[str, Any]:
-    """The new status object: ``current`` with fields replaced, conditions upserted and the
-    ``dropped`` condition types removed."""
-    status = {**(current or {}), **desired.fields}
+    """The new status object: ``current`` with fields replaced (a field set to None is
+    removed), conditions upserted and the ``dropped`` condition types removed."""
+    status = {k: v for k, v in {**(current or {}), **desired.fields}.items() if v is not None}
     if desired.dropped and status.get("conditions"):
         kept = [c for c in status["conditions"] if c.get("type") not in desired.dropped]
         status["conditions"] = kept
@@ -549,10 +549,65 @@ def evaluate(results: Sequence[ProbeResult], threshold: float) -> Coherence:
     return Coherence(condition, cache)
 
 
+# --- status.encoderFallbacksPerMinute (spec.encoder) ---------------------------------------------
+
+ENCODER_FALLBACKS = "encoderFallbacksPerMinute"
+# P0's count of items it sent with pixels because no encoder answered (every reason summed)
+FALLBACKS_METRIC = "mmis_encoder_fallbacks_total"
+
+
+def fallbacks_total(text: str) -> float:
+    """The sum of :data:`FALLBACKS_METRIC` over its series in a Prometheus text exposition
+    (0 when absent: a front end that never fell back, or one without encoders); a malformed
+    sample line of that metric is a :class:`StatsError`."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(FALLBACKS_METRIC):
+            continue
+        rest = line[len(FALLBACKS_METRIC) :]
+        if rest[:1] not in ("{", " "):
+            continue  # another metric whose name starts with this one
+        sample = rest.rsplit("}", 1)[-1].split()
+        try:
+            value = float(sample[0])
+        except (IndexError, ValueError) as exc:
+            raise StatsError(f"bad {FALLBACKS_METRIC} sample: {line[:120]!r}") from exc
+        if not math.isfinite(value) or value < 0:
+            raise StatsError(f"bad {FALLBACKS_METRIC} value: {line[:120]!r}")
+        total += value
+    return total
+
+
+def fallbacks_per_minute(
+    before: Mapping[str, tuple[float, float]], now: Mapping[str, tuple[float, float]]
+) -> float | None:
+    """Fallbacks per minute over the pods sampled both ``before`` and ``now`` (pod -> (seconds,
+    counter total)); a counter that went down (the front end restarted) counts from 0, as
+    Prometheus' ``rate`` does. None when no pod was sampled twice (nothing to say yet)."""
+    count, seconds = 0.0, 0.0
+    for pod, (t1, v1) in now.items():
+        if pod not in before:
+            continue
+        t0, v0 = before[pod]
+        if t1 <= t0:
+            continue
+        count += v1 - v0 if v1 >= v0 else v1
+        seconds = max(seconds, t1 - t0)
+    if seconds <= 0:
+        return None
+    return round(count * 60.0 / seconds, 2)
+
+
 # --- The one status writer, and its Events (was status_writer.py) ---------------------------------
 
 RETRIES = 8
-HEALTHY = {r.READY: "True", r.DEGRADED: "False", r.CACHE_COHERENT: "True", r.ROUTING: "True"}
+HEALTHY = {
+    r.READY: "True",
+    r.DEGRADED: "False",
+    r.CACHE_COHERENT: "True",
+    r.ROUTING: "True",
+    r.ENCODERS: "True",
+}
 
 
 def event_type(change: Transition) -> str | None:

@@ -23,6 +23,7 @@ VALUE_SETS = {
     "peering": ["--set", "peering.enabled=true", "--set", "operator.replicas=2"],
     "namespaced": ["--set", "operator.watchNamespaces={team-a,team-b}"],
     "routing": ["--set", "routing.enabled=true"],
+    "encoder": ["--set", "encoder.enabled=true"],
 }
 SAMPLE: dict[str, Any] = {
     "apiVersion": "mmis.dev/v1alpha1",
