@@ -259,6 +259,7 @@ def build(cfg: EngineConfig, path: str, worker_setup: Callable[[str], None]) -> 
     ``worker_setup``: the logging set-up tensor-parallel worker ranks run first (a
     module-level function: ``spawn`` pickles it)."""
     from mmis.engine.core_process import EngineCoreProc
+    from mmis.engine.encoder_inputs import EmbedsSpec
     from mmis.engine.execution.attn_backends import AttentionBackendError
     from mmis.engine.execution.encoder_sizing import largest_item, load_image_processor
     from mmis.engine.execution.kv_sizing import KVSizingError, plan_kv_pool
@@ -391,6 +392,8 @@ def build(cfg: EngineConfig, path: str, worker_setup: Callable[[str], None]) -> 
             "block_size": str(cfg.block_size),  # P0's block keys (protocol/block_keys.py)
         },
         mm_events=mm_event_stream(cfg, receiver.epoch),
+        # what an encoder output must be to replace an item's pixels (E/PD)
+        embeds_spec=EmbedsSpec(str(adapter.dtype).removeprefix("torch."), adapter.hidden_size),
     )
 
 

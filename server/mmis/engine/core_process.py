@@ -4,7 +4,9 @@ Threads and what each one owns (the invariants that keep P1 crash-free under dri
 - the **input thread** owns the PULL socket and the :class:`ReceiverCache`: it decodes every
   message, resolves multimodal features (the only place the receiver cache is touched) and
   answers a cache miss *itself* with a ``finish_reason="error"`` output listing every missing
-  hash — a request with a miss never reaches the scheduler;
+  hash — a request with a miss never reaches the scheduler; an item whose encoder output
+  (``MM_EMBEDS``, E/PD) fails its check (``engine/encoder_inputs.py``) is evicted, announced
+  and answered the same way, so P0's drift retry resends its pixels (never a failed request);
 - the **busy loop** (the thread that calls :meth:`EngineCoreProc.run`) owns the core: it
   admits resolved requests, aborts, runs steps and core utility calls. The input thread hands
   it typed messages (:class:`AddRequest`, :class:`Abort`, :class:`CoreUtility`) on one queue;
@@ -52,10 +54,12 @@ from typing import Any, Protocol
 import msgspec
 import zmq
 
+from mmis.engine.encoder_inputs import REASONS, EmbedsSpec, Rejection, check_embeds
 from mmis.engine.mm_events import MMEventStream
 from mmis.engine.output_channel import MAX_BACKLOG, OutputChannel, topic
-from mmis.multimodal.cache import ReceiverCache
+from mmis.multimodal.cache import ReceiverCache, Tensors
 from mmis.protocol.codec import WireCodec as Codec
+from mmis.protocol.encoder import MM_EMBEDS
 from mmis.protocol.errors import MMISError, MultiModalCacheMissError, ProtocolError
 from mmis.protocol.messages import (
     AbortRequests,
@@ -63,6 +67,7 @@ from mmis.protocol.messages import (
     EngineCoreRequest,
     ErrorCode,
     FinishReason,
+    MultiModalFeature,
     RequestError,
     RequestType,
     UtilityCall,
@@ -154,8 +159,13 @@ class EngineCoreProc:
         seed: int | None = None,
         model_info: Mapping[str, str] | None = None,
         mm_events: MMEventStream | None = None,
+        embeds_spec: EmbedsSpec | None = None,
     ) -> None:
         self.core = core
+        # what an encoder output must be (engine/encoder_inputs.py); None: this engine takes
+        # none, and every item that carries one is answered as a miss (P0 resends pixels)
+        self.embeds_spec = embeds_spec
+        self.rejected: dict[str, int] = dict.fromkeys(REASONS, 0)  # input thread only
         # the receiver cache's changes for routers (engine/mm_events.py); None: not announced
         self.mm_events = mm_events
         if mm_events is not None:
@@ -174,7 +184,7 @@ class EngineCoreProc:
         # the shell's utility calls (they touch the receiver cache); the core adds its own
         self._shell_utilities: dict[str, Callable[..., Any]] = {
             "hello": self._hello,
-            "receiver_stats": self.receiver.stats,
+            "receiver_stats": self._receiver_stats,
             "reset_mm_cache": self._reset_mm_cache,
             "set_fault_evict_rate": self._set_fault,
             MM_CACHE_SYNC: self._sync_shadow,  # called with the caller's client index
@@ -246,14 +256,11 @@ class EngineCoreProc:
         try:
             tensors = self.receiver.resolve(request.mm_features)
         except MultiModalCacheMissError as miss:
-            self._publish_changes(request.client_index)  # before the miss reaches P0
-            out = EngineCoreOutput(
-                request_id=request.request_id,
-                finish_reason=FinishReason.ERROR.value,
-                error=miss.to_wire(),
-                missing_mm_hashes=miss.mm_hashes,
-            )
-            self._send(request.client_index, [out])
+            # items stored before the miss are checked now, so no later hit is served a bad one
+            stored = [(f, self.receiver.peek(f.mm_hash)) for f in request.mm_features if f.data]
+            bad = self._reject_embeds(stored)
+            missing = miss.mm_hashes + [h for h in bad if h not in miss.mm_hashes]
+            self._send_miss(request, MultiModalCacheMissError(missing))
             return
         except MMISError as exc:
             self._send_error(request, exc.to_wire())
@@ -262,12 +269,58 @@ class EngineCoreProc:
             log.exception("resolving the items of %s failed", request.request_id)
             self._send_error(request, RequestError(ErrorCode.INTERNAL.value, str(exc)))
             return
+        bad = self._reject_embeds(list(zip(request.mm_features, tensors, strict=True)))
+        if bad:
+            self._send_miss(request, MultiModalCacheMissError(bad))
+            return
         self._publish_changes(request.client_index)
         features = [
             msgspec.structs.replace(feature, data=data)
             for feature, data in zip(request.mm_features, tensors, strict=True)
         ]
         self._core_queue.put(AddRequest(msgspec.structs.replace(request, mm_features=features)))
+
+    def _reject_embeds(self, items: list[tuple[MultiModalFeature, Tensors | None]]) -> list[str]:
+        """The hashes of the items whose encoder output fails its check
+        (``engine/encoder_inputs.py``), each evicted from the receiver cache and announced (so
+        no shadow keeps it and no later hit is served it) and counted by reason."""
+        bad: list[str] = []
+        for feature, data in items:
+            # (checked here, not by a call: a request without one runs no encoder_inputs code)
+            if data is None or MM_EMBEDS not in data or feature.mm_hash in bad:
+                continue
+            spec = self.embeds_spec
+            rejection: Rejection | None
+            if spec is None:
+                rejection = Rejection("shape", "this engine takes no encoder outputs")
+            else:
+                rejection = check_embeds(data, feature.placeholder.length, spec, feature.mm_hash)
+            if rejection is None:
+                continue
+            log.warning("refused an encoder output: %s", rejection.message)
+            self.rejected[rejection.reason] += 1
+            bad.append(feature.mm_hash)
+        if bad:  # (counted among the receiver's fault_evictions: evicted on purpose)
+            self.receiver.evict(bad, silent=False)
+        return bad
+
+    def _send_miss(self, request: EngineCoreRequest, miss: MultiModalCacheMissError) -> None:
+        """Answer ``request`` as a receiver-cache miss naming ``miss.mm_hashes`` (retryable:
+        P0's one drift retry resends them with their pixels)."""
+        self._publish_changes(request.client_index)  # before the miss reaches P0
+        out = EngineCoreOutput(
+            request_id=request.request_id,
+            finish_reason=FinishReason.ERROR.value,
+            error=miss.to_wire(),
+            missing_mm_hashes=miss.mm_hashes,
+        )
+        self._send(request.client_index, [out])
+
+    def _receiver_stats(self) -> dict[str, int]:
+        """The receiver cache's counters, plus the encoder outputs refused, by reason
+        (``encoder_outputs_rejected_<reason>``)."""
+        figures = dataclasses.asdict(self.receiver.stats())
+        return figures | {f"encoder_outputs_rejected_{r}": n for r, n in self.rejected.items()}
 
     def _send_error(self, request: EngineCoreRequest, error: RequestError) -> None:
         out = EngineCoreOutput(

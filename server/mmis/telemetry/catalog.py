@@ -53,6 +53,8 @@ STATUS_CLASSES = frozenset({"1xx", "2xx", "3xx", "4xx", "5xx"})
 # encoder held it), fallback (P0 sent the pixels: the reason says why)
 ENCODER_REQUEST_OUTCOMES = frozenset({"ok", "cached", "fallback"})
 ENCODER_FALLBACK_REASONS = frozenset({"timeout", "down", "error", "mislabelled", "none_live"})
+# why P1 refused an encoder output (engine/encoder_inputs.py; the request was a miss)
+ENCODER_REJECT_REASONS = ("dtype", "shape", "nonfinite", "pixels")
 # the P0 process index under --api-servers N (mmis.frontend.config.MAX_API_SERVERS = 64)
 API_SERVER_INDICES = frozenset(str(i) for i in range(64))
 ALLOWED_LABELS = frozenset({"model", "endpoint", "outcome", "status", "api_server", "reason"})
@@ -71,6 +73,18 @@ class MetricSpec:
     owner: Owner
     buckets: tuple[float, ...] = ()
     snapshot_key: str | None = None
+    # an engine metric with one more label: its values; the snapshot holds one figure per
+    # value, under ``<snapshot_key>_<value>``
+    snapshot_labels: tuple[str, ...] = ()
+
+    @property
+    def snapshot_keys(self) -> tuple[str, ...]:
+        """The engine stats keys this metric reads."""
+        if self.snapshot_key is None:
+            return ()
+        if not self.snapshot_labels:
+            return (self.snapshot_key,)
+        return tuple(f"{self.snapshot_key}_{value}" for value in self.snapshot_labels)
 
     @property
     def series_names(self) -> tuple[str, ...]:
@@ -209,6 +223,16 @@ RECEIVER_STORES = _p1(
     "Items P1's receiver cache stored (sent with data by some P0; shared by every P0).",
     "receiver_cache_stores",
 )
+ENCODER_OUTPUTS_REJECTED = MetricSpec(
+    "mmis_encoder_outputs_rejected_total",
+    C,
+    "Encoder outputs P1 refused, by reason (dtype, shape, nonfinite, pixels): each was "
+    "answered as a receiver-cache miss, so P0 resent the pixels.",
+    ("model", "reason"),
+    Owner.ENGINE,
+    snapshot_key="encoder_outputs_rejected",
+    snapshot_labels=ENCODER_REJECT_REASONS,
+)
 
 ALL: tuple[MetricSpec, ...] = tuple(
     v for v in list(globals().values()) if isinstance(v, MetricSpec)
@@ -226,7 +250,7 @@ def check_label(name: str, value: str) -> str:
     allowed = {
         "endpoint": ENDPOINTS,
         "outcome": RETRY_OUTCOMES | ENCODER_REQUEST_OUTCOMES,
-        "reason": ENCODER_FALLBACK_REASONS,
+        "reason": ENCODER_FALLBACK_REASONS | frozenset(ENCODER_REJECT_REASONS),
         "status": STATUS_CLASSES,
         "api_server": API_SERVER_INDICES,
     }.get(name)

@@ -42,6 +42,11 @@ class EngineStats:
     receiver_cache_hits: int = 0
     receiver_cache_evictions: int = 0
     receiver_cache_stores: int = 0  # items stored: each crossed from a P0 to P1 once
+    # encoder outputs refused (engine/encoder_inputs.py), by reason
+    encoder_outputs_rejected_dtype: int = 0
+    encoder_outputs_rejected_shape: int = 0
+    encoder_outputs_rejected_nonfinite: int = 0
+    encoder_outputs_rejected_pixels: int = 0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -75,6 +75,12 @@ class EngineStatsCollector(Collector):
                 value = 0.0 if stats is None else 1.0
             elif stats is None or spec.snapshot_key is None:
                 continue
+            elif spec.snapshot_labels:  # one sample per value of its last label
+                family = _family(spec)
+                for label, key in zip(spec.snapshot_labels, spec.snapshot_keys, strict=True):
+                    family.add_metric([self.model, label], stats.value(key))
+                yield family
+                continue
             else:
                 value = stats.value(spec.snapshot_key)
             family = _family(spec)

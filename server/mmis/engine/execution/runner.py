@@ -1,7 +1,8 @@
 """The batched model runner: one forward pass per scheduling step.
 
 Per step it: drops freed encoder outputs; runs the vision encoder ONCE for every item that
-brought tensors and is not yet stored; embeds all scheduled tokens packed as one sequence;
+brought tensors and is not yet stored (an item that brought its encoder output, ``MM_EMBEDS``,
+is stored as it is: E/PD); embeds all scheduled tokens packed as one sequence;
 overwrites each image's placeholder rows with its embeddings (a chunk may start or end inside
 a placeholder range); runs the language model once with paged attention over the KV pool;
 samples after the last token of every chunk that asks for it, and pools for pooling requests.
@@ -78,6 +79,7 @@ from mmis.engine.scheduling.sched_output import (
     StepOutput,
     identity,
 )
+from mmis.protocol.encoder import MM_EMBEDS
 from mmis.protocol.errors import MMISError
 from mmis.protocol.messages import ErrorCode, SamplingParams
 
@@ -386,25 +388,38 @@ class ModelRunner:
                     )
 
     def _encode(self, seqs: Sequence[ScheduledRequest]) -> list[str]:
+        """Store the encoder output of every item that brought tensors and is not stored yet;
+        returns their hashes. An item that brought its encoder output (``MM_EMBEDS``, checked
+        by P1's input thread, ``engine/encoder_inputs.py``) is stored as it is, moved to the
+        model's device and dtype; the tower runs, once, only for the rest."""
         todo: dict[str, tuple[int, object]] = {}
+        given: list[str] = []
         for s in seqs:
             for item in s.mm_items:
                 if item.data is None or item.mm_hash in self.encoder_outputs:
                     continue
+                if MM_EMBEDS in item.data:
+                    embeds = torch.as_tensor(item.data[MM_EMBEDS])
+                    self._store_output(item.mm_hash, item.length, embeds)
+                    given.append(item.mm_hash)
+                    continue
                 todo.setdefault(item.mm_hash, (item.length, item.data))
         if not todo:
-            return []
+            return given
         hashes = list(todo)
         embeddings = self.adapter.encode_images([todo[h][1] for h in hashes])  # type: ignore[misc]
         self.num_encoder_calls += 1
         for mm_hash, emb in zip(hashes, embeddings, strict=True):
-            if emb.shape[0] != todo[mm_hash][0]:
-                raise StepInputError(
-                    f"item {mm_hash}: encoder gave {emb.shape[0]} embeddings for a placeholder "
-                    f"of {todo[mm_hash][0]} tokens"
-                )
-            self.encoder_outputs[mm_hash] = emb
-        return hashes
+            self._store_output(mm_hash, todo[mm_hash][0], emb)
+        return given + hashes
+
+    def _store_output(self, mm_hash: str, length: int, emb: torch.Tensor) -> None:
+        if emb.shape[0] != length:
+            raise StepInputError(
+                f"item {mm_hash}: encoder gave {emb.shape[0]} embeddings for a placeholder "
+                f"of {length} tokens"
+            )
+        self.encoder_outputs[mm_hash] = emb.to(self.adapter.device, self.adapter.dtype)
 
     def _scatter(self, embeds: torch.Tensor, seqs: Sequence[ScheduledRequest]) -> None:
         offset = 0

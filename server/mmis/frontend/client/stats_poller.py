@@ -44,6 +44,10 @@ def receiver_figures(answer: Any) -> dict[str, int]:
         "receiver_cache_hits": hits,
         "receiver_cache_evictions": evictions,
         "receiver_cache_stores": int(answer.get("stored", 0)),
+    } | {  # encoder outputs P1 refused, by reason (its receiver_stats carries them)
+        key: int(value)
+        for key, value in answer.items()
+        if key.startswith("encoder_outputs_rejected_")
     }
 
 
