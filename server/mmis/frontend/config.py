@@ -233,6 +233,35 @@ class FrontendConfig:
         "omit them, as in vLLM; none: ignore them",
     )
 
+    encoder_urls: tuple[str, ...] = setting(
+        (),
+        metavar="URL[,URL...]",
+        rule=(lambda v: all(_is_tcp_url(u) for u in v), "must be tcp://HOST:PORT each"),
+        help="encoders (mmis encoder --endpoint) this P0 asks for the encoder outputs of the "
+        "images P1 lacks, instead of sending P1 their pixels (E/PD); each item goes to the live "
+        "encoder rendezvous hashing of its mm_hash picks; one that misses 2 s of 1 s pings is "
+        "out until it answers. Token: MMIS_ENCODER_TOKEN (needed off loopback). Empty: none",
+    )
+    encoder_service: str | None = setting(
+        None,
+        metavar="HOST:PORT",
+        rule=(lambda v: v is None or _is_host_port(v), "must be HOST:PORT"),
+        help="a headless Service whose every address is an encoder (tcp://ADDR:PORT), "
+        "re-resolved every 5 s; beside or instead of --encoder-urls",
+    )
+    encoder_timeout_s: float = setting(
+        5.0,
+        rule=POSITIVE,
+        help="how long a render waits for the encoders' outputs; an item not answered by then "
+        "is sent as pixels (P1 encodes it: a counted fallback)",
+    )
+    enable_mm_embeds: bool = setting(
+        False,
+        help="accept precomputed image embeddings as chat parts {'type': 'image_embeds', "
+        "'image_embeds': base64 of a .npy [tokens, hidden] array} (+ 'image_grid_thw' for "
+        "Qwen2-VL); off: such a part is a 400",
+    )
+
     @property
     def served_names(self) -> tuple[str, ...]:
         """The names a request's ``model`` may use (``--served-model-name``, else ``--model``)."""
@@ -258,6 +287,16 @@ class FrontendConfig:
 def _is_header_name(name: str) -> bool:
     """An HTTP field name (RFC 9110 token characters)."""
     return bool(name) and all(c.isascii() and (c.isalnum() or c in "!#$%&'*+-.^_`|~") for c in name)
+
+
+def _is_tcp_url(url: str) -> bool:
+    scheme, sep, rest = url.partition("://")
+    return scheme == "tcp" and bool(sep) and _is_host_port(rest)
+
+
+def _is_host_port(value: str) -> bool:
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
 def _is_network(cidr: str) -> bool:

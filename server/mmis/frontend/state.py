@@ -25,6 +25,9 @@ Invariants:
 - :meth:`close` stops the stats poller, the engine client (failing whatever is still in
   flight), the media loader, the executor and the SHM writer (unlinking its segment), in
   that order, then flushes the traces of a tracing setup it built itself.
+- With ``--encoder-urls`` / ``--encoder-service`` one :class:`EncoderPool` (started before
+  the engine client, closed after it) serves the renderer; without them there is none and
+  nothing of E/PD runs.
 - Telemetry: one :class:`FrontendTelemetry` (private registry) per state; P0's code counts
   straight into its ``metrics``; P1's figures arrive through the :class:`StatsPoller`.
   Tracing is built from ``otlp_traces_endpoint`` / ``OTEL_*`` (off and free when unset)
@@ -45,6 +48,7 @@ from typing import Any
 from PIL import Image
 
 from mmis.config import GiB
+from mmis.frontend.client.encoder_pool import EncoderPool
 from mmis.frontend.client.engine_client import EngineClient
 from mmis.frontend.client.levels import FrontendLevels
 from mmis.frontend.client.media import MediaLoader
@@ -55,6 +59,7 @@ from mmis.frontend.client.renderer import Renderer, SourceItem, SourcePrompt
 from mmis.frontend.client.stats_poller import StatsPoller
 from mmis.frontend.config import FrontendConfig
 from mmis.multimodal.cache import SenderCache
+from mmis.protocol.encoder import EncoderKey
 from mmis.protocol.messages import EngineCoreRequest, SamplingParams
 from mmis.shm import ShmWriter
 from mmis.telemetry.bundle import FrontendTelemetry
@@ -102,6 +107,27 @@ def hash_model_id(settings: FrontendConfig) -> str:
     return settings.model if settings.revision is None else f"{settings.model}@{settings.revision}"
 
 
+ENCODER_TOKEN_ENV = "MMIS_ENCODER_TOKEN"
+
+
+def encoder_pool(settings: FrontendConfig, metrics: Any) -> EncoderPool | None:
+    """The encoders of ``--encoder-urls`` / ``--encoder-service`` (None: neither set, E/PD
+    off). Their key names ``--model`` and ``--revision`` as ``mmis encoder`` must; the
+    token comes from ``MMIS_ENCODER_TOKEN``."""
+    import os
+
+    if not settings.encoder_urls and not settings.encoder_service:
+        return None
+    return EncoderPool(
+        EncoderKey(settings.model, settings.revision or ""),
+        urls=settings.encoder_urls,
+        service=settings.encoder_service,
+        timeout_s=settings.encoder_timeout_s,
+        token=os.environ.get(ENCODER_TOKEN_ENV) or None,
+        metrics=metrics,
+    )
+
+
 def _shm_writer(settings: FrontendConfig) -> ShmWriter | None:
     """The SHM store, or None when it cannot be made: a /dev/shm smaller than ``--shm-gb``
     (a pod's memory ``emptyDir`` below the store, ``ENOSPC`` once the writer's bounded wait
@@ -146,6 +172,7 @@ class FrontendState:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmis-mm-render")
         self.shm_writer = _shm_writer(settings) if settings.mm_cache_type == "shm" else None
         self.loader = MediaLoader(settings)
+        self.encoders = encoder_pool(settings, self.metrics)
         self.client = EngineClient(
             settings.engine_input_address,
             settings.engine_output_address,
@@ -170,6 +197,9 @@ class FrontendState:
             hash_algorithm=settings.hash_algorithm,
             shm_writer=self.shm_writer,
             metrics=self.metrics,
+            encoders=self.encoders,
+            enable_mm_embeds=settings.enable_mm_embeds,
+            max_embeds_bytes=int(settings.max_request_body_mb * (1 << 20)),
         )
         self.policy = RecoveryPolicy(
             self.renderer,
@@ -200,6 +230,8 @@ class FrontendState:
         processor, max_len = await loop.run_in_executor(None, load_processor, settings)
         state = cls(settings, processor, max_model_len=max_len, tracing=tracing)
         try:
+            if state.encoders is not None:
+                await state.encoders.start()
             await state.client.start(timeout=settings.engine_timeout_s, give_up=engine_failed)
         except BaseException:
             await state.close()
@@ -278,6 +310,8 @@ class FrontendState:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._probe
         await self.client.close()
+        if self.encoders is not None:
+            await self.encoders.close()
         await self.loader.aclose()
         self.executor.shutdown(wait=True, cancel_futures=True)
         if self.shm_writer is not None:

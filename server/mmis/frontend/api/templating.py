@@ -5,7 +5,9 @@ One templating for every endpoint that takes turns: chat (``messages``,
 :mod:`mmis.frontend.api.serving_responses`).
 
 Invariants:
-- Images reach the chat template as ``{"type": "image"}`` parts and videos (chat's
+- Images (``image_embeds`` parts too: an item whose content is the client's embeddings,
+  accepted only with ``--enable-mm-embeds``) reach the chat template as ``{"type": "image"}``
+  parts and videos (chat's
   ``video_url``, Responses' ``input_video``) as ``{"type": "video"}`` parts, in prompt order,
   so the template writes exactly one image (video) token per item; the renderer expands them.
   Each item's ``param`` is its JSON path (``messages[i].content[j]``, ``input[i].content[j]``).
@@ -22,7 +24,7 @@ import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from mmis.frontend.api.schemas import ChatMessage, ImagePart, VideoPart
+from mmis.frontend.api.schemas import ChatMessage, ImageEmbedsPart, ImagePart, VideoPart
 from mmis.frontend.api.schemas.responses_api import InputImage, InputMessage, InputVideo
 from mmis.frontend.client.renderer import VIDEO, ImageRef, SourcePrompt
 from mmis.frontend.client.tenancy import ANONYMOUS
@@ -58,6 +60,10 @@ def template_messages(
             if isinstance(part, ImagePart | InputImage):
                 parts.append({"type": "image"})
                 images.append(ImageRef(part.url, part.item_uuid, where, part.detail))
+            elif isinstance(part, ImageEmbedsPart):  # checked by the renderer (the flag first)
+                parts.append({"type": "image"})
+                grid = tuple(part.image_grid_thw) if part.image_grid_thw is not None else None
+                images.append(ImageRef(None, None, where, embeds=part.image_embeds, grid_thw=grid))
             elif isinstance(part, VideoPart | InputVideo):
                 parts.append({"type": "video"})
                 images.append(ImageRef(part.url, part.item_uuid, where, modality=VIDEO))

@@ -42,6 +42,19 @@ Invariants:
   image, with the video placeholder token. A model without a video token refuses them (400).
 - ``copies`` renders the features for that many sibling requests (``n`` choices); each SHM
   descriptor is issued once per copy, so the reader's acknowledgements balance.
+- E/PD (``--encoder-urls`` / ``--encoder-service``, :attr:`Renderer.encoders`): an item with
+  pixels or a clip that the shadow says P1 lacks, in a render without ``bypass``, is sent as
+  the encoder's output, ``{MM_EMBEDS: [placeholder_length, hidden], ...every processor
+  tensor but PIXEL_KEYS}`` (``protocol/encoder.py``), when an encoder answered in time
+  (``frontend/client/encoder_pool.py``), else as its pixels. The shadow records the bytes
+  actually sent. The render worker never waits on the network (:meth:`Renderer.render`).
+  ``bypass`` (the drift retry) and text-only prompts never touch an encoder; without
+  encoders nothing of this runs.
+- An ``image_embeds`` part (``--enable-mm-embeds``; a 400 naming the flag without it, a 400
+  naming the problem for a malformed one: :func:`decode_embeds`) is an image item whose
+  content is :class:`PrecomputedEmbeds`, hashed over its .npy bytes (and grid), sent with
+  data ``{MM_EMBEDS, image_grid_thw?}`` like any item (shadow hits included; ``bypass``
+  sends it again, never pixels: it has none) and checked by P1 like an encoder's output.
 - Placeholder lengths by ``mm_hash`` (the hash covers the pixels and the processor kwargs, so
   it fixes the length) are remembered for the last :data:`KNOWN_LENGTHS` items processed here,
   whether the shadow still holds them or not: a router's repeated key request
@@ -54,18 +67,23 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import collections
 import dataclasses
-from collections.abc import Sequence
+import io
+import math
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from PIL import Image
 
 from mmis.frontend.client.media import DecodedVideo, MediaLoader, check_image_count
 from mmis.frontend.client.media.content_memo import ContentMemo, EncodedImage, bytes_digest
 from mmis.frontend.client.pending_invalidations import PendingInvalidations
-from mmis.frontend.client.processor import ModelProcessor, PromptError
+from mmis.frontend.client.processor import ModelProcessor, ProcessedImage, PromptError
 from mmis.frontend.client.sibling_bindings import SiblingBindings
 from mmis.frontend.client.tenancy import ANONYMOUS, UuidBindings
 from mmis.frontend.errors import (
@@ -77,9 +95,14 @@ from mmis.frontend.errors import (
 from mmis.multimodal.cache import SenderCache, ShadowEntry, ShadowItem, item_nbytes
 from mmis.multimodal.hashing import item_mm_hash, validate_uuid
 from mmis.protocol import block_keys
+from mmis.protocol.encoder import MM_EMBEDS, PIXEL_KEYS, EncodeItem
 from mmis.protocol.messages import MultiModalFeature, ShmAddress
 from mmis.shm import ShmError, ShmStoreFullError, ShmWriter
+from mmis.telemetry import tracing as tr
 from mmis.telemetry.metrics import MMISMetrics
+
+if TYPE_CHECKING:
+    from mmis.frontend.client.encoder_pool import EncoderPool
 
 MODALITY = "image"
 VIDEO = "video"
@@ -95,10 +118,94 @@ class ImageRef:
     param: str | None = None
     detail: str | None = None  # image_url.detail: "low" = the processor's minimum budget
     modality: str = MODALITY  # or VIDEO: a video_url part
+    embeds: str | None = None  # an image_embeds part: base64 of a .npy (url and uuid None)
+    grid_thw: tuple[int, ...] | None = None  # its image_grid_thw (Qwen2-VL)
 
 
-ItemData = Image.Image | EncodedImage | DecodedVideo | None
-"""An item's content: pixels, bytes whose pixels are decoded on first use, a clip, or none."""
+@dataclasses.dataclass(frozen=True)
+class PrecomputedEmbeds:
+    """An ``image_embeds`` part's content (``--enable-mm-embeds``): the tensors sent as the
+    item's data, ``{MM_EMBEDS: [num_tokens, hidden]}`` (+ ``image_grid_thw``), which P1
+    checks like an encoder's output and uses instead of encoding."""
+
+    tensors: dict[str, Any]
+    num_tokens: int
+
+
+ItemData = Image.Image | EncodedImage | DecodedVideo | PrecomputedEmbeds | None
+"""An item's content: pixels, bytes whose pixels are decoded on first use, a clip, embeddings
+given by the client, or none."""
+
+EMBEDS_DTYPES = ("float16", "float32")
+"""The .npy dtypes an ``image_embeds`` part may have (numpy has no bfloat16)."""
+
+
+def decode_embeds(
+    b64: str, grid_thw: Sequence[int] | None, *, max_bytes: int, merge_size: int | None, param: str
+) -> tuple[bytes, PrecomputedEmbeds]:
+    """An ``image_embeds`` part's .npy bytes and content; a 400 naming the problem for
+    anything else than base64 of a 2-D float .npy of at most ``max_bytes`` with finite values
+    (its header is checked before the array is allocated; nothing is unpickled). With
+    ``grid_thw`` (Qwen2-VL) and the processor's ``merge_size``, its rows must be the grid's
+    token count."""
+    if len(b64) > 4 * math.ceil(max_bytes / 3) + 4:
+        raise InvalidRequestError(
+            f"image_embeds is larger than the request body limit of {max_bytes} bytes",
+            param=param,
+        )
+    try:
+        raw = base64.b64decode(b64, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidRequestError(f"image_embeds is not base64: {exc}", param=param) from exc
+    stream = io.BytesIO(raw)
+    try:
+        version = np.lib.format.read_magic(stream)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
+        else:
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
+    except (ValueError, OSError) as exc:
+        raise InvalidRequestError(
+            f"image_embeds is not a .npy file (numpy.save of one array): {exc}", param=param
+        ) from exc
+    if dtype.hasobject or dtype.name not in EMBEDS_DTYPES:
+        raise InvalidRequestError(
+            f"image_embeds has dtype {dtype}; expected one of {', '.join(EMBEDS_DTYPES)}",
+            param=param,
+        )
+    if len(shape) != 2 or shape[0] < 1 or shape[1] < 1:
+        raise InvalidRequestError(
+            f"image_embeds has shape {tuple(shape)}; expected [tokens, hidden] (2-D, not empty)",
+            param=param,
+        )
+    nbytes = int(shape[0]) * int(shape[1]) * dtype.itemsize
+    if nbytes > max_bytes or nbytes != len(raw) - stream.tell():
+        raise InvalidRequestError(
+            f"image_embeds' shape {tuple(shape)} ({nbytes} bytes) does not match its "
+            f"{len(raw) - stream.tell()} data bytes or exceeds {max_bytes} bytes",
+            param=param,
+        )
+    array = np.load(io.BytesIO(raw), allow_pickle=False)
+    if fortran:
+        array = np.ascontiguousarray(array)
+    if not np.isfinite(array).all():
+        raise InvalidRequestError("image_embeds has non-finite values", param=param)
+    tensors: dict[str, Any] = {MM_EMBEDS: array}
+    if grid_thw is not None:
+        grid = [int(v) for v in grid_thw]
+        if len(grid) != 3 or min(grid) < 1:
+            raise InvalidRequestError(
+                f"image_grid_thw must be three positive integers [t, h, w], got {grid}",
+                param=param,
+            )
+        if merge_size and grid[0] * grid[1] * grid[2] // merge_size**2 != shape[0]:
+            raise InvalidRequestError(
+                f"image_embeds has {shape[0]} rows but image_grid_thw {grid} makes "
+                f"{grid[0] * grid[1] * grid[2] // merge_size**2} tokens",
+                param=param,
+            )
+        tensors["image_grid_thw"] = np.asarray([grid], dtype=np.int64)
+    return raw, PrecomputedEmbeds(tensors, int(shape[0]))
 
 
 def _pixels(data: Image.Image | EncodedImage) -> Image.Image:
@@ -171,6 +278,9 @@ class Renderer:
         hash_algorithm: str = "blake3",
         shm_writer: ShmWriter | None = None,
         metrics: MMISMetrics | None = None,
+        encoders: EncoderPool | None = None,
+        enable_mm_embeds: bool = False,
+        max_embeds_bytes: int = 32 << 20,
     ) -> None:
         self.processor = processor
         self.loader = loader
@@ -186,6 +296,9 @@ class Renderer:
         self.bindings = UuidBindings()  # only the event loop touches it (prepare)
         self.memo = ContentMemo()  # likewise
         self.siblings: SiblingBindings | None = None  # one P0 of N: frontend/api/api_server.py
+        self.encoders = encoders  # E/PD: asked for the outputs of the items P1 lacks
+        self.enable_mm_embeds = enable_mm_embeds
+        self.max_embeds_bytes = max_embeds_bytes
         self._lengths: collections.OrderedDict[str, int] = collections.OrderedDict()
 
     def _remember(self, mm_hash: str, length: int) -> None:
@@ -212,11 +325,22 @@ class Renderer:
         check_image_count(len(images) - len(videos), self.max_images)
         self._check_videos(videos)
         for ref in images:
-            if ref.uuid is not None:
+            if ref.embeds is not None:
+                if not self.enable_mm_embeds:
+                    raise InvalidRequestError(
+                        "image_embeds parts are not accepted: start the server with "
+                        "--enable-mm-embeds to send precomputed image embeddings",
+                        param=ref.param,
+                    )
+            elif ref.uuid is not None:
                 validate_uuid(ref.uuid)
             elif ref.url is None:
                 raise InvalidRequestError("an image part needs a url or a uuid", param=ref.param)
-        with_data = [ref for ref in images if ref.url is not None and ref.modality != VIDEO]
+        with_data = [
+            ref
+            for ref in images
+            if ref.url is not None and ref.modality != VIDEO and ref.embeds is None
+        ]
         pictures = iter(await self._load_images(with_data))
         clips = iter(
             [await self.loader.load_video(ref.url or "", param=ref.param) for ref in videos]
@@ -229,6 +353,10 @@ class Renderer:
                 kwargs = dict(self.processor.processor_kwargs)
                 mm_hash = await loop.run_in_executor(None, self.hash_video, clip, kwargs)
                 hashed.append((ref, mm_hash, clip, kwargs))
+                continue
+            if ref.embeds is not None:
+                mm_hash, embeds = await loop.run_in_executor(None, self._embeds_item, ref)
+                hashed.append((ref, mm_hash, embeds, None))
                 continue
             if ref.url is None:  # uuid only: resolved below
                 hashed.append((ref, None, None, self.processor.image_kwargs(ref.detail)))
@@ -258,6 +386,26 @@ class Renderer:
             await self._ask_siblings(self.siblings, hashed, tenant)
         items = self._bind(hashed, tenant, keys_only, param)
         return SourcePrompt(token_ids=token_ids, items=items, param=param)
+
+    def _embeds_item(self, ref: ImageRef) -> tuple[str, PrecomputedEmbeds]:
+        """An ``image_embeds`` part's mm_hash (of its .npy bytes and grid) and content."""
+        raw, embeds = decode_embeds(
+            ref.embeds or "",
+            ref.grid_thw,
+            max_bytes=self.max_embeds_bytes,
+            merge_size=getattr(
+                getattr(self.processor.processor, "image_processor", None), "merge_size", None
+            ),
+            param=ref.param or "messages",
+        )
+        mm_hash = item_mm_hash(
+            model_id=self.model_id,
+            modality="image_embeds",
+            item=raw,
+            processor_kwargs={"image_grid_thw": list(ref.grid_thw or ())},
+            algorithm=self.hash_algorithm,
+        )
+        return mm_hash, embeds
 
     async def _ask_siblings(
         self,
@@ -395,11 +543,69 @@ class Renderer:
     async def render(
         self, source: SourcePrompt, *, bypass: bool, reserve_tokens: int, copies: int = 1
     ) -> RenderedPrompt:
-        """Render on the multimodal worker (see the module docstring)."""
+        """Render on the multimodal worker (see the module docstring).
+
+        With encoders (E/PD) and no ``bypass``, three steps, the worker never waiting on the
+        network: the worker processes the items the shadow says P1 lacks
+        (:meth:`encoder_asks`), the event loop awaits their outputs from the encoders
+        (:meth:`EncoderPool.fetch`, bounded by ``--encoder-timeout-s``), and the worker
+        renders with both (:meth:`render_sync`'s ``precomputed``): an item with an output
+        goes as ``{MM_EMBEDS, non-pixel tensors}``, one without as its pixels. An item the
+        shadow gained meanwhile is a hit, its precomputed entry unused."""
         loop = asyncio.get_running_loop()
+        precomputed: dict[str, tuple[int, dict[str, Any]]] | None = None
+        pool = self.encoders
+        if pool is not None and not bypass and any(self._encodable(i) for i in source.items):
+            asks = await loop.run_in_executor(self.executor, self.encoder_asks, source)
+            if asks:
+                fetched = await pool.fetch([ask for ask, _ in asks.values()], tr.inject())
+                precomputed = {}
+                for mm_hash, (ask, tensors) in asks.items():
+                    embeds = fetched.embeds.get(mm_hash)
+                    if embeds is not None:
+                        extra = {k: v for k, v in tensors.items() if k not in PIXEL_KEYS}
+                        tensors = {MM_EMBEDS: embeds, **extra}
+                    precomputed[mm_hash] = (ask.placeholder_length, tensors)
         return await loop.run_in_executor(
-            self.executor, self.render_sync, source, bypass, reserve_tokens, copies
+            self.executor, self.render_sync, source, bypass, reserve_tokens, copies, precomputed
         )
+
+    @staticmethod
+    def _encodable(item: SourceItem) -> bool:
+        """An item an encoder could encode: pixels or a clip (not a uuid, not embeddings)."""
+        return item.image is not None and not isinstance(item.image, PrecomputedEmbeds)
+
+    def encoder_asks(self, source: SourcePrompt) -> dict[str, tuple[EncodeItem, dict[str, Any]]]:
+        """On the worker: each item P1 lacks (no shadow entry) that an encoder could encode,
+        processed, as ``mm_hash -> (what to ask, its processor tensors)``. Changes nothing
+        but the remembered lengths (the pending invalidations are drained, as a render
+        does first)."""
+        self.pending.drain()
+        asks: dict[str, tuple[EncodeItem, dict[str, Any]]] = {}
+        for item in source.items:
+            if not self._encodable(item) or item.mm_hash in asks:
+                continue
+            if self.shadow.is_cached(item.mm_hash):
+                continue
+            processed = self._process(item)
+            self._remember(item.mm_hash, processed.num_tokens)
+            ask = EncodeItem(
+                mm_hash=item.mm_hash,
+                modality=item.modality,
+                placeholder_length=processed.num_tokens,
+                data=processed.tensors,
+            )
+            asks[item.mm_hash] = (ask, processed.tensors)
+        return asks
+
+    def _process(self, item: SourceItem) -> ProcessedImage:
+        if isinstance(item.image, DecodedVideo):
+            return self.processor.process_video(item.image, item.processor_kwargs)
+        if isinstance(item.image, PrecomputedEmbeds):
+            return ProcessedImage(item.image.tensors, item.image.num_tokens)
+        if item.image is None:  # unreachable: hash-only items are never processed
+            raise HashOnlyCacheMissError([item.uuid or item.mm_hash])
+        return self.processor.process_image(_pixels(item.image), item.processor_kwargs)
 
     async def keys(self, source: SourcePrompt, block_size: int) -> tuple[int, list[bytes]]:
         """:meth:`keys_sync` on the multimodal worker (it reads the shadow renders write)."""
@@ -407,8 +613,16 @@ class Renderer:
         return await loop.run_in_executor(self.executor, self.keys_sync, source, block_size)
 
     def render_sync(
-        self, source: SourcePrompt, bypass: bool, reserve_tokens: int, copies: int = 1
+        self,
+        source: SourcePrompt,
+        bypass: bool,
+        reserve_tokens: int,
+        copies: int = 1,
+        precomputed: Mapping[str, tuple[int, dict[str, Any]]] | None = None,
     ) -> RenderedPrompt:
+        """The render itself, on the worker. ``precomputed`` (``mm_hash -> (placeholder
+        length, data)``, from :meth:`render`'s E/PD step) replaces processing an item sent
+        with data; never used with ``bypass``."""
         self.pending.drain()  # before the first lookup: invalidations reported so far apply
         entries = self.shadow.lookup([item.mm_hash for item in source.items])
         missing = [
@@ -425,10 +639,11 @@ class Renderer:
                 continue
             if item.image is None:  # unreachable: hash-only misses were rejected above
                 raise HashOnlyCacheMissError([item.uuid or item.mm_hash])
-            if isinstance(item.image, DecodedVideo):
-                processed = self.processor.process_video(item.image, item.processor_kwargs)
+            ready = None if bypass or precomputed is None else precomputed.get(item.mm_hash)
+            if ready is not None:
+                processed = ProcessedImage(ready[1], ready[0])
             else:
-                processed = self.processor.process_image(_pixels(item.image), item.processor_kwargs)
+                processed = self._process(item)
             nbytes = item_nbytes(processed.tensors)
             self._remember(item.mm_hash, processed.num_tokens)
             plan.append(
@@ -486,11 +701,7 @@ class Renderer:
                 cut = index if cut is None else cut
                 lengths.append(1)  # a stand-in: nothing from its placeholder on is keyed
             else:
-                if isinstance(item.image, DecodedVideo):
-                    n = self.processor.process_video(item.image, item.processor_kwargs).num_tokens
-                else:
-                    pixels = _pixels(item.image)
-                    n = self.processor.process_image(pixels, item.processor_kwargs).num_tokens
+                n = self._process(item).num_tokens
                 self._remember(item.mm_hash, n)
                 lengths.append(n)
         try:

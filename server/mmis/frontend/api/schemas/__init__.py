@@ -7,7 +7,14 @@ turns a raw body into a model or a typed 400 naming the offending ``param``;
 """
 
 from mmis.frontend.api.schemas.chat import ChatCompletionRequest, ChatMessage
-from mmis.frontend.api.schemas.common import ImagePart, ImageURL, TextPart, VideoPart, VideoURL
+from mmis.frontend.api.schemas.common import (
+    ImageEmbedsPart,
+    ImagePart,
+    ImageURL,
+    TextPart,
+    VideoPart,
+    VideoURL,
+)
 from mmis.frontend.api.schemas.completions import CompletionRequest
 from mmis.frontend.api.schemas.embeddings import EmbeddingRequest
 from mmis.frontend.api.schemas.responses import (
@@ -59,6 +66,7 @@ __all__ = [
     "EmbeddingUsage",
     "ErrorDetail",
     "ErrorResponse",
+    "ImageEmbedsPart",
     "ImagePart",
     "ImageURL",
     "ModelCard",

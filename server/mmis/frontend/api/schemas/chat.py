@@ -33,6 +33,7 @@ from pydantic import (
 from mmis.frontend.api import structured_outputs
 from mmis.frontend.api.schemas.common import (
     Content,
+    ImageEmbedsPart,
     ImagePart,
     OpenAIModel,
     TextPart,
@@ -127,7 +128,9 @@ class ChatMessage(OpenAIModel):
     def _content_rules(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"content is required for a {self.role} message")
-        if self.role != "user" and any(isinstance(p, ImagePart) for p in self.parts()):
+        if self.role != "user" and any(
+            isinstance(p, ImagePart | ImageEmbedsPart) for p in self.parts()
+        ):
             raise ValueError(f"image parts are only allowed in user messages, not {self.role}")
         if self.role != "user" and any(isinstance(p, VideoPart) for p in self.parts()):
             raise ValueError(f"video parts are only allowed in user messages, not {self.role}")
@@ -137,7 +140,7 @@ class ChatMessage(OpenAIModel):
             raise ValueError("a tool message needs tool_call_id (the call it answers)")
         return self
 
-    def parts(self) -> list[TextPart | ImagePart | VideoPart]:
+    def parts(self) -> list[TextPart | ImagePart | VideoPart | ImageEmbedsPart]:
         """The content as parts (a string content is one text part)."""
         if self.content is None:
             return []

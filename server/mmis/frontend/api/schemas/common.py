@@ -264,6 +264,16 @@ class VideoPart(OpenAIModel):
         return self.video_url.uuid or self.uuid
 
 
+class ImageEmbedsPart(OpenAIModel):
+    """Precomputed image embeddings (``--enable-mm-embeds``): base64 of a .npy
+    ``[tokens, hidden]`` float array, and Qwen2-VL's ``image_grid_thw``. The server checks
+    the array (``frontend/client/renderer.py`` ``decode_embeds``); without the flag a 400."""
+
+    type: Literal["image_embeds"]
+    image_embeds: str = Field(min_length=1)
+    image_grid_thw: list[int] | None = Field(default=None, min_length=3, max_length=3)
+
+
 def _part_tag(value: Any) -> str | None:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
     if not isinstance(kind, str):  # any JSON value may come here: {} is unhashable
@@ -275,6 +285,8 @@ def _chat_part_tag(value: Any) -> str | None:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
     if isinstance(kind, str) and kind == "video_url":
         return "part[video_url]"
+    if isinstance(kind, str) and kind == "image_embeds":
+        return "part[image_embeds]"
     return _part_tag(value)
 
 
@@ -299,11 +311,14 @@ def _content_tag(value: Any) -> str | None:
 ChatContentPart = Annotated[
     Annotated[TextPart, Tag("part[text]")]
     | Annotated[ImagePart, Tag("part[image_url]")]
-    | Annotated[VideoPart, Tag("part[video_url]")],
+    | Annotated[VideoPart, Tag("part[video_url]")]
+    | Annotated[ImageEmbedsPart, Tag("part[image_embeds]")],
     Discriminator(
         _chat_part_tag,
         custom_error_type="invalid_content_part",
-        custom_error_message="part type must be 'text' or 'image_url' or 'video_url'",
+        custom_error_message=(
+            "part type must be 'text' or 'image_url' or 'video_url' or 'image_embeds'"
+        ),
     ),
 ]
 
