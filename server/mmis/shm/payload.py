@@ -10,6 +10,11 @@ The header is a msgpack list of ``[name, dtype, shape, data_offset, nbytes]`` en
 Invariants:
 - Only numeric and boolean dtypes (kinds ``b i u f c``) are stored; object, string and
   structured arrays are refused with :class:`ShmPayloadError`, so nothing is ever pickled.
+  A ``torch.bfloat16`` tensor (an encoder output on a GPU model, ``protocol/encoder.py``;
+  numpy has no bfloat16) is stored as its raw 16-bit payload under the dtype name
+  :data:`BFLOAT16` and read back as a ``torch.bfloat16`` tensor (always a copy: torch cannot
+  wrap read-only memory), as ``protocol/tensors.py`` carries it on the wire; torch is imported
+  only to read such an entry.
 - Arrays are copied straight into the mapping (one copy in), and read back as read-only
   numpy views over the mapping (zero copies out) unless the caller asks for a copy.
 - Decoding validates every offset, size and dtype against the allocation: a corrupt header
@@ -34,6 +39,8 @@ from mmis.shm.layout import ALIGN, align_up
 PAYLOAD_MAGIC = 0x4D4D5031  # "MMP1"
 _PREFIX = struct.Struct("<II")
 _KINDS = frozenset("biufc")
+BFLOAT16 = "bfloat16"
+_BF16_CARRIER = np.dtype("<u2")
 
 Entry = tuple[str, str, tuple[int, ...], int, int]
 
@@ -57,21 +64,40 @@ def plan(payload: Mapping[str, Any]) -> Plan:
     for name, value in payload.items():
         if not isinstance(name, str):
             raise ShmPayloadError(f"payload keys must be str, got {type(name).__name__}")
+        dtype_name = None
         try:
-            arr = np.asarray(value)
+            if _is_bfloat16(value):
+                arr, dtype_name = _bf16_bits(value), BFLOAT16
+            else:
+                arr = np.asarray(value)
         except Exception as exc:  # e.g. a GPU tensor that cannot be viewed from the CPU
             raise ShmPayloadError(f"payload item {name!r} is not an array: {exc}") from exc
         if arr.dtype.kind not in _KINDS or arr.dtype.fields is not None:
             raise ShmPayloadError(
                 f"payload item {name!r} has dtype {arr.dtype}; only numeric/bool arrays are stored"
             )
-        entries.append([name, arr.dtype.str, list(arr.shape), rel, arr.nbytes])
+        entries.append([name, dtype_name or arr.dtype.str, list(arr.shape), rel, arr.nbytes])
         arrays.append(arr)
         rel = align_up(rel + arr.nbytes)
     header = msgspec.msgpack.encode(entries)
     base = align_up(_PREFIX.size + len(header))
     placed = [(base + int(e[3]), a) for e, a in zip(entries, arrays, strict=True)]
     return Plan(header=header, arrays=placed, size=max(base + rel, ALIGN))
+
+
+def _is_bfloat16(value: Any) -> bool:
+    """A ``torch.bfloat16`` tensor, told without importing torch (one cannot exist otherwise)."""
+    return type(value).__module__.startswith("torch") and str(getattr(value, "dtype", "")) == (
+        "torch.bfloat16"
+    )
+
+
+def _bf16_bits(tensor: Any) -> npt.NDArray[Any]:
+    """The raw 16-bit payload of a CPU ``torch.bfloat16`` tensor as a little-endian uint16 array."""
+    import torch
+
+    bits = tensor.detach().cpu().contiguous().view(torch.int16).numpy()
+    return bits.view(_BF16_CARRIER)
 
 
 def write(buf: mmap.mmap, start: int, p: Plan) -> None:
@@ -95,7 +121,7 @@ def _entries(raw: bytes) -> list[Entry]:
     return [(n, d, tuple(s), o, b) for n, d, s, o, b in decoded]
 
 
-def read(buf: mmap.mmap, start: int, length: int, copy: bool) -> dict[str, npt.NDArray[Any]]:
+def read(buf: mmap.mmap, start: int, length: int, copy: bool) -> dict[str, Any]:
     """Decode the payload at ``buf[start:start+length]`` into arrays.
 
     With ``copy=False`` the arrays are read-only views over ``buf``: valid until the
@@ -109,10 +135,10 @@ def read(buf: mmap.mmap, start: int, length: int, copy: bool) -> dict[str, npt.N
     head = start + _PREFIX.size
     entries = _entries(bytes(buf[head : head + header_len]))
     base = align_up(_PREFIX.size + header_len)
-    out: dict[str, npt.NDArray[Any]] = {}
+    out: dict[str, Any] = {}
     for name, dtype_str, shape, rel, nbytes in entries:
         try:
-            dtype = np.dtype(dtype_str)
+            dtype = _BF16_CARRIER if dtype_str == BFLOAT16 else np.dtype(dtype_str)
         except TypeError as exc:
             raise ShmPayloadError(f"corrupt dtype {dtype_str!r} for {name!r}") from exc
         count = int(np.prod(shape, dtype=np.int64)) if shape else 1
@@ -128,7 +154,11 @@ def read(buf: mmap.mmap, start: int, length: int, copy: bool) -> dict[str, npt.N
         view: npt.NDArray[Any] = np.ndarray(
             shape, dtype=dtype, buffer=buf, offset=start + base + rel
         )
-        if copy:
+        if dtype_str == BFLOAT16:
+            import torch
+
+            out[name] = torch.from_numpy(view.view("<i2").copy()).view(torch.bfloat16)
+        elif copy:
             out[name] = view.copy()
         else:
             view.flags.writeable = False
