@@ -54,7 +54,7 @@ def npy_b64(array: np.ndarray) -> str:
 def lying_header() -> str:
     """A .npy whose header claims 16 GiB of float32 over 32 bytes of data."""
     buf = io.BytesIO()
-    header = {"descr": "<f4", "fortran_order": False, "shape": (1 << 20, 1 << 12)}
+    header = {"descr": "<f4", "fortran_order": False, "shape": (1 << 26, 64)}
     np.lib.format.write_array_header_1_0(buf, header)
     buf.write(bytes(32))
     return base64.b64encode(buf.getvalue()).decode()
@@ -112,7 +112,8 @@ def test_image_embeds_give_the_pixel_paths_output(embeds_serve: Proc) -> None:
         (base64.b64encode(b"plain bytes").decode(), "not a .npy file"),
         (npy_b64(np.zeros((2, 3, 4), np.float32)), "expected [tokens, hidden]"),
         (npy_b64(np.zeros((4, 8), np.int32)), "dtype int32"),
-        (npy_b64(np.full((4, 8), np.nan, np.float32)), "non-finite"),
+        (npy_b64(np.full((4, 64), np.nan, np.float32)), "non-finite"),
+        (npy_b64(np.zeros((4, 7), np.float32)), "this model's hidden size is"),
         (lying_header(), "does not match its 32 data bytes"),
     ],
 )

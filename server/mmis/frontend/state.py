@@ -90,6 +90,17 @@ def _max_model_len(model: str, revision: str | None = None) -> int:
     return int(getattr(text, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
 
 
+def text_hidden_size(model: str, revision: str | None = None) -> int | None:
+    """The language model's hidden size (an ``image_embeds`` part's width), if the config
+    says it."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model, revision=revision)
+    text = getattr(config, "text_config", None) or config
+    size = getattr(text, "hidden_size", None)
+    return int(size) if isinstance(size, int) else None
+
+
 def load_processor(settings: FrontendConfig) -> tuple[ModelProcessor, int]:
     """The processor (with the configured call kwargs) and the context window of
     ``settings.model`` at ``settings.revision``."""
@@ -156,6 +167,7 @@ class FrontendState:
         *,
         max_model_len: int,
         tracing: Tracing | None = None,
+        embeds_hidden_size: int | None = None,
     ) -> None:
         self.settings = settings
         self.processor = processor
@@ -200,6 +212,7 @@ class FrontendState:
             encoders=self.encoders,
             enable_mm_embeds=settings.enable_mm_embeds,
             max_embeds_bytes=int(settings.max_request_body_mb * (1 << 20)),
+            embeds_hidden_size=embeds_hidden_size,
         )
         self.policy = RecoveryPolicy(
             self.renderer,
@@ -228,7 +241,14 @@ class FrontendState:
         once when ``engine_failed`` says why it will never come)."""
         loop = asyncio.get_running_loop()
         processor, max_len = await loop.run_in_executor(None, load_processor, settings)
-        state = cls(settings, processor, max_model_len=max_len, tracing=tracing)
+        hidden = None
+        if settings.enable_mm_embeds:
+            hidden = await loop.run_in_executor(
+                None, text_hidden_size, settings.model, settings.revision
+            )
+        state = cls(
+            settings, processor, max_model_len=max_len, tracing=tracing, embeds_hidden_size=hidden
+        )
         try:
             if state.encoders is not None:
                 await state.encoders.start()

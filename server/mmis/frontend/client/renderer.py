@@ -141,13 +141,19 @@ EMBEDS_DTYPES = ("float16", "float32")
 
 
 def decode_embeds(
-    b64: str, grid_thw: Sequence[int] | None, *, max_bytes: int, merge_size: int | None, param: str
+    b64: str,
+    grid_thw: Sequence[int] | None,
+    *,
+    max_bytes: int,
+    merge_size: int | None,
+    param: str,
+    hidden_size: int | None = None,
 ) -> tuple[bytes, PrecomputedEmbeds]:
     """An ``image_embeds`` part's .npy bytes and content; a 400 naming the problem for
     anything else than base64 of a 2-D float .npy of at most ``max_bytes`` with finite values
     (its header is checked before the array is allocated; nothing is unpickled). With
     ``grid_thw`` (Qwen2-VL) and the processor's ``merge_size``, its rows must be the grid's
-    token count."""
+    token count; with ``hidden_size`` (the language model's), its columns must be that."""
     if len(b64) > 4 * math.ceil(max_bytes / 3) + 4:
         raise InvalidRequestError(
             f"image_embeds is larger than the request body limit of {max_bytes} bytes",
@@ -176,6 +182,11 @@ def decode_embeds(
     if len(shape) != 2 or shape[0] < 1 or shape[1] < 1:
         raise InvalidRequestError(
             f"image_embeds has shape {tuple(shape)}; expected [tokens, hidden] (2-D, not empty)",
+            param=param,
+        )
+    if hidden_size is not None and shape[1] != hidden_size:
+        raise InvalidRequestError(
+            f"image_embeds has {shape[1]} columns; this model's hidden size is {hidden_size}",
             param=param,
         )
     nbytes = int(shape[0]) * int(shape[1]) * dtype.itemsize
@@ -281,6 +292,7 @@ class Renderer:
         encoders: EncoderPool | None = None,
         enable_mm_embeds: bool = False,
         max_embeds_bytes: int = 32 << 20,
+        embeds_hidden_size: int | None = None,
     ) -> None:
         self.processor = processor
         self.loader = loader
@@ -299,6 +311,7 @@ class Renderer:
         self.encoders = encoders  # E/PD: asked for the outputs of the items P1 lacks
         self.enable_mm_embeds = enable_mm_embeds
         self.max_embeds_bytes = max_embeds_bytes
+        self.embeds_hidden_size = embeds_hidden_size
         self._lengths: collections.OrderedDict[str, int] = collections.OrderedDict()
 
     def _remember(self, mm_hash: str, length: int) -> None:
@@ -397,6 +410,7 @@ class Renderer:
                 getattr(self.processor.processor, "image_processor", None), "merge_size", None
             ),
             param=ref.param or "messages",
+            hidden_size=self.embeds_hidden_size,
         )
         mm_hash = item_mm_hash(
             model_id=self.model_id,
