@@ -29,6 +29,7 @@ from mmis.entrypoints import engine as engine_cli
 from mmis.entrypoints import frontend as frontend_cli
 from mmis.entrypoints.api_servers import STOP_MARGIN_S
 from mmis.frontend.config import FrontendConfig
+from mmis.frontend.state import ENCODER_TOKEN_ENV
 from mmis_operator import builders
 from mmis_operator import kube as r
 from mmis_operator.spec import ServiceSpec, parse_spec
@@ -50,7 +51,8 @@ MODEL_EXTRAS: dict[str, Any] = {
 
 # MMIS_* names each command's config layer reads (from_env sections, parser defaults)
 READ_ENV = {
-    "frontend": {f"MMIS_FRONTEND_{f.name.upper()}" for f in dataclasses.fields(FrontendConfig)},
+    "frontend": {f"MMIS_FRONTEND_{f.name.upper()}" for f in dataclasses.fields(FrontendConfig)}
+    | {ENCODER_TOKEN_ENV},
     "engine": {
         f"MMIS_ENGINE_{f.name.upper()}" for f in dataclasses.fields(engine_cli.EngineConfig)
     },
@@ -222,6 +224,9 @@ def test_server_settings_match_the_spec(variant: str, monkeypatch: pytest.Monkey
     assert settings.api_key == (SECRET_VALUE if spec.api_key_secret else None)
     assert settings.allowed_local_media_path == spec.allowed_local_media_path
     assert settings.api_servers == spec.api_servers
+    # spec.encoder: the encoders' headless Service in the resource's namespace ("ns" here)
+    service = builders.encoder_service(dep["metadata"]["name"], "ns") if spec.encoder else None
+    assert settings.encoder_service == service
     # the port the probes and the Service use is the one the server binds; the operations
     # port (what Prometheus and the coherence probe reach, pod to pod) is the one it opens
     http, ops = front_c["ports"]
