@@ -41,8 +41,10 @@ Invariants:
   manifest, so the operator's server-side apply never takes the count back from it. The metric
   is :data:`spec.ENCODER_QUEUE` (items waiting in one encoder), a per-pod average.
 - ``spec.podTemplate`` is the inference pods' override and does not apply here; the encoder
-  pods get ``spec.scheduling`` (node selector, tolerations, affinity, priority) and the GPU
-  toleration when they request GPUs.
+  pods get ``spec.scheduling`` (node selector, tolerations, affinity, priority), the GPU
+  toleration when they request GPUs, and their own override ``spec.encoder.podTemplate``
+  (merged by ``spec.merge``'s rules; the container is named ``encoder``), which may add labels
+  but never change or drop the selector labels.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from typing import Any
 
 from mmis_operator import builders, routing
 from mmis_operator import kube as r  # the resource's names (kube.py's first section)
-from mmis_operator.spec import ENCODER_QUEUE, EncoderSpec, ServiceSpec, format_bytes
+from mmis_operator.spec import ENCODER_QUEUE, EncoderSpec, ServiceSpec, format_bytes, merge
 
 APP_NAME = "mmis-encoder"  # app.kubernetes.io/name of the encoder pods (never "mmis")
 COMPONENT = "encoder"
@@ -193,7 +195,12 @@ def pod_template(spec: ServiceSpec, enc: EncoderSpec, name: str) -> dict[str, An
             body[key] = dict(scheduling[key])
     if scheduling.get("priorityClassName"):
         body["priorityClassName"] = scheduling["priorityClassName"]
-    return {"metadata": {"labels": labels(name)}, "spec": body}
+    generated = {"metadata": {"labels": labels(name)}, "spec": body}
+    if not enc.pod_template:
+        return generated
+    merged = merge(generated, enc.pod_template)
+    merged.setdefault("metadata", {}).setdefault("labels", {}).update(selector(name))
+    return merged
 
 
 def deployment(owner: Mapping[str, Any], spec: ServiceSpec, enc: EncoderSpec) -> dict[str, Any]:

@@ -72,7 +72,8 @@ Invariants:
   object, no flag, no env). Its fields have no CRD default (:data:`ENCODER_DEFAULTS`; the
   encoders' GPUs follow ``resources.gpus``: 1 when the PD pods use GPUs, else 0). Its
   autoscaler always reads :data:`ENCODER_QUEUE` and has the bounds and windows of
-  ``spec.autoscaling``.
+  ``spec.autoscaling``. Its ``podTemplate`` is merged over the encoder pods' template
+  (:func:`merge`, the rules of ``spec.podTemplate``, which is the inference pods' only).
 - The ``podTemplate`` override (:func:`merge`): mappings merge recursively; the override wins
   on scalars. Lists of named items (containers, volumes, env, volumeMounts, ports, ...) merge
   item by item on ``name``: an override entry updates the generated entry of the same name,
@@ -467,13 +468,15 @@ ENCODER_DEFAULTS: dict[str, Any] = {
 @dataclasses.dataclass(frozen=True)
 class EncoderSpec:
     """``spec.encoder``: the encoder Deployment's size (``replicas`` until an autoscaler owns
-    it), each encoder container's requests and the autoscaler (None: a fixed count)."""
+    it), each encoder container's requests, the autoscaler (None: a fixed count) and the
+    encoder pods' own ``podTemplate`` override (``spec.podTemplate`` is the inference pods')."""
 
     replicas: int
     gpus: int
     cpu: str
     memory_bytes: int
     autoscaling: AutoscalingSpec | None
+    pod_template: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _encoder_autoscaling(section: Mapping[str, Any]) -> AutoscalingSpec | None:
@@ -553,7 +556,15 @@ def parse_encoder(spec: Mapping[str, Any], pd_gpus: int) -> EncoderSpec | None:
         cpu=cpu,
         memory_bytes=memory,
         autoscaling=_encoder_autoscaling(section),
+        pod_template=_encoder_pod_template(section),
     )
+
+
+def _encoder_pod_template(section: Mapping[str, Any]) -> dict[str, Any]:
+    override = section.get("podTemplate") or {}
+    if not isinstance(override, Mapping):
+        raise InvalidSpecError("spec.encoder.podTemplate", "must be an object")
+    return dict(override)
 
 
 # --- Defaults and field readers (was spec_fields.py) ----------------------------------------------

@@ -83,6 +83,7 @@ def test_the_schema_refuses_what_the_parser_refuses(
         {"replicas": 3, "resources": {"gpus": 0, "cpu": "500m", "memory": "6Gi"}},
         {"autoscaling": {**AUTO, "minReplicas": 2, "scaleDownStabilizationSeconds": 60}},
         {"autoscaling": {"enabled": False}},
+        {"podTemplate": {"spec": {"containers": [{"name": "encoder", "env": [{"name": "A"}]}]}}},
     ],
 )
 def test_valid_encoders_are_stored_as_written(

@@ -201,6 +201,35 @@ def test_encoder_container_runs_mmis_encoder_on_the_engines_model(sample: dict[s
     assert dep["spec"]["replicas"] == 1
 
 
+def test_the_encoder_pod_template_override_is_its_own(sample: dict[str, Any]) -> None:
+    """spec.encoder.podTemplate merges over the encoder pods (by container name, as
+    spec.podTemplate over the inference pods) and cannot take their selector labels away;
+    spec.podTemplate does not reach them."""
+    mounted = {"name": "venv", "mountPath": "/venv", "readOnly": True}
+    sample["spec"]["podTemplate"] = {"spec": {"hostname": "inference-only"}}
+    sample["spec"]["encoder"] = {
+        "podTemplate": {
+            "metadata": {"labels": {r.LABEL_NAME: "other", "team": "vision"}},
+            "spec": {
+                "containers": [{"name": "encoder", "volumeMounts": [mounted]}],
+                "volumes": [{"name": "venv", "persistentVolumeClaim": {"claimName": "venv"}}],
+            },
+        }
+    }
+    spec = parse_spec(sample["spec"])
+    assert spec.encoder is not None
+    template = encoder.deployment(sample, spec, spec.encoder)["spec"]["template"]
+    (box,) = template["spec"]["containers"]
+    assert box["volumeMounts"][-1] == mounted and len(box["volumeMounts"]) == 3
+    assert template["spec"]["volumes"][-1]["name"] == "venv"
+    assert "hostname" not in template["spec"]
+    assert template["metadata"]["labels"]["team"] == "vision"
+    assert encoder.selector("llava").items() <= template["metadata"]["labels"].items()
+    sample["spec"]["encoder"]["podTemplate"] = ["not", "an", "object"]
+    with pytest.raises(InvalidSpecError, match=r"spec\.encoder\.podTemplate"):
+        parse_spec(sample["spec"])
+
+
 AUTO = "spec.encoder.autoscaling"
 
 
@@ -273,7 +302,7 @@ def test_crd_schema_of_the_encoder_matches_the_parser() -> None:
     (version,) = yaml.safe_load(CRD.read_text())["spec"]["versions"]
     props = version["schema"]["openAPIV3Schema"]["properties"]
     section = props["spec"]["properties"]["encoder"]
-    assert set(section["properties"]) == {"replicas", "resources", "autoscaling"}
+    assert set(section["properties"]) == {"replicas", "resources", "autoscaling", "podTemplate"}
     assert set(section["properties"]["resources"]["properties"]) == {"gpus", "cpu", "memory"}
     auto = section["properties"]["autoscaling"]["properties"]
     assert set(auto) == {
