@@ -324,7 +324,13 @@ class Reconciler:
             self.integrations, self.discovery
         )
         scrapers = self.security.scrapers if self.security.network_policies else None
-        return encoder.manifests(body, pods, kind, monitors, scrapers)
+        wanted = encoder.manifests(body, pods, kind, monitors, scrapers)
+        # a kind the cluster does not serve has no object to delete (as _wanted_integrations)
+        if wanted["ScaledObject"] is None and not self.discovery.keda():
+            del wanted["ScaledObject"]
+        if wanted["PodMonitor"] is None and not self.discovery.pod_monitors():
+            del wanted["PodMonitor"]
+        return wanted
 
     def _sync_encoders(
         self, meta: Mapping[str, Any], wanted: Mapping[str, dict[str, Any] | None]

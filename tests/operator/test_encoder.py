@@ -427,6 +427,9 @@ def test_first_reconcile_in_a_process_deletes_encoders_an_earlier_one_left(
     assert ENCODER_PATHS["Deployment"] in kube.children
     _reconciler(kube).reconcile(sample)  # a new operator process, the field gone meanwhile
     assert ENCODER_PATHS["Deployment"] not in kube.children
+    # what it looked for: the kinds it may have applied, none whose API the cluster lacks
+    looked = {p for p in kube.gets if p.endswith("/llava-encoder")}
+    assert looked == set(ENCODER_PATHS.values())
 
 
 # --- The probe's encoder fallbacks per minute -------------------------------------------------
