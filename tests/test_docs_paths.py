@@ -12,6 +12,10 @@ domain is a Go import path, checked when it names one of the tree's modules
 (``spec.py``, in a paragraph about one package) must exist somewhere in the tracked tree.
 URL paths (``/v1/...``), URLs, globs, MIME types (``image/png``) and API versions
 (``apps/v1``) are not paths.
+
+The documentation site (issue 48): every relative Markdown link of ``README.md`` and
+``docs/**/*.md`` names a file that exists (from the page's folder), and the pages written for
+the site name only paths that exist, by the same rules as ARCHITECTURE.md.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 import re
 import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "ARCHITECTURE.md"
@@ -153,3 +159,66 @@ def test_paths_without_a_suffix_are_found() -> None:
         "scripts/build-images",
     ]
     assert {"pkg/events", "pkg/mmiscache", "mmis.dev/router"} <= set(named_paths(DOC.read_text()))
+
+
+# --- the documentation site and the README (issue 48) -------------------------------------------
+
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+# the pages written for the site and the README: every backticked path they name exists (the
+# older design pages, and the generated references, name example paths: links only there)
+NAMING_PAGES = (
+    "README.md",
+    "docs/index.md",
+    "docs/getting-started.md",
+    "docs/models.md",
+    "docs/api.md",
+    "docs/kubernetes.md",
+    "docs/encoders.md",
+    "docs/observability.md",
+    "docs/operations.md",
+    "docs/benchmarks.md",
+    "docs/development.md",
+)
+
+
+def link_pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def broken_links(page: Path) -> list[str]:
+    """The relative link targets of Markdown ``page`` that name no file or folder (anchors
+    are mkdocs' to check: ``tests/test_docs_site.py`` builds with ``--strict``)."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # code blocks hold no links
+    bad = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+            continue  # a URL (https:, mailto:) or an anchor of the page itself
+        path = target.split("#")[0]
+        if not (page.parent / path).exists():
+            bad.append(target)
+    return bad
+
+
+def test_every_relative_link_of_the_docs_and_readme_exists() -> None:
+    pages = link_pages()
+    assert len(pages) >= 15, "the site's pages were not found"
+    assert sum(len(LINK.findall(p.read_text())) for p in pages) > 40, "the link parser found few"
+    bad = {str(p.relative_to(ROOT)): broken_links(p) for p in pages}
+    assert not {k: v for k, v in bad.items() if v}
+
+
+def test_the_link_check_can_fail(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    (tmp_path / "there.md").write_text("x")
+    page.write_text(
+        "[ok](there.md#a) [gone](missing.md) ![pic](nope.svg) [web](https://x.y/z.md) [a](#b)\n"
+        "```\n[in code](ignored.md)\n```\n"
+    )
+    assert broken_links(page) == ["missing.md", "nope.svg"]
+
+
+@pytest.mark.parametrize("page", NAMING_PAGES)
+def test_every_path_a_site_page_names_exists(page: str) -> None:
+    names = tracked_names()
+    missing = [p for p in named_paths((ROOT / page).read_text()) if not exists(p, names)]
+    assert not missing, f"{page} names paths that do not exist: {missing}"
