@@ -556,3 +556,29 @@ def test_the_charts_encoder_value_grants_only_secret_create_and_tells_the_operat
     main.add_arguments(parser)
     assert main.options_from_args(parser.parse_args(["--encoders"])).security().encoders
     assert not main.options_from_args(parser.parse_args([])).security().encoders
+
+
+def test_the_charts_own_pod_monitor_scrapes_the_encoder_pods_too(sample: dict[str, Any]) -> None:
+    """With podMonitor.enabled the operator makes no PodMonitor of its own (the chart's
+    replace them): a second one of the chart's selects the encoder pods on their health port."""
+    from tests.security.test_rbac import CHART, _docs
+
+    docs = _docs(CHART, "--set", "podMonitor.enabled=true")
+    (monitor,) = [
+        d for d in docs if d["kind"] == "PodMonitor" and d["metadata"]["name"].endswith("-encoders")
+    ]
+    sample["spec"]["encoder"] = {}
+    spec = parse_spec(sample["spec"])
+    assert spec.encoder is not None
+    template = encoder.deployment(sample, spec, spec.encoder)["spec"]["template"]
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    )
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    (box,) = template["spec"]["containers"]
+    assert (endpoint["port"], endpoint["path"]) == (r.ENCODER_HEALTH_PORT_NAME, "/metrics")
+    assert endpoint["port"] in {p["name"] for p in box["ports"]}
+    # and the operator's own one for a resource is the same scrape
+    own = encoder.pod_monitor(sample, spec)
+    assert own["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    assert own["spec"]["podMetricsEndpoints"][0]["port"] == endpoint["port"]

@@ -88,7 +88,9 @@ def test_pod_monitor_scrapes_the_operations_port_of_the_operators_pods() -> None
 
     assert _of_kind(_render(), "PodMonitor") == []
     assert _of_kind(_render("--api-versions", PODMONITOR_API), "PodMonitor") == []
-    (monitor,) = _of_kind(_render("--set", "podMonitor.enabled=true"), "PodMonitor")
+    monitors = _of_kind(_render("--set", "podMonitor.enabled=true"), "PodMonitor")
+    # the inference pods' (the encoder pods' one: tests/operator/test_encoder.py)
+    (monitor,) = [m for m in monitors if m["metadata"]["name"].endswith("-pods")]
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     assert endpoint["path"] == "/metrics"
     pod = builders.pod_template(parse_spec({"model": {"id": "acme/vlm"}}), "m")
