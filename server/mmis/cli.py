@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "wait until no front end holds --lock (the engine's preStop)",
     ),
     "operator": ("mmis_operator.main", "run the Kubernetes operator (needs mmis-operator)"),
+    "bench": ("mmis.entrypoints.bench", "measure an OpenAI-compatible endpoint under load"),
 }
 
 # the commands that load torch: refused at once, one line, outside the supported range
