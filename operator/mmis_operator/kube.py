@@ -95,13 +95,13 @@ DEFAULT_SCRAPERS: dict[str, Any] = {
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # set on every namespace by the API server
 
 # condition types the operator owns (CacheCoherent: the coherence probe, the others: reconciler;
-# Routing only while spec.routing is set)
+# Routing only while spec.routing is set, Encoders while spec.encoder is)
 READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
 CACHE_COHERENT = "CacheCoherent"
 ROUTING = "Routing"
-ENCODERS = "Encoders"  # only while spec.encoder is set
+ENCODERS = "Encoders"
 
 
 def selector_labels(name: str) -> dict[str, str]:

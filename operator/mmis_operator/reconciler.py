@@ -41,6 +41,17 @@ Invariants:
   install). Without ``spec.routing`` those objects are deleted (the same in-memory hint,
   ``_routed``) and the Routing condition is removed. A RoleBinding whose roleRef changed (an
   earlier operator bound a Role) is deleted and created again: roleRef is immutable.
+- ``spec.encoder`` needs the operator installed with encoders (``Security.encoders``, the
+  chart's ``encoder.enabled``: the right to create the internal token's Secret): without it
+  the condition ``Encoders`` is False with reason EncodersNotEnabled, nothing of the encoders
+  is created and the pods are built as without ``spec.encoder``. With it the token's Secret
+  ``NAME-internal`` is created (create only, as for routing; the two share it) before the pods
+  that read it, the encoder objects (:mod:`mmis_operator.encoder`) are applied and
+  ``Encoders`` is True. Encoder objects no longer wanted (the field gone, autoscaling off, the
+  autoscaler kind changed) are deleted when this resource owns them: looked for on its first
+  reconcile in this process, afterwards only the kinds this process applied (``_encoded``),
+  never a kind whose API the cluster does not serve. Without ``spec.encoder`` the condition
+  and ``status.encoderFallbacksPerMinute`` are removed.
 - NetworkPolicies (``Security.network_policies``, on by default): ``NAME`` for the inference
   pods and, with routing, ``NAME-epp`` for the picker's; when the setting is off both are
   deleted when this resource owns them (looked for on its first reconcile in this process,
