@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import subprocess
@@ -51,38 +50,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 from serve_client import ServerProcess, chat_body, image_data_url
+
+from mmis.bench.serve import run_requests
 
 REPO = Path(__file__).resolve().parents[1]
 PEER_ROOT = Path(os.environ.get("VLLM_PEER_DIR", Path.home() / ".cache/mmis/vllm-peer"))
 PEER_PORT = int(os.environ.get("PORT", "8100"))
-
-
-async def _one(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> tuple[float, int]:
-    """Stream one chat completion: (time to first content chunk, content chunks)."""
-    start = time.perf_counter()
-    first, chunks = None, 0
-    async with http.stream("POST", url, json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
-        buffer = b""
-        async for data in response.aiter_bytes():
-            # split on b"\n" only: JSON escapes it, while a decoded-line reader also splits on
-            # U+2028 / U+0085, which a random model's text may hold raw inside a JSON string
-            buffer += data
-            *lines, buffer = buffer.split(b"\n")
-            for line in lines:
-                if not line.startswith(b"data: ") or line.rstrip() == b"data: [DONE]":
-                    continue
-                delta = json.loads(line[6:])["choices"]
-                if delta and delta[0].get("delta", {}).get("content"):
-                    chunks += 1
-                    if first is None:
-                        first = time.perf_counter() - start
-    if first is None:
-        raise RuntimeError("no content streamed")
-    return first, chunks
 
 
 def _busy_ticks() -> tuple[int, int]:
@@ -144,21 +118,20 @@ async def load(
 async def send_streamed(
     base: str, bodies: list[dict[str, Any]], concurrency: int
 ) -> tuple[float, list[float]]:
-    """Stream every chat body once, ``concurrency`` in flight: (wall seconds, every TTFT)."""
-    todo = iter(bodies)
-    ttfts: list[float] = []
-    url = base + "/v1/chat/completions"
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    """Stream every chat body once, ``concurrency`` in flight: (wall seconds, every TTFT).
 
-    async def worker(http: httpx.AsyncClient) -> None:
-        for body in todo:
-            ttft, _ = await _one(http, url, body)
-            ttfts.append(ttft)
-
-    async with httpx.AsyncClient(limits=limits, timeout=600) as http:
-        start = time.perf_counter()
-        await asyncio.gather(*(worker(http) for _ in range(concurrency)))
-        return time.perf_counter() - start, ttfts
+    The closed loop and the client of ``mmis bench serve`` (:mod:`mmis.bench`); TTFT is the
+    time to the first chunk that carries generated text. A failed request fails the round
+    (RuntimeError naming the first failure, once every request has ended): a benchmark figure
+    over failed requests is wrong.
+    """
+    outputs, wall = await run_requests(
+        base + "/v1/chat/completions", bodies, max_concurrency=concurrency, timeout=600
+    )
+    failed = [out for out in outputs if not out.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(outputs)} requests failed: {failed[0].error}")
+    return wall, [out.ttft for out in outputs]
 
 
 def medium_vllm_copy(dst: Path) -> None:

@@ -5,19 +5,18 @@
   a benchmark never leaves a server behind. ``mmis serve --port 0`` announces its address on
   its first stdout line and its stdout keeps being drained after it; other servers get a free
   port from us and are waited for through an HTTP probe (``wait_http``).
-- :func:`run_load` sends every request exactly once with at most ``concurrency`` in flight;
-  each request has its own timeout (a hang is counted, never waited out forever). Latency is
-  measured per request from just before sending to the full response.
+- :func:`run_load` sends every request exactly once with at most ``concurrency`` in flight,
+  through ``mmis bench serve``'s loop and client (:mod:`mmis.bench`); each request has its own
+  timeout (a hang is counted, never waited out forever). Latency is measured per request from
+  just before sending to the full response.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import dataclasses
 import io
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,8 @@ from typing import Any
 import httpx
 import numpy as np
 from PIL import Image
+
+from mmis.bench.serve import run_requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tools import Daemon
@@ -119,31 +120,23 @@ class LoadResult:
 async def run_load(
     url: str, requests: list[tuple[str, dict[str, Any]]], concurrency: int, timeout: float
 ) -> LoadResult:
-    """POST each ``(key, body)`` to ``url`` once, ``concurrency`` at a time."""
-    result = LoadResult(0.0, [], Counter(), 0, Counter(), 0, {})
-    todo = iter(requests)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-
-    async def worker(http: httpx.AsyncClient) -> None:
-        for key, body in todo:
-            start = time.perf_counter()
-            try:
-                response = await asyncio.wait_for(http.post(url, json=body), timeout)
-            except TimeoutError:
-                result.hangs += 1
-                continue
-            except httpx.HTTPError as exc:
-                result.errors[type(exc).__name__] += 1
-                continue
-            result.latencies_s.append(time.perf_counter() - start)
-            result.statuses[response.status_code] += 1
-            if response.status_code == 200:
-                data = response.json()
-                result.outputs.setdefault(key, set()).add(data["choices"][0]["message"]["content"])
-                result.completion_tokens += int(data.get("usage", {}).get("completion_tokens", 0))
-
-    async with httpx.AsyncClient(timeout=None, limits=limits) as http:
-        began = time.perf_counter()
-        await asyncio.gather(*(worker(http) for _ in range(concurrency)))
-        result.wall_s = time.perf_counter() - began
+    """POST each ``(key, body)`` to ``url`` once, ``concurrency`` at a time (the closed loop
+    of :func:`mmis.bench.serve.run_requests`, the one load loop of ``mmis bench serve``)."""
+    outputs, wall = await run_requests(
+        url, [body for _, body in requests], max_concurrency=concurrency, timeout=timeout
+    )
+    result = LoadResult(wall, [], Counter(), 0, Counter(), 0, {})
+    for (key, _), out in zip(requests, outputs, strict=True):
+        if out.exception == "TimeoutError":  # past the request's own bound
+            result.hangs += 1
+            continue
+        if out.status is None or (out.status == 200 and not out.success):
+            # no answer (a transport error), or a 200 that broke off
+            result.errors[out.exception or "broken answer"] += 1
+            continue
+        result.latencies_s.append(out.latency)
+        result.statuses[out.status] += 1
+        if out.status == 200:
+            result.outputs.setdefault(key, set()).add(out.generated_text)
+            result.completion_tokens += out.output_tokens
     return result
