@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("mmis.entrypoints.serve", "run P1 and P0 together (OpenAI API)"),
     "engine": ("mmis.entrypoints.engine", "run P1, the engine core, alone"),
     "frontend": ("mmis.entrypoints.frontend", "run P0, the OpenAI front end, alone"),
+    "encoder": ("mmis.entrypoints.encoder", "run an encoder: vision tower only (E/PD)"),
     "tiny-model": ("mmis.entrypoints.tiny_model", "write a tiny random model to DIR"),
     "wait-frontend": (
         "mmis.entrypoints.wait_frontend",
@@ -31,7 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 # the commands that load torch: refused at once, one line, outside the supported range
 # (mmis.torch_support; the range is pyproject.toml's)
-NEEDS_TORCH = frozenset({"serve", "engine", "frontend", "tiny-model"})
+NEEDS_TORCH = frozenset({"serve", "engine", "frontend", "encoder", "tiny-model"})
 
 
 def _available() -> dict[str, tuple[str, str]]:

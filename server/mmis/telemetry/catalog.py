@@ -38,6 +38,7 @@ class Owner(enum.StrEnum):
     FRONTEND = "p0"  # instantiated in MMISMetrics
     ENGINE = "p1"  # rendered from P1's stats snapshot
     DERIVED = "derived"  # computed in P0 at scrape time (the drift window)
+    ENCODER = "encoder"  # exposed by mmis encoder itself (engine/encoder/http.py)
 
 
 # The label names a metric may carry, each with its closed set of values ("model" is fixed per
@@ -53,6 +54,8 @@ STATUS_CLASSES = frozenset({"1xx", "2xx", "3xx", "4xx", "5xx"})
 # encoder held it), fallback (P0 sent the pixels: the reason says why)
 ENCODER_REQUEST_OUTCOMES = frozenset({"ok", "cached", "fallback"})
 ENCODER_FALLBACK_REASONS = frozenset({"timeout", "down", "error", "mislabelled", "none_live"})
+# an encoder's items (mmis encoder): encoded by its vision tower, or cached
+ENCODER_ITEM_OUTCOMES = frozenset({"encoded", "cached"})
 # why P1 refused an encoder output (engine/encoder_inputs.py; the request was a miss)
 ENCODER_REJECT_REASONS = ("dtype", "shape", "nonfinite", "pixels")
 # the P0 process index under --api-servers N (mmis.frontend.config.MAX_API_SERVERS = 64)
@@ -233,6 +236,21 @@ ENCODER_OUTPUTS_REJECTED = MetricSpec(
     snapshot_key="encoder_outputs_rejected",
     snapshot_labels=ENCODER_REJECT_REASONS,
 )
+ENCODER_ITEMS = MetricSpec(
+    "mmis_encoder_items_total",
+    C,
+    "Items an encoder (mmis encoder) answered with an output, by outcome: encoded (by the "
+    "vision tower) or cached (from its output cache).",
+    ("model", "outcome"),
+    Owner.ENCODER,
+)
+ENCODER_CACHE_BYTES = MetricSpec(
+    "mmis_encoder_cache_bytes",
+    G,
+    "Bytes of encoder outputs an encoder's output cache holds.",
+    ("model",),
+    Owner.ENCODER,
+)
 
 ALL: tuple[MetricSpec, ...] = tuple(
     v for v in list(globals().values()) if isinstance(v, MetricSpec)
@@ -249,7 +267,7 @@ def check_label(name: str, value: str) -> str:
     """Return ``value`` if it belongs to the closed set of label ``name``, else raise."""
     allowed = {
         "endpoint": ENDPOINTS,
-        "outcome": RETRY_OUTCOMES | ENCODER_REQUEST_OUTCOMES,
+        "outcome": RETRY_OUTCOMES | ENCODER_REQUEST_OUTCOMES | ENCODER_ITEM_OUTCOMES,
         "reason": ENCODER_FALLBACK_REASONS | frozenset(ENCODER_REJECT_REASONS),
         "status": STATUS_CLASSES,
         "api_server": API_SERVER_INDICES,
