@@ -43,7 +43,8 @@ from mmis.telemetry import catalog
 from mmis.telemetry.metrics import MMISMetrics
 from mmis.tiny_models.tiny_model import tiny_model_dir
 
-KEY = EncoderKey("tiny-llava", "", "")
+KEY = EncoderKey("tiny-llava", "", "")  # P0's: the model and revision; the dtype is learnt
+SERVED = EncoderKey("tiny-llava", "", "float32")  # what the encoders answer with
 HIDDEN = 4
 
 
@@ -86,11 +87,15 @@ def test_rendezvous_spreads_keys_uniformly() -> None:
 
 
 class FakeEncoder:
-    """A ROUTER answering like ``mmis encoder``. ``mode``: ok | silent (answers nothing) |
+    """A ROUTER answering like ``mmis encoder``: a request under another key than ``served``
+    is a whole-request error carrying ``served``. ``mode``: ok | silent (answers nothing) |
     mute_items (answers pings only) | wrong_key | wrong_hash | error."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, mode: str = "ok") -> None:
+    def __init__(
+        self, ctx: zmq.asyncio.Context, mode: str = "ok", served: EncoderKey = SERVED
+    ) -> None:
         self.mode = mode
+        self.served = served
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
@@ -107,7 +112,11 @@ class FakeEncoder:
                 self.requests.append(request)
             if self.mode == "silent" or (self.mode == "mute_items" and request.items):
                 continue
-            reply = EncodeReply(request.request_id, KEY, [])
+            reply = EncodeReply(request.request_id, self.served, [])
+            if request.key != self.served:
+                reply.error = RequestError("invalid_request", "the request's key differs")
+                await self.sock.send_multipart([identity.bytes, *self.codec.encode(reply)])
+                continue
             if self.mode == "wrong_key":
                 reply.key = EncoderKey("another-model")
             if self.mode == "error" and request.items:
@@ -305,7 +314,7 @@ async def test_token_makes_a_plain_client_the_engine_zap_handler_admits(
     sync_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(ctx.underlying)
     zap = ZapHandler.acquire(sync_ctx, b"s3cret")
     enc = FakeEncoder.__new__(FakeEncoder)
-    enc.mode, enc.codec, enc.requests = "ok", WireCodec(), []
+    enc.mode, enc.served, enc.codec, enc.requests = "ok", SERVED, WireCodec(), []
     enc.sock = ctx.socket(zmq.ROUTER)
     enc.sock.setsockopt(zmq.LINGER, 0)
     secure_server(enc.sock, b"s3cret")  # type: ignore[arg-type]  # the same setsockopt
@@ -323,6 +332,24 @@ async def test_token_makes_a_plain_client_the_engine_zap_handler_admits(
         await bad.close()
         await enc.close()
         zap.release()
+
+
+async def test_an_encoder_of_another_model_is_never_live(ctx: zmq.asyncio.Context) -> None:
+    other = FakeEncoder(ctx, served=EncoderKey("another-model", "", "float32"))
+    ours = FakeEncoder(ctx)
+    pool = await make_pool([other.url, ours.url])
+    try:
+        await until(lambda: pool.live() == [ours.url])
+        await asyncio.sleep(0.2)
+        assert pool.live() == [ours.url]
+        assert pool._encoders[ours.url].key == SERVED  # learnt from the answer to a ping
+        got = await pool.fetch(items(4))
+        assert len(got.embeds) == 4 and not other.requests
+        assert all(r.key == SERVED for r in ours.requests)
+    finally:
+        await pool.close()
+        await other.close()
+        await ours.close()
 
 
 def test_bad_flags_are_refused_by_name() -> None:

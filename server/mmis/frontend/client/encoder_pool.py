@@ -19,9 +19,14 @@ key is not P0's, or the item was not in the reply under the hash asked), ``none_
 
 Invariants:
 - Never raises for an encoder's sake: the worst case is every item a fallback.
-- A reply is used only when its ``request_id`` is one P0 is waiting for, its key's model and
-  revision equal P0's (the dtype is the encoder's; P1 checks it), and each output sits under
-  the hash P0 asked; an output under any other hash is dropped, never relayed.
+- Keys: P0 knows the model and revision (``--model``, ``--revision``: ``mmis encoder`` must be
+  started with the same strings); the dtype is the encoder's, learnt from its answers (a ping
+  under P0's bare key gets the encoder's key back, an error reply included). An encoder is
+  live only once it answered under P0's model and revision; an encoder of another model never
+  is. Items are asked under the key the encoder announced.
+- A reply is used only when its ``request_id`` is one P0 is waiting for, its key equals the
+  key asked (P1 checks the dtype against its own), and each output sits under the hash P0
+  asked; an output under any other hash is dropped, never relayed.
 - Counted per item: ``mmis_encoder_requests_total{outcome=ok|cached|fallback}`` and, for each
   fallback, ``mmis_encoder_fallbacks_total{reason}``; each fallback reason of a fetch is one
   ``encoder_fallback`` event (reason, item count) on the current span (the render span).
@@ -111,10 +116,11 @@ class _Encoder:
         self.sock = sock
         self.pending: dict[int, asyncio.Future[EncodeReply]] = {}
         self.last_answer: float | None = None  # monotonic; None: never answered
+        self.key: EncoderKey | None = None  # the key it answers with (P0's model and revision)
         self.task: asyncio.Task[None] | None = None
 
     def fail_pending(self, reason: str) -> None:
-        for future in self.pending.values():
+        for future in list(self.pending.values()):
             if not future.done():
                 future.set_exception(_Failed(reason))
         self.pending.clear()
@@ -199,7 +205,9 @@ class EncoderPool:
         return sorted(
             url
             for url, enc in self._encoders.items()
-            if enc.last_answer is not None and now - enc.last_answer <= self.down_after_s
+            if enc.key is not None
+            and enc.last_answer is not None
+            and now - enc.last_answer <= self.down_after_s
         )
 
     def owner(self, mm_hash: str) -> str | None:
@@ -278,7 +286,7 @@ class EncoderPool:
                 stale = enc.last_answer is None or now - enc.last_answer > self.down_after_s
                 if stale and enc.pending:  # out of the set: nobody waits on it any longer
                     enc.fail_pending(DOWN)
-                request = EncodeRequest(request_id=next(self._ids), key=self.key)
+                request = EncodeRequest(request_id=next(self._ids), key=enc.key or self.key)
                 self._send(enc, request)
             await asyncio.sleep(self.ping_interval_s)
 
@@ -306,7 +314,20 @@ class EncoderPool:
             except ProtocolError as exc:
                 log.warning("encoder %s: undecodable reply dropped: %s", enc.url, exc)
                 continue
-            enc.last_answer = self._clock()
+            if self._serves_ours(reply.key):  # an answer (even an error) under our model
+                if enc.key != reply.key:
+                    log.info("encoder %s serves %s", enc.url, reply.key)
+                enc.key = reply.key
+                enc.last_answer = self._clock()
+            elif enc.key is None:
+                log.warning(
+                    "encoder %s serves model %r revision %r, not this P0's %r %r: not used",
+                    enc.url,
+                    reply.key.model,
+                    reply.key.revision,
+                    self.key.model,
+                    self.key.revision,
+                )
             future = enc.pending.pop(reply.request_id, None)
             if future is not None and not future.done():
                 future.set_result(reply)
@@ -328,13 +349,14 @@ class EncoderPool:
                 result.fallbacks[item.mm_hash] = NONE_LIVE
             else:
                 groups.setdefault(url, []).append(item)
-        asks: dict[asyncio.Future[EncodeReply], tuple[_Encoder, int, list[EncodeItem]]] = {}
+        asks: dict[asyncio.Future[EncodeReply], tuple[_Encoder, EncodeRequest, list[EncodeItem]]]
+        asks = {}
         loop = asyncio.get_running_loop()
         for url, group in groups.items():
             enc = self._encoders[url]
             request = EncodeRequest(
                 request_id=next(self._ids),
-                key=self.key,
+                key=enc.key or self.key,
                 items=group,
                 trace_context=dict(trace_context or {}),
             )
@@ -345,13 +367,13 @@ class EncoderPool:
                 future.cancel()
                 result.fallbacks.update((i.mm_hash, DOWN) for i in group)
                 continue
-            asks[future] = (enc, request.request_id, group)
+            asks[future] = (enc, request, group)
         try:
             if asks:
                 await asyncio.wait(list(asks), timeout=self.timeout_s)
         finally:
-            for future, (enc, request_id, group) in asks.items():
-                enc.pending.pop(request_id, None)
+            for future, (enc, request, group) in asks.items():
+                enc.pending.pop(request.request_id, None)
                 if not future.done():
                     future.cancel()
                     result.fallbacks.update((i.mm_hash, TIMEOUT) for i in group)
@@ -361,14 +383,23 @@ class EncoderPool:
                     reason = exc.reason if isinstance(exc, _Failed) else ERROR
                     result.fallbacks.update((i.mm_hash, reason) for i in group)
                 else:
-                    self._take(future.result(), group, result)
+                    self._take(future.result(), request.key, group, result)
         self._count(result)
         return result
 
-    def _take(self, reply: EncodeReply, group: Sequence[EncodeItem], result: FetchResult) -> None:
+    def _serves_ours(self, key: EncoderKey) -> bool:
+        return key.model == self.key.model and key.revision == self.key.revision
+
+    def _take(
+        self,
+        reply: EncodeReply,
+        asked: EncoderKey,
+        group: Sequence[EncodeItem],
+        result: FetchResult,
+    ) -> None:
         """The outputs of one reply P0 may use into ``result``; every other item of ``group``
         a fallback with its reason."""
-        if reply.key.model != self.key.model or reply.key.revision != self.key.revision:
+        if not self._serves_ours(reply.key) or reply.key != asked:
             result.fallbacks.update((i.mm_hash, MISLABELLED) for i in group)
             return
         if reply.error is not None:
