@@ -183,3 +183,17 @@ def test_one_encode_span_per_batch_linked_to_each_request(tower: Tower) -> None:
         assert [link.context.span_id for link in span.links] == [parent.span_id]
         assert span.context.trace_id == parent.trace_id
     assert trace.get_current_span() is trace.INVALID_SPAN
+
+
+def test_pings_and_cached_items_are_answered_while_a_batch_runs(
+    tower: Tower, running: Running
+) -> None:
+    running.cache.put(KEY, "seen", np.zeros((2, 4), np.float32), 32)
+    running.send(EncodeRequest(1, KEY, [item("slow", 1)]))
+    assert tower.started.wait(10)  # the tower is busy with "slow" and will not return
+    running.send(EncodeRequest(2, KEY))  # a ping: P0 drops an encoder that misses 2 s of them
+    running.send(EncodeRequest(3, KEY, [item("seen", 2)]))
+    early = running.replies(2)
+    assert early[2].items == [] and [i.cached for i in early[3].items] == [True]
+    tower.go.set()
+    assert [i.mm_hash for i in running.replies(1)[1].items] == ["slow"]

@@ -4,7 +4,11 @@
 
 One thread (:meth:`EncoderServer.run`) owns the ROUTER, the output cache and the event
 stream. Each turn it takes every message waiting (up to :data:`TAKE_PER_TURN`), answers what
-it can at once, then encodes one batch of what is left, and flushes the cache's events.
+it can at once, hands one batch of what is left to the encode thread when that thread is idle,
+finishes a batch that thread is done with (cache, replies), and flushes the cache's events.
+The vision tower runs on that one encode thread, never on the ROUTER's: pings and cached items
+are answered while a batch runs (P0 drops an encoder that misses 2 s of pings,
+``frontend/client/encoder_pool.py``; a batch of real photos can take longer than that).
 
 Invariants:
 - Every message is ``[identity, (b"")?, body, *tensor_frames]`` decoded by
@@ -37,7 +41,7 @@ Invariants:
 from __future__ import annotations
 
 import collections
-import contextlib
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -60,6 +64,7 @@ MAX_QUEUED_ITEMS = 1024  # items waiting to be encoded, at most
 SPAN_NAME = "encode"
 ATTR_ITEMS = "mmis.encoder.items"
 _POLL_MS = 100
+_BUSY_POLL_MS = 2  # the ROUTER's poll while a batch runs: how soon a finished one is seen
 
 Encode = Callable[[Sequence[Mapping[str, Any]]], list[Any]]
 
@@ -116,6 +121,16 @@ class _Request:
 
 
 @dataclasses.dataclass
+class _Batch:
+    """The batch on the encode thread: its items, who waits for each, its span, its future."""
+
+    batch: list[EncodeItem]
+    waiting: dict[str, list[tuple[_Request, int]]]
+    span: Any
+    future: concurrent.futures.Future[list[Any]]
+
+
+@dataclasses.dataclass
 class Counters:
     encoded: int = 0  # items encoded (one encode_images row each)
     cached: int = 0  # items answered from the cache (or from a twin in the same batch)
@@ -158,6 +173,8 @@ class EncoderServer:
         self.counters = Counters()
         self._codec = WireCodec()
         self._queue: collections.deque[tuple[_Request, int]] = collections.deque()
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mmis-encode")
+        self._running: _Batch | None = None  # the batch on the encode thread
         self._stop = threading.Event()
         self._ctx = ctx if ctx is not None else zmq.Context.instance()
         secret = token.encode() if token else None
@@ -178,18 +195,30 @@ class EncoderServer:
     def run(self) -> None:
         """Serve until :meth:`stop`."""
         while not self._stop.is_set():
-            if self._sock.poll(0 if self._queue else _POLL_MS):
+            if self._running is not None:  # answer what arrives while the batch runs
+                wait_ms = _BUSY_POLL_MS
+            elif self._queue:
+                wait_ms = 0
+            else:
+                wait_ms = _POLL_MS
+            if self._sock.poll(wait_ms):
                 self._take()
-            if self._queue:
-                self._run_batch()
+            if self._running is not None and self._running.future.done():
+                self._finish_batch()
+            if self._running is None and self._queue:
+                self._start_batch()
             if self.events is not None:
                 self.events.flush()
+        if self._running is not None:  # the batch in hand is answered before we return
+            self._running.future.result()
+            self._finish_batch()
 
     def stop(self) -> None:
         """Ask :meth:`run` to return (from any thread or a signal handler)."""
         self._stop.set()
 
     def close(self) -> None:
+        self._worker.shutdown(wait=True)
         self._sock.close(linger=0)
         if self._zap is not None:
             self._zap.release()
@@ -319,13 +348,41 @@ class EncoderServer:
         self._queue = rest
         return batch, waiting
 
-    def _run_batch(self) -> None:
+    def _start_batch(self) -> None:
+        """Hand the next batch to the encode thread (the ROUTER thread goes on answering)."""
         batch, waiting = self._next_batch()
         if not batch:
             return
         self.counters.batches += 1
-        with self._span(batch, waiting):
-            outputs = self._encode_isolating(batch)
+        span = self._span(batch, waiting)
+        future = self._worker.submit(self._encode_on_worker, batch)
+        self._running = _Batch(batch, waiting, span, future)
+
+    def _encode_on_worker(self, batch: Sequence[EncodeItem]) -> list[Any]:
+        """On the encode thread: the outputs (or errors) of ``batch``, on the host."""
+        outputs = self._encode_isolating(batch)
+        return [o if isinstance(o, RequestError) else _to_host(o) for o in outputs]
+
+    def _finish_batch(self) -> None:
+        """On the ROUTER thread: store and answer the batch the encode thread finished."""
+        running, self._running = self._running, None
+        if running is None:
+            return
+        try:
+            outputs = running.future.result()
+        except Exception as exc:  # _encode_isolating catches the tower's own errors
+            outputs = [_failure(exc)] * len(running.batch)
+        finally:
+            if running.span is not None:
+                running.span.end()
+        self._answer_batch(running.batch, running.waiting, outputs)
+
+    def _answer_batch(
+        self,
+        batch: Sequence[EncodeItem],
+        waiting: Mapping[str, list[tuple[_Request, int]]],
+        outputs: Sequence[Any],
+    ) -> None:
         for item, output in zip(batch, outputs, strict=True):
             answers = waiting[item.mm_hash]
             if isinstance(output, RequestError):
@@ -333,7 +390,7 @@ class EncoderServer:
                     self._answer(pending, index, EncodedItem(mm_hash=item.mm_hash, error=output))
                 continue
             self.counters.encoded += 1
-            host = _to_host(output)
+            host = output
             first = self._output(item, host, cached=False)
             if first.error is None:
                 self.cache.put(self.key, item.mm_hash, host, _nbytes(host))
@@ -368,10 +425,12 @@ class EncoderServer:
 
     def _span(
         self, batch: Sequence[EncodeItem], waiting: Mapping[str, Sequence[tuple[_Request, int]]]
-    ) -> contextlib.AbstractContextManager[Any]:
+    ) -> Any:
+        """The batch's ``encode`` span, started (never made current: the ROUTER thread goes on
+        with other messages while it runs); ended by :meth:`_finish_batch`. None untraced."""
         tracing = self.tracing
         if tracing is None or not tracing.enabled:
-            return contextlib.nullcontext()
+            return None
         from opentelemetry import trace
 
         from mmis.telemetry.tracing import extract
@@ -388,7 +447,7 @@ class EncoderServer:
             for span_context in (trace.get_current_span(c).get_span_context() for c in contexts)
             if span_context.is_valid
         ]
-        return tracing.tracer.start_as_current_span(
+        return tracing.tracer.start_span(
             SPAN_NAME,
             context=contexts[0] if contexts else None,
             links=links,
