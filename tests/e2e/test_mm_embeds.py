@@ -1,15 +1,20 @@
 """Precomputed image embeddings as input (issue 46 item 4, ``--enable-mm-embeds``), end to end.
 
 A real ``mmis serve`` on the tiny LLaVA, the openai SDK. Without the flag (the session's
-shared ``tiny_serve``) an ``image_embeds`` part is a 400 naming the flag; with it, the
-embeddings the test computes with the model's own adapter from the processor's tensors of an
-image give the same greedy output as that image sent as pixels, and a malformed part is a 400
-naming its problem."""
+shared ``tiny_serve``, the plain pixel path) an ``image_embeds`` part is a 400 naming the flag;
+with it, the embeddings the test computes with the model's own adapter from the processor's
+tensors of an image give the same greedy output as that image sent as pixels to
+``tiny_serve``, and a malformed part is a 400 naming its problem.
+
+The flagged server also asks a real ``mmis encoder`` (``--encoder-urls``, with a token): one
+E/PD smoke test (an image's output equals the pixel path's, the encoder's output was used and
+P1 refused none). The E/PD scenarios (kill, bad outputs, several PD engines) are elsewhere."""
 
 from __future__ import annotations
 
 import base64
 import io
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +22,7 @@ import numpy as np
 import openai
 import pytest
 from PIL import Image
-from procs import Proc, ServeFactory, openai_client
+from procs import Proc, ServeFactory, image_url, openai_client, series, wait_for
 
 from mmis.frontend.client.processor import ModelProcessor
 from mmis.tiny_models.tiny_model import tiny_model_dir
@@ -26,10 +31,36 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 PROMPT = "What is in the picture?"
 
 
+TOKEN = {"MMIS_ENCODER_TOKEN": "mm-embeds-test"}
+READY = re.compile(r"mmis encoder: ready on (tcp://\S+)")
+
+
 @pytest.fixture(scope="module")
-def embeds_serve(start_serve: ServeFactory) -> Iterator[Proc]:
+def encoder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real ``mmis encoder`` on the tiny LLaVA (CPU, float32 as the tiny P1): its endpoint."""
+    flags = ["--model", str(tiny_model_dir()), "--device", "cpu", "--dtype", "float32"]
+    flags += ["--threads", "1", "--endpoint", "tcp://127.0.0.1:0", "--health-port", "0"]
+    proc = Proc("encoder", ["encoder", *flags], tmp_path_factory.mktemp("encoder"), TOKEN)
+    try:
+        wait_for("the encoder's ready line", lambda: bool(READY.search(log(proc))), 120)
+        found = READY.search(log(proc))
+        assert found is not None
+        yield found.group(1)
+    finally:
+        proc.stop()
+
+
+def log(proc: Proc) -> str:
+    if proc.popen.poll() is not None:
+        raise RuntimeError(f"{proc.name} exited {proc.popen.returncode}\n{proc.log_tail()}")
+    return proc.log_path.read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def embeds_serve(start_serve: ServeFactory, encoder: str) -> Iterator[Proc]:
     flags = ("--model", str(tiny_model_dir()), "--served-model-name", "tiny")
-    with start_serve("serve-mm-embeds", *flags, "--enable-mm-embeds", env=ONE_THREAD) as proc:
+    epd = ("--enable-mm-embeds", "--encoder-urls", encoder)
+    with start_serve("serve-mm-embeds", *flags, *epd, env={**ONE_THREAD, **TOKEN}) as proc:
         yield proc
 
 
@@ -96,13 +127,25 @@ def test_image_embeds_without_the_flag_is_a_400_naming_it(tiny_serve: Proc) -> N
     assert err.value.body.get("param") == "messages[0].content[0]", err.value.body
 
 
-def test_image_embeds_give_the_pixel_paths_output(embeds_serve: Proc) -> None:
-    client = openai_client(embeds_serve)
+def test_image_embeds_give_the_pixel_paths_output(embeds_serve: Proc, tiny_serve: Proc) -> None:
     image = picture()
-    pixels = ask(client, {"type": "image_url", "image_url": {"url": png_url(image)}})
+    pixels = ask(
+        openai_client(tiny_serve), {"type": "image_url", "image_url": {"url": png_url(image)}}
+    )
     embeds = embeds_of(image)
-    assert ask(client, {"type": "image_embeds", "image_embeds": npy_b64(embeds)}) == pixels
+    part = {"type": "image_embeds", "image_embeds": npy_b64(embeds)}
+    assert ask(openai_client(embeds_serve), part) == pixels
     assert pixels  # the tiny model says something: the comparison compares text
+
+
+def test_an_image_through_the_encoder_gives_the_pixel_paths_output(
+    embeds_serve: Proc, tiny_serve: Proc
+) -> None:
+    part = {"type": "image_url", "image_url": {"url": image_url((90, 160, 30))}}
+    ok = series(embeds_serve, "mmis_encoder_requests_total", outcome="ok")
+    assert ask(openai_client(embeds_serve), part) == ask(openai_client(tiny_serve), part)
+    assert series(embeds_serve, "mmis_encoder_requests_total", outcome="ok") == ok + 1
+    assert series(embeds_serve, "mmis_encoder_outputs_rejected_total") == 0
 
 
 @pytest.mark.parametrize(
