@@ -352,6 +352,21 @@ async def test_an_encoder_of_another_model_is_never_live(ctx: zmq.asyncio.Contex
         await ours.close()
 
 
+async def test_a_service_name_resolves_to_its_encoders_live_from_the_start(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    enc = FakeEncoder(ctx)
+    port = enc.url.rpartition(":")[2]
+    pool = EncoderPool(KEY, service=f"localhost:{port}", ping_interval_s=0.05, down_after_s=1.0)
+    await pool.start()
+    try:
+        assert enc.url in pool.members()  # localhost's A record, as tcp://ADDR:PORT
+        assert enc.url in pool.live()  # start() waited for the first answer
+    finally:
+        await pool.close()
+        await enc.close()
+
+
 def test_bad_flags_are_refused_by_name() -> None:
     with pytest.raises(EncoderPoolError, match="--encoder-urls"):
         EncoderPool(KEY, urls=["http://x:1"])

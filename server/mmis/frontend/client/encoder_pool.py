@@ -171,7 +171,9 @@ class EncoderPool:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Connect the static URLs, resolve the service once, start pinging."""
+        """Connect the static URLs, resolve the service once, start pinging, and wait (at
+        most ``down_after_s``) for every encoder's first answer, so that the first renders
+        (the readiness probe's among them) find the encoders already live."""
         self._ctx = zmq.asyncio.Context()
         if self.service is not None:
             self._resolved = await self._resolve()
@@ -180,6 +182,9 @@ class EncoderPool:
         self._tasks.append(loop.create_task(self._ping_loop(), name="mmis-encoder-ping"))
         if self.service is not None:
             self._tasks.append(loop.create_task(self._resolve_loop(), name="mmis-encoder-dns"))
+        deadline = loop.time() + self.down_after_s
+        while loop.time() < deadline and any(e.key is None for e in self._encoders.values()):
+            await asyncio.sleep(0.02)  # bounded wait for the first pongs (another process)
 
     async def close(self) -> None:
         for task in self._tasks:
