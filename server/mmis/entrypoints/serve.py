@@ -44,6 +44,12 @@ Invariants:
   cores P0's image work needs: benchmarks/README.md, "Where a request's host time goes").
 - P1 gets the model's ``--revision`` too (both sides load the same revision); processor
   kwargs stay in P0, the only side that runs the processor.
+- ``--encoders N`` (E/PD on one machine, docs/ARCHITECTURE.md "Encoder disaggregation"): N
+  ``mmis encoder`` children on loopback ports chosen here (so a restarted one comes back at
+  the same address), each supervised like P1 but never a reason to stop serving (P0 falls back
+  to sending pixels while one is down), started with the resolved model path, the revision and
+  P1's ``--dtype``, and one torch thread each unless ``MMIS_ENCODER_THREADS`` sizes them; P0
+  gets their addresses as ``--encoder-urls`` (P1's default threads leave them their CPUs too).
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -100,6 +107,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     frontend.add_arguments(parser)
     skip = [*parser._option_string_actions, _STATUS_FLAG]  # the status file is ours to set
     add_flags(parser, EngineConfig, skip=skip, dest_prefix=_ENGINE)
+    parser.add_argument(
+        "--encoders",
+        type=_non_negative,
+        metavar="N",
+        help="run N `mmis encoder` processes beside P1 (E/PD on one machine): P0 asks them for "
+        "the encoder outputs of the images P1 lacks (--encoder-urls set to theirs); default: "
+        "none",
+    )
+
+
+def _non_negative(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be 0 or more")
+    return value
 
 
 def frontend_settings(args: argparse.Namespace) -> FrontendConfig:
@@ -125,8 +150,10 @@ def engine_settings(args: argparse.Namespace, settings: FrontendConfig) -> dict[
         elif field.metadata.get("shared") in p0:
             values[field.name] = p0[field.metadata["shared"]]
     if "threads" not in values and not _env_threads():
-        # P1 and the N front ends share these CPUs: leave each front end one (mmis/cpus.py)
-        values["threads"] = engine_threads(settings.api_servers)
+        # P1, the N front ends and the encoders share these CPUs: leave each of them one
+        # (mmis/cpus.py)
+        encoders = getattr(args, "encoders", None) or 0
+        values["threads"] = engine_threads(settings.api_servers + encoders)
     return values
 
 
@@ -166,8 +193,39 @@ def engine_child_main() -> None:
     sys.exit(main(sys.argv[1:]))
 
 
+def encoder_command(
+    args: argparse.Namespace, settings: FrontendConfig, model: str, endpoint: str
+) -> list[str]:
+    """One ``mmis encoder`` child's command line (through :func:`engine_child_main`, so it
+    dies with us): the resolved ``model``, P0's revision and P1's dtype, so its outputs are
+    keyed as P0 asks and shaped as P1 checks them."""
+    launcher = "from mmis.entrypoints.serve import engine_child_main; engine_child_main()"
+    cmd = [sys.executable, "-c", launcher, "encoder", "--model", model, "--endpoint", endpoint]
+    if settings.revision:
+        cmd += ["--revision", settings.revision]
+    dtype = engine_settings(args, settings).get("dtype")
+    if dtype:
+        cmd += ["--dtype", str(dtype)]
+    if not os.environ.get("MMIS_ENCODER_THREADS"):
+        cmd += ["--threads", "1"]
+    return cmd
+
+
+def _loopback_endpoints(n: int) -> list[str]:
+    """``n`` free loopback TCP endpoints (chosen once: a restarted encoder binds the same)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [f"tcp://127.0.0.1:{sock.getsockname()[1]}" for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 class EngineSupervisor:
-    """Runs P1 as a child and restarts it if it dies while we are serving.
+    """Runs P1 (or one encoder: ``name``) as a child and restarts it if it dies while we are
+    serving.
 
     ``stop`` and a restart never race: spawning happens under the lock and is refused once
     stopping began, so no child can be started after ``stop`` looked at the current one.
@@ -182,8 +240,10 @@ class EngineSupervisor:
         status_file: str | None = None,
         min_uptime_s: float = 60.0,
         max_backoff_s: float = 30.0,
+        name: str = "engine",
     ) -> None:
         self.cmd = cmd
+        self.name = name
         self.status_file = status_file
         self.min_uptime_s = min_uptime_s
         self.max_backoff_s = max_backoff_s
@@ -212,7 +272,7 @@ class EngineSupervisor:
                 return False
             env = {**os.environ, _PARENT_PID_ENV: str(os.getpid())}
             self.proc = subprocess.Popen(self.cmd, stdout=2, env=env, process_group=0)
-            log.info("engine started (pid %d)", self.proc.pid)
+            log.info("%s started (pid %d)", self.name, self.proc.pid)
             return True
 
     def _status(self) -> str:
@@ -236,7 +296,7 @@ class EngineSupervisor:
                 return
             if time.monotonic() - started >= self.min_uptime_s:
                 delay = 1.0
-            log.error("the engine exited with status %s; restarting in %.0fs", code, delay)
+            log.error("the %s exited with status %s; restarting in %.0fs", self.name, code, delay)
             if self._stopping.wait(delay) or not self._spawn():
                 return
             self.restarts += 1
@@ -254,7 +314,7 @@ class EngineSupervisor:
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                log.warning("the engine ignored SIGTERM for %.0fs; killing it", timeout)
+                log.warning("the %s ignored SIGTERM for %.0fs; killing it", self.name, timeout)
                 proc.kill()
                 proc.wait()
         if self._thread.is_alive():
@@ -276,15 +336,30 @@ def _serve(args: argparse.Namespace, settings: FrontendConfig) -> int:
     supervisor = EngineSupervisor(
         engine_command(args, settings, status_file), status_file=status_file
     )
+    encoders: list[EngineSupervisor] = []
     try:
         supervisor.start()
         log.info("preparing model %s", settings.model)
         settings = dataclasses.replace(settings, model=resolve_model(settings.model))
+        endpoints = _loopback_endpoints(args.encoders or 0)
+        for i, endpoint in enumerate(endpoints):
+            encoders.append(
+                EngineSupervisor(
+                    encoder_command(args, settings, settings.model, endpoint), name=f"encoder {i}"
+                )
+            )
+            encoders[-1].start()
+        if endpoints:
+            settings = dataclasses.replace(
+                settings, encoder_urls=(*settings.encoder_urls, *endpoints)
+            )
         code = frontend.serve(settings, engine_failed=lambda: supervisor.failed_start)
     finally:
         if threading.current_thread() is threading.main_thread():
             for sig in _STOP_SIGNALS:
                 signal.signal(sig, _ignore_during_cleanup)
+        for encoder in encoders:
+            encoder.stop()
         status = supervisor.stop()
         log.info("engine stopped (status %s, %d restarts)", status, supervisor.restarts)
         shutil.rmtree(tmp, ignore_errors=True)
