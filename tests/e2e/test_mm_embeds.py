@@ -4,17 +4,13 @@ A real ``mmis serve`` on the tiny LLaVA, the openai SDK. Without the flag (the s
 shared ``tiny_serve``, the plain pixel path) an ``image_embeds`` part is a 400 naming the flag;
 with it, the embeddings the test computes with the model's own adapter from the processor's
 tensors of an image give the same greedy output as that image sent as pixels to
-``tiny_serve``, and a malformed part is a 400 naming its problem.
-
-The flagged server also asks a real ``mmis encoder`` (``--encoder-urls``, with a token): one
-E/PD smoke test (an image's output equals the pixel path's, the encoder's output was used and
-P1 refused none). The E/PD scenarios (kill, bad outputs, several PD engines) are elsewhere."""
+``tiny_serve``, and a malformed part is a 400 naming its problem. (E/PD through a real
+``mmis encoder`` is ``test_epd_e2e.py``'s.)"""
 
 from __future__ import annotations
 
 import base64
 import io
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,7 +18,7 @@ import numpy as np
 import openai
 import pytest
 from PIL import Image
-from procs import Proc, ServeFactory, image_url, openai_client, series, wait_for
+from procs import Proc, ServeFactory, openai_client
 
 from mmis.frontend.client.processor import ModelProcessor
 from mmis.tiny_models.tiny_model import tiny_model_dir
@@ -31,36 +27,10 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 PROMPT = "What is in the picture?"
 
 
-TOKEN = {"MMIS_ENCODER_TOKEN": "mm-embeds-test"}
-READY = re.compile(r"mmis encoder: ready on (tcp://\S+)")
-
-
 @pytest.fixture(scope="module")
-def encoder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real ``mmis encoder`` on the tiny LLaVA (CPU, float32 as the tiny P1): its endpoint."""
-    flags = ["--model", str(tiny_model_dir()), "--device", "cpu", "--dtype", "float32"]
-    flags += ["--threads", "1", "--endpoint", "tcp://127.0.0.1:0", "--health-port", "0"]
-    proc = Proc("encoder", ["encoder", *flags], tmp_path_factory.mktemp("encoder"), TOKEN)
-    try:
-        wait_for("the encoder's ready line", lambda: bool(READY.search(log(proc))), 120)
-        found = READY.search(log(proc))
-        assert found is not None
-        yield found.group(1)
-    finally:
-        proc.stop()
-
-
-def log(proc: Proc) -> str:
-    if proc.popen.poll() is not None:
-        raise RuntimeError(f"{proc.name} exited {proc.popen.returncode}\n{proc.log_tail()}")
-    return proc.log_path.read_text(errors="replace")
-
-
-@pytest.fixture(scope="module")
-def embeds_serve(start_serve: ServeFactory, encoder: str) -> Iterator[Proc]:
+def embeds_serve(start_serve: ServeFactory) -> Iterator[Proc]:
     flags = ("--model", str(tiny_model_dir()), "--served-model-name", "tiny")
-    epd = ("--enable-mm-embeds", "--encoder-urls", encoder)
-    with start_serve("serve-mm-embeds", *flags, *epd, env={**ONE_THREAD, **TOKEN}) as proc:
+    with start_serve("serve-mm-embeds", *flags, "--enable-mm-embeds", env=ONE_THREAD) as proc:
         yield proc
 
 
@@ -136,16 +106,6 @@ def test_image_embeds_give_the_pixel_paths_output(embeds_serve: Proc, tiny_serve
     part = {"type": "image_embeds", "image_embeds": npy_b64(embeds)}
     assert ask(openai_client(embeds_serve), part) == pixels
     assert pixels  # the tiny model says something: the comparison compares text
-
-
-def test_an_image_through_the_encoder_gives_the_pixel_paths_output(
-    embeds_serve: Proc, tiny_serve: Proc
-) -> None:
-    part = {"type": "image_url", "image_url": {"url": image_url((90, 160, 30))}}
-    ok = series(embeds_serve, "mmis_encoder_requests_total", outcome="ok")
-    assert ask(openai_client(embeds_serve), part) == ask(openai_client(tiny_serve), part)
-    assert series(embeds_serve, "mmis_encoder_requests_total", outcome="ok") == ok + 1
-    assert series(embeds_serve, "mmis_encoder_outputs_rejected_total") == 0
 
 
 @pytest.mark.parametrize(
