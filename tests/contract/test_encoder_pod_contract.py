@@ -113,3 +113,11 @@ def test_the_front_end_asks_the_encoders_service(monkeypatch: pytest.MonkeyPatch
     assert host == f"{service['metadata']['name']}.ns.svc"
     assert int(port) == service["spec"]["ports"][0]["port"] == r.ENCODER_PORT
     assert service["spec"]["clusterIP"] == "None"  # every A record is one encoder
+
+
+def test_the_encoder_autoscaler_reads_a_metric_the_encoder_exports() -> None:
+    from mmis.telemetry import catalog
+    from mmis_operator import spec as operator_spec
+
+    assert operator_spec.ENCODER_QUEUE in catalog.BY_NAME
+    assert catalog.BY_NAME[operator_spec.ENCODER_QUEUE].owner is catalog.Owner.ENCODER

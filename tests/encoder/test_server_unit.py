@@ -197,3 +197,16 @@ def test_pings_and_cached_items_are_answered_while_a_batch_runs(
     assert early[2].items == [] and [i.cached for i in early[3].items] == [True]
     tower.go.set()
     assert [i.mm_hash for i in running.replies(1)[1].items] == ["slow"]
+
+
+def test_waiting_counts_the_running_batch_and_the_queue(tower: Tower, running: Running) -> None:
+    """``mmis_encoder_queue_items`` (the encoder autoscaler's metric) reads this."""
+    running.send(EncodeRequest(1, KEY, [item("a", 1)]))
+    assert tower.started.wait(10)
+    running.send(EncodeRequest(2, KEY, [item("b", 2), item("c", 3)]))
+    running.send(EncodeRequest(3, KEY))  # once the ping is answered, b and c are queued
+    running.replies(1)
+    assert running.server.waiting == 3
+    tower.go.set()
+    running.replies(2)
+    assert running.server.waiting == 0

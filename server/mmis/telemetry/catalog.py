@@ -251,6 +251,14 @@ ENCODER_CACHE_BYTES = MetricSpec(
     ("model",),
     Owner.ENCODER,
 )
+ENCODER_QUEUE_ITEMS = MetricSpec(
+    "mmis_encoder_queue_items",
+    G,
+    "Items an encoder has to encode: queued plus the batch its vision tower runs (the encoder "
+    "autoscaler's metric, operator/mmis_operator/spec.py ENCODER_QUEUE).",
+    ("model",),
+    Owner.ENCODER,
+)
 
 ALL: tuple[MetricSpec, ...] = tuple(
     v for v in list(globals().values()) if isinstance(v, MetricSpec)

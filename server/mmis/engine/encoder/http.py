@@ -9,7 +9,8 @@ Invariants:
 - ``/metrics`` is the Prometheus text format of the encoder's figures, read at scrape time
   from its counters and cache (:class:`EncoderCollector`); names and labels are the
   catalog's (``telemetry/catalog.py``: ``mmis_encoder_items_total{outcome=encoded|cached}``,
-  ``mmis_encoder_cache_bytes``). Anything else is a 404. No request data is ever read.
+  ``mmis_encoder_cache_bytes``, ``mmis_encoder_queue_items``). Anything else is a 404. No
+  request data is ever read.
 """
 
 from __future__ import annotations
@@ -52,7 +53,13 @@ class EncoderCollector(Collector):
             labels=list(catalog.ENCODER_CACHE_BYTES.labels),
         )
         size.add_metric([self._model], self._server.cache.bytes)
-        return [items, size]
+        queue = GaugeMetricFamily(
+            catalog.ENCODER_QUEUE_ITEMS.name,
+            catalog.ENCODER_QUEUE_ITEMS.help,
+            labels=list(catalog.ENCODER_QUEUE_ITEMS.labels),
+        )
+        queue.add_metric([self._model], self._server.waiting)
+        return [items, size, queue]
 
 
 class EncoderHTTP:

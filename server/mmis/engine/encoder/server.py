@@ -228,6 +228,12 @@ class EncoderServer:
     def queued(self) -> int:
         return len(self._queue)
 
+    @property
+    def waiting(self) -> int:
+        """Items to encode: queued plus the running batch (read from any thread: a scrape)."""
+        running = self._running
+        return len(self._queue) + (len(running.batch) if running is not None else 0)
+
     # -- messages ------------------------------------------------------------------------
 
     def _receive(self) -> tuple[list[bytes], list[Any]] | None:
