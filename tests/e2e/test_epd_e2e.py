@@ -8,7 +8,8 @@
   ``mmis_encoder_fallbacks_total`` rises), and once the encoder is back the pool uses it again.
 - ``mmis serve --encoders 1`` (the same layout on one machine) on Qwen2-VL (two images and a
   video) and Gemma 3 answers as the aggregated server of the same model does, every item
-  through the encoder (``mmis_encoder_requests_total{outcome="ok"}``), no fallback.
+  through the encoder (``mmis_encoder_requests_total{outcome="ok"}``), no fallback; its
+  encoder SIGKILLed, the next request still succeeds and the restarted encoder is used again.
 
 The checks of a bad encoder output (shape, dtype, NaN, mislabelled) are in
 ``tests/engine/test_encoder_inputs.py`` (P1) and ``tests/frontend/test_encoder_pool.py`` (P0).
@@ -172,8 +173,20 @@ def test_serve_with_encoders_answers_as_aggregated(family_pair: tuple[str, Proc,
     assert _chat(openai_client(epd), "m", parts) == expected
     assert series(epd, "mmis_encoder_requests_total", outcome="ok") > ok
     assert series(epd, "mmis_encoder_fallbacks_total") == fallbacks
-    # the encoder is serve's child
-    assert any(_is_encoder(pid) for pid in children(epd.popen.pid))
+    # serve's encoder child SIGKILLed: the next request still succeeds (pixels, or the
+    # encoder already back), serve restarts it at the same address, and P0 uses it again
+    (encoder_pid,) = [pid for pid in children(epd.popen.pid) if _is_encoder(pid)]
+    os.kill(encoder_pid, signal.SIGKILL)
+    _chat(openai_client(epd), "m", [_image(208, 176)])
+    ok = series(epd, "mmis_encoder_requests_total", outcome="ok")
+    sizes = iter(range(96, 400, 8))
+
+    def used_again() -> bool:
+        _chat(openai_client(epd), "m", [_image(next(sizes), 120)])
+        return series(epd, "mmis_encoder_requests_total", outcome="ok") > ok
+
+    wait_for("the restarted encoder used again", used_again, 120)
+    assert encoder_pid not in children(epd.popen.pid)
     assert httpx.get(epd.root_url + "/ready", timeout=10).status_code == 200
 
 
