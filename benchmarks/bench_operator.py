@@ -145,7 +145,7 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _install_crd(kube: Kube) -> None:
-    crd = yaml.safe_load((ROOT / "charts/mmis/crds/mminferenceservice.yaml").read_text())
+    crd = yaml.safe_load((ROOT / "crds/mminferenceservice.yaml").read_text())
     path = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd['metadata']['name']}"
     query = {"fieldManager": "bench", "force": "true"}
     kube.request("PATCH", path, crd, query, APPLY)

@@ -6,7 +6,7 @@ condition types; imported elsewhere as ``r``), and :class:`Kube`, a dict-in/dict
 Kubernetes REST client (one per operator), with :class:`KubeError` and the object paths.
 
 Invariants:
-- The API group, version, plural and kind match ``charts/mmis/crds/mminferenceservice.yaml``
+- The API group, version, plural and kind match ``crds/mminferenceservice.yaml``
   exactly.
 - Everything the operator stores on objects (finalizer, kopf progress annotations, labels)
   lives under the ``mmis.dev`` prefix.

@@ -35,7 +35,7 @@ from mmis_operator import spec as operator_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 CRDS = [
-    ROOT / "charts/mmis/crds/mminferenceservice.yaml",
+    ROOT / "crds/mminferenceservice.yaml",
 ]
 SECTIONS = {"ENGINE": EngineConfig, "FRONTEND": FrontendConfig}
 MINIMAL = {

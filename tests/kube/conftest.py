@@ -10,7 +10,8 @@ Stable interface (mark such tests ``@pytest.mark.controlplane``):
   * ``namespace`` (function): a fresh namespace (with its ``default`` ServiceAccount) that
     enforces Pod Security Admission ``restricted`` (the apiserver's PodSecurity plugin is on
     by default), deleted afterwards;
-  * ``crd`` (session): the MMInferenceService CRD (``charts/mmis/crds/``) applied and Established
+  * ``crd`` (session): the MMInferenceService CRD applied as a user without Helm does,
+    ``kubectl apply -f crds/``, and Established
     (``kubecluster.apply_crds``; ``kubecluster.kubectl_wait`` is the retrying wait);
   * ``operator`` (function): the operator (``mmis_operator.main.OperatorThread``) watching
     ``namespace`` with ``operator_kit.options``; the test fails if it died. The kubectl helpers
@@ -42,7 +43,7 @@ from tools import in_ci
 from mmis_operator.main import OperatorThread
 
 PSA = "pod-security.kubernetes.io"
-CRD = Path(__file__).resolve().parents[2] / "charts" / "mmis" / "crds" / "mminferenceservice.yaml"
+CRDS = Path(__file__).resolve().parents[2] / "crds"  # the source; the chart holds a copy
 
 _tools: Tools | None = None
 _tools_error: str | None = None
@@ -107,7 +108,7 @@ def namespace(cluster: Cluster) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def crd(cluster: Cluster) -> None:
-    apply_crds(cluster, CRD, "mminferenceservices.mmis.dev")
+    apply_crds(cluster, CRDS, "mminferenceservices.mmis.dev")
 
 
 @pytest.fixture

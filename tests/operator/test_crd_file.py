@@ -1,5 +1,9 @@
-"""Static checks of the CRD file, the chart's ``crds/mminferenceservice.yaml`` (the API server
-checks are in tests/kube)."""
+"""Static checks of the CRD file (the API server checks are in tests/kube).
+
+The source is the top-level ``crds/mminferenceservice.yaml`` (``kubectl apply -f crds/``
+installs the CRD without Helm); ``charts/mmis/crds/`` keeps a copy because Helm reads only
+inside the chart. Invariant: every file of ``crds/`` has a byte-identical copy in the chart.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +15,27 @@ import yaml
 from mmis_operator import kube as r
 
 ROOT = Path(__file__).resolve().parents[2]
-CRD = ROOT / "charts" / "mmis" / "crds" / "mminferenceservice.yaml"
+CRDS = ROOT / "crds"
+CHART_CRDS = ROOT / "charts" / "mmis" / "crds"
+CRD = CRDS / "mminferenceservice.yaml"
 
 
 def _crd() -> dict[str, Any]:
     return yaml.safe_load(CRD.read_text())
+
+
+def test_the_charts_copy_is_the_top_level_file_byte_for_byte() -> None:
+    """Each file of ``crds/`` is in ``charts/mmis/crds/`` with the same bytes (the chart also
+    holds kopf's peering CRDs, which only the chart installs)."""
+    sources = sorted(p.name for p in CRDS.glob("*.yaml"))
+    assert "mminferenceservice.yaml" in sources
+    for name in sources:
+        copy = CHART_CRDS / name
+        assert copy.is_file(), f"{copy} is missing: copy crds/{name} into the chart"
+        assert copy.read_bytes() == (CRDS / name).read_bytes(), (
+            f"charts/mmis/crds/{name} differs from crds/{name}, the source: "
+            f"cp crds/{name} charts/mmis/crds/"
+        )
 
 
 def test_names_match_the_operator() -> None:

@@ -43,7 +43,7 @@ from mmis_operator.spec import ENCODER_QUEUE, InvalidSpecError, parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).resolve().parent / "golden" / "children_encoder.json"
-CRD = ROOT / "charts" / "mmis" / "crds" / "mminferenceservice.yaml"
+CRD = ROOT / "crds" / "mminferenceservice.yaml"
 GI = 2**30
 # how each golden case's encoder objects were built: (autoscaler kind, PodMonitors, scrapers)
 BUILD = ("HorizontalPodAutoscaler", True, r.DEFAULT_SCRAPERS)

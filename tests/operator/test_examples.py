@@ -15,7 +15,7 @@ from mmis_operator.spec import parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
-CRD = ROOT / "charts" / "mmis" / "crds" / "mminferenceservice.yaml"
+CRD = ROOT / "crds" / "mminferenceservice.yaml"
 _TYPES: dict[str, Any] = {
     "object": dict,
     "array": list,

@@ -33,7 +33,7 @@ from mmis_operator.spec import (
 )
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "children_without_routing.json"
-CRD = Path(__file__).resolve().parents[2] / "charts" / "mmis" / "crds" / "mminferenceservice.yaml"
+CRD = Path(__file__).resolve().parents[2] / "crds" / "mminferenceservice.yaml"
 CASES: dict[str, dict[str, Any]] = json.loads(GOLDEN.read_text())["cases"]
 EVENT_PORTS = {"kv-events": 5557, "kv-replay": 5558, "mm-events": 5559, "mm-replay": 5560}
 

@@ -9,7 +9,7 @@ import yaml
 from mmis_operator import spec as specmod
 from mmis_operator.spec import InvalidSpecError, parse_spec
 
-CRD = Path(__file__).resolve().parents[2] / "charts" / "mmis" / "crds" / "mminferenceservice.yaml"
+CRD = Path(__file__).resolve().parents[2] / "crds" / "mminferenceservice.yaml"
 
 
 def _crd_defaults(schema: dict[str, Any], path: str = "") -> dict[str, Any]:
