@@ -102,6 +102,7 @@ class FakeEncoder:
         self.url = f"tcp://127.0.0.1:{port}"
         self.codec = WireCodec()
         self.requests: list[EncodeRequest] = []  # item requests only
+        self.identity: bytes | None = None  # the pool's DEALER, once it asked anything
         self.task = asyncio.get_running_loop().create_task(self._serve())
 
     async def _serve(self) -> None:
@@ -121,10 +122,16 @@ class FakeEncoder:
                 reply.key = EncoderKey("another-model")
             if self.mode == "error" and request.items:
                 reply.error = RequestError("encoder_failed", "the vision tower failed")
-            for item in request.items if self.mode != "error" else []:
+            for k, item in enumerate(request.items if self.mode != "error" else []):
                 rows = np.full((item.placeholder_length, HIDDEN), len(self.requests), np.float32)
                 name = item.mm_hash + "x" if self.mode == "wrong_hash" else item.mm_hash
-                reply.items.append(EncodedItem(mm_hash=name, embeds=rows))
+                embeds: object = rows
+                if self.mode == "bad_embeds":  # not relayable: P0 must not pass them to P1
+                    embeds = ["a string", rows[None], rows[1:], {"x": 1}, rows.astype(np.bool_)][
+                        k % 5
+                    ]
+                reply.items.append(EncodedItem(mm_hash=name, embeds=embeds))
+            self.identity = identity.bytes
             await self.sock.send_multipart([identity.bytes, *self.codec.encode(reply)])
 
     async def close(self) -> None:
@@ -472,3 +479,45 @@ async def test_a_fallback_sends_pixels_and_the_worker_never_waits_on_the_encoder
     data = rendered.features[0][0].data
     assert isinstance(data, dict) and "pixel_values" in data and MM_EMBEDS not in data
     assert fallbacks(r.encoders, "timeout") == 1
+
+
+async def test_hostile_replies_are_dropped_and_the_encoder_stays_usable(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """Bounded, never trusting an encoder's bytes: random frames, truncated and bit-flipped
+    replies are dropped and counted without ending the receive loop; outputs that are no 2-D
+    numeric array of the placeholder's rows are fallbacks, never relayed."""
+    enc = FakeEncoder(ctx, mode="bad_embeds")
+    pool = await make_pool([enc.url])
+    try:
+        await until(lambda: pool.live() == [enc.url] and enc.identity is not None)
+        asked = items(5)
+        got = await pool.fetch(asked)
+        assert got.embeds == {} and set(got.fallbacks.values()) == {"error"}
+        assert enc.identity is not None
+        rng = np.random.default_rng(0)
+        valid = enc.codec.encode(
+            EncodeReply(123456, SERVED, [EncodedItem(mm_hash="h", embeds=np.ones((2, 4)))])
+        )
+        body = bytes(valid[0])
+        hostile: list[list[bytes]] = [
+            [rng.bytes(int(n))]
+            for n in rng.integers(0, 300, 40)  # random bodies
+        ]
+        hostile += [[body[:cut]] for cut in range(0, len(body), 7)]  # truncated
+        for _ in range(40):  # bit flips of a valid reply, its tensor frame kept or dropped
+            flipped = bytearray(body)
+            flipped[int(rng.integers(len(flipped)))] ^= 1 << int(rng.integers(8))
+            hostile.append([bytes(flipped), *[bytes(f) for f in valid[1:2] if rng.random() < 0.5]])
+        hostile.append([b"\x93\x01"])  # an array header promising more than is there
+        for frames in hostile:
+            await enc.sock.send_multipart([enc.identity, *frames])
+        await until(lambda: pool.bad_replies >= 40)
+        enc.mode = "ok"
+        asked = items(3)
+        got = await pool.fetch(asked)
+        assert got.fallbacks == {} and set(got.embeds) == {i.mm_hash for i in asked}
+        assert pool.live() == [enc.url]
+    finally:
+        await pool.close()
+        await enc.close()

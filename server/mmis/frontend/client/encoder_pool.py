@@ -37,6 +37,12 @@ Invariants:
   admits, ``engine/event_auth.py``; the front end may not import the engine, hence the copy).
   The token never appears in a log line.
 - Only the event loop touches the pool; the render worker never waits on it.
+- An encoder's bytes are bounded and never trusted: a frame over :data:`MAX_REPLY_FRAME_BYTES`
+  closes the connection inside libzmq (``ZMQ_MAXMSGSIZE``); a reply that does not decode, or
+  whose handling raises, is dropped and counted (:attr:`EncoderPool.bad_replies`) and the
+  receive loop goes on (a dead loop would silently retire a live encoder); an output is relayed
+  only if it is a 2-D numeric array or tensor with the placeholder's row count, else that item
+  is an ``error`` fallback (P1 checks the rest: dtype, columns, finite values).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import zmq
 import zmq.asyncio
 from opentelemetry import trace
@@ -66,6 +73,9 @@ log = logging.getLogger(__name__)
 PLAIN_USER = b"mmis"  # engine/event_auth.py USER: the one user the ZAP handler admits
 RESOLVE_INTERVAL_S = 5.0
 SEND_HWM = 64  # messages queued per encoder before a send is refused ("down")
+MAX_REPLY_FRAME_BYTES = 1 << 30
+"""The largest frame P0 reads from an encoder: one item's output (a 32k-token placeholder of
+hidden 8192 in float32 is 1 GiB); libzmq closes a connection that sends more."""
 FALLBACK_EVENT = "encoder_fallback"
 ATTR_REASON = "mmis.encoder.reason"
 ATTR_ITEMS = "mmis.mm.hashes_count"
@@ -158,6 +168,7 @@ class EncoderPool:
         self.timeout_s = timeout_s
         self._token = token.encode() if token else None
         self.metrics = metrics
+        self.bad_replies = 0  # replies dropped: undecodable or failing their handling
         self.ping_interval_s = ping_interval_s
         self.down_after_s = down_after_s
         self.resolve_interval_s = resolve_interval_s
@@ -231,6 +242,7 @@ class EncoderPool:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on a live connection
             sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_FRAME_BYTES)
             if self._token is not None:
                 sock.setsockopt(zmq.PLAIN_USERNAME, PLAIN_USER)
                 sock.setsockopt(zmq.PLAIN_PASSWORD, self._token)
@@ -315,27 +327,30 @@ class EncoderPool:
         while True:
             frames = await enc.sock.recv_multipart(copy=False)
             try:
-                reply = self._codec.decode([f.buffer for f in frames], EncodeReply)
-            except ProtocolError as exc:
-                log.warning("encoder %s: undecodable reply dropped: %s", enc.url, exc)
-                continue
-            if self._serves_ours(reply.key):  # an answer (even an error) under our model
-                if enc.key != reply.key:
-                    log.info("encoder %s serves %s", enc.url, reply.key)
-                enc.key = reply.key
-                enc.last_answer = self._clock()
-            elif enc.key is None:
-                log.warning(
-                    "encoder %s serves model %r revision %r, not this P0's %r %r: not used",
-                    enc.url,
-                    reply.key.model,
-                    reply.key.revision,
-                    self.key.model,
-                    self.key.revision,
-                )
-            future = enc.pending.pop(reply.request_id, None)
-            if future is not None and not future.done():
-                future.set_result(reply)
+                self._on_reply(enc, frames)
+            except Exception as exc:  # an encoder's bytes never end the loop
+                self.bad_replies += 1
+                log.warning("encoder %s: reply dropped: %s", enc.url, str(exc)[:200])
+
+    def _on_reply(self, enc: _Encoder, frames: Sequence[Any]) -> None:
+        reply = self._codec.decode([f.buffer for f in frames], EncodeReply)
+        if self._serves_ours(reply.key):  # an answer (even an error) under our model
+            if enc.key != reply.key:
+                log.info("encoder %s serves %s", enc.url, reply.key)
+            enc.key = reply.key
+            enc.last_answer = self._clock()
+        elif enc.key is None:
+            log.warning(
+                "encoder %s serves model %r revision %r, not this P0's %r %r: not used",
+                enc.url,
+                reply.key.model,
+                reply.key.revision,
+                self.key.model,
+                self.key.revision,
+            )
+        future = enc.pending.pop(reply.request_id, None)
+        if future is not None and not future.done():
+            future.set_result(reply)
 
     # ------------------------------------------------------------------ fetch
     async def fetch(
@@ -417,7 +432,7 @@ class EncoderPool:
             out = answered.get(item.mm_hash)
             if out is None:
                 result.fallbacks[item.mm_hash] = MISLABELLED
-            elif out.error is not None or out.embeds is None:
+            elif out.error is not None or not _usable(out.embeds, item.placeholder_length):
                 result.fallbacks[item.mm_hash] = ERROR
             else:
                 result.embeds[item.mm_hash] = out.embeds
@@ -434,3 +449,16 @@ class EncoderPool:
                 self.metrics.encoder_fallback(reason, count)
             if span.is_recording():
                 span.add_event(FALLBACK_EVENT, {ATTR_REASON: reason, ATTR_ITEMS: count})
+
+
+def _usable(embeds: Any, rows: int) -> bool:
+    """Whether an encoder's output may be relayed: a 2-D numeric numpy array or torch tensor
+    with ``rows`` rows (P1 checks the dtype, the columns and the values:
+    engine/encoder_inputs.py)."""
+    shape = getattr(embeds, "shape", None)
+    dtype = str(getattr(embeds, "dtype", ""))
+    if shape is None or len(shape) != 2 or int(shape[0]) != rows:
+        return False
+    if isinstance(embeds, np.ndarray):
+        return embeds.dtype.kind in "fiu"
+    return type(embeds).__module__.startswith("torch") and dtype.startswith("torch.")
