@@ -28,6 +28,9 @@ from types import ModuleType
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/tools.py
+from tools import in_ci
+
 ROOT = Path(__file__).resolve().parents[1]
 MKDOCS = Path(sys.executable).with_name("mkdocs")
 INSTALL = "python3 -m venv .venv && .venv/bin/pip install -c constraints.txt -e '.[dev]' -e ./operator && .venv/bin/mmis serve"  # noqa: E501
@@ -120,7 +123,7 @@ def test_a_browser_renders_the_landing_page_and_the_crd_reference(
 ) -> None:
     chromium = shutil.which("chromium")
     if chromium is None:
-        if os.environ.get("CI") == "true":
+        if in_ci():
             pytest.fail("chromium is missing under CI=true: scripts/system-deps installs it")
         pytest.skip("no chromium: `apt-get install chromium` (or scripts/system-deps) to run it")
     index = _dump_dom(chromium, site / "index.html", tmp_path)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import itertools
 import os
 import signal
 import socket
@@ -179,10 +180,11 @@ def test_serve_with_encoders_answers_as_aggregated(family_pair: tuple[str, Proc,
     os.kill(encoder_pid, signal.SIGKILL)
     _chat(openai_client(epd), "m", [_image(208, 176)])
     ok = series(epd, "mmis_encoder_requests_total", outcome="ok")
-    sizes = iter(range(96, 400, 8))
+    sizes = itertools.count()
 
-    def used_again() -> bool:
-        _chat(openai_client(epd), "m", [_image(next(sizes), 120)])
+    def used_again() -> bool:  # a new image each try (the encoder may take a while to load)
+        _chat(openai_client(epd), "m", [_image(96 + 8 * (next(sizes) % 200), 120)])
+        time.sleep(0.5)
         return series(epd, "mmis_encoder_requests_total", outcome="ok") > ok
 
     wait_for("the restarted encoder used again", used_again, 120)
