@@ -24,16 +24,25 @@ Invariants:
   rewritten). A held condition is never a transition, so it never causes an Event.
 - ``desired_status`` is a pure function of (resource, Deployment or None, problem); both the
   reconcile handler and the Deployment watcher call it, so they can never disagree.
-- Ready is True only when every desired replica of the current template is ready; a
-  resource scaled to zero is not Ready (reason ScaledToZero).
-- Progressing is True while the Deployment has not finished rolling out the current template.
+- Ready means serving: True while at least one inference pod behind the Service passes its
+  readiness probe (``AllReplicasReady`` when every desired pod does, ``SomeReplicasReady``
+  while a scale or rollout is under way or some pods have a problem); a scale or a rollout
+  that keeps a pod serving never turns it False, so ``kubectl wait --for=condition=Ready``
+  and alerts on it do not fire on a ``kubectl scale``. False only when nothing serves: no
+  Deployment yet (``Creating``), scaled to zero (``ScaledToZero``), no ready pod
+  (``ReplicasNotReady``, or the problem's reason when one is known).
+- Progressing carries the rollout: True while the Deployment has not finished (``ScalingUp``,
+  ``ScalingDown``, ``RollingOut`` when pods of an older template remain, or a problem's
+  reason), False ``RolloutComplete`` when every desired pod runs the current template and is
+  ready.
 - Degraded is True for an invalid spec, a field the operator's settings refuse, a failed apply,
   a Deployment that reports ProgressDeadlineExceeded / ReplicaFailure, or a pod that cannot
   progress (:func:`pod_problem`: ImagePullBackOff, CrashLoopBackOff with the last exit, a
   missing Secret, Unschedulable with the scheduler's message unless another pod of the
   service is terminating and will free capacity, an eviction); each message
-  names the pod and container and says what to do next. While pods are not all ready, Ready
-  and Progressing carry the same reason, so ``kubectl get mmis`` shows it.
+  names the pod and container and says what to do next. While pods are not all ready,
+  Progressing carries the problem's reason (``kubectl get mmis -o wide`` shows it), and so
+  does Ready while no pod serves.
 - ``observedGeneration`` is never lowered: only the reconcile handler raises it, after applying.
 - CacheCoherent: each ready pod's front end answers ``GET /stats/cache`` with its drift window
   (``drift_rate``: drift misses / shadow hits, ``hit_rate``, ``retry_rate`` and the raw window
@@ -307,6 +316,17 @@ def _rollout(dep: Mapping[str, Any] | None, desired: int) -> tuple[dict[str, int
     return counts, done
 
 
+def _progress_reason(dep: Mapping[str, Any] | None, counts: Mapping[str, int], desired: int) -> str:
+    """Why an unfinished rollout is unfinished: the Deployment has not seen its newest
+    generation, pods of an older template remain or none of the current one exists yet
+    (``RollingOut``), else the pod count is on its way up or down."""
+    st, meta = (dep or {}).get("status") or {}, (dep or {}).get("metadata") or {}
+    seen = int(st.get("observedGeneration") or 0) >= int(meta.get("generation") or 0)
+    if not seen or counts["updatedReplicas"] < counts["replicas"] or not counts["updatedReplicas"]:
+        return "RollingOut"
+    return "ScalingDown" if counts["replicas"] > desired else "ScalingUp"
+
+
 def desired_status(
     body: Mapping[str, Any],
     dep: Mapping[str, Any] | None,
@@ -335,7 +355,7 @@ def desired_status(
     ready_n = counts["readyReplicas"]
     if problem is None and dep is not None and not (done and ready_n >= desired):
         problem = pod_problem(pods)
-    if problem is not None and (dep is None or (desired > 0 and ready_n < desired)):
+    if problem is not None and dep is None:
         ready = Condition(r.READY, "False", problem.reason, problem.message)
     elif desired == 0:
         ready = Condition(
@@ -344,15 +364,25 @@ def desired_status(
             "ScaledToZero",
             f"spec.replicas is 0: `kubectl scale mmis/{name} --replicas=1` to serve again",
         )
-    elif dep is None:
-        ready = Condition(r.READY, "False", "Creating", "the Deployment is being created")
-    elif ready_n >= desired:
+    elif dep is not None and ready_n >= desired:
         ready = Condition(
             r.READY,
             "True",
             "AllReplicasReady",
             f"{ready_n}/{desired} pods ready; serving at {endpoint}",
         )
+    elif dep is not None and ready_n > 0:  # serving while the rest scale, roll or fail
+        pending = problem.message if problem is not None else "see the Progressing condition"
+        ready = Condition(
+            r.READY,
+            "True",
+            "SomeReplicasReady",
+            f"{ready_n}/{desired} pods ready; serving at {endpoint}; the others: {pending}",
+        )
+    elif problem is not None:
+        ready = Condition(r.READY, "False", problem.reason, problem.message)
+    elif dep is None:
+        ready = Condition(r.READY, "False", "Creating", "the Deployment is being created")
     else:
         ready = Condition(
             r.READY,
@@ -376,8 +406,9 @@ def desired_status(
         progressing = Condition(
             r.PROGRESSING,
             "True",
-            "RollingOut",
-            f"updated {counts['updatedReplicas']}/{desired}, ready {ready_n}/{desired}",
+            _progress_reason(dep, counts, desired),
+            f"updated {counts['updatedReplicas']}/{desired}, ready {ready_n}/{desired}, "
+            f"pods {counts['replicas']}",
         )
     if problem is not None:
         degraded = Condition(r.DEGRADED, "True", problem.reason, problem.message)

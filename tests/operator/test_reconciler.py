@@ -37,13 +37,19 @@ def test_conflict_is_retried_on_the_fresh_object_keeping_foreign_conditions(stor
 
 def test_events_only_on_transitions(store: Any) -> None:
     rec = Reconciler(store)
-    rec.write_status("ml", "llava", _dep(1))
+    rec.write_status("ml", "llava", _dep(0))
     assert ("Normal", "ReplicasNotReady") in store.events
     store.events.clear()
-    rec.write_status("ml", "llava", _dep(1))  # nothing changed: no write, no event
+    rec.write_status("ml", "llava", _dep(0))  # nothing changed: no write, no event
     assert store.events == []
-    rec.write_status("ml", "llava", _dep(2))
-    assert store.events == [("Normal", "AllReplicasReady"), ("Normal", "RolloutComplete")]
+    rec.write_status("ml", "llava", _dep(1))  # one pod serves: Ready, while it scales
+    assert store.events == [("Normal", "SomeReplicasReady")]
+    store.events.clear()
+    rec.write_status("ml", "llava", _dep(2))  # Ready stays True: only Progressing moves
+    assert store.events == [("Normal", "RolloutComplete")]
+    store.events.clear()
+    rec.write_status("ml", "llava", _dep(1))  # one pod lost, one serves: no Warning
+    assert [kind for kind, _ in store.events] == ["Normal"]
     store.events.clear()
     rec.write_status("ml", "llava", _dep(0))
     assert ("Warning", "ReplicasNotReady") in store.events

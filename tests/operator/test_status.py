@@ -41,8 +41,40 @@ def test_rolling_out_when_the_deployment_lags(sample: dict[str, Any]) -> None:
     # the deployment has not seen its newest generation: still rolling even if counts match
     got = _by_type(status.desired_status(sample, _dep(2, 2, 2, gen=3, seen=2)))
     assert got["Progressing"] == ("True", "RollingOut")
-    partial = _by_type(status.desired_status(sample, _dep(2, 1, 2)))
-    assert partial["Ready"] == ("False", "ReplicasNotReady")
+    none_ready = _by_type(status.desired_status(sample, _dep(2, 0, 2)))
+    assert none_ready["Ready"] == ("False", "ReplicasNotReady")
+
+
+def test_ready_means_serving_while_a_scale_or_rollout_runs(sample: dict[str, Any]) -> None:
+    """Ready stays True while one pod serves; Progressing carries the scale (issue 48 item 6)."""
+    sample["spec"]["replicas"] = 3
+    up = _conditions(status.desired_status(sample, _dep(3, 1, 3)))
+    assert (up["Ready"].status, up["Ready"].reason) == ("True", "SomeReplicasReady")
+    assert "1/3 pods ready; serving at http://llava.ml.svc:8000/v1" in up["Ready"].message
+    assert _by_type(status.desired_status(sample, _dep(3, 1, 3)))["Progressing"] == (
+        "True", "ScalingUp",
+    )  # fmt: skip
+    sample["spec"]["replicas"] = 1
+    down = _by_type(status.desired_status(sample, _dep(3, 3, 3)))
+    assert down["Ready"] == ("True", "AllReplicasReady")
+    assert down["Progressing"] == ("True", "ScalingDown")
+    sample["spec"]["replicas"] = 2
+    rolling = _by_type(status.desired_status(sample, _dep(3, 2, 1)))  # an old pod remains
+    assert rolling["Ready"] == ("True", "AllReplicasReady")
+    assert rolling["Progressing"] == ("True", "RollingOut")
+    # a new pod that cannot be scheduled is a problem (Degraded) but not an outage (Ready)
+    stuck = _pod(
+        "p-3",
+        conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                     "message": "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."}],
+    )  # fmt: skip
+    sample["spec"]["replicas"] = 3
+    got = _by_type(status.desired_status(sample, _dep(3, 2, 3), pods=[stuck]))
+    assert got == {
+        "Ready": ("True", "SomeReplicasReady"),
+        "Progressing": ("True", "Unschedulable"),
+        "Degraded": ("True", "Unschedulable"),
+    }
 
 
 def test_scaled_to_zero(sample: dict[str, Any]) -> None:
@@ -161,7 +193,7 @@ def test_healthy_or_terminating_pods_are_no_problem(sample: dict[str, Any]) -> N
     gone = _pod("p-old", containerStatuses=[_waiting("engine", "CrashLoopBackOff")])
     gone["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     starting = _pod("p-new", containerStatuses=[_waiting("engine", "ContainerCreating")])
-    got = _by_type(status.desired_status(sample, _dep(2, 1, 2), pods=[gone, starting]))
+    got = _by_type(status.desired_status(sample, _dep(2, 0, 2), pods=[gone, starting]))
     assert got["Degraded"] == ("False", "AsExpected")
     assert got["Ready"] == ("False", "ReplicasNotReady")
 
