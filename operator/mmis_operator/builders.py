@@ -473,7 +473,7 @@ def frontend_args(spec: ServiceSpec, encoder_service: str | None = None) -> list
         args += ["--otlp-traces-endpoint", spec.otlp_endpoint]
     if spec.encoder is not None and encoder_service:
         args += ["--encoder-service", encoder_service]
-    return args
+    return [*args, *spec.frontend_flags]  # spec.frontend's serving settings (spec.FRONTEND_FLAGS)
 
 
 def engine_args(spec: ServiceSpec) -> list[str]:
@@ -499,7 +499,7 @@ def engine_args(spec: ServiceSpec) -> list[str]:
         args += ["--otlp-traces-endpoint", spec.otlp_endpoint]
     if spec.routing is not None:  # the endpoint picker subscribes to its cache events
         args += routing.engine_args()
-    return args
+    return [*args, *spec.engine_flags]  # spec.engine's serving settings (spec.ENGINE_FLAGS)
 
 
 def common_env(spec: ServiceSpec, name: str) -> list[dict[str, Any]]:

@@ -68,6 +68,12 @@ Invariants:
   the container's CPU request: one process per :data:`CPUS_PER_API_SERVER` CPUs, at least 1,
   at most :data:`DERIVED_API_SERVERS_MAX`; today's default request (2) gives 1, and with
   everything unset the pod is byte for byte what it was before the field existed.
+- Serving settings (:data:`ENGINE_FLAGS`, :data:`FRONTEND_FLAGS`, :func:`server_flag_args`):
+  each is one server flag, passed only when the field is set (a switch only for its
+  non-default value), so a spec without them builds the pods it built before; a set field
+  reaches the server as the value written (``tests/operator/test_serving_settings.py`` parses
+  the args with the real ``mmis engine`` / ``mmis frontend``). Settings deliberately left out
+  of the spec, and why: docs/kubernetes.md.
 - ``spec.encoder`` (:func:`parse_encoder`): absent, it parses to None and nothing changes (no
   object, no flag, no env). Its fields have no CRD default (:data:`ENCODER_DEFAULTS`; the
   encoders' GPUs follow ``resources.gpus``: 1 when the PD pods use GPUs, else 0). Its
@@ -446,6 +452,113 @@ def parse_frontend(spec: Mapping[str, Any]) -> FrontendResources:
     else:
         memory = count * parse_bytes(PROCESS_DEFAULTS["resources.frontendMemory"], field)
     return FrontendResources(api_servers=count, cpu=cpu, memory_bytes=memory)
+
+
+# --- Serving settings: spec.engine / spec.frontend fields that become server flags ---------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerFlag:
+    """One serving setting of the spec passed through as one server flag. ``field``: the CRD
+    path below ``spec`` (``engine.dtype``); ``kind``: ``int``, ``number``, ``choice`` or
+    ``switch`` (a boolean whose ``flag`` is passed only when the value is ``when``; the other
+    value is the server's default, so it passes nothing). ``low``/``high`` bound numbers
+    (inclusive; ``above`` makes ``low`` exclusive)."""
+
+    field: str
+    flag: str
+    kind: str
+    low: float | None = None
+    high: float | None = None
+    above: bool = False
+    choices: tuple[str, ...] = ()
+    when: bool = True
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")  # python logging levels, both servers'
+# mmis engine (server/mmis/engine/config.py). Each has no CRD default: unset, no flag, the
+# server's default holds. Bounds equal the server's rules (tests/operator/test_serving_settings).
+ENGINE_FLAGS: tuple[ServerFlag, ...] = (
+    ServerFlag("engine.dtype", "--dtype", "choice",
+               choices=("auto", "bfloat16", "float16", "float32")),
+    ServerFlag("engine.maxModelLen", "--max-model-len", "int", low=2, high=16777216),
+    ServerFlag("engine.gpuMemoryUtilization", "--gpu-memory-utilization", "number",
+               low=0, high=1, above=True),
+    ServerFlag("engine.blockSize", "--block-size", "int", low=1, high=4096),
+    ServerFlag("engine.enablePrefixCaching", "--no-prefix-caching", "switch", when=False),
+    ServerFlag("engine.enforceEager", "--enforce-eager", "switch"),
+    ServerFlag("engine.asyncScheduling", "--async-scheduling", "choice",
+               choices=("auto", "on", "off")),
+    ServerFlag("engine.attentionBackend", "--attention-backend", "choice",
+               choices=("auto", "flex", "torch")),
+    ServerFlag("engine.encoderCacheTokens", "--encoder-cache-tokens", "int", low=1,
+               high=16777216),
+    ServerFlag("engine.selfCheck", "--no-self-check", "switch", when=False),
+    ServerFlag("telemetry.logLevel", "--log-level", "choice", choices=LOG_LEVELS),
+)  # fmt: skip
+# mmis frontend (server/mmis/frontend/config.py); engine.maxModelLen and telemetry.logLevel go
+# to both sides (shared settings: P0 refuses a prompt the engine could never hold)
+FRONTEND_FLAGS: tuple[ServerFlag, ...] = (
+    ServerFlag("engine.maxModelLen", "--max-model-len", "int", low=2, high=16777216),
+    ServerFlag("frontend.maxImagesPerPrompt", "--max-images-per-prompt", "int", low=1,
+               high=1024),
+    ServerFlag("frontend.maxVideosPerPrompt", "--max-videos-per-prompt", "int", low=0,
+               high=64),
+    ServerFlag("frontend.videoFps", "--video-fps", "number", low=0, high=120, above=True),
+    ServerFlag("frontend.videoMinFrames", "--video-min-frames", "int", low=1, high=4096),
+    ServerFlag("frontend.videoMaxFrames", "--video-max-frames", "int", low=1, high=4096),
+    ServerFlag("frontend.mediaMaxBytes", "--media-max-bytes", "int", low=1, high=1 << 34),
+    ServerFlag("frontend.mediaMaxPixels", "--media-max-pixels", "int", low=1, high=1 << 34),
+    ServerFlag("frontend.maxRequestBodyMb", "--max-request-body-mb", "int", low=1,
+               high=4096),
+    ServerFlag("frontend.maxN", "--max-n", "int", low=1, high=1024),
+    ServerFlag("frontend.generationConfig", "--generation-config", "choice",
+               choices=("auto", "none")),
+    ServerFlag("frontend.enableMmEmbeds", "--enable-mm-embeds", "switch"),
+    ServerFlag("frontend.failFast", "--fail-fast", "switch"),
+    ServerFlag("telemetry.logLevel", "--log-level", "choice", choices=LOG_LEVELS),
+)  # fmt: skip
+
+
+def _number_text(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"
+
+
+def server_flag_args(spec: Mapping[str, Any], flags: tuple[ServerFlag, ...]) -> tuple[str, ...]:
+    """The flags these settings of a raw spec pass, in ``flags``' order; a wrong type or a
+    value out of bounds is an :class:`InvalidSpecError` naming the field and what to write."""
+    args: list[str] = []
+    for item in flags:
+        section, key = item.field.split(".")
+        value = read_section(spec, section).get(key)
+        path = f"spec.{item.field}"
+        if value is None:
+            continue
+        if item.kind == "switch":
+            if not isinstance(value, bool):
+                raise InvalidSpecError(path, f"must be true or false, got {value!r}")
+            args += [item.flag] if value == item.when else []
+            continue
+        if item.kind == "choice":
+            if value not in item.choices:
+                raise InvalidSpecError(
+                    path, f"must be one of {', '.join(item.choices)}, got {value!r}"
+                )
+            args += [item.flag, str(value)]
+            continue
+        number = (int,) if item.kind == "int" else (int, float)
+        if isinstance(value, bool) or not isinstance(value, number):
+            raise InvalidSpecError(
+                path, f"must be {'an integer' if number == (int,) else 'a number'}, got {value!r}"
+            )
+        low, high = item.low, item.high
+        if (low is not None and (value <= low if item.above else value < low)) or (
+            high is not None and value > high
+        ):
+            bound = f"above {low:g}" if item.above else f"at least {low:g}"
+            raise InvalidSpecError(path, f"must be {bound} and at most {high:g}, got {value!r}")
+        args += [item.flag, _number_text(value)]
+    return tuple(args)
 
 
 # --- spec.encoder: the pool's encoder pods (E/PD, issue 46) ---------------------------------------
@@ -845,6 +958,8 @@ class ServiceSpec:
     routing: RoutingSpec | None = None  # None: no endpoint picker (spec.routing absent)
     api_servers: int = 1  # P0 processes in the front-end container (spec.frontend.apiServers)
     encoder: EncoderSpec | None = None  # None: no encoder pods (spec.encoder absent)
+    engine_flags: tuple[str, ...] = ()  # ENGINE_FLAGS the spec sets, as mmis engine flags
+    frontend_flags: tuple[str, ...] = ()  # FRONTEND_FLAGS the spec sets, as mmis frontend flags
 
 
 def _zero(value: int | str) -> bool:
@@ -973,6 +1088,8 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
         routing=parse_routing(spec),
         api_servers=front.api_servers,
         encoder=parse_encoder(spec, read_int(res, "spec.resources.gpus")),
+        engine_flags=server_flag_args(spec, ENGINE_FLAGS),
+        frontend_flags=server_flag_args(spec, FRONTEND_FLAGS),
     )
     if parsed.engine_memory_bytes <= 0 or parsed.frontend_memory_bytes <= 0:
         raise InvalidSpecError("spec.resources", "memory and frontendMemory must be positive")
