@@ -43,7 +43,7 @@ def missing(cluster: Cluster) -> str | None:
     if not Path("/usr/lib/cni/bridge").exists():
         return f"the CNI plugins are missing: scripts/system-deps installs {PACKAGES}"
     bin_dir = cluster.bin("kubectl").parent
-    for tool in ("kubelet", "crictl"):
+    for tool in ("kubelet", "crictl", "coredns"):  # coredns: the node's cluster DNS
         if not (bin_dir / tool).exists():
             return f"{tool} is not built: run scripts/gotools --realnode"
     return None
