@@ -43,6 +43,8 @@ Invariants:
   names the pod and container and says what to do next. While pods are not all ready,
   Progressing carries the problem's reason (``kubectl get mmis -o wide`` shows it), and so
   does Ready while no pod serves.
+- ``status.model`` is the model the pods serve, ``spec.model.id`` or ``spec.model.path``
+  (the Model printer column); an invalid spec leaves the one last written.
 - ``observedGeneration`` is never lowered: only the reconcile handler raises it, after applying.
 - CacheCoherent: each ready pod's front end answers ``GET /stats/cache`` with its drift window
   (``drift_rate``: drift misses / shadow hits, ``hit_rate``, ``retry_rate`` and the raw window
@@ -204,7 +206,7 @@ class Problem:
 
 @dataclasses.dataclass(frozen=True)
 class DesiredStatus:
-    fields: dict[str, Any]  # replicas, readyReplicas, updatedReplicas, selector, endpoint
+    fields: dict[str, Any]  # replicas, readyReplicas, updatedReplicas, selector, endpoint, model
     conditions: tuple[Condition, ...]
     dropped: tuple[str, ...] = ()  # condition types to remove (Routing once spec.routing goes)
 
@@ -342,13 +344,14 @@ def desired_status(
     try:
         spec = parse_spec(raw_spec)
         endpoint = builders.endpoint(body, spec)
+        model: str | None = spec.model.name  # the id or the path (the Model column)
         desired = spec.replicas
         refused = refused_by_policy(spec, allow_fault_injection)
         if refused is not None and problem is None:
             problem = Problem("FieldRefused", f"{refused}; the previous pods keep running")
     except InvalidSpecError as exc:
         problem = problem or Problem("InvalidSpec", f"{exc}; the previous pods keep running")
-        endpoint = ""
+        endpoint, model = "", None
         desired = int((dep or {}).get("spec", {}).get("replicas") or 0)
     counts, done = _rollout(dep, desired)
     problem = problem or (None if dep is None else _deployment_problem(dep, selector))
@@ -415,6 +418,8 @@ def desired_status(
     else:
         degraded = Condition(r.DEGRADED, "False", "AsExpected", "no problem detected")
     fields: dict[str, Any] = {**counts, "selector": selector, "endpoint": endpoint}
+    if model is not None:  # an invalid spec keeps the model last written
+        fields["model"] = model
     return DesiredStatus(fields, (ready, progressing, degraded))
 
 

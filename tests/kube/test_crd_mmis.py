@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,9 @@ def _with(path: str, value: Any) -> dict[str, Any]:
         (_with("cache.driftThreshold", 1.5), "spec.cache.driftThreshold"),
         (_with("resources.memory", "lots"), "spec.resources.memory must be a positive quantity"),
         (_with("ingress", {"enabled": True}), "enabled requires host"),
-        (_with("cache.type", "redis"), "supported values"),
+        (_with("cache.type", "redis"), "spec.cache.type must be one of lru, shm"),
+        (_with("engine.dtype", "fp8"), "spec.engine.dtype must be one of auto, bfloat16"),
+        (_with("engine.gpuMemoryUtilization", 1.5), "must be a fraction in (0, 1]"),
     ],
 )
 def test_invalid_resources_are_rejected_with_the_rule_message(
@@ -83,6 +86,75 @@ def test_invalid_resources_are_rejected_with_the_rule_message(
     proc = _dry_run(cluster, namespace, obj)
     assert proc.returncode != 0, f"accepted: {proc.stdout}"
     assert message in proc.stderr
+
+
+def _messages(stderr: str) -> list[str]:
+    """The API server's error lines: one after "is invalid: ", or one per "* " bullet."""
+    _, _, rest = stderr.partition(" is invalid: ")
+    assert rest, stderr
+    bullets = [line[2:] for line in rest.splitlines() if line.startswith("* ")]
+    return bullets or [rest.strip()]
+
+
+def test_negative_replicas_is_one_message(cluster: Cluster, crd: None, namespace: str) -> None:
+    """The scale subresource's own check, not a second schema minimum (issue 48 item 6)."""
+    proc = _dry_run(cluster, namespace, _with("replicas", -1))
+    assert _messages(proc.stderr) == [
+        ".spec.replicas: Invalid value: -1: should be a non-negative integer"
+    ]
+
+
+def test_a_bad_enum_hides_no_other_check(cluster: Cluster, crd: None, namespace: str) -> None:
+    """Choices are CEL rules, so a bad one still lets the other rules run: one message per
+    invalid field, each naming it and the fix, and no "rules were not checked"."""
+    obj = _with("imagePullPolicy", "Sometimes")
+    obj["spec"]["cache"] = {"type": "redis", "size": "lots"}
+    obj["spec"]["resources"] = {"memory": "lots"}
+    found = sorted(_messages(_dry_run(cluster, namespace, obj).stderr))
+    assert found == [
+        'spec.cache.size: Invalid value: "lots": spec.cache.size must be a quantity such as 4Gi',
+        'spec.cache.type: Invalid value: "redis": spec.cache.type must be one of lru, shm',
+        'spec.imagePullPolicy: Invalid value: "Sometimes": spec.imagePullPolicy must be one of '
+        "Always, IfNotPresent, Never",
+        'spec.resources.memory: Invalid value: "lots": spec.resources.memory must be a positive '
+        "quantity such as 16Gi",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "fix"),
+    [
+        ("model", {"path": "models/llava"}, "must be an absolute path inside the pod, such as /"),
+        ("monitoring.interval", "15", "such as 15s or 1m"),
+    ],
+)
+def test_a_bad_path_names_the_field_and_the_fix_not_a_regex(
+    cluster: Cluster, crd: None, namespace: str, path: str, value: Any, fix: str
+) -> None:
+    (message,) = _messages(_dry_run(cluster, namespace, _with(path, value)).stderr)
+    field = "spec.model.path" if path == "model" else f"spec.{path}"
+    assert message.startswith(f"{field}: ") and fix in message, message
+    assert "should match" not in message
+
+
+def test_printer_columns_show_a_path_model_and_the_drift(
+    cluster: Cluster, crd: None, namespace: str
+) -> None:
+    """Model shows status.model (the id or the path the operator writes), Drift the pooled
+    rate; both survive the status schema (pruning would blank them)."""
+    obj = _with("model", {"path": "/models/llava"})
+    cluster.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(obj))
+    stored = json.loads(cluster.kubectl("get", "-n", namespace, "mmis/sample", "-o", "json").stdout)
+    stored["status"] = {"model": "/models/llava", "cache": {"driftRate": 0}}
+    cluster.kubectl(
+        "replace", "--subresource=status", "-n", namespace, "-f", "-", input=json.dumps(stored)
+    )
+    table = cluster.kubectl("get", "-n", namespace, "mmis/sample", "-o", "wide").stdout
+    header, row = table.splitlines()
+    starts = [m.start() for m in re.finditer(r"\S+", header)]  # kubectl aligns the columns
+    ends = [*starts[1:], None]
+    columns = {header[a:b].strip(): row[a:b].strip() for a, b in zip(starts, ends, strict=True)}
+    assert columns["MODEL"] == "/models/llava" and columns["DRIFT"] == "0", table
 
 
 def test_shm_rule_accepts_a_large_enough_store(cluster: Cluster, crd: None, namespace: str) -> None:

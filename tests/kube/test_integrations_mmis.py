@@ -194,7 +194,7 @@ def test_keda_scaled_object_and_pod_monitor_when_their_crds_are_served(
         ({**AUTO, "minReplicas": 5}, "minReplicas must not exceed maxReplicas"),
         ({**AUTO, "metric": "mmis:kv_cache_usage_perc", "target": 80}, "a fraction in [0, 1]"),
         ({**AUTO, "target": 0}, "target must be positive"),
-        ({**AUTO, "metric": "vllm:num_requests_waiting"}, "Unsupported value"),
+        ({**AUTO, "metric": "vllm:num_requests_waiting"}, "spec.autoscaling.metric must be one of"),
     ],
 )
 def test_the_api_server_refuses_a_bad_autoscaling_spec(

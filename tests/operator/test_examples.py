@@ -44,6 +44,10 @@ def problems(value: Any, schema: dict[str, Any], where: str = "") -> list[str]:
     found: list[str] = []
     if "enum" in schema and value not in schema["enum"]:
         found.append(f"{where}: {value!r} not in {schema['enum']}")
+    for rule in schema.get("x-kubernetes-validations") or ():  # the choices, as CEL rules
+        choices = re.fullmatch(r"self in \[(.*)\]", rule["rule"])
+        if choices and value not in re.findall(r"'([^']*)'", choices[1]):
+            found.append(f"{where}: {rule['message']}")
     if isinstance(value, str) and "pattern" in schema and not re.search(schema["pattern"], value):
         found.append(f"{where}: {value!r} does not match {schema['pattern']}")
     if isinstance(value, int | float) and not isinstance(value, bool):

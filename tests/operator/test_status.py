@@ -77,6 +77,15 @@ def test_ready_means_serving_while_a_scale_or_rollout_runs(sample: dict[str, Any
     }
 
 
+def test_status_model_is_the_id_or_the_path(sample: dict[str, Any]) -> None:
+    """The Model printer column reads status.model (``.spec.model.id`` was blank for a path)."""
+    assert status.desired_status(sample, None).fields["model"] == "llava-hf/llava-1.5-7b-hf"
+    sample["spec"]["model"] = {"path": "/models/llava"}
+    assert status.desired_status(sample, None).fields["model"] == "/models/llava"
+    sample["spec"]["model"] = {}  # invalid: the model last written stays
+    assert "model" not in status.desired_status(sample, None).fields
+
+
 def test_scaled_to_zero(sample: dict[str, Any]) -> None:
     sample["spec"]["replicas"] = 0
     got = _by_type(status.desired_status(sample, _dep(0, 0, 0)))
