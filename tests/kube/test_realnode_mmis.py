@@ -15,6 +15,12 @@ waits for the state it needs, so a failure names its own point):
 4. faults: the engine killed or stopped is restarted alone while the front end answers
    ``/health``; a deleted pod is replaced; ``kubectl scale`` to 2 serves from both.
 
+Then issue 46's real-node acceptance on the same service: ``spec.encoder`` added (the operator
+installed with ``encoder.enabled``), image chats through the Service are encoded on the
+encoder pod, found by P0 through the headless Service's A records (the node's CoreDNS,
+``scripts/realnode``); the encoder pod deleted under a loop of chats: none fails (local
+fallback) and the new encoder pod serves again.
+
 Then issue 45 item 1 on a second service of its own (``spec.frontend.apiServers: 2``): image
 chats through its Service are answered by both P0 processes of its one pod (its ``/metrics``
 counts them under ``api_server="0"`` and ``"1"``).
@@ -55,6 +61,8 @@ from PIL import Image
 from tools import in_ci  # tests/tools.py (on the path by conftest.py)
 
 from mmis.tiny_models.tiny_model import build_tiny_model
+from mmis_operator import encoder as encoders
+from mmis_operator import kube as r
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.realnode, pytest.mark.model]
 
@@ -112,6 +120,7 @@ def operator(cluster: Cluster, node: RealNode) -> Iterator[str]:
         "operator-values", "--apiserver-port", server.rsplit(":", 1)[1],
         "--liveness-port", str(free_port()), "--probe-seconds", "3",
     )  # fmt: skip
+    values["encoder"] = {"enabled": True}  # spec.encoder (test_encoders_serve_...)
     values_file = cluster.kubeconfig.parent / f"{ns}-values.json"
     values_file.write_text(json.dumps(values))
     helm = [str(cluster.bin("helm")), "install", "mmis", str(CHART), "-n", ns]
@@ -420,6 +429,129 @@ def test_scale_to_two_serves_from_both(cluster: Cluster, served: str):
     assert ready == {p["status"]["podIP"] for p in pods}
     cluster.kubectl("scale", "-n", served, f"mmis/{NAME}", "--replicas=1")
     _wait_ready(cluster, served, 1)
+
+
+# -- issue 46: E/PD on the real node: the encoder pod found through cluster DNS ---------------
+
+ENCODER_REQUESTS = {"cpu": "50m", "memory": "1536Mi", "gpus": 0}  # beside the next service
+
+
+def _series(url: str, name: str) -> dict[str, float]:
+    """``name``'s series at ``url`` (a ``/metrics``), by their label text."""
+    text = httpx.get(url, timeout=10).text
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            labels, _, value = line[len(name) :].rpartition(" ")
+            found[labels] = float(value)
+    return found
+
+
+def _count(url: str, name: str, label: str) -> float:
+    """The sum of ``name``'s series whose labels hold ``label`` (e.g. ``outcome="ok"``)."""
+    return sum(v for labels, v in _series(url, name).items() if label in labels)
+
+
+def _encoder_pods(cluster: Cluster, ns: str) -> list[dict[str, Any]]:
+    selector = ",".join(f"{k}={v}" for k, v in encoders.selector(NAME).items())
+    pods = ok.get(cluster, ns, "pods", "-l", selector)["items"]
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+
+def _ready_encoder(cluster: Cluster, ns: str, not_uids: set[str]) -> dict[str, Any] | None:
+    for pod in _encoder_pods(cluster, ns):
+        conds = pod.get("status", {}).get("conditions", [])
+        ready = any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+        if ready and pod["metadata"]["uid"] not in not_uids:
+            return pod
+    return None
+
+
+def _encoded(pod: dict[str, Any]) -> float:
+    """Items the encoder pod ran through its vision tower (its own ``/metrics``)."""
+    url = f"{_pod_url(pod, r.ENCODER_HEALTH_PORT)}/metrics"
+    return _count(url, "mmis_encoder_items_total", 'outcome="encoded"')
+
+
+def test_encoders_serve_through_cluster_dns_and_a_deleted_encoder_loses_no_request(
+    cluster: Cluster, served: str
+):
+    """``spec.encoder`` on the real node: P0 resolves ``NAME-encoder.NS.svc`` (the headless
+    Service) through the node's CoreDNS to the encoder pod's IP and has it encode; deleting
+    that pod under a loop of image chats fails none of them (P0 sends the pixels meanwhile)
+    and the replacement encodes again."""
+    live = ok.get(cluster, served, "mmis", NAME)["spec"]
+    template = live["podTemplate"]["spec"]
+    (front,) = [c for c in template["containers"] if c["name"] == "frontend"]
+    volumes = [v for v in template["volumes"] if "persistentVolumeClaim" in v]
+    container = {"name": r.ENCODER, "env": front["env"], "volumeMounts": front["volumeMounts"]}
+    spec = {
+        "replicas": 1,
+        "resources": ENCODER_REQUESTS,
+        # the busybox image: the interpreter, checkout and model as the PD pods mount them
+        "podTemplate": {"spec": {"containers": [container], "volumes": volumes}},
+    }
+    old = {p["metadata"]["uid"] for p in _pods(cluster, served)}
+    patch = {"spec": {"encoder": spec}}
+    cluster.kubectl("patch", "-n", served, f"mmis/{NAME}", "--type=merge", "-p", json.dumps(patch))
+    _wait("the new PD pod", lambda: {p["metadata"]["uid"] for p in _pods(cluster, served)} - old)
+    (pod,) = _wait_ready(cluster, served, 1)
+    (front,) = [c for c in pod["spec"]["containers"] if c["name"] == "frontend"]
+    assert front["args"][-2:] == ["--encoder-service", r.encoder_service_address(NAME, served)]
+    first = _wait("the encoder pod Ready", lambda: _ready_encoder(cluster, served, set()))
+    p0 = f"{_pod_url(pod, 8001)}/metrics"
+    seeds = iter(range(200, 456))  # 256 distinct colours: every chat a new image
+
+    with port_forward(cluster, served, f"svc/{NAME}", 8000) as port:
+        base = f"http://127.0.0.1:{port}/v1"
+
+        def encoded_there() -> bool:
+            _chat(base, next(seeds))  # P0 re-resolves the Service every 5 s: a new image a try
+            return _encoded(first) > 0
+
+        _wait("an image encoded on the encoder pod", encoded_there, timeout=60)
+        asked = _count(p0, "mmis_encoder_requests_total", 'outcome="ok"')
+        encoded = _encoded(first)
+        fallbacks = _count(p0, "mmis_encoder_fallbacks_total", "")
+        for _ in range(2):
+            assert _chat(base, next(seeds))
+        assert _count(p0, "mmis_encoder_requests_total", 'outcome="ok"') == asked + 2
+        assert _encoded(first) == encoded + 2
+        assert _count(p0, "mmis_encoder_fallbacks_total", "") == fallbacks
+
+        # the encoder pod deleted while image chats run: each must succeed
+        answered: list[int] = []
+        failed: list[BaseException] = []
+        stop = False
+
+        def loop() -> None:
+            while not stop:
+                try:
+                    _chat(base, next(seeds))
+                    answered.append(1)
+                except Exception as exc:  # every failure is the finding
+                    failed.append(exc)
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(loop)
+            try:
+                cluster.kubectl(
+                    "delete", "pod", "-n", served, first["metadata"]["name"], "--wait=false"
+                )
+                second = _wait(
+                    "a new encoder pod Ready",
+                    lambda: _ready_encoder(cluster, served, {first["metadata"]["uid"]}),
+                    timeout=90,
+                )
+                _wait("the new encoder pod encoding", lambda: _encoded(second) > 0, timeout=30)
+            finally:
+                stop = True
+                running.result(timeout=90)
+    assert not failed, failed[:3]
+    assert len(answered) >= 3, answered
+    # P0 sent pixels while no encoder answered: the local fallback carried those chats
+    assert _count(p0, "mmis_encoder_fallbacks_total", "") > fallbacks
+    assert _restarts(_ready_pods(cluster, served)[0]) == {"frontend": 0, "engine": 0}
 
 
 # -- 5. a memory volume smaller than the store ------------------------------------------------
