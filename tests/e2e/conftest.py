@@ -10,7 +10,8 @@
   each repeat of an image is a drift miss that the recovery chain heals). Shared by modules
   whose tests neither stop, fault nor reconfigure the server and read its counters only as
   differences within one test (a session runs its tests one at a time):
-  ``test_logprobs`` and ``test_sampling_params`` use the first, ``test_responses_api`` and
+  ``test_logprobs``, ``test_sampling_params`` and ``test_quiet_logs`` (which reads its log)
+  use the first, ``test_responses_api`` and
   ``test_structured_outputs`` the second. A module that reads state of a fresh server keeps
   its own, module-scoped, through :func:`start_serve`.
 - :func:`launch` (function): a :class:`procs.Launcher`; what it started stops after the test.

@@ -52,8 +52,9 @@ DEFAULT_FAMILY = "llava"
 # ``build(out, seed, family)`` and ``TEMPLATE`` (the chat template, fingerprinted)
 ELSEWHERE = {"llava-next": "llava_next", "llava-onevision": "llava_next", "gemma3": "gemma3"}
 
-# bump when a builder changes what it writes (the templates are hashed in already)
-BUILD_REVISION = 1
+# bump when a builder changes what it writes (the templates are hashed in already);
+# 2: tokenizers without control-byte tokens (tiny_tokenizer.CONTROL_CHARS)
+BUILD_REVISION = 2
 FINGERPRINT_FILE = "mmis-tiny-fingerprint.txt"
 
 

@@ -3,6 +3,12 @@
 Invariants:
 - Deterministic: a byte-level BPE trained on a fixed corpus; the same specials always get the
   same ids (they come first in the vocabulary).
+- No control bytes: the vocabulary holds no token for the C0 control characters and DEL
+  (:data:`CONTROL_CHARS`: every byte below 0x20 but tab and newline, which the chat templates
+  and tool formats write, and 0x7f), so a random tiny model can never emit ``\x1b`` or
+  ``\x00`` (a terminal showing the answer would take them as commands). A normalizer drops
+  them from any input. Every other byte, 0x80-0xff included, keeps its token, so any other
+  text still encodes.
 - Both chat templates accept a message content that is a string or a list of parts; a part of
   type "image" or "image_url" becomes the family's image marker, which the processor expands.
 - The Qwen template writes tools, assistant tool calls and tool results as Qwen2.5 does (the
@@ -12,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 CORPUS = [
@@ -107,16 +114,27 @@ QWEN_TEMPLATE = (
 )
 
 
+# the characters no tiny tokenizer has a token for (and drops from its input)
+CONTROL_CHARS = "".join(chr(b) for b in [*range(0x20), 0x7F] if chr(b) not in "\t\n")
+
+
 def train_tokenizer(specials: list[str], vocab_size: int) -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A byte-level BPE of ``vocab_size`` tokens, ``specials`` first, without a token for
+    any of :data:`CONTROL_CHARS` (a normalizer removes them from the input)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.Replace(Regex(f"[{re.escape(CONTROL_CHARS)}]"), "")
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    # the byte-level alphabet maps each byte to a printable stand-in: leave out the stand-ins
+    # of the control bytes (each is one byte, so it pre-tokenizes to exactly its stand-in)
+    bytes_only = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    controls = {bytes_only.pre_tokenize_str(c)[0][0] for c in CONTROL_CHARS}
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        initial_alphabet=sorted(set(pre_tokenizers.ByteLevel.alphabet()) - controls),
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer=trainer)

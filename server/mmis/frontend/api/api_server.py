@@ -63,6 +63,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
+from mmis.frontend.access_log import quiet_access_log
 from mmis.frontend.api import generation_defaults
 from mmis.frontend.api.api_server_group import ApiServerGroup, group_cache_stats, group_metrics
 from mmis.frontend.api.drain import Drain, DrainMiddleware
@@ -124,6 +125,7 @@ def create_app(
     ``tracing`` replaces the one built from the settings (tests: an in-memory exporter);
     ``engine_failed`` says why P1 will never answer (start-up then fails at once); ``group``:
     this process is one of N (``--api-servers``), its private socket and siblings there."""
+    quiet_access_log()  # access lines for the API and failures only (access_log.py)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -22,12 +22,16 @@ Invariants:
 - :meth:`ModelAdapter.load` fuses each decoder layer's q/k/v and gate/up projections into one
   matmul each and runs the language model's RMSNorms as torch's ``rms_norm``
   (``model/fused.py``), unless ``fuse=False``; the logits are those of the unfused model.
+- :meth:`ModelAdapter.load` draws transformers' weight-loading progress bar only when stderr
+  is a terminal: in a container's log its ``\r`` frames are noise (:func:`quiet_progress`).
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+import contextlib
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -81,6 +85,23 @@ class ModelInputError(MMISError, ValueError):
     """Multimodal item tensors that the model cannot use."""
 
     code = ErrorCode.INVALID_REQUEST.value
+
+
+@contextlib.contextmanager
+def quiet_progress() -> Iterator[None]:
+    """transformers' progress bars off within the block unless stderr is a terminal (then
+    left as they are); turned back on afterwards if this turned them off."""
+    from transformers.utils import logging as hf_logging
+
+    tty = getattr(sys.stderr, "isatty", lambda: False)()
+    if tty or not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
 
 
 def default_device() -> torch.device:
@@ -153,9 +174,10 @@ class ModelAdapter(abc.ABC):
 
         dev = torch.device(device) if device is not None else default_device()
         dt = dtype if dtype is not None else default_dtype(dev)
-        model: Any = AutoModelForImageTextToText.from_pretrained(
-            str(path_or_id), dtype=dt, revision=revision, device_map=dev
-        )
+        with quiet_progress():
+            model: Any = AutoModelForImageTextToText.from_pretrained(
+                str(path_or_id), dtype=dt, revision=revision, device_map=dev
+            )
         model = model.to(dev).eval()  # a no-op once device_map placed every weight
         model.set_attn_implementation({"text_config": ATTENTION_NAME})
         adapter = cls(model, dev, dt)
