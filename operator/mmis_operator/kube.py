@@ -19,13 +19,19 @@ Invariants:
   a re-apply is idempotent and fields other managers own are left alone; with
   ``fieldValidation=Strict``, so a field the API does not know (a typo in ``podTemplate``)
   fails the apply with the field's path instead of vanishing.
+- What changes is logged at INFO, nothing else: an object created (``apply`` answered 201,
+  ``create`` 201), updated (the time of this manager's applied fields moved since this client
+  last applied it: a no-op apply leaves it, and a status write by a controller does not touch
+  it) or deleted; a no-op apply is DEBUG.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import logging
 import socket
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -183,6 +189,29 @@ def service_path(namespace: str, name: str | None = None) -> str:
     return object_path(API_VERSION, KIND, namespace, name)
 
 
+logger = logging.getLogger(__name__)
+
+
+def _applied_time(obj: Mapping[str, Any]) -> str | None:
+    """When this field manager's applied fields of ``obj`` last changed (managedFields)."""
+    for entry in obj.get("metadata", {}).get("managedFields") or ():
+        if entry.get("manager") == FIELD_MANAGER and entry.get("operation") == "Apply":
+            return str(entry.get("time"))
+    return None
+
+
+def _just_now(stamp: str | None, seconds: float = 10.0) -> bool:
+    """``stamp`` (an RFC 3339 managedFields time) is within ``seconds`` of this clock: the
+    first apply this client makes changed the object (an operator that starts and updates)."""
+    if not stamp:
+        return False
+    try:
+        when = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    except ValueError:
+        return False
+    return abs((datetime.datetime.now(datetime.UTC) - when).total_seconds()) <= seconds
+
+
 class Kube:
     """REST calls with one client configuration; thread-safe (urllib3 pool)."""
 
@@ -191,6 +220,8 @@ class Kube:
         self.api = kubernetes.client.ApiClient(configuration)
         self.timeout = timeout
         self.instance = socket.gethostname()
+        self._applied: dict[str, str | None] = {}  # path -> _applied_time after our last apply
+        self._applied_lock = threading.Lock()
 
     @classmethod
     def from_kubeconfig(cls, kubeconfig: Path | str | None = None) -> Kube:
@@ -216,6 +247,17 @@ class Kube:
         query: Mapping[str, str] | None = None,
         content_type: str = JSON,
     ) -> dict[str, Any]:
+        return self._exchange(method, path, body, query, content_type)[1]
+
+    def _exchange(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: Mapping[str, str] | None = None,
+        content_type: str = JSON,
+    ) -> tuple[int, dict[str, Any]]:
+        """:meth:`request` with the HTTP status of the answer (201: created)."""
         headers = {"Content-Type": content_type, "Accept": JSON}
         try:
             _, url, headers, payload, _ = self.api.param_serialize(
@@ -242,7 +284,7 @@ class Kube:
             raise KubeError(
                 resp.status, str(parsed.get("message") or data), parsed.get("reason", "")
             )
-        return parsed
+        return int(resp.status), parsed
 
     def get(self, path: str) -> dict[str, Any] | None:
         try:
@@ -259,7 +301,20 @@ class Kube:
             manifest["apiVersion"], manifest["kind"], meta.get("namespace"), meta["name"]
         )
         query = {"fieldManager": FIELD_MANAGER, "force": "true", "fieldValidation": "Strict"}
-        return self.request("PATCH", path, dict(manifest), query, APPLY)
+        code, obj = self._exchange("PATCH", path, dict(manifest), query, APPLY)
+        stamp = _applied_time(obj)
+        with self._applied_lock:
+            seen = path in self._applied
+            before = self._applied.get(path)
+            self._applied[path] = stamp
+        what = f"{manifest['kind']} {meta.get('namespace') or ''}/{meta['name']}".replace(" /", " ")
+        if code == 201:
+            logger.info("created %s", what)
+        elif stamp != before if seen else _just_now(stamp):
+            logger.info("updated %s", what)
+        else:  # unchanged, or first seen by this client (its last change is not news)
+            logger.debug("applied %s (unchanged)", what)
+        return obj
 
     def create(self, manifest: Mapping[str, Any]) -> bool:
         """Create ``manifest`` (POST); False when it exists already (409), which is left as it
@@ -272,6 +327,7 @@ class Kube:
             if exc.status == 409:
                 return False
             raise
+        logger.info("created %s %s/%s", manifest["kind"], meta.get("namespace"), meta["name"])
         return True
 
     def list(self, path: str, label_selector: str) -> list[dict[str, Any]]:
@@ -289,6 +345,10 @@ class Kube:
         except KubeError as exc:
             if exc.status != 404:
                 raise
+            return
+        with self._applied_lock:
+            self._applied.pop(path, None)
+        logger.info("deleted %s", path)
 
     def replace_status(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         """PUT the status subresource; ``metadata.resourceVersion`` makes it conditional."""

@@ -13,6 +13,9 @@ Invariants:
 - Each option's default is its :class:`Options` field's (the parser's are ``None``: an option
   left out keeps the field default).
 - ``run`` returns 0 after a clean stop (SIGTERM/SIGINT, handled by kopf).
+- Logs (:func:`setup_logging`): at INFO what changed and errors, never a line per successful
+  handler or liveness GET; ``--log-level DEBUG`` shows those too. The liveness endpoint binds
+  the address it names (the chart: the pod's IP, port 10280), never a port users forward to.
 - Everything kopf stores on objects lives under ``mmis.dev``: handler progress and the
   last-handled spec as ``mmis.dev/...`` annotations; nothing is written into ``status`` by
   kopf. No handler needs a finalizer (``handlers._no_finalizer``): ``mmis.dev/finalizer``
@@ -165,7 +168,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(replicas with equal priorities all pause)",
     )
     parser.add_argument(
-        "--liveness-endpoint", help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz"
+        "--liveness-endpoint",
+        help="serve kopf's liveness probe, e.g. http://10.0.0.5:10280/healthz (the chart binds "
+        "the pod's IP on operator.livenessPort, 10280: never a port a user picks for kubectl "
+        "port-forward, never every address of a host-network node)",
     )
     parser.add_argument("--watch-server-timeout", type=int)
     parser.add_argument("--watch-client-timeout", type=float)
@@ -265,12 +271,44 @@ def _priority(text: str | None) -> int | None:
         raise ValueError(f"--priority must be an integer or 'random', got {text!r}") from None
 
 
+def liveness_url(endpoint: str | None) -> str | None:
+    """``--liveness-endpoint`` as kopf parses it: ``http://HOST:PORT/PATH``, with a bare IPv6
+    host bracketed (the chart passes ``http://$(POD_IP):PORT/healthz``, and a pod IP may be
+    IPv6); anything else is a ValueError naming the flag."""
+    if endpoint is None:
+        return None
+    scheme, sep, rest = endpoint.partition("://")
+    netloc, slash, path = rest.partition("/")
+    host, colon, port = netloc.rpartition(":")
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    if scheme != "http" or not sep or not host or not colon or not port.isdigit():
+        raise ValueError(f"--liveness-endpoint must be http://HOST:PORT/PATH, got {endpoint!r}")
+    return f"http://{host}:{port}{slash}{path}"
+
+
 def options_from_args(args: argparse.Namespace) -> Options:
     given = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(Options)}
+    given["liveness_endpoint"] = liveness_url(given.get("liveness_endpoint"))
     given.update(namespaces=tuple(args.namespace), priority=_priority(args.priority))
     if given.get("operator_namespace") is None:  # the downward API (the chart sets it)
         given["operator_namespace"] = os.environ.get("POD_NAMESPACE") or None
     return Options(**{name: value for name, value in given.items() if value is not None})
+
+
+# loggers whose INFO lines are no change: kopf's "Handler ... succeeded." / "... is processed"
+# for every reconcile, resync and probe tick, and aiohttp's access line for every liveness GET
+CHATTY_LOGGERS = ("kopf.objects", "aiohttp.access")
+
+
+def setup_logging(level: str) -> None:
+    """The operator's log at ``level``: above DEBUG it says what changed (objects created,
+    updated or deleted, condition transitions, errors), not each successful no-op handler or
+    probe GET (:data:`CHATTY_LOGGERS` then log warnings and errors only)."""
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet = logging.getLevelName(level) > logging.DEBUG
+    for name in CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING if quiet else logging.NOTSET)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -279,9 +317,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"mmis operator: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(args.log_level)
     kube = Kube.from_kubeconfig(args.kubeconfig)
     try:
         asyncio.run(serve(kube, options))

@@ -73,7 +73,8 @@ Invariants:
 - An unchanged status is not written; a resource that is gone or being deleted (before the
   read or between the read and the write: a 404 on the PUT) is left alone.
 - Events follow a successful write only: one per condition transition, typed by
-  :func:`event_type`; posting is best effort (the status already says it).
+  :func:`event_type`; posting is best effort (the status already says it). Each transition is
+  also one INFO log line (the operator's log says what changed, not each reconcile).
 """
 
 from __future__ import annotations
@@ -690,6 +691,11 @@ def write(
                 return None
             raise
         for change in transitions(old.get("conditions"), desired.conditions):
+            logger.info(
+                "%s/%s: %s %s -> %s (%s): %s", namespace, name, change.type,
+                change.old_status or "unset", change.new.status, change.new.reason,
+                change.new.message,
+            )  # fmt: skip
             kind = event_type(change)
             if kind is None:
                 continue

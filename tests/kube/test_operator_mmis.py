@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import copy
 import json
+import socket
 import subprocess
 import sys
+import urllib.request
 from typing import Any
 
 import operator_kit as ok
@@ -225,12 +227,25 @@ def test_apiserver_restart_does_not_wedge_the_operator(
 def test_mmis_operator_command_runs_and_stops_cleanly(
     cluster: Cluster, crd: None, namespace: str
 ) -> None:
+    """The real command; at INFO its log says what changed (the children it created, the
+    condition transitions), not each handler's success or each liveness GET."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
     cmd = [sys.executable, "-m", "mmis", "operator", f"--kubeconfig={cluster.kubeconfig}",
-           f"--namespace={namespace}"]  # fmt: skip
+           f"--namespace={namespace}",
+           f"--liveness-endpoint=http://127.0.0.1:{port}/healthz"]  # fmt: skip
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         try:
             _apply_ready(cluster, namespace)
+            for _ in range(3):
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as r:
+                    assert r.status == 200
         finally:
             proc.terminate()
             out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out[-4000:]
+    assert f"created Deployment {namespace}/llava" in out, out[-4000:]
+    assert f"{namespace}/llava: Ready False -> True (AllReplicasReady)" in out, out[-4000:]
+    assert "Handler '" not in out and "is processed" not in out, out[-4000:]
+    assert "GET /healthz" not in out, out[-4000:]

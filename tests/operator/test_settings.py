@@ -141,3 +141,15 @@ def test_bad_security_flags_exit_2(
         cli_main(["operator", *flag])
     assert exited.value.code == 2
     assert flag[0] in capsys.readouterr().err
+
+
+def test_liveness_endpoint_brackets_an_ipv6_pod_ip_and_refuses_garbage() -> None:
+    """The chart passes ``http://$(POD_IP):10280/healthz``; an IPv6 pod IP needs brackets."""
+    url = operator_main.liveness_url
+    assert url("http://10.1.2.3:10280/healthz") == "http://10.1.2.3:10280/healthz"
+    assert url("http://fd00::7:10280/healthz") == "http://[fd00::7]:10280/healthz"
+    assert url("http://[fd00::7]:10280/healthz") == "http://[fd00::7]:10280/healthz"
+    assert operator_main.options_from_args(_parse()).liveness_endpoint is None
+    for bad in ("10.1.2.3:10280", "http://10.1.2.3/healthz", "https://h:1/x", "http://:1/x"):
+        with pytest.raises(ValueError, match="--liveness-endpoint must be"):
+            url(bad)
