@@ -21,7 +21,9 @@ What each test shows, in order (one node, one set of pods):
   the ops port, nobody the engine's health port, everybody the API port, and the host
   (kubelet's probes) still everything;
 - the policy deleted, the stranger reaches everything again;
-- ``scripts/realnode down`` leaves none of kube-router's chains or ipsets behind.
+- ``scripts/realnode down`` leaves none of kube-router's chains or ipsets behind, and no
+  chain at all that was not there before ``up`` (kubelet's ``KUBE-FIREWALL`` and
+  ``KUBE-KUBELET-CANARY`` included: issue 48 item 6).
 """
 
 from __future__ import annotations
@@ -95,13 +97,29 @@ class EnforcedNode(RealNode):
     """The real node with kube-router's firewall (``scripts/realnode up --network-policy``)."""
 
     bridge_nf_before = ""
+    chains_before: set[str] = set()
 
     def up(self) -> EnforcedNode:
         self._run(str(SCRIPT), "down")
         self.bridge_nf_before = BRIDGE_NF.read_text()
+        self.chains_before = _chains()
         self._run(str(SCRIPT), "up", "--network-policy")
         self._run(str(IMAGE_SCRIPT))
         return self
+
+
+def _chains() -> set[str]:
+    """Every iptables and ip6tables chain on this host, as ``tool table chain``."""
+    chains: set[str] = set()
+    for tool in ("iptables-save", "ip6tables-save"):
+        table = ""
+        out = subprocess.run([tool], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            if line.startswith("*"):
+                table = line[1:]
+            elif line.startswith(":"):
+                chains.add(f"{tool} {table} {line[1:].split()[0]}")
+    return chains
 
 
 def _leftovers() -> list[str]:
@@ -312,4 +330,5 @@ def test_down_leaves_no_rule_behind(node: EnforcedNode, pods: Pods):
     assert _leftovers(), "kube-router's chains should exist while the node is up"
     node.down()
     assert _leftovers() == []
+    assert _chains() - node.chains_before == set()  # kubelet's chains too (KUBE-FIREWALL, ...)
     assert BRIDGE_NF.read_text() == node.bridge_nf_before  # the sysctl restored
