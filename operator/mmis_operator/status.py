@@ -320,14 +320,18 @@ def _rollout(dep: Mapping[str, Any] | None, desired: int) -> tuple[dict[str, int
 
 
 def _progress_reason(dep: Mapping[str, Any] | None, counts: Mapping[str, int], desired: int) -> str:
-    """Why an unfinished rollout is unfinished: the Deployment has not seen its newest
-    generation, pods of an older template remain or none of the current one exists yet
-    (``RollingOut``), else the pod count is on its way up or down."""
+    """Why an unfinished rollout is unfinished: pods of an older template remain or none of
+    the current one exists yet (``RollingOut``); the pod count differs from the desired one
+    (``ScalingUp``/``ScalingDown``); all pods exist but some are not ready (``ScalingUp``), or
+    the Deployment has not seen its newest generation with the count unchanged (a new
+    template: ``RollingOut``)."""
     st, meta = (dep or {}).get("status") or {}, (dep or {}).get("metadata") or {}
     seen = int(st.get("observedGeneration") or 0) >= int(meta.get("generation") or 0)
-    if not seen or counts["updatedReplicas"] < counts["replicas"] or not counts["updatedReplicas"]:
+    if counts["updatedReplicas"] < counts["replicas"] or not counts["updatedReplicas"]:
         return "RollingOut"
-    return "ScalingDown" if counts["replicas"] > desired else "ScalingUp"
+    if counts["replicas"] != desired:  # a scale, even before the Deployment has seen it
+        return "ScalingDown" if counts["replicas"] > desired else "ScalingUp"
+    return "ScalingUp" if seen else "RollingOut"  # new pods not ready yet, or a new template
 
 
 def desired_status(
