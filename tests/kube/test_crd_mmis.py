@@ -157,6 +157,22 @@ def test_printer_columns_show_a_path_model_and_the_drift(
     assert columns["MODEL"] == "/models/llava" and columns["DRIFT"] == "0", table
 
 
+def test_every_serving_setting_is_accepted(cluster: Cluster, crd: None, namespace: str) -> None:
+    """The spec of tests/operator/golden/serving_settings.json (every spec.engine /
+    spec.frontend serving setting and telemetry.logLevel set) passes the real API server,
+    nothing pruned."""
+    golden = ROOT / "tests" / "operator" / "golden" / "serving_settings.json"
+    spec = json.loads(golden.read_text())["resource"]["spec"]
+    every: dict[str, dict[str, Any]] = {k: spec[k] for k in ("engine", "frontend", "telemetry")}
+    obj = copy.deepcopy(VALID)
+    obj["spec"].update(copy.deepcopy(every))
+    proc = _dry_run(cluster, namespace, obj)
+    assert proc.returncode == 0, proc.stderr
+    stored = json.loads(proc.stdout)["spec"]
+    for section, values in every.items():
+        assert {k: stored[section][k] for k in values} == values, section
+
+
 def test_shm_rule_accepts_a_large_enough_store(cluster: Cluster, crd: None, namespace: str) -> None:
     obj = _with("cache", {"type": "shm", "size": "4Gi", "shmSize": "4096Mi"})
     proc = _dry_run(cluster, namespace, obj)
