@@ -2,9 +2,10 @@
 
 A real ``mmis serve`` on the tiny LLaVA, the openai SDK. Without the flag (the session's
 shared ``tiny_serve``, the plain pixel path) an ``image_embeds`` part is a 400 naming the flag;
-with it, the embeddings the test computes with the model's own adapter from the processor's
-tensors of an image give the same greedy output as that image sent as pixels to
-``tiny_serve``, and a malformed part is a 400 naming its problem. (E/PD through a real
+with it (``embeds_serve``, a **bfloat16** engine: users send float32 .npy files, which P0
+casts to the engine's dtype as vLLM does), the float32 embeddings the test computes with the
+model's own adapter from the processor's tensors of an image give the same greedy output as
+that image sent as pixels, and a malformed part is a 400 naming its problem. (E/PD through a real
 ``mmis encoder`` is ``test_epd_e2e.py``'s.)"""
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ PROMPT = "What is in the picture?"
 @pytest.fixture(scope="module")
 def embeds_serve(start_serve: ServeFactory) -> Iterator[Proc]:
     flags = ("--model", str(tiny_model_dir()), "--served-model-name", "tiny")
-    with start_serve("serve-mm-embeds", *flags, "--enable-mm-embeds", env=ONE_THREAD) as proc:
+    flags += ("--enable-mm-embeds", "--dtype", "bfloat16")
+    with start_serve("serve-mm-embeds", *flags, env=ONE_THREAD) as proc:
         yield proc
 
 
@@ -62,17 +64,23 @@ def lying_header() -> str:
 
 
 def embeds_of(image: Image.Image) -> np.ndarray:
-    """The tiny LLaVA's encoder output for ``image``: its adapter on the processor tensors P0
-    would send (float32, as ``mmis serve`` runs the tiny model on CPU)."""
+    """The tiny LLaVA's encoder output for ``image`` as a float32 array: its adapter, in
+    bfloat16 like ``embeds_serve``'s engine, on the processor tensors P0 would send (so the
+    cast back to bfloat16 is exact), on one thread like the engine."""
     import torch
 
     from mmis.engine.execution.model import load_adapter
 
     processor = ModelProcessor.from_pretrained(str(tiny_model_dir()))
     tensors = processor.process_image(image).tensors
-    adapter = load_adapter(tiny_model_dir(), "cpu", torch.float32)
-    with torch.inference_mode():
-        (out,) = adapter.encode_images([tensors])
+    adapter = load_adapter(tiny_model_dir(), "cpu", torch.bfloat16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            (out,) = adapter.encode_images([tensors])
+    finally:
+        torch.set_num_threads(threads)
     return out.float().numpy()
 
 
@@ -97,12 +105,14 @@ def test_image_embeds_without_the_flag_is_a_400_naming_it(tiny_serve: Proc) -> N
     assert err.value.body.get("param") == "messages[0].content[0]", err.value.body
 
 
-def test_image_embeds_give_the_pixel_paths_output(embeds_serve: Proc, tiny_serve: Proc) -> None:
+def test_image_embeds_give_the_pixel_paths_output(embeds_serve: Proc) -> None:
+    """float32 embeddings on a bfloat16 engine: served (cast by P0), not a 503."""
     image = picture()
     pixels = ask(
-        openai_client(tiny_serve), {"type": "image_url", "image_url": {"url": png_url(image)}}
+        openai_client(embeds_serve), {"type": "image_url", "image_url": {"url": png_url(image)}}
     )
     embeds = embeds_of(image)
+    assert embeds.dtype == np.float32
     part = {"type": "image_embeds", "image_embeds": npy_b64(embeds)}
     assert ask(openai_client(embeds_serve), part) == pixels
     assert pixels  # the tiny model says something: the comparison compares text

@@ -257,6 +257,7 @@ class FrontendState:
             await state.close()
             raise
         state.pending.observe_epoch(state.client.cache_epoch)
+        state.renderer.embeds_dtype = state.client.engine_info.get("dtype")
         state.stats.start()
         state._probe = loop.create_task(state._readiness_probe(), name="mmis-ready-probe")
         return state

@@ -51,7 +51,8 @@ Invariants:
   ``bypass`` (the drift retry) and text-only prompts never touch an encoder; without
   encoders nothing of this runs.
 - An ``image_embeds`` part (``--enable-mm-embeds``; a 400 naming the flag without it, a 400
-  naming the problem for a malformed one: :func:`decode_embeds`) is an image item whose
+  naming the problem for a malformed one: :mod:`~mmis.frontend.client.mm_embeds`, which
+  casts it to the engine's dtype, :attr:`Renderer.embeds_dtype`) is an image item whose
   content is :class:`PrecomputedEmbeds`, hashed over its .npy bytes (and grid), sent with
   data ``{MM_EMBEDS, image_grid_thw?}`` like any item (shadow hits included; ``bypass``
   sends it again, never pixels: it has none) and checked by P1 like an encoder's output.
@@ -67,21 +68,17 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import collections
 import dataclasses
-import io
-import math
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from PIL import Image
 
 from mmis.frontend.client.media import DecodedVideo, MediaLoader, check_image_count
 from mmis.frontend.client.media.content_memo import ContentMemo, EncodedImage, bytes_digest
+from mmis.frontend.client.mm_embeds import PrecomputedEmbeds, decode_embeds
 from mmis.frontend.client.pending_invalidations import PendingInvalidations
 from mmis.frontend.client.processor import ModelProcessor, ProcessedImage, PromptError
 from mmis.frontend.client.sibling_bindings import SiblingBindings
@@ -122,101 +119,9 @@ class ImageRef:
     grid_thw: tuple[int, ...] | None = None  # its image_grid_thw (Qwen2-VL)
 
 
-@dataclasses.dataclass(frozen=True)
-class PrecomputedEmbeds:
-    """An ``image_embeds`` part's content (``--enable-mm-embeds``): the tensors sent as the
-    item's data, ``{MM_EMBEDS: [num_tokens, hidden]}`` (+ ``image_grid_thw``), which P1
-    checks like an encoder's output and uses instead of encoding."""
-
-    tensors: dict[str, Any]
-    num_tokens: int
-
-
 ItemData = Image.Image | EncodedImage | DecodedVideo | PrecomputedEmbeds | None
 """An item's content: pixels, bytes whose pixels are decoded on first use, a clip, embeddings
 given by the client, or none."""
-
-EMBEDS_DTYPES = ("float16", "float32")
-"""The .npy dtypes an ``image_embeds`` part may have (numpy has no bfloat16)."""
-
-
-def decode_embeds(
-    b64: str,
-    grid_thw: Sequence[int] | None,
-    *,
-    max_bytes: int,
-    merge_size: int | None,
-    param: str,
-    hidden_size: int | None = None,
-) -> tuple[bytes, PrecomputedEmbeds]:
-    """An ``image_embeds`` part's .npy bytes and content; a 400 naming the problem for
-    anything else than base64 of a 2-D float .npy of at most ``max_bytes`` with finite values
-    (its header is checked before the array is allocated; nothing is unpickled). With
-    ``grid_thw`` (Qwen2-VL) and the processor's ``merge_size``, its rows must be the grid's
-    token count; with ``hidden_size`` (the language model's), its columns must be that."""
-    if len(b64) > 4 * math.ceil(max_bytes / 3) + 4:
-        raise InvalidRequestError(
-            f"image_embeds is larger than the request body limit of {max_bytes} bytes",
-            param=param,
-        )
-    try:
-        raw = base64.b64decode(b64, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise InvalidRequestError(f"image_embeds is not base64: {exc}", param=param) from exc
-    stream = io.BytesIO(raw)
-    try:
-        version = np.lib.format.read_magic(stream)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
-        else:
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
-    except (ValueError, OSError) as exc:
-        raise InvalidRequestError(
-            f"image_embeds is not a .npy file (numpy.save of one array): {exc}", param=param
-        ) from exc
-    if dtype.hasobject or dtype.name not in EMBEDS_DTYPES:
-        raise InvalidRequestError(
-            f"image_embeds has dtype {dtype}; expected one of {', '.join(EMBEDS_DTYPES)}",
-            param=param,
-        )
-    if len(shape) != 2 or shape[0] < 1 or shape[1] < 1:
-        raise InvalidRequestError(
-            f"image_embeds has shape {tuple(shape)}; expected [tokens, hidden] (2-D, not empty)",
-            param=param,
-        )
-    if hidden_size is not None and shape[1] != hidden_size:
-        raise InvalidRequestError(
-            f"image_embeds has {shape[1]} columns; this model's hidden size is {hidden_size}",
-            param=param,
-        )
-    nbytes = int(shape[0]) * int(shape[1]) * dtype.itemsize
-    if nbytes > max_bytes or nbytes != len(raw) - stream.tell():
-        raise InvalidRequestError(
-            f"image_embeds' shape {tuple(shape)} ({nbytes} bytes) does not match its "
-            f"{len(raw) - stream.tell()} data bytes or exceeds {max_bytes} bytes",
-            param=param,
-        )
-    array = np.load(io.BytesIO(raw), allow_pickle=False)
-    if fortran:
-        array = np.ascontiguousarray(array)
-    if not np.isfinite(array).all():
-        raise InvalidRequestError("image_embeds has non-finite values", param=param)
-    tensors: dict[str, Any] = {MM_EMBEDS: array}
-    if grid_thw is not None:
-        grid = [int(v) for v in grid_thw]
-        if len(grid) != 3 or min(grid) < 1:
-            raise InvalidRequestError(
-                f"image_grid_thw must be three positive integers [t, h, w], got {grid}",
-                param=param,
-            )
-        if merge_size and grid[0] * grid[1] * grid[2] // merge_size**2 != shape[0]:
-            raise InvalidRequestError(
-                f"image_embeds has {shape[0]} rows but image_grid_thw {grid} makes "
-                f"{grid[0] * grid[1] * grid[2] // merge_size**2} tokens",
-                param=param,
-            )
-        tensors["image_grid_thw"] = np.asarray([grid], dtype=np.int64)
-    return raw, PrecomputedEmbeds(tensors, int(shape[0]))
 
 
 def _pixels(data: Image.Image | EncodedImage) -> Image.Image:
@@ -312,6 +217,7 @@ class Renderer:
         self.enable_mm_embeds = enable_mm_embeds
         self.max_embeds_bytes = max_embeds_bytes
         self.embeds_hidden_size = embeds_hidden_size
+        self.embeds_dtype: str | None = None  # the engine's dtype (P1's hello): embeds cast to it
         self._lengths: collections.OrderedDict[str, int] = collections.OrderedDict()
 
     def _remember(self, mm_hash: str, length: int) -> None:
@@ -411,6 +317,7 @@ class Renderer:
             ),
             param=ref.param or "messages",
             hidden_size=self.embeds_hidden_size,
+            dtype=self.embeds_dtype,
         )
         mm_hash = item_mm_hash(
             model_id=self.model_id,

@@ -267,7 +267,7 @@ class VideoPart(OpenAIModel):
 class ImageEmbedsPart(OpenAIModel):
     """Precomputed image embeddings (``--enable-mm-embeds``): base64 of a .npy
     ``[tokens, hidden]`` float array, and Qwen2-VL's ``image_grid_thw``. The server checks
-    the array (``frontend/client/renderer.py`` ``decode_embeds``); without the flag a 400."""
+    the array (``frontend/client/mm_embeds.py`` ``decode_embeds``); without the flag a 400."""
 
     type: Literal["image_embeds"]
     image_embeds: str = Field(min_length=1)
