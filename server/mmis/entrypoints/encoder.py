@@ -161,13 +161,18 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _stop)
     http = None
     if cfg.health_port is not None:
-        from prometheus_client import CollectorRegistry
+        from mmis.engine.encoder.metrics import encoder_registry
+        from mmis.engine.health_server import HealthServer
 
-        from mmis.engine.encoder.http import EncoderCollector, EncoderHTTP
-
-        registry = CollectorRegistry()
-        registry.register(EncoderCollector(server, served_name(cfg.model, None)))
-        http = EncoderHTTP("0.0.0.0", cfg.health_port, lambda: True, registry).start()
+        registry = encoder_registry(server, served_name(cfg.model, None))
+        http = HealthServer(
+            "0.0.0.0",
+            cfg.health_port,
+            lambda: True,
+            registry=registry,
+            down="the encoder loop died",
+            name="encoder",
+        ).start()
     ready = f"{PREFIX}: ready on {server.endpoint}"
     if http is not None:
         ready += f" health http://127.0.0.1:{http.port}"

@@ -38,7 +38,7 @@ class Owner(enum.StrEnum):
     FRONTEND = "p0"  # instantiated in MMISMetrics
     ENGINE = "p1"  # rendered from P1's stats snapshot
     DERIVED = "derived"  # computed in P0 at scrape time (the drift window)
-    ENCODER = "encoder"  # exposed by mmis encoder itself (engine/encoder/http.py)
+    ENCODER = "encoder"  # exposed by mmis encoder itself (engine/encoder/metrics.py)
 
 
 # The label names a metric may carry, each with its closed set of values ("model" is fixed per
