@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mmis.config import AT_LEAST_1, POSITIVE, GiB, check, setting, shared
+from mmis.config import AT_LEAST_1, POSITIVE, ConfigError, GiB, check, setting, shared
 from mmis.engine.batch_limits import (
     CPU_MAX_NUM_BATCHED_TOKENS,
     FIXED_MAX_NUM_BATCHED_TOKENS,
@@ -236,11 +236,44 @@ class EngineConfig:
         "loopback address only; set it through the environment (MMIS_ENGINE_EVENTS_TOKEN): a "
         "flag shows in the process list",
     )
+    enable_lora: bool = setting(
+        False,
+        help="serve PEFT LoRA adapters (engine/lora/): several in one batch, on the language "
+        "model's projections and, where an adapter targets them, the vision tower and projector",
+    )
+    max_loras: int = setting(
+        1,
+        rule=AT_LEAST_1,
+        help="LoRA adapters resident on the device at once (distinct adapters in one step; "
+        "with --enable-lora)",
+    )
+    max_lora_rank: int = setting(
+        16,
+        rule=AT_LEAST_1,
+        help="the highest LoRA rank an adapter may have (the device slots are this wide; "
+        "with --enable-lora)",
+    )
+    max_cpu_loras: int | None = setting(
+        None,
+        rule=(lambda v: v is None or v >= 1, "must be at least 1"),
+        help="LoRA adapters kept in host memory (the least recently used goes); default: "
+        "--max-loras; never fewer than --max-loras",
+    )
     otlp_traces_endpoint: str | None = shared("otlp_traces_endpoint")
     log_level: str = shared("log_level")
 
     def __post_init__(self) -> None:
         check(self)
+        if self.enable_lora and self.tensor_parallel_size > 1:  # engine/lora/: not split yet
+            raise ConfigError(
+                "--enable-lora does not work with --tensor-parallel-size > 1 yet "
+                "(the LoRA weights are not split over ranks)"
+            )
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(
+                f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras "
+                f"({self.max_loras})"
+            )
 
     def kv_pool_size(self) -> tuple[int | None, int | None]:
         """``(num_blocks, budget_bytes)`` for the KV pool: the block count wins, then the GiB

@@ -1,0 +1,161 @@
+"""The engine's LoRA state for one model: its wrapped projections, the registered adapters,
+their host copies and device slots (the one object the runner and the builder talk to).
+
+Invariants:
+- :meth:`LoRAManager.attach` wraps every linear projection of the language model's decoder
+  layers and of the vision tower and projector (:data:`TOWER_PREFIXES` present in the model) in
+  a :class:`~mmis.engine.lora.layer.LoRALinear`; ``lm_head`` and the embeddings are never
+  wrapped. Two :class:`~mmis.engine.lora.layer.LoRARows` drive them: ``lm_rows`` (one slot per
+  token of the step, set by the runner once per step) and ``tower_rows`` (one slot for a whole
+  encoder call: the runner encodes images grouped by adapter).
+- :meth:`add` validates an adapter fully (``engine/lora/adapter.py``) before registering it; an
+  id or a name is registered once. :meth:`acquire` puts it on a device slot (reloading its host
+  copy from its path if the host set dropped it) and pins it; :meth:`release` unpins. Writing a
+  slot happens only in :meth:`acquire`, between steps, so no step reads a half-written slot.
+- :meth:`changes_tower` is true iff the adapter has weights under a tower prefix: only then may
+  an image's encoder output (and its cache key) depend on the adapter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from mmis.engine.lora.adapter import LoRAAdapter, load_adapter
+from mmis.engine.lora.errors import LoRAError
+from mmis.engine.lora.layer import LoRALinear, LoRARows
+from mmis.engine.lora.residency import SlotTable
+
+# the vision tower and projector of each family, as module names in the transformers model
+TOWER_PREFIXES = (
+    "model.vision_tower",  # LLaVA, LLaVA-NeXT, Gemma 3
+    "model.multi_modal_projector",  # LLaVA's projector
+    "model.visual",  # Qwen2-VL / Qwen2.5-VL (the merger included)
+)
+LM_PREFIXES = ("model.language_model.layers",)
+
+
+@dataclass(frozen=True)
+class Registered:
+    name: str
+    lora_id: int
+    path: str
+    changes_tower: bool
+
+
+def _is_projection(module: torch.nn.Module) -> bool:
+    if isinstance(module, torch.nn.Linear):
+        return True
+    return type(module).__name__ == "PackedLinear"  # engine/execution/cpu_linear.py
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+class LoRAManager:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_loras: int,
+        max_rank: int,
+        max_cpu_loras: int | None = None,
+        lm_prefixes: tuple[str, ...] = LM_PREFIXES,
+        tower_prefixes: tuple[str, ...] = TOWER_PREFIXES,
+    ) -> None:
+        self.model, self.max_rank = model, max_rank
+        self.table = SlotTable(max_loras, max_cpu_loras)
+        self.lm_rows = LoRARows(max_loras + 1)
+        self.tower_rows = LoRARows(max_loras + 1)
+        self.tower_prefixes = tower_prefixes
+        self.layers: dict[str, LoRALinear] = {}
+        self._registered: dict[str, Registered] = {}
+        self._host: dict[str, LoRAAdapter] = {}
+        self._attach(lm_prefixes)
+
+    def _attach(self, lm_prefixes: tuple[str, ...]) -> None:
+        param = next(self.model.parameters())
+        dtype, device = param.dtype, param.device
+        targets = [
+            (name, module)
+            for name, module in self.model.named_modules()
+            if _is_projection(module) and _under(name, lm_prefixes + self.tower_prefixes)
+        ]
+        for name, module in targets:
+            rows = self.tower_rows if _under(name, self.tower_prefixes) else self.lm_rows
+            parent_name, _, attr = name.rpartition(".")
+            parent = self.model.get_submodule(parent_name)
+            wrapped = LoRALinear(module, rows, self.max_rank, dtype=dtype, device=device)
+            setattr(parent, attr, wrapped)
+            self.layers[name] = wrapped
+
+    def modules(self) -> dict[str, tuple[int, int]]:
+        """Every LoRA-capable projection: name -> ``(in_features, out_features)``."""
+        return {n: (m.in_features, m.out_features) for n, m in self.layers.items()}
+
+    def add(self, name: str, lora_id: int, path: str) -> Registered:
+        """Validate and register the PEFT adapter at ``path`` (a typed LoRAError if not)."""
+        if name in self._registered:
+            raise LoRAError(f"LoRA adapter {name!r} is already loaded")
+        if lora_id < 1 or any(r.lora_id == lora_id for r in self._registered.values()):
+            raise LoRAError(f"LoRA adapter {name!r}: id {lora_id} is taken or not positive")
+        adapter = load_adapter(name, lora_id, path, self.modules(), self.max_rank)
+        entry = Registered(name, lora_id, path, adapter.touches(self.tower_prefixes))
+        self._registered[name] = entry
+        self._keep_host(adapter)
+        return entry
+
+    def _keep_host(self, adapter: LoRAAdapter) -> None:
+        self._host[adapter.name] = adapter
+        for gone in self.table.touch_host(adapter.name):
+            self._host.pop(gone, None)
+
+    def remove(self, name: str) -> None:
+        """Unregister ``name`` (refused while a running request uses it); its slot is zeroed."""
+        if name not in self._registered:
+            raise LoRAError(f"LoRA adapter {name!r} is not loaded")
+        slot = self.table.drop(name)
+        if slot is not None:
+            for layer in self.layers.values():
+                layer.clear_slot(slot)
+        del self._registered[name]
+        self._host.pop(name, None)
+
+    def get(self, name: str) -> Registered:
+        if name not in self._registered:
+            raise LoRAError(f"LoRA adapter {name!r} is not loaded")
+        return self._registered[name]
+
+    def registered(self) -> Iterator[Registered]:
+        return iter(self._registered.values())
+
+    def changes_tower(self, name: str | None) -> bool:
+        return name is not None and self.get(name).changes_tower
+
+    @torch.no_grad()
+    def acquire(self, name: str) -> int:
+        """Pin ``name`` to a device slot (writing its weights there if needed); its slot."""
+        entry = self.get(name)
+        got = self.table.acquire(name)
+        if got.load:
+            adapter = self._host.get(name)
+            if adapter is None:  # dropped from the host set: read it again
+                adapter = load_adapter(
+                    name, entry.lora_id, entry.path, self.modules(), self.max_rank
+                )
+            self._keep_host(adapter)
+            for module, layer in self.layers.items():
+                if module in adapter.weights:
+                    a, b = adapter.weights[module]
+                    layer.set_slot(got.slot, a, b)
+                else:
+                    layer.clear_slot(got.slot)
+        return got.slot
+
+    def release(self, name: str) -> None:
+        self.table.release(name)
