@@ -77,24 +77,15 @@ def set_threads(cfg: EngineConfig) -> int:
 def load_model(cfg: EngineConfig, path: str) -> ModelAdapter:
     """The model adapter of ``cfg.model`` (resolved to ``path`` by the launcher) at
     ``cfg.revision``."""
-    import torch
-
-    from mmis.engine.execution.dtype import DtypeError, resolve_dtype
+    from mmis.engine.execution.dtype import DtypeError, resolve_placement
     from mmis.engine.execution.model import UnsupportedModelError, load_adapter
-    from mmis.engine.execution.model.adapter import default_device
 
-    device = torch.device(cfg.device) if cfg.device is not None else default_device()
     try:
-        dtype = resolve_dtype(cfg.dtype, device, path)
+        device, dtype = resolve_placement(
+            cfg.device, cfg.dtype, path, revision=cfg.revision, what="model", logger=log
+        )
     except DtypeError as exc:
         raise EngineStartError(str(exc)) from None
-    log.info(
-        "loading model %s (revision %s) on %s in %s",
-        path,
-        cfg.revision or "default",
-        device,
-        str(dtype).removeprefix("torch."),
-    )
     try:
         return load_adapter(path, device=device, dtype=dtype, revision=cfg.revision)
     except UnsupportedModelError as exc:  # refused before serving anything, saying why

@@ -2,10 +2,11 @@
 
 Invariants:
 - The model loads through P1's adapter table (``engine/execution/model/__init__.py``
-  ``load_adapter``) on the device and in the dtype P1 would pick: ``--device`` else CUDA when
-  available; ``--dtype`` resolved by ``engine/execution/dtype.py`` (``auto``: the
-  checkpoint's on CUDA; on CPU a measurement, so pin ``--dtype`` on both sides: a P1 that
-  resolved another dtype gets the encoder's outputs refused by P0's key check, a fallback).
+  ``load_adapter``) on the device and in the dtype P1 would pick, by P1's own function
+  (``engine/execution/dtype.py`` ``resolve_placement``): ``--device`` else CUDA when
+  available; ``--dtype`` resolved there (``auto``: the checkpoint's on CUDA; on CPU a
+  measurement, so pin ``--dtype`` on both sides: a P1 that resolved another dtype gets the
+  encoder's outputs refused by P0's key check, a fallback).
   The language model is not fused (``fuse=False``): its layers are dropped next.
 - Then the language model's decoder layers, its token embedding and the LM head are dropped
   (set to an empty ``ModuleList`` / None) and their memory freed (``gc``, and the CUDA
@@ -47,24 +48,20 @@ class EncoderStartError(RuntimeError):
 
 def load_vision_only(cfg: EncoderConfig, path: str) -> ModelAdapter:
     """The adapter of ``cfg.model`` (resolved to ``path``) with its language model dropped."""
-    import torch
-
-    from mmis.engine.execution.dtype import DtypeError, resolve_dtype
+    from mmis.engine.execution.dtype import DtypeError, resolve_placement
     from mmis.engine.execution.model import UnsupportedModelError, load_adapter
-    from mmis.engine.execution.model.adapter import default_device
 
-    device = torch.device(cfg.device) if cfg.device is not None else default_device()
     try:
-        dtype = resolve_dtype(cfg.dtype, device, path)
+        device, dtype = resolve_placement(
+            cfg.device,
+            cfg.dtype,
+            path,
+            revision=cfg.revision,
+            what="the vision tower of",
+            logger=log,
+        )
     except DtypeError as exc:
         raise EncoderStartError(str(exc)) from None
-    log.info(
-        "loading the vision tower of %s (revision %s) on %s in %s",
-        path,
-        cfg.revision or "default",
-        device,
-        str(dtype).removeprefix("torch."),
-    )
     try:
         adapter = load_adapter(path, device=device, dtype=dtype, revision=cfg.revision, fuse=False)
     except UnsupportedModelError as exc:

@@ -11,6 +11,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -99,3 +100,31 @@ def resolve_dtype(
     except RuntimeError as exc:
         raise DtypeError(f"--dtype {name} is not supported on {device.type}: {exc}") from None
     return dtype
+
+
+def resolve_placement(
+    device: str | None,
+    dtype: str,
+    model_path: str | Path,
+    *,
+    revision: str | None,
+    what: str,
+    logger: logging.Logger,
+) -> tuple[torch.device, torch.dtype]:
+    """Where and in what a model loads, for P1 and ``mmis encoder`` alike: ``--device`` (else
+    CUDA when available) and ``--dtype`` resolved by :func:`resolve_dtype` (its
+    :class:`DtypeError` propagates: each process turns it into its own start-up error);
+    logged as ``loading <what> <path> (revision R) on DEVICE in DTYPE``."""
+    from mmis.engine.execution.model.adapter import default_device
+
+    where = torch.device(device) if device is not None else default_device()
+    resolved = resolve_dtype(dtype, where, model_path)
+    logger.info(
+        "loading %s %s (revision %s) on %s in %s",
+        what,
+        model_path,
+        revision or "default",
+        where,
+        str(resolved).removeprefix("torch."),
+    )
+    return where, resolved
