@@ -315,7 +315,7 @@ async def test_token_makes_a_plain_client_the_engine_zap_handler_admits(
     ctx: zmq.asyncio.Context,
 ) -> None:
     from mmis.engine.event_auth import USER, ZapHandler, secure_server
-    from mmis.frontend.client.encoder_pool import PLAIN_USER
+    from mmis.protocol.zmq_auth import PLAIN_USER
 
     assert PLAIN_USER == USER
     sync_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(ctx.underlying)

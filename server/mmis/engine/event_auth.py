@@ -29,9 +29,11 @@ from typing import ClassVar
 
 import zmq
 
+from mmis.protocol.zmq_auth import PLAIN_USER, plain_client
+
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks (RFC 27)
 ZAP_DOMAIN = b"mmis-events"
-USER = b"mmis"
+USER = PLAIN_USER
 LOCAL_TRANSPORTS = ("ipc", "inproc")
 _POLL_MS = 100
 
@@ -72,10 +74,9 @@ def secure_server(sock: zmq.Socket[bytes], token: bytes | None) -> None:
         sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
 
 
-def secure_client(sock: zmq.Socket[bytes], token: bytes | str) -> None:
-    """The credentials an event subscriber presents (tests and tools; the picker's are Go)."""
-    sock.setsockopt(zmq.PLAIN_USERNAME, USER)
-    sock.setsockopt(zmq.PLAIN_PASSWORD, token.encode() if isinstance(token, str) else token)
+secure_client = plain_client
+"""The credentials an event subscriber presents (tests and tools; the picker's are Go):
+``protocol/zmq_auth.py``'s, shared with P0's encoder clients."""
 
 
 class ZapHandler:

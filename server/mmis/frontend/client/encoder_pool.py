@@ -33,8 +33,9 @@ Invariants:
 - No client data but the item tensors, their hashes and the trace context reaches an encoder
   (``protocol/encoder.py``); ``request_id`` is this pool's own counter.
 - Off loopback an encoder needs the token: with ``token`` (``MMIS_ENCODER_TOKEN``) every
-  DEALER is a ZMQ PLAIN client as user :data:`PLAIN_USER` (the name the engine's ZAP handler
-  admits, ``engine/event_auth.py``; the front end may not import the engine, hence the copy).
+  DEALER is a ZMQ PLAIN client as user ``mmis`` (the name the engine's ZAP handler
+  admits, ``engine/event_auth.py``), set by ``protocol/zmq_auth.py``'s :func:`plain_client`,
+  the helper the engine's event clients use too.
   The token never appears in a log line.
 - Only the event loop touches the pool; the render worker never waits on it.
 - An encoder's bytes are bounded and never trusted: a frame over :data:`MAX_REPLY_FRAME_BYTES`
@@ -66,11 +67,11 @@ from mmis.frontend.client import rendezvous
 from mmis.protocol.codec import WireCodec
 from mmis.protocol.encoder import EncodedItem, EncodeItem, EncodeReply, EncodeRequest, EncoderKey
 from mmis.protocol.errors import ProtocolError
+from mmis.protocol.zmq_auth import plain_client
 from mmis.telemetry.metrics import MMISMetrics
 
 log = logging.getLogger(__name__)
 
-PLAIN_USER = b"mmis"  # engine/event_auth.py USER: the one user the ZAP handler admits
 RESOLVE_INTERVAL_S = 5.0
 SEND_HWM = 64  # messages queued per encoder before a send is refused ("down")
 MAX_REPLY_FRAME_BYTES = 1 << 30
@@ -244,8 +245,7 @@ class EncoderPool:
             sock.setsockopt(zmq.SNDHWM, SEND_HWM)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_FRAME_BYTES)
             if self._token is not None:
-                sock.setsockopt(zmq.PLAIN_USERNAME, PLAIN_USER)
-                sock.setsockopt(zmq.PLAIN_PASSWORD, self._token)
+                plain_client(sock, self._token)
             sock.connect(url)
             enc = _Encoder(url, sock)
             enc.task = asyncio.get_running_loop().create_task(
