@@ -46,7 +46,8 @@ Invariants:
   pixels or a clip that the shadow says P1 lacks, in a render without ``bypass``, is sent as
   the encoder's output, ``{MM_EMBEDS: [placeholder_length, hidden], ...every processor
   tensor but PIXEL_KEYS}`` (``protocol/encoder.py``), when an encoder answered in time
-  (``frontend/client/encoder_pool.py``), else as its pixels. The shadow records the bytes
+  (``frontend/client/encoder_asks.py`` over ``frontend/client/encoder_pool.py``), else as its
+  pixels. The shadow records the bytes
   actually sent. The render worker never waits on the network (:meth:`Renderer.render`).
   ``bypass`` (the drift retry) and text-only prompts never touch an encoder; without
   encoders nothing of this runs.
@@ -76,6 +77,7 @@ from typing import TYPE_CHECKING, Any
 
 from PIL import Image
 
+from mmis.frontend.client.encoder_asks import Asks, Precomputed, ask_encoders, encodable
 from mmis.frontend.client.media import DecodedVideo, MediaLoader, check_image_count
 from mmis.frontend.client.media.content_memo import ContentMemo, EncodedImage, bytes_digest
 from mmis.frontend.client.mm_embeds import PrecomputedEmbeds, decode_embeds
@@ -92,10 +94,9 @@ from mmis.frontend.errors import (
 from mmis.multimodal.cache import SenderCache, ShadowEntry, ShadowItem, item_nbytes
 from mmis.multimodal.hashing import item_mm_hash, validate_uuid
 from mmis.protocol import block_keys
-from mmis.protocol.encoder import MM_EMBEDS, PIXEL_KEYS, EncodeItem
+from mmis.protocol.encoder import EncodeItem
 from mmis.protocol.messages import MultiModalFeature, ShmAddress
 from mmis.shm import ShmError, ShmStoreFullError, ShmWriter
-from mmis.telemetry import tracing as tr
 from mmis.telemetry.metrics import MMISMetrics
 
 if TYPE_CHECKING:
@@ -469,42 +470,31 @@ class Renderer:
         With encoders (E/PD) and no ``bypass``, three steps, the worker never waiting on the
         network: the worker processes the items the shadow says P1 lacks
         (:meth:`encoder_asks`), the event loop awaits their outputs from the encoders
-        (:meth:`EncoderPool.fetch`, bounded by ``--encoder-timeout-s``), and the worker
+        (``frontend/client/encoder_asks.py`` ``ask_encoders``, bounded by
+        ``--encoder-timeout-s``), and the worker
         renders with both (:meth:`render_sync`'s ``precomputed``): an item with an output
         goes as ``{MM_EMBEDS, non-pixel tensors}``, one without as its pixels. An item the
         shadow gained meanwhile is a hit, its precomputed entry unused."""
         loop = asyncio.get_running_loop()
-        precomputed: dict[str, tuple[int, dict[str, Any]]] | None = None
+        precomputed: Precomputed | None = None
         pool = self.encoders
-        if pool is not None and not bypass and any(self._encodable(i) for i in source.items):
+        if pool is not None and not bypass and any(encodable(i.image) for i in source.items):
             asks = await loop.run_in_executor(self.executor, self.encoder_asks, source)
             if asks:
-                fetched = await pool.fetch([ask for ask, _ in asks.values()], tr.inject())
-                precomputed = {}
-                for mm_hash, (ask, tensors) in asks.items():
-                    embeds = fetched.embeds.get(mm_hash)
-                    if embeds is not None:
-                        extra = {k: v for k, v in tensors.items() if k not in PIXEL_KEYS}
-                        tensors = {MM_EMBEDS: embeds, **extra}
-                    precomputed[mm_hash] = (ask.placeholder_length, tensors)
+                precomputed = await ask_encoders(pool, asks)
         return await loop.run_in_executor(
             self.executor, self.render_sync, source, bypass, reserve_tokens, copies, precomputed
         )
 
-    @staticmethod
-    def _encodable(item: SourceItem) -> bool:
-        """An item an encoder could encode: pixels or a clip (not a uuid, not embeddings)."""
-        return item.image is not None and not isinstance(item.image, PrecomputedEmbeds)
-
-    def encoder_asks(self, source: SourcePrompt) -> dict[str, tuple[EncodeItem, dict[str, Any]]]:
-        """On the worker: each item P1 lacks (no shadow entry) that an encoder could encode,
-        processed, as ``mm_hash -> (what to ask, its processor tensors)``. Changes nothing
-        but the remembered lengths (the pending invalidations are drained, as a render
-        does first)."""
+    def encoder_asks(self, source: SourcePrompt) -> Asks:
+        """On the worker: each item P1 lacks (no shadow entry) that an encoder could encode
+        (``frontend/client/encoder_asks.py``), processed, as ``mm_hash -> (what to ask, its
+        processor tensors)``. Changes nothing but the remembered lengths (the pending
+        invalidations are drained, as a render does first)."""
         self.pending.drain()
-        asks: dict[str, tuple[EncodeItem, dict[str, Any]]] = {}
+        asks: Asks = {}
         for item in source.items:
-            if not self._encodable(item) or item.mm_hash in asks:
+            if not encodable(item.image) or item.mm_hash in asks:
                 continue
             if self.shadow.is_cached(item.mm_hash):
                 continue
