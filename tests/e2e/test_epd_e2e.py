@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import dataclasses
 import itertools
 import os
 import signal
@@ -35,7 +36,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from photos import jpeg
-from procs import Proc, ServeFactory, children, openai_client, series, wait_for
+from procs import Proc, children, openai_client, series, wait_for
 from test_video import data_url, mp4
 
 from mmis.tiny_models.tiny_model import tiny_model_dir
@@ -71,32 +72,81 @@ def _encoder_series(encoder: Proc, name: str, **labels: str) -> float:
     return series(encoder, name, **labels)
 
 
-@pytest.fixture(scope="module")
-def encoder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+FAMILIES = ("qwen2-vl", "gemma3")
+
+
+@dataclasses.dataclass
+class Stack:
+    """Every process of this module, started side by side (they load in parallel: the
+    module's setup is the slowest start, not the sum): one standalone encoder and two PD
+    ``mmis serve`` on the tiny LLaVA, and per family an aggregated ``mmis serve`` and one
+    with ``--encoders 1``."""
+
+    encoder: Proc
+    pd: tuple[Proc, Proc]
+    families: dict[str, tuple[Proc, Proc]]  # family -> (aggregated, E/PD)
+
+
+def _serve(tmp: pytest.TempPathFactory, name: str, *flags: str) -> Proc:
+    """A ``mmis serve`` launched (its address read), not waited for."""
+    return Proc(
+        name, ["serve", "--port", "0", *flags], tmp.mktemp(name), ONE_THREAD, announces=True
+    )
+
+
+def _encoder(tmp: pytest.TempPathFactory) -> Proc:
     port, health = _free_port(), _free_port()
     args = ["encoder", "--model", str(tiny_model_dir()), "--threads", "1"]
     args += ["--endpoint", f"tcp://127.0.0.1:{port}", "--health-port", str(health)]
-    proc = Proc("encoder", args, tmp_path_factory.mktemp("encoder"), ONE_THREAD)
+    proc = Proc("encoder", args, tmp.mktemp("encoder"), ONE_THREAD)
     proc.root_url = f"http://127.0.0.1:{health}"
     proc.endpoint = f"tcp://127.0.0.1:{port}"  # type: ignore[attr-defined]
-    try:
-        proc.wait_http("/health", 300)
-        yield proc
-    finally:
-        proc.stop()
+    return proc
 
 
 @pytest.fixture(scope="module")
-def pd_pair(encoder: Proc, start_serve: ServeFactory) -> Iterator[tuple[Proc, Proc]]:
-    flags = ("--model", str(tiny_model_dir()), "--served-model-name", "tiny")
-    flags += ("--encoder-urls", encoder.endpoint)  # type: ignore[attr-defined]
-    with (
-        start_serve("serve-pd-a", *flags, env=ONE_THREAD) as a,
-        start_serve("serve-pd-b", *flags, env=ONE_THREAD) as b,
-    ):
-        for pd in (a, b):  # the encoder is live in each pool
-            wait_for("encoder in the pool", lambda pd=pd: _joined(pd), 60)
-        yield a, b
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    procs: list[Proc] = []
+    launched: list[concurrent.futures.Future[Proc]] = []
+    try:
+        encoder = _encoder(tmp_path_factory)
+        procs.append(encoder)
+        llava: tuple[str, ...] = ("--model", str(tiny_model_dir()), "--served-model-name", "tiny")
+        llava += ("--encoder-urls", encoder.endpoint)  # type: ignore[attr-defined]
+        starts: list[tuple[str, tuple[str, ...]]] = [("serve-pd-a", llava), ("serve-pd-b", llava)]
+        for family in FAMILIES:
+            flags = ("--model", str(tiny_model_dir(family)), "--served-model-name", "m")
+            starts += [
+                (f"serve-{family}", flags),
+                (f"serve-{family}-epd", (*flags, "--encoders", "1")),
+            ]
+        with concurrent.futures.ThreadPoolExecutor(len(starts)) as pool:
+            launched = [pool.submit(_serve, tmp_path_factory, n, *f) for n, f in starts]
+            concurrent.futures.wait(launched)
+        procs += [f.result() for f in launched if f.exception() is None]
+        for future in launched:
+            future.result()  # a launch that failed fails the setup (its log named)
+        encoder.wait_http("/health", 300)
+        for proc in procs[1:]:
+            proc.wait_http("/ready", 300)
+        pd_a, pd_b, *rest = procs[1:]
+        for pd in (pd_a, pd_b, *rest[1::2]):  # the encoder is live in each E/PD pool
+            wait_for("encoder in the pool", lambda pd=pd: _joined(pd), 120)
+        pairs = {f: (rest[2 * i], rest[2 * i + 1]) for i, f in enumerate(FAMILIES)}
+        yield Stack(encoder, (pd_a, pd_b), pairs)
+    finally:
+        with concurrent.futures.ThreadPoolExecutor(max(len(procs), 1)) as pool:
+            list(pool.map(Proc.stop, procs))
+
+
+@pytest.fixture(scope="module")
+def encoder(stack: Stack) -> Proc:
+    return stack.encoder
+
+
+@pytest.fixture(scope="module")
+def pd_pair(stack: Stack) -> tuple[Proc, Proc]:
+    return stack.pd
 
 
 def _joined(pd: Proc) -> bool:
@@ -147,20 +197,9 @@ def test_an_encoder_killed_under_load_loses_no_request(
     wait_for("the encoder used again", used_again, 60)
 
 
-FAMILIES = ("qwen2-vl", "gemma3")
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def family_pair(
-    request: pytest.FixtureRequest, start_serve: ServeFactory
-) -> Iterator[tuple[str, Proc, Proc]]:
-    flags = ("--model", str(tiny_model_dir(request.param)), "--served-model-name", "m")
-    with (
-        start_serve(f"serve-{request.param}", *flags, env=ONE_THREAD) as aggregated,
-        start_serve(f"serve-{request.param}-epd", *flags, "--encoders", "1", env=ONE_THREAD) as epd,
-    ):
-        wait_for("encoder in the pool", lambda: _joined(epd), 120)
-        yield request.param, aggregated, epd
+@pytest.fixture(params=FAMILIES)
+def family_pair(request: pytest.FixtureRequest, stack: Stack) -> tuple[str, Proc, Proc]:
+    return (request.param, *stack.families[request.param])
 
 
 def test_serve_with_encoders_answers_as_aggregated(family_pair: tuple[str, Proc, Proc]) -> None:
