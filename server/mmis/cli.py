@@ -4,7 +4,9 @@ Invariant: ``mmis --help`` imports no subcommand module (so it is fast and works
 torch); a subcommand's module is imported only when that subcommand runs, and one that loads
 torch only after the installed torch/torchvision were found inside the supported range
 (:mod:`mmis.torch_support`). Each subcommand
-module exposes ``add_arguments(parser)`` and ``run(args) -> int``.
+module exposes ``add_arguments(parser)`` and ``run(args) -> int``. A
+:class:`~mmis.config.StartupError` out of ``run`` (a start that cannot work here) is printed
+as one line, ``mmis <command>: <cause and fix>``, with no traceback, and exits 1.
 """
 
 from __future__ import annotations
@@ -76,4 +78,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     module = importlib.import_module(commands[name][0])
     sub = argparse.ArgumentParser(prog=f"mmis {name}", description=commands[name][1])
     module.add_arguments(sub)
-    return int(module.run(sub.parse_args(rest)) or 0)
+    from mmis.config import StartupError
+
+    try:
+        return int(module.run(sub.parse_args(rest)) or 0)
+    except StartupError as exc:  # a known cause: one line with the fix, no traceback
+        print(f"mmis {name}: {exc}", file=sys.stderr, flush=True)
+        return 1

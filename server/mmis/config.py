@@ -11,6 +11,8 @@ Invariants:
 - Precedence: explicit argument (CLI) > environment (``MMIS_<SECTION>_<FIELD>``) > default.
   Values are parsed by the field's type; a bad one raises :class:`ConfigError` naming the
   flag or variable. A ``Mapping`` is a JSON object (:func:`json_object`), nothing else.
+- A start that cannot work for a reason other than a setting's value raises
+  :class:`StartupError` (one line: the cause and the fix), never a bare exception.
 """
 
 from __future__ import annotations
@@ -31,7 +33,16 @@ GiB = 1 << 30
 
 
 class ConfigError(ValueError):
-    pass
+    """A bad setting (a flag or variable's value); the message names it."""
+
+
+class StartupError(RuntimeError):
+    """A server command cannot start here: a model that is not there, a port in use, a
+    ``/dev/shm`` too small, a device or dtype the machine lacks, a model family not supported,
+    a KV cache too small for one request. Its message is ONE line naming the cause and the
+    fix; every entry point (``mmis.cli``) prints it as ``mmis <command>: <message>`` with no
+    traceback and exits 1, and ``mmis serve`` relays a child's line as its own last line
+    (docs/operations/troubleshooting.md lists each)."""
 
 
 Rule = tuple[Callable[[Any], bool], str]

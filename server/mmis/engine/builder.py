@@ -8,8 +8,10 @@ Invariants:
   else ``--kv-cache-gb``, else ``--gpu-memory-utilization`` (CUDA, 0.9 by default there:
   after a profiling step on every rank), else the default
   (``engine/execution/kv_sizing.py``); the scheduler's block count is the pool's, and the
-  start-up log line names the count and the setting that chose it. Batch limits left unset
-  are resolved right after (``engine/batch_limits.py``) and logged (``batch limits: ...``).
+  start-up log line names the count and the setting that chose it; with an explicit
+  ``--max-model-len`` it holds one sequence of that length (else :class:`EngineStartError`).
+  Batch limits left unset are resolved right after (``engine/batch_limits.py``) and logged
+  (``batch limits: ...``).
 - The model loads in ``--dtype`` (``auto`` resolved per device,
   ``engine/execution/dtype.py``), straight onto the device; the KV cache has the model's dtype.
 - ``--revision`` reaches every ``from_pretrained`` of P1 (config and model) through
@@ -38,7 +40,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from mmis.config import GiB
+from mmis.config import GiB, StartupError
 from mmis.engine import batch_limits
 from mmis.engine.config import EngineConfig
 
@@ -57,7 +59,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("mmis.engine")
 
 
-class EngineStartError(RuntimeError):
+class EngineStartError(StartupError):
     """The engine cannot start with these settings or this model; the message says why."""
 
 
@@ -89,7 +91,9 @@ def load_model(cfg: EngineConfig, path: str) -> ModelAdapter:
     try:
         return load_adapter(path, device=device, dtype=dtype, revision=cfg.revision)
     except UnsupportedModelError as exc:  # refused before serving anything, saying why
-        raise EngineStartError(f"cannot serve {cfg.model}: {exc}") from None
+        raise EngineStartError(
+            f"cannot serve {cfg.model}: {exc}: serve a model of a supported family (docs/models.md)"
+        ) from None
 
 
 def make_core(
@@ -253,7 +257,7 @@ def build(cfg: EngineConfig, path: str, worker_setup: Callable[[str], None]) -> 
     from mmis.engine.encoder_inputs import EmbedsSpec
     from mmis.engine.execution.attn_backends import AttentionBackendError
     from mmis.engine.execution.encoder_sizing import largest_item, load_image_processor
-    from mmis.engine.execution.kv_sizing import KVSizingError, plan_kv_pool
+    from mmis.engine.execution.kv_sizing import KVSizingError, min_blocks, plan_kv_pool
     from mmis.engine.execution.paged_attention import PagedAttentionError
     from mmis.engine.execution.runner import ModelRunner
     from mmis.multimodal.cache import ReceiverCache
@@ -313,6 +317,15 @@ def build(cfg: EngineConfig, path: str, worker_setup: Callable[[str], None]) -> 
         raise EngineStartError(
             f"--kv-cache-gb {cfg.kv_cache_gb} holds {runner.pool.num_blocks} KV "
             f"block(s) of {runner.pool.spec.bytes_per_block} bytes; at least 2 are needed"
+        )
+    if cfg.max_model_len is not None and runner.pool.num_blocks < min_blocks(
+        max_len, cfg.block_size
+    ):  # an explicit context the pool cannot hold even once: every long request would fail
+        raise EngineStartError(
+            f"the KV cache ({plan.source}) holds {runner.pool.num_blocks} blocks of "
+            f"{cfg.block_size} tokens, but one request of --max-model-len {max_len} needs "
+            f"{min_blocks(max_len, cfg.block_size)}: raise --kv-cache-gb (or "
+            "--gpu-memory-utilization on a GPU), or lower --max-model-len"
         )
     if tp is not None:
         tp.send_pool_size(runner.pool.num_blocks)

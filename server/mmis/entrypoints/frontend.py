@@ -18,7 +18,10 @@ Invariants:
   closes its listeners and idle connections, and the lifespan closes the engine client. A
   second SIGINT stops at once. Exit status 0 after a clean shutdown, 2 for bad settings, 1
   when start-up failed (the engine never answered, the processor did not load, the drain
-  lock could not be taken): the last stderr line then says why, in one line.
+  lock could not be taken): the last stderr line then says why, in one line. A start-up
+  error of a known cause (:class:`~mmis.config.StartupError`: a model that is not there, a
+  port in use; an engine that failed to start) prints no traceback; under ``mmis serve`` an
+  engine that failed to start is said once, by ``mmis serve``.
 - With ``--drain-lock FILE`` the process holds a shared ``flock`` on FILE (created if
   missing) from its first moment to its exit, however it exits (the kernel drops it): the
   engine container's preStop, ``mmis wait-frontend --lock FILE``, returns once no front end
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import gc
 import os
@@ -44,12 +48,14 @@ from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from mmis.config import ConfigError, add_flags, settings_from_args
-from mmis.entrypoints.common import one_line, setup_logging
+from mmis.config import ConfigError, StartupError, add_flags, settings_from_args
+from mmis.entrypoints.common import check_model, one_line, setup_logging
 from mmis.frontend.config import FrontendConfig
 
 if TYPE_CHECKING:
     import uvicorn
+    from fastapi import FastAPI
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
     from mmis.frontend.api.api_server_group import ApiServerGroup
     from mmis.frontend.api.drain import Drain
@@ -98,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"mmis frontend: {exc}", file=sys.stderr)
         return 2
+    check_model(settings.model, settings.revision)
     setup_logging(settings.log_level)
     return serve(settings)
 
@@ -143,12 +150,33 @@ def draining_server(config: uvicorn.Config, drain: Drain) -> uvicorn.Server:
     return DrainingServer(config, drain)
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def _listen(host: str, port: int, flag: str = "--port") -> socket.socket:
+    """A listening socket on ``host:port``; :class:`StartupError` naming ``flag`` when it
+    cannot be bound (in use, or not an address of this machine)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise StartupError(
+                f"port {port} on {host} is in use (another server?): pick another with {flag}"
+            ) from None
+        raise StartupError(
+            f"cannot listen on {host}:{port} ({one_line(exc)}): check --host and {flag}"
+        ) from None
     return sock
+
+
+def check_ports(settings: FrontendConfig) -> None:
+    """Bind and release ``--port`` and ``--ops-port`` (unless 0): :class:`StartupError` before
+    anything starts when one is taken (``mmis serve``; :func:`bind` says it again if another
+    process takes it in between)."""
+    for port, flag in ((settings.port, "--port"), (settings.ops_port, "--ops-port")):
+        if port:
+            _listen(settings.host, port, flag).close()
 
 
 def _listen_unix(path: str) -> socket.socket:
@@ -169,12 +197,39 @@ def bind(settings: FrontendConfig) -> tuple[FrontendConfig, list[socket.socket]]
     settings = dataclasses.replace(settings, port=port)
     sockets = [sock]
     if settings.ops_port is not None:
-        ops = _listen(settings.host, settings.ops_port)
+        ops = _listen(settings.host, settings.ops_port, "--ops-port")
         sockets.append(ops)
         ops_port = ops.getsockname()[1]
         settings = dataclasses.replace(settings, ops_port=ops_port)
         print(f"mmis frontend operations on http://{host}:{ops_port}", flush=True)
     return settings, sockets
+
+
+def _known_start_failure(error: object) -> bool:
+    """A start-up error whose message is the whole story (no traceback adds to it)."""
+    from mmis.frontend.errors import EngineUnavailableError
+
+    return isinstance(error, StartupError | EngineUnavailableError)
+
+
+def _quiet_known_start_failure(app: FastAPI) -> ASGIApp:
+    """``app`` with starlette's traceback dropped from a lifespan start-up failure of a known
+    cause (uvicorn logs that text as is); :func:`serve` prints the one line instead."""
+
+    async def asgi(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            await app(scope, receive, send)
+            return
+
+        async def quiet(message: Message) -> None:
+            failed = message["type"] == "lifespan.startup.failed"
+            if failed and _known_start_failure(getattr(app.state, "startup_error", None)):
+                message = {**message, "message": ""}
+            await send(message)
+
+        await app(scope, receive, quiet)
+
+    return asgi
 
 
 def serve(
@@ -220,7 +275,7 @@ def serve(
 
     app = create_app(settings, on_state=on_state, engine_failed=engine_failed, group=group)
     config = uvicorn.Config(
-        app,
+        _quiet_known_start_failure(app),
         log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=UVICORN_BACKSTOP_S,
         lifespan="on",
@@ -235,7 +290,10 @@ def serve(
         return 0
     error = getattr(app.state, "startup_error", None)
     why = one_line(error) if error is not None else "the server did not start"
-    print(f"mmis frontend: failed to start: {why}", file=sys.stderr, flush=True)
+    if isinstance(error, StartupError):
+        why = str(error)
+    if engine_failed is None or not engine_failed():  # else mmis serve says why, once
+        print(f"mmis frontend: failed to start: {why}", file=sys.stderr, flush=True)
     if group is not None:
         group.set_status(group.index, why)
     return 1

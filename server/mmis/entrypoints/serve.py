@@ -38,6 +38,15 @@ Invariants:
   (SIGKILL), the kernel sends P1 SIGTERM (Linux parent-death signal): no orphan keeps running.
 - Bad settings of either process exit 2 before anything starts (not through a P1 restart
   loop): P1's are checked here by building its ``EngineConfig``.
+- A start that cannot work here exits 1 with one line, ``mmis serve: <cause>: <fix>``, and
+  no traceback (:class:`~mmis.config.StartupError`). What this process can see is checked
+  before any child starts or any port is bound (:func:`preflight`): the model (a path that
+  does not exist, a hub id not found or a hub not reachable), a port in use, a ``TMPDIR``
+  too long for the IPC sockets' paths, and with ``--mm-cache-type shm`` a ``--shm-dir``
+  with less room than ``--shm-gb`` (``mmis frontend`` alone keeps serving with inline
+  tensors there instead: a pod never crash-loops on it). What only P1 finds (a device or
+  dtype the machine lacks, a model family not supported, a KV cache too small for one
+  ``--max-model-len`` request) is P1's one line, relayed as the last line above.
 - P1 and the front ends share this machine's CPUs: unless ``--threads``, ``OMP_NUM_THREADS``
   or ``MMIS_ENGINE_THREADS`` size them, P1 runs with the usable CPUs less one per front-end
   process (``mmis/cpus.py``; a torch pool on every core spins between P1's small ops on the
@@ -69,11 +78,11 @@ import time
 from types import FrameType
 from typing import Any
 
-from mmis.config import ConfigError, add_flags, default_of, flag_of, from_env
+from mmis.config import ConfigError, GiB, StartupError, add_flags, default_of, flag_of, from_env
 from mmis.cpus import engine_threads
 from mmis.engine.config import EngineConfig
 from mmis.entrypoints import frontend
-from mmis.entrypoints.common import resolve_model, served_name, setup_logging
+from mmis.entrypoints.common import check_model, resolve_model, served_name, setup_logging
 from mmis.frontend.config import FrontendConfig
 
 log = logging.getLogger("mmis.serve")
@@ -371,6 +380,53 @@ def _serve(args: argparse.Namespace, settings: FrontendConfig) -> int:
     return code
 
 
+def check_shm(settings: FrontendConfig) -> None:
+    """With ``--mm-cache-type shm``: :class:`StartupError` when ``--shm-dir`` is missing or
+    has less free room than ``--shm-gb`` (the store would not fit: Docker's default
+    ``/dev/shm`` is 64 MiB)."""
+    if settings.mm_cache_type != "shm":
+        return
+    try:
+        stat = os.statvfs(settings.shm_dir)
+    except OSError as exc:
+        raise StartupError(
+            f"--shm-dir {settings.shm_dir} cannot be used ({exc.strerror}): point it at a "
+            "tmpfs such as /dev/shm, or use --mm-cache-type lru"
+        ) from None
+    free = stat.f_bavail * stat.f_frsize
+    if free < settings.shm_gb * GiB:
+        raise StartupError(
+            f"{settings.shm_dir} has {free / GiB:.2f} GiB free, too small for --shm-gb "
+            f"{settings.shm_gb:g}: enlarge it (docker run --shm-size, a memory emptyDir's "
+            "sizeLimit), lower --shm-gb, or use --mm-cache-type lru"
+        )
+
+
+_IPC_NAME = "/mmis-serve-XXXXXXXX/engine-out"  # the longest IPC path _serve makes, less TMPDIR
+_UNIX_PATH_MAX = 107  # sun_path holds 108 bytes, one the terminating NUL
+
+
+def check_tmpdir() -> None:
+    """:class:`StartupError` when the temporary directory is too long a prefix for P1's IPC
+    sockets (a unix socket path holds 107 bytes): ZMQ would refuse them after the model
+    loaded."""
+    tmp = tempfile.gettempdir()
+    if len(os.fsencode(tmp + _IPC_NAME)) > _UNIX_PATH_MAX:
+        raise StartupError(
+            f"the temporary directory {tmp} is too long for the engine's unix sockets "
+            f"({_UNIX_PATH_MAX} bytes at most): set TMPDIR to a shorter directory"
+        )
+
+
+def preflight(settings: FrontendConfig) -> None:
+    """What makes a start fail that this process can see, checked before any child starts
+    (module invariants): :class:`StartupError` with the cause and the fix."""
+    check_model(settings.model, settings.revision)
+    frontend.check_ports(settings)
+    check_shm(settings)
+    check_tmpdir()
+
+
 def run(args: argparse.Namespace) -> int:
     try:  # both processes' settings, checked before anything starts
         settings = frontend_settings(args)
@@ -378,6 +434,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"mmis serve: {exc}", file=sys.stderr)
         return 2
+    preflight(settings)  # a StartupError: one line, exit 1 (mmis.cli)
     setup_logging(settings.log_level)
     main_thread = threading.current_thread() is threading.main_thread()
     previous = (
