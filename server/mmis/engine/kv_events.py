@@ -46,9 +46,13 @@ class KVEventLog:
         parent: bytes | None,
         token_ids: Sequence[int],
         extra_keys: Sequence[Sequence[tuple[Any, ...]]],
+        *,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
     ) -> None:
         """Blocks registered in chain order; ``extra_keys`` has one list per block;
-        ``token_ids`` are announced only if this log was made to."""
+        ``token_ids`` are announced only if this log was made to; ``lora_id`` /
+        ``lora_name``: the adapter they were computed under (vLLM's fields; None: base)."""
         # vLLM's event shape: per block, a tuple of (mm_hash, offset) pairs, or None
         entries = [tuple(tuple(k) for k in keys) or None for keys in extra_keys]
         self._events.append(
@@ -57,9 +61,9 @@ class KVEventLog:
                 parent_block_hash=parent,
                 token_ids=list(token_ids) if self.token_ids else [],
                 block_size=self.block_size,
-                lora_id=None,
+                lora_id=lora_id,
                 medium=MEDIUM_DEVICE,
-                lora_name=None,
+                lora_name=lora_name,
                 extra_keys=entries if any(e is not None for e in entries) else None,
             )
         )

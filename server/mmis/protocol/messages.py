@@ -173,6 +173,11 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
     trace_context: dict[str, str] = msgspec.field(default_factory=dict)
     skip_cache: bool = False
     client_index: int = 0
+    # the LoRA adapter the request runs under (issue 47; None / 0: the base model). The name
+    # selects it in P1; the id is the int vLLM's KV events carry as ``lora_id``. Appended with
+    # defaults, so a message without them decodes as a base request.
+    lora_name: str | None = None
+    lora_id: int = 0
 
 
 class AbortRequests(msgspec.Struct, array_like=True):

@@ -9,7 +9,8 @@ Layout of this folder:
 appended (or retired in place, ``protocol/schema.py``) after a release, bump it and
 regenerate (``regenerate.py``): older version folders stay as they are and keep proving that
 the current decoders read them. v6 retired ``MultiModalFeature``'s second hash; v7 appended
-``EngineCoreOutputs.stored_mm_items`` (``CachedItem``) and ``shadow_reset``.
+``EngineCoreOutputs.stored_mm_items`` (``CachedItem``) and ``shadow_reset``; v8 appended
+``EngineCoreRequest.lora_name`` and ``lora_id`` (multi-LoRA, issue 47).
 
 Every sample is deterministic (no randomness, no clocks), so its encoding is stable.
 """
@@ -45,7 +46,7 @@ from mmis.protocol import (
 )
 
 GOLDEN_DIR = Path(__file__).resolve().parent
-CURRENT_VERSION = "v7"
+CURRENT_VERSION = "v8"
 SUFFIX = ".msgpack"
 
 
@@ -152,6 +153,8 @@ def samples() -> list[Sample]:
                 {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
                 False,
                 1,
+                "tenant-a-lora",
+                3,
             ),
         ),
         Sample(

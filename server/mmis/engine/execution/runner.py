@@ -33,6 +33,11 @@ Invariants:
   logprobs) are one ``compute_logits`` away.
 - The encoder runs at most once per mm_hash while it stays in the store (the scheduler frees
   it through ``freed_encoder_hashes``).
+- With ``lora`` set (``--enable-lora``, ``engine/lora/``) every step puts its distinct
+  adapters on device slots and sets each token row's slot before the forward (a base-only step
+  clears them); images are encoded in one call per adapter that changes the tower (the base
+  tower for the rest), whose items the scheduler keys with the adapter
+  (``scheduling/request.py`` ``encoder_key``); a step with LoRA rows never replays a CUDA graph.
 - It reads the scheduler's :class:`SchedulerOutput` as is (``sched_output.py``).
 - Per-request state is only the partial sum of mean-pooling requests whose prompt spans
   several chunks, the device token counts of requests with penalties (always equal to
@@ -86,6 +91,7 @@ from mmis.protocol.messages import ErrorCode, SamplingParams
 if TYPE_CHECKING:
     from mmis.engine.execution.decode_graphs import DecodeGraphs
     from mmis.engine.execution.tensor_parallel import TensorParallel
+    from mmis.engine.lora.manager import LoRAManager
 
 
 _REQUEST_ID = operator.attrgetter("request_id")
@@ -147,6 +153,9 @@ class ModelRunner:
         self.tensor_parallel: TensorParallel | None = None
         # set by ``mmis engine`` on CUDA unless --enforce-eager (engine/execution/decode_graphs.py)
         self.decode_graphs: DecodeGraphs | None = None
+        # set under --enable-lora (engine/lora/): each row's adapter, per step
+        self.lora: LoRAManager | None = None
+        self._lora_slots: dict[str | None, int] = {None: 0}
 
     @classmethod
     def create(
@@ -228,6 +237,7 @@ class ModelRunner:
             _,
             encode,
             plains,
+            lora_names,
         ) = zip(*seqs, strict=True)
         sizes = list(map(len, chunks))
         offset = sum(sizes)
@@ -298,6 +308,10 @@ class ModelRunner:
         elif patch is not None:
             dst, src = uploaded[-2], uploaded[-1]
             token_tensor.index_copy_(0, dst, patch[2].index_select(0, src))
+        lora = self.lora
+        lora_active = lora is not None and lora_names.count(None) != len(seqs)
+        if lora is not None:  # every step sets (or clears) the rows' slots
+            self._select_lora(lora, lora_names if lora_active else (), sizes)
         out.encoded_mm_hashes = self._encode(seqs) if items else []
         embeds = self.adapter.embed_tokens(token_tensor)
         if items:
@@ -308,7 +322,12 @@ class ModelRunner:
         if self.tensor_parallel is not None:  # the other ranks run the same forward
             self.tensor_parallel.broadcast_step(sizes, starts, tables, spans, embeds, positions)
         graphs = self.decode_graphs
-        if graphs is not None and self.tensor_parallel is None and graphs.usable(seqs, meta):
+        if (
+            graphs is not None
+            and self.tensor_parallel is None
+            and not lora_active  # graphs are captured without LoRA rows
+            and graphs.usable(seqs, meta)
+        ):
             hidden = graphs.forward(embeds, positions, meta)
         else:
             step = PagedStep(self.pool, meta, self.backend)
@@ -387,6 +406,53 @@ class ModelRunner:
                         f"request {s.request_id}: bad placeholder {item.offset}+{item.length}"
                     )
 
+    def _select_lora(
+        self, lora: LoRAManager, names: Sequence[str | None], sizes: Sequence[int]
+    ) -> None:
+        """Put each distinct adapter of the step on a device slot and set every token row's
+        slot (engine/lora/; ``names`` empty: a base-only step, the rows are cleared). The
+        adapters are pinned only while the step's adapters are acquired (so one cannot evict
+        another of the same step) and released at once: a slot is rewritten only by a later
+        step's acquire, which the device runs after this step's forward (one stream)."""
+        slots: dict[str | None, int] = {None: 0}
+        try:
+            for name in names:
+                if name is not None and name not in slots:
+                    slots[name] = lora.acquire(name)
+        finally:
+            for name in slots:
+                if name is not None:
+                    lora.release(name)
+        self._lora_slots = slots
+        if not names:
+            lora.lm_rows.clear()
+            return
+        per_row = [slots[n] for n, size in zip(names, sizes, strict=True) for _ in range(size)]
+        lora.lm_rows.select(per_row, dtype=self.adapter.dtype, device=self.adapter.device)
+
+    def _tower_groups(self, seqs: Sequence[ScheduledRequest]) -> dict[str, str | None]:
+        """mm_hash -> the adapter its encoder call runs under (None: the base tower; also for
+        adapters that leave the tower alone)."""
+        lora = self.lora
+        if lora is None:
+            return {}
+        return {
+            item.mm_hash: s.lora_name if lora.changes_tower(s.lora_name) else None
+            for s in seqs
+            for item in s.mm_items
+        }
+
+    def _encode_under(self, lora_name: str | None, datas: list[object]) -> list[torch.Tensor]:
+        lora = self.lora
+        if lora is None or lora_name is None:
+            return self.adapter.encode_images(datas)  # type: ignore[arg-type]
+        slot = self._lora_slots[lora_name]  # pinned by _select_lora for this step
+        lora.tower_rows.select([slot], dtype=self.adapter.dtype, device=self.adapter.device)
+        try:
+            return self.adapter.encode_images(datas)  # type: ignore[arg-type]
+        finally:
+            lora.tower_rows.clear()
+
     def _encode(self, seqs: Sequence[ScheduledRequest]) -> list[str]:
         """Store the encoder output of every item that brought tensors and is not stored yet;
         returns their hashes. An item that brought its encoder output (``MM_EMBEDS``, checked
@@ -407,11 +473,16 @@ class ModelRunner:
         if not todo:
             return given
         hashes = list(todo)
-        embeddings = self.adapter.encode_images([todo[h][1] for h in hashes])  # type: ignore[misc]
-        self.num_encoder_calls += 1
-        for mm_hash, emb in zip(hashes, embeddings, strict=True):
-            self._store_output(mm_hash, todo[mm_hash][0], emb)
-        return given + hashes
+        groups = self._tower_groups(seqs)
+        by_lora: dict[str | None, list[str]] = {}
+        for mm_hash in hashes:  # one encoder call per adapter that changes the tower
+            by_lora.setdefault(groups.get(mm_hash), []).append(mm_hash)
+        for lora_name, group in by_lora.items():
+            embeddings = self._encode_under(lora_name, [todo[h][1] for h in group])
+            self.num_encoder_calls += 1
+            for mm_hash, emb in zip(group, embeddings, strict=True):
+                self._store_output(mm_hash, todo[mm_hash][0], emb)
+        return given + [h for group in by_lora.values() for h in group]
 
     def _store_output(self, mm_hash: str, length: int, emb: torch.Tensor) -> None:
         if emb.shape[0] != length:

@@ -10,7 +10,10 @@ Invariants:
   encoder call: the runner encodes images grouped by adapter).
 - :meth:`add` validates an adapter fully (``engine/lora/adapter.py``) before registering it; an
   id or a name is registered once. :meth:`acquire` puts it on a device slot (reloading its host
-  copy from its path if the host set dropped it) and pins it; :meth:`release` unpins. Writing a
+  copy from its path if the host set dropped it) and pins it; :meth:`release` unpins. An id is
+  accepted once for the manager's life (prefix-cache keys chain from it:
+  ``protocol/block_keys.py`` ``lora_root``), so no block computed under a removed adapter is
+  ever served under a new one. Writing a
   slot happens only in :meth:`acquire`, between steps, so no step reads a half-written slot.
 - :meth:`changes_tower` is true iff the adapter has weights under a tower prefix: only then may
   an image's encoder output (and its cache key) depend on the adapter.
@@ -76,6 +79,7 @@ class LoRAManager:
         self.layers: dict[str, LoRALinear] = {}
         self._registered: dict[str, Registered] = {}
         self._host: dict[str, LoRAAdapter] = {}
+        self._used_ids: set[int] = set()  # never reused, removed adapters' included
         self._attach(lm_prefixes)
 
     def _attach(self, lm_prefixes: tuple[str, ...]) -> None:
@@ -102,11 +106,15 @@ class LoRAManager:
         """Validate and register the PEFT adapter at ``path`` (a typed LoRAError if not)."""
         if name in self._registered:
             raise LoRAError(f"LoRA adapter {name!r} is already loaded")
-        if lora_id < 1 or any(r.lora_id == lora_id for r in self._registered.values()):
-            raise LoRAError(f"LoRA adapter {name!r}: id {lora_id} is taken or not positive")
+        if lora_id < 1 or lora_id in self._used_ids:  # an id names one adapter for life
+            raise LoRAError(
+                f"LoRA adapter {name!r}: id {lora_id} is not positive or was used before "
+                "(prefix-cache blocks are keyed by it: protocol/block_keys.py)"
+            )
         adapter = load_adapter(name, lora_id, path, self.modules(), self.max_rank)
         entry = Registered(name, lora_id, path, adapter.touches(self.tower_prefixes))
         self._registered[name] = entry
+        self._used_ids.add(lora_id)
         self._keep_host(adapter)
         return entry
 

@@ -73,17 +73,18 @@ def plan_chunk(
             break
         if offset + length <= start:
             continue
-        held = rid in cache.refs(feature.mm_hash)
-        if cache.acquire(rid, feature.mm_hash):
+        key = request.mm_items[idx].mm_hash  # the encoder-cache key (with a tower adapter's id)
+        held = rid in cache.refs(key)
+        if cache.acquire(rid, key):
             if not held:
-                plan.acquired.append(feature.mm_hash)
+                plan.acquired.append(key)
             continue
         fits = plan.encoder_tokens + length <= budget.encoder and cache.can_allocate(length)
         if not fits:
             end = max(offset, start)  # stop before the item (or schedule nothing)
             break
-        cache.allocate(rid, feature.mm_hash, length)
-        plan.allocated.append(feature.mm_hash)
+        cache.allocate(rid, key, length)
+        plan.allocated.append(key)
         plan.encoder_inputs.append(idx)
         plan.encoder_tokens += length
     plan.num_new_tokens = end - start

@@ -46,7 +46,13 @@ def cdiv(a: int, b: int) -> int:
 
 def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
     """Extend ``request.block_hashes`` to cover every full block of its known tokens."""
-    return chain(request.all_token_ids, request.mm_features, block_size, request.block_hashes)
+    return chain(
+        request.all_token_ids,
+        request.mm_features,
+        block_size,
+        request.block_hashes,
+        request.lora_id,
+    )
 
 
 @dataclasses.dataclass
@@ -203,6 +209,8 @@ class KVCacheManager:
             hashes[done - 1] if done else None,
             request.all_token_ids[done * size : end * size],
             extra,
+            lora_id=request.lora_id or None,
+            lora_name=request.lora_name,
         )
 
     def free(self, request: Request) -> None:

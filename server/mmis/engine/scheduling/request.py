@@ -106,6 +106,12 @@ def _validate_features(features: Sequence[MultiModalFeature], num_prompt_tokens:
             )
 
 
+def encoder_key(mm_hash: str, lora_id: int) -> str:
+    """The encoder-cache key of an item whose encoder output LoRA adapter ``lora_id`` changes
+    (``engine/lora/``: an adapter with vision-tower or projector weights)."""
+    return f"{mm_hash}+lora{lora_id}"
+
+
 class Request:
     """Mutable per-request state owned by the scheduler."""
 
@@ -122,6 +128,9 @@ class Request:
         eos_token_ids: Sequence[int] = (),
         skip_cache: bool = False,
         constraint: OutputConstraint | None = None,
+        lora_name: str | None = None,
+        lora_id: int = 0,
+        lora_tower: bool = False,
     ) -> None:
         if not prompt_token_ids:
             raise InvalidRequestError(f"request {request_id!r} has an empty prompt")
@@ -147,9 +156,13 @@ class Request:
         # tuples: never changed, and a text request's are the one empty tuple (nothing of
         # its own for a step to touch)
         self.mm_features = tuple(mm_features)
+        # an adapter that changes the vision tower changes the items' encoder outputs: their
+        # encoder-cache key (scheduler and runner) carries the adapter, so no output computed
+        # under one adapter (or the base) is used under another
+        tower_key = lora_tower and lora_name is not None and lora_id > 0
         self.mm_items = tuple(
             MultiModalInput(
-                f.mm_hash,
+                encoder_key(f.mm_hash, lora_id) if tower_key else f.mm_hash,
                 f.placeholder.offset,
                 f.placeholder.length,
                 grid_thw=grid_thw_of(f.data),
@@ -164,6 +177,9 @@ class Request:
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params
         self.plain = is_plain(sampling_params, pooling_params)  # params never change
+        # the LoRA adapter (engine/lora/; None: the base model), fixed for the request's life
+        self.lora_name = lora_name
+        self.lora_id = lora_id if lora_name is not None else 0
         self.arrival_time = arrival_time
         self.client_index = client_index
         self.eos_token_ids = frozenset(eos_token_ids)  # every end-of-sequence id of the model
@@ -198,6 +214,7 @@ class Request:
         *,
         eos_token_ids: Sequence[int] = (),
         constraint: OutputConstraint | None = None,
+        lora_tower: bool = False,
     ) -> Request:
         return cls(
             message.request_id,
@@ -210,6 +227,9 @@ class Request:
             eos_token_ids=eos_token_ids,
             skip_cache=message.skip_cache,
             constraint=constraint,
+            lora_name=message.lora_name,
+            lora_id=message.lora_id,
+            lora_tower=lora_tower,
         )
 
     @property

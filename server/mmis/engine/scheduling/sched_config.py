@@ -40,6 +40,8 @@ class SchedulerConfig:
     max_model_len: int | None = default_of(EngineConfig, "max_model_len")  # prompt + output
     # an item's tokens attend to each other both ways (Gemma 3): a chunk never ends inside one
     whole_mm_spans: bool = False
+    # distinct LoRA adapters among the running requests at most (engine/lora/: device slots)
+    max_loras: int = default_of(EngineConfig, "max_loras")
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

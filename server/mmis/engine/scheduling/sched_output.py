@@ -153,6 +153,7 @@ class ScheduledRequest(NamedTuple):
     is_new: bool = False  # first step since admission (or re-admission after preemption)
     encoder_inputs: Sequence[int] = ()  # indexes into mm_items: encode these this step
     plain: bool = False  # ``is_plain`` of the params (False: the runner checks the row)
+    lora_name: str | None = None  # the LoRA adapter of every row (engine/lora/); None: base
 
     @property
     def num_tokens(self) -> int:

@@ -20,6 +20,9 @@ Invariants:
   ``engine/scheduling/encoder_plan.py`` (an item is encoded whole by the first chunk that reaches
   it, so a 12 MP photo's placeholder range may be split across chunks; with ``whole_mm_spans`` a
   chunk never ends inside an item); a chunk not scheduled after all is rolled back exactly.
+- At most ``max_loras`` distinct LoRA adapters are among the running requests (a waiting
+  request under another adapter waits at the head of ``waiting``), so each step's adapters fit
+  the runner's device slots (``engine/lora/``).
 - A prefix-cache hit sets ``num_computed_tokens`` to the hit length at admission: those tokens
   (and the encoder runs of items they cover) are skipped.
 - A request that can never be scheduled (prompt beyond ``max_model_len`` or the KV pool, an
@@ -305,6 +308,7 @@ class Scheduler:
                                 False,
                                 (),
                                 request.plain,
+                                request.lora_name,
                             ),
                         )
                     )
@@ -315,6 +319,12 @@ class Scheduler:
             self._preempt(request, preempted)  # it was the latest-arrived: nothing after it
             break
 
+    def _lora_fits(self, name: str) -> bool:
+        """Whether a request under adapter ``name`` may run beside the running ones: at most
+        ``max_loras`` distinct adapters run at once, so every step's fit the device slots."""
+        names = {r.lora_name for r in self.running if r.lora_name is not None}
+        return name in names or len(names) < self.config.max_loras
+
     def _schedule_waiting(self, budget: Budget, scheduled: list[ScheduledRequest]) -> None:
         while self.waiting and budget.tokens > 0:
             if len(self.running) >= self.config.max_num_seqs:
@@ -324,6 +334,8 @@ class Scheduler:
             if problem is not None:
                 self._reject_head(*problem)
                 continue
+            if request.lora_name is not None and not self._lora_fits(request.lora_name):
+                break  # FCFS: it waits for a running adapter's requests to finish
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget.tokens)
             plan = self._plan_encoder(request, num_hit, num_new, budget)
@@ -426,6 +438,7 @@ class Scheduler:
             is_new,
             encoder_inputs,
             request.plain,
+            request.lora_name,
         )
 
     # -- after the step ----------------------------------------------------------------------
@@ -515,10 +528,9 @@ class Scheduler:
 
     def _release_passed_items(self, request: Request, computed: int) -> None:
         """Release the encoder references of the items before ``computed`` (a step's end)."""
-        for feature in request.mm_features:
-            placeholder = feature.placeholder
-            if placeholder.offset + placeholder.length <= computed:
-                self.encoder_cache.release(request.request_id, feature.mm_hash)
+        for item in request.mm_items:  # keyed as the encoder cache holds them (engine/lora/)
+            if item.end <= computed:
+                self.encoder_cache.release(request.request_id, item.mm_hash)
 
     def _token_after_preemption(self, request: Request, token: int) -> EngineCoreOutput:
         """Append the token a step in flight sampled for ``request``, preempted since (it is

@@ -1,0 +1,143 @@
+"""Multi-LoRA parity at the runner (issue 47's acceptance, engine half): PEFT adapters of
+random non-zero weights, made with peft on the tiny LLaVA and Qwen2-VL, served by the model
+runner with ``engine/lora/`` (the same ``Driver`` the runner parity tests use).
+
+- Greedy ids of one request under an adapter equal transformers + PEFT's ``generate`` on the
+  same adapter and image (language model only; language model + vision tower + projector), and
+  differ from the base model's (so the adapter is really applied).
+- A batch mixing 4 adapters and the base gives each request the ids it gets alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mmis.engine.execution.model import load_adapter
+from mmis.engine.execution.runner import ModelRunner
+from mmis.engine.lora.manager import LoRAManager
+
+from .conftest import Driver, Family
+
+LM = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+TOWER = {  # language model + vision tower + projector
+    "llava": r".*(language_model.*\.(q_proj|v_proj|down_proj)|vision_tower.*\.(q_proj|fc1|out_proj)"
+    r"|multi_modal_projector\.linear_[12])",
+    "qwen2-vl": r".*(language_model.*\.(q_proj|v_proj|down_proj)|visual\.blocks.*\.(qkv|fc2)"
+    r"|visual\.merger\.mlp\.[02])",
+}
+# name -> (target, rank, alpha, rslora, seed); "tower" reaches the vision side
+ADAPTERS: dict[str, tuple[str, int, int, bool, int]] = {
+    "lm": (LM, 8, 16, False, 1),
+    "tower": ("TOWER", 4, 8, True, 2),
+    "lm2": (LM, 2, 4, False, 3),
+    "lm3": (LM, 6, 6, False, 4),
+}
+MAX_NEW = 4
+
+
+def _base(path: Path) -> Any:
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@dataclasses.dataclass
+class Setup:
+    family: Family  # hf_model: the base reference; adapter: ours, wrapped
+    dirs: dict[str, Path]
+    runner: ModelRunner
+
+
+_SETUPS: dict[str, Setup] = {}
+
+
+def _setup(name: str, tiny_dirs: dict[str, Path], root: Path) -> Setup:
+    if name in _SETUPS:
+        return _SETUPS[name]
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoProcessor
+
+    path = tiny_dirs[name]
+    dirs = {}
+    for adapter, (target, rank, alpha, rslora, seed) in ADAPTERS.items():
+        target = TOWER[name] if target == "TOWER" else target
+        config = LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=target)
+        peft_model = get_peft_model(_base(path), config)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():  # PEFT inits B to zero: random non-zero A and B
+            for pname, param in peft_model.named_parameters():
+                if "lora_" in pname:
+                    param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+        dirs[adapter] = root / name / adapter
+        peft_model.save_pretrained(dirs[adapter])
+    ours = load_adapter(path, "cpu", torch.float32)
+    runner = ModelRunner.create(ours, num_blocks=256, block_size=16)
+    runner.lora = LoRAManager(ours.model, max_loras=4, max_rank=8)
+    for i, (adapter, d) in enumerate(dirs.items(), start=1):
+        runner.lora.add(adapter, i, str(d))
+    family = Family(name, path, AutoProcessor.from_pretrained(path), _base(path), ours)
+    _SETUPS[name] = Setup(family, dirs, runner)
+    return _SETUPS[name]
+
+
+@pytest.fixture(params=["llava", "qwen2-vl"])
+def setup(
+    request: pytest.FixtureRequest,
+    tiny_dirs: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Setup:
+    return _setup(request.param, tiny_dirs, tmp_path_factory.mktemp("lora"))
+
+
+def _with_loras(runner: ModelRunner, loras: dict[str, str | None]) -> ModelRunner:
+    """``runner`` whose steps carry each request's adapter (the scheduler's job in P1)."""
+    execute = ModelRunner.execute.__get__(runner)
+
+    def run(batch: Any, *args: Any, **kwargs: Any) -> Any:
+        rows = [s._replace(lora_name=loras[s.request_id]) for s in batch.scheduled]
+        return execute(dataclasses.replace(batch, scheduled=rows), *args, **kwargs)
+
+    runner.execute = run  # type: ignore[method-assign]
+    return runner
+
+
+def _serve(setup: Setup, requests: dict[str, tuple[str | None, int]]) -> dict[str, list[int]]:
+    """Greedy ids of ``requests`` (id -> (adapter, image seed)) in one batch."""
+    runner = _with_loras(setup.runner, {rid: lora for rid, (lora, _) in requests.items()})
+    runner.encoder_outputs.clear()
+    driver = Driver(runner)
+    for rid, (_, seed) in requests.items():
+        ids, items, _ = setup.family.request("Describe it.", [setup.family.image(seed)])
+        driver.add(rid, ids, items, max_tokens=MAX_NEW)
+    return driver.run()
+
+
+@torch.inference_mode()
+def _peft_reference(setup: Setup, adapter: str, seed: int) -> list[int]:
+    from peft import PeftModel
+
+    family = setup.family
+    model = PeftModel.from_pretrained(_base(family.path), str(setup.dirs[adapter])).eval()
+    inputs = family.inputs("Describe it.", [family.image(seed)])
+    out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=[])
+    return [int(t) for t in out[0, inputs["input_ids"].shape[1] :].tolist()]
+
+
+@pytest.mark.parametrize("adapter", ["lm", "tower"])
+def test_greedy_ids_equal_transformers_peft(setup: Setup, adapter: str) -> None:
+    got = _serve(setup, {"r": (adapter, 7)})["r"]
+    assert got == _peft_reference(setup, adapter, 7)
+    assert got != setup.family.reference("Describe it.", [setup.family.image(7)], MAX_NEW)
+
+
+def test_batch_mixing_four_adapters_and_the_base_equals_each_alone(setup: Setup) -> None:
+    requests = {f"r-{n or 'base'}": (n, i) for i, n in enumerate([*ADAPTERS, None], start=10)}
+    mixed = _serve(setup, requests)
+    alone = {rid: _serve(setup, {rid: spec})[rid] for rid, spec in requests.items()}
+    assert mixed == alone
+    assert len(set(map(tuple, alone.values()))) == len(alone)  # every adapter changes the ids
