@@ -296,7 +296,11 @@ def supervise(
             file=sys.stderr,
         )
         return 1
-    settings, sockets = frontend.bind(settings)
+    try:
+        settings, sockets = frontend.bind(settings)
+    except BaseException:  # a port in use (StartupError: mmis.cli says it): nothing left
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     servers = ApiServers(settings, sockets, run_dir, engine_failed)
     main_thread = threading.current_thread() is threading.main_thread()
 
