@@ -19,7 +19,14 @@ import torch
 
 from mmis.engine.execution.model import load_adapter
 from mmis.engine.execution.runner import ModelRunner
+from mmis.engine.lora.errors import LoRAError
 from mmis.engine.lora.manager import LoRAManager
+from mmis.protocol.messages import (
+    EngineCoreRequest,
+    MultiModalFeature,
+    PlaceholderRange,
+    SamplingParams,
+)
 
 from .conftest import Driver, Family
 
@@ -54,6 +61,7 @@ class Setup:
 
 
 _SETUPS: dict[str, Setup] = {}
+_PEFT: dict[tuple[str, str], Any] = {}
 
 
 def _setup(name: str, tiny_dirs: dict[str, Path], root: Path) -> Setup:
@@ -122,7 +130,10 @@ def _peft_reference(setup: Setup, adapter: str, seed: int) -> list[int]:
     from peft import PeftModel
 
     family = setup.family
-    model = PeftModel.from_pretrained(_base(family.path), str(setup.dirs[adapter])).eval()
+    model = _PEFT.get((family.name, adapter))
+    if model is None:
+        model = PeftModel.from_pretrained(_base(family.path), str(setup.dirs[adapter])).eval()
+        _PEFT[family.name, adapter] = model
     inputs = family.inputs("Describe it.", [family.image(seed)])
     out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=[])
     return [int(t) for t in out[0, inputs["input_ids"].shape[1] :].tolist()]
@@ -141,3 +152,62 @@ def test_batch_mixing_four_adapters_and_the_base_equals_each_alone(setup: Setup)
     alone = {rid: _serve(setup, {rid: spec})[rid] for rid, spec in requests.items()}
     assert mixed == alone
     assert len(set(map(tuple, alone.values()))) == len(alone)  # every adapter changes the ids
+
+
+def _core_request(setup: Setup, rid: str, seed: int, lora: tuple[str, int] | None) -> Any:
+    ids, items, _ = setup.family.request("Describe it.", [setup.family.image(seed)])
+    features = [
+        MultiModalFeature(
+            modality="image",
+            mm_hash=item.mm_hash,
+            placeholder=PlaceholderRange(item.offset, item.length),
+            data=item.data,
+        )
+        for item in items
+    ]
+    name, lora_id = lora if lora is not None else (None, 0)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    return EngineCoreRequest(rid, ids, features, params, lora_name=name, lora_id=lora_id)
+
+
+def test_engine_core_serves_adapters_and_loads_and_unloads_them(setup: Setup) -> None:
+    """The in-process engine core (make_core with --enable-lora): the same image under the
+    tower adapter, an LM adapter and the base in one batch, each equal to transformers+PEFT;
+    the load / unload / list utility calls; a request for an adapter not loaded (or under
+    another id) answered with an invalid_request error; unloading refused while in use."""
+    from mmis.engine.builder import make_core
+    from mmis.engine.config import EngineConfig
+
+    cfg = EngineConfig(enable_lora=True, max_loras=4, max_lora_rank=8)
+    core = make_core(cfg, setup.runner)
+    calls = core.utilities()
+    assert {e["name"] for e in calls["list_lora_adapters"]()} == set(ADAPTERS)
+    lm_id = next(e["lora_id"] for e in calls["list_lora_adapters"]() if e["name"] == "lm")
+    tower_id = next(e["lora_id"] for e in calls["list_lora_adapters"]() if e["name"] == "tower")
+    core.add_request(_core_request(setup, "t", 21, ("tower", tower_id)))
+    core.add_request(_core_request(setup, "l", 21, ("lm", lm_id)))
+    core.add_request(_core_request(setup, "b", 21, None))
+    core.add_request(_core_request(setup, "x", 21, ("missing", 99)))
+    core.add_request(_core_request(setup, "w", 21, ("lm", lm_id + 100)))
+    with pytest.raises(ValueError, match="in use by 1 request"):
+        calls["unload_lora_adapter"]("lm")
+    tokens: dict[str, list[int]] = {r: [] for r in "tlbxw"}
+    errors: dict[str, str] = {}
+    while core.has_work():
+        for out in core.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.error is not None:
+                errors[out.request_id] = out.error.message
+    assert errors == {
+        "x": "LoRA adapter 'missing' is not loaded",
+        "w": f"LoRA adapter 'lm' has id {lm_id}, not {lm_id + 100}",
+    }
+    assert tokens["t"] == _peft_reference(setup, "tower", 21)
+    assert tokens["l"] == _peft_reference(setup, "lm", 21)
+    assert tokens["b"] == setup.family.reference("Describe it.", [setup.family.image(21)], MAX_NEW)
+    # load / unload at run time; an id names one adapter for the engine's life
+    assert calls["load_lora_adapter"]("extra", 50, str(setup.dirs["lm2"]))["lora_id"] == 50
+    assert calls["unload_lora_adapter"]("extra") is True
+    with pytest.raises(LoRAError, match="used before"):
+        calls["load_lora_adapter"]("extra", 50, str(setup.dirs["lm2"]))
+    assert "extra" not in {e["name"] for e in calls["list_lora_adapters"]()}

@@ -89,7 +89,9 @@ def load_model(cfg: EngineConfig, path: str) -> ModelAdapter:
     except DtypeError as exc:
         raise EngineStartError(str(exc)) from None
     try:
-        return load_adapter(path, device=device, dtype=dtype, revision=cfg.revision)
+        return load_adapter(  # LoRA wraps plain projections: no fused q/k/v, gate/up groups
+            path, device=device, dtype=dtype, revision=cfg.revision, fuse=not cfg.enable_lora
+        )
     except UnsupportedModelError as exc:  # refused before serving anything, saying why
         raise EngineStartError(
             f"cannot serve {cfg.model}: {exc}: serve a model of a supported family (docs/models.md)"
@@ -135,8 +137,18 @@ def make_core(
             encoder_compute_budget=encoder_tokens,
             max_model_len=max_len,
             whole_mm_spans=adapter.bidirectional_images,
+            max_loras=cfg.max_loras,
         )
     )
+    if cfg.enable_lora and runner.lora is None:  # engine/lora/: adapters load at run time
+        from mmis.engine.lora.manager import LoRAManager
+
+        runner.lora = LoRAManager(
+            adapter.model,
+            max_loras=cfg.max_loras,
+            max_rank=cfg.max_lora_rank,
+            max_cpu_loras=cfg.max_cpu_loras,
+        )
     return EngineCore(
         scheduler,
         runner,

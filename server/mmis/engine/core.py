@@ -168,11 +168,25 @@ class EngineCore:
                     _error(request.request_id, ErrorCode(exc.code), str(exc), param)
                 )
                 return
+        lora = self.runner.lora
+        if request.lora_name is not None:  # engine/lora/: a registered adapter under its id
+            why = (
+                "cannot be served: this engine runs without --enable-lora"
+                if lora is None
+                else lora.refusal(request.lora_name, request.lora_id)
+            )
+            if why is not None:
+                message = f"LoRA adapter {request.lora_name!r} {why}"
+                self._immediate.append(
+                    _error(request.request_id, ErrorCode.INVALID_REQUEST, message)
+                )
+                return
         try:
             admitted = Request.from_core_request(
                 request,
                 eos_token_ids=self.eos_token_ids,
                 constraint=constraint,
+                lora_tower=lora is not None and lora.changes_tower(request.lora_name),
             )
         except MMISError as exc:  # e.g. overlapping placeholder ranges
             self._immediate.append(_error(request.request_id, ErrorCode(exc.code), str(exc)))
@@ -350,7 +364,29 @@ class EngineCore:
     # ------------------------------------------------------------------ utilities
     def utilities(self) -> Mapping[str, Callable[..., Any]]:
         """The utility calls the busy loop runs on this core, by name."""
-        return {"stats": self.stats, RESET_PREFIX_CACHE: self.reset_prefix_cache}
+        table: dict[str, Callable[..., Any]] = {
+            "stats": self.stats,
+            RESET_PREFIX_CACHE: self.reset_prefix_cache,
+        }
+        lora = self.runner.lora
+        if lora is not None:  # engine/lora/ (issue 47): P0's load/unload API calls these
+            table |= {
+                "load_lora_adapter": lora.load_call,
+                "unload_lora_adapter": self.unload_lora_adapter,
+                "list_lora_adapters": lora.list_call,
+            }
+        return table
+
+    def unload_lora_adapter(self, name: str) -> bool:
+        """Unregister LoRA adapter ``name`` (engine/lora/), refused while a live request runs
+        under it (its next step would find no weights)."""
+        lora = self.runner.lora
+        if lora is None:
+            raise ValueError("this engine runs without --enable-lora")
+        live = sum(r.lora_name == name for r in self.scheduler.requests.values())
+        if live:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {live} request(s)")
+        return lora.unload_call(name)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block (announced at once); returns how many."""

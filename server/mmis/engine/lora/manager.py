@@ -142,6 +142,30 @@ class LoRAManager:
     def registered(self) -> Iterator[Registered]:
         return iter(self._registered.values())
 
+    def refusal(self, name: str, lora_id: int) -> str | None:
+        """Why a request under ``name`` / ``lora_id`` cannot run (None: it can)."""
+        entry = self._registered.get(name)
+        if entry is None:
+            return "is not loaded"
+        if entry.lora_id != lora_id:
+            return f"has id {entry.lora_id}, not {lora_id}"
+        return None
+
+    # the engine's utility calls (engine/core.py's table; P0's load/unload API, issue 47)
+    def load_call(self, name: str, lora_id: int, path: str) -> dict[str, object]:
+        entry = self.add(name, int(lora_id), path)
+        return {"name": entry.name, "lora_id": entry.lora_id, "tower": entry.changes_tower}
+
+    def unload_call(self, name: str) -> bool:
+        self.remove(name)
+        return True
+
+    def list_call(self) -> list[dict[str, object]]:
+        return [
+            {"name": e.name, "lora_id": e.lora_id, "path": e.path, "tower": e.changes_tower}
+            for e in self._registered.values()
+        ]
+
     def changes_tower(self, name: str | None) -> bool:
         return name is not None and self.get(name).changes_tower
 
