@@ -64,6 +64,7 @@ from mmis.engine.scheduling.admission import ModelLimits, Problem, check_request
 from mmis.engine.scheduling.request import Request
 from mmis.engine.scheduling.sched_output import SchedulerOutput, StepOutput
 from mmis.engine.scheduling.scheduler import Scheduler
+from mmis.protocol.encoder import MM_EMBEDS
 from mmis.protocol.errors import MMISError
 from mmis.protocol.kv_events import RESET_PREFIX_CACHE
 from mmis.protocol.messages import (
@@ -170,10 +171,13 @@ class EngineCore:
                 return
         lora = self.runner.lora
         if request.lora_name is not None:  # engine/lora/: a registered adapter under its id
+            pre_encoded = any(  # by a remote encoder (E/PD): the base tower's output
+                isinstance(f.data, Mapping) and MM_EMBEDS in f.data for f in request.mm_features
+            )
             why = (
                 "cannot be served: this engine runs without --enable-lora"
                 if lora is None
-                else lora.refusal(request.lora_name, request.lora_id)
+                else lora.refusal(request.lora_name, request.lora_id, pre_encoded=pre_encoded)
             )
             if why is not None:
                 message = f"LoRA adapter {request.lora_name!r} {why}"

@@ -28,5 +28,20 @@ configuration time for now):
   images (``[0]``: base), ``release(name)`` when a request finishes.
 - ``changes_tower(name)``: whether an image's encoder output under ``name`` differs from the
   base's (the encoder-cache key and ``mm_hash`` must then include the adapter).
-- The scheduler asks ``SlotTable.can_run(names)`` whether a step's distinct adapters fit.
+- The scheduler keeps at most ``max_loras`` distinct adapters among its running requests
+  (``SchedulerConfig.max_loras``), so a step's adapters always fit the slots.
+
+Wired (this session): ``EngineCoreRequest.lora_name`` / ``lora_id`` (protocol v8, appended
+with defaults); ``make_core`` builds the manager under ``--enable-lora`` (and ``load_model``
+then skips the CUDA projection fusion); the core refuses a request whose adapter is not loaded,
+has another id, or changes the tower while its images come pre-encoded (E/PD), as
+``invalid_request``; it keys a tower adapter's items ``<mm_hash>+lora<id>``
+(``scheduling/request.py`` ``encoder_key``); prefix-cache keys chain from ``lora_root(id)``
+(``protocol/block_keys.py``); KV events carry ``lora_id`` / ``lora_name``. The engine's
+utility calls for P0's API: ``load_lora_adapter(name, lora_id, path)`` -> ``{name, lora_id,
+tower}``, ``unload_lora_adapter(name)`` (refused while a live request uses it),
+``list_lora_adapters()`` -> ``[{name, lora_id, path, tower}]``; a refusal comes back as the
+utility's error (``utility_failed``) whose message starts with the cause. P0 must assign ids
+that are never reused in an engine's life and compute block keys with
+``block_keys.chain(..., lora_id=...)`` for routing.
 """

@@ -142,13 +142,17 @@ class LoRAManager:
     def registered(self) -> Iterator[Registered]:
         return iter(self._registered.values())
 
-    def refusal(self, name: str, lora_id: int) -> str | None:
-        """Why a request under ``name`` / ``lora_id`` cannot run (None: it can)."""
+    def refusal(self, name: str, lora_id: int, *, pre_encoded: bool = False) -> str | None:
+        """Why a request under ``name`` / ``lora_id`` cannot run (None: it can);
+        ``pre_encoded``: some of its images come as encoder outputs (E/PD), which only an
+        adapter that leaves the tower alone can use."""
         entry = self._registered.get(name)
         if entry is None:
             return "is not loaded"
         if entry.lora_id != lora_id:
             return f"has id {entry.lora_id}, not {lora_id}"
+        if pre_encoded and entry.changes_tower:
+            return "changes the vision tower: its images cannot come pre-encoded (E/PD)"
         return None
 
     # the engine's utility calls (engine/core.py's table; P0's load/unload API, issue 47)
