@@ -18,7 +18,8 @@ measured too:
 - after a warm-up, both get the same ``--requests`` greedy chats (``stream: true``, fixed
   ``--max-tokens``, image i mod ``--images``), ``--concurrency`` in flight, in ``--rounds``
   chunks alternating between the servers;
-- per request: status, time to the first content chunk (TTFT), time to the end, the text.
+- per request: status, time to the first content chunk (TTFT), time to the end, the text
+  (the load loop and client of ``mmis bench serve``, :mod:`mmis.bench`).
 
 Checks (exit status 1 if any fails): zero non-2xx, zero hangs or broken streams, one and the
 same completion per image in both runs, at least one drift miss in the eviction run. The last
@@ -30,23 +31,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import shlex
 import sys
 import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import httpx
-import numpy as np
 from bench_serve_load import DRIFT_MISSES, RETRIES, _counter_delta, _sum
 from serve_client import ServerProcess, chat_body, image_data_url
+
+from mmis.bench.metrics import percentile
+from mmis.bench.serve import run_requests
 
 
 @dataclasses.dataclass
 class StreamResult:
+    """What one server's streamed requests measured: the outcome counts, each answered
+    request's TTFT and latency (seconds, as ``mmis bench serve``'s client measures them) and
+    each request key's distinct completion texts. Invariant: ``ok == len(ttfts_s) ==
+    len(latencies_s)``; a request is counted once, as ok, non-2xx, a hang or an error."""
+
     wall_s: float = 0.0
     ttfts_s: list[float] = dataclasses.field(default_factory=list)
     latencies_s: list[float] = dataclasses.field(default_factory=list)
@@ -72,10 +77,10 @@ class StreamResult:
         return self.ok / self.wall_s if self.wall_s else 0.0
 
     def p50_ttft_ms(self) -> float:
-        return float(np.percentile(self.ttfts_s, 50) * 1000) if self.ttfts_s else 0.0
+        return percentile(self.ttfts_s, 50) * 1000
 
     def percentile_ms(self, q: float) -> float:
-        return float(np.percentile(self.latencies_s, q) * 1000) if self.latencies_s else 0.0
+        return percentile(self.latencies_s, q) * 1000
 
     def merge(self, other: StreamResult) -> None:
         self.wall_s += other.wall_s
@@ -88,65 +93,30 @@ class StreamResult:
             self.outputs.setdefault(key, set()).update(outs)
 
 
-async def _stream_one(
-    http: httpx.AsyncClient, url: str, body: dict[str, Any]
-) -> tuple[int, float | None, str, str | None]:
-    """One streamed chat: ``(status, ttft_s or None, text, error or None)``."""
-    start = time.perf_counter()
-    ttft, pieces = None, []
-    async with http.stream("POST", url, json={**body, "stream": True}) as response:
-        if response.status_code != 200:
-            await response.aread()
-            return response.status_code, None, "", None
-        async for line in response.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line.removeprefix("data: ").strip()
-            if data == "[DONE]":
-                return 200, ttft, "".join(pieces), None
-            chunk = json.loads(data)
-            if "error" in chunk:
-                return 200, ttft, "".join(pieces), str(chunk["error"])[:200]
-            for choice in chunk.get("choices", []):
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    ttft = time.perf_counter() - start if ttft is None else ttft
-                    pieces.append(piece)
-    return 200, ttft, "".join(pieces), "the stream ended without [DONE]"
-
-
 async def run_stream_load(
     url: str, requests: list[tuple[str, dict[str, Any]]], concurrency: int, timeout: float
 ) -> StreamResult:
-    """POST each ``(key, body)`` to ``url`` once, streamed, ``concurrency`` at a time."""
-    result = StreamResult()
-    todo = iter(requests)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-
-    async def worker(http: httpx.AsyncClient) -> None:
-        for key, body in todo:
-            start = time.perf_counter()
-            try:
-                async with asyncio.timeout(timeout):
-                    status, ttft, text, error = await _stream_one(http, url, body)
-            except TimeoutError:
-                result.hangs += 1
-                continue
-            except httpx.HTTPError as exc:
-                result.errors[type(exc).__name__] += 1
-                continue
-            result.statuses[status] += 1
-            if error is not None:
-                result.errors[f"stream: {error}"] += 1
-            elif status == 200:
-                result.latencies_s.append(time.perf_counter() - start)
-                result.ttfts_s.append(ttft if ttft is not None else result.latencies_s[-1])
-                result.outputs.setdefault(key, set()).add(text)
-
-    async with httpx.AsyncClient(timeout=None, limits=limits) as http:
-        began = time.perf_counter()
-        await asyncio.gather(*(worker(http) for _ in range(concurrency)))
-        result.wall_s = time.perf_counter() - began
+    """POST each ``(key, body)`` to ``url`` once, streamed, ``concurrency`` at a time: the
+    closed loop and client of ``mmis bench serve`` (:func:`mmis.bench.serve.run_requests`).
+    TTFT is the time to the first chunk with generated text; a request past ``timeout`` is a
+    hang, one with no answer or a 200 stream that broke off (an error chunk, no ``[DONE]``,
+    no text) an error, by cause."""
+    bodies = [{**body, "stream": True} for _, body in requests]
+    outputs, wall = await run_requests(url, bodies, max_concurrency=concurrency, timeout=timeout)
+    result = StreamResult(wall_s=wall)
+    for (key, _), out in zip(requests, outputs, strict=True):
+        if out.exception == "TimeoutError":
+            result.hangs += 1
+        elif out.status is None:
+            result.errors[out.exception or "no answer"] += 1
+        else:
+            result.statuses[out.status] += 1
+            if out.success:
+                result.ttfts_s.append(out.ttft)
+                result.latencies_s.append(out.latency)
+                result.outputs.setdefault(key, set()).add(out.generated_text)
+            elif out.status == 200:
+                result.errors[f"stream: {out.error[:200]}"] += 1
     return result
 
 
