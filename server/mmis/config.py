@@ -57,8 +57,10 @@ def setting(
 ) -> Any:
     """A settings field: its one default (or ``factory``) and help, plus what :func:`add_flags`
     reads from ``meta``: ``flags`` (option strings, first canonical; default ``--field-name``),
-    ``metavar``, ``choices``, ``shared`` (the :data:`SHARED_SETTINGS` name), and ``rule`` (a
-    predicate and what it requires, checked by :func:`check` in ``__post_init__``)."""
+    ``metavar``, ``choices``, ``shared`` (the :data:`SHARED_SETTINGS` name), ``words`` (a
+    ``tuple[str, ...]`` flag taking one or more words, each an item: vLLM's ``--lora-modules
+    a=x b=y``; its variable stays comma-separated), and ``rule`` (a predicate and what it
+    requires, checked by :func:`check` in ``__post_init__``)."""
     meta["help"] = help
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
@@ -175,11 +177,26 @@ def add_flags(
         kwargs: dict[str, Any] = {"dest": dest_prefix + field.name, "default": None, "help": text}
         if tp is bool:
             kwargs.update(action="store_const", const=not default)
+        elif meta.get("words"):  # one or more words, each one item (no comma split)
+            kwargs.update(nargs="+", type=str, action=_Words, metavar=meta.get("metavar"))
         else:
             metavar = meta.get("metavar") or field.name.upper()
             kwargs.update(type=_arg_type(tp, options[0]), metavar=metavar)
             kwargs["choices"] = meta.get("choices")
         parser.add_argument(*options, **kwargs)
+
+
+class _Words(argparse.Action):
+    """A ``words`` flag's items as a tuple (repeating the flag adds more)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, (*(getattr(namespace, self.dest) or ()), *values))
 
 
 def settings_from_args(cls: type[T], section: str, args: argparse.Namespace, prefix: str = "") -> T:

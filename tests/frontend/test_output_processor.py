@@ -27,6 +27,7 @@ import mmis.frontend.client.output_processor as output_processor
 from mmis.frontend.api.schemas import CompletionRequest
 from mmis.frontend.api.serving_completions import CompletionFormat
 from mmis.frontend.api.serving_generate import TextGenerator
+from mmis.frontend.client.lora import LoRARegistry
 from mmis.frontend.client.output_processor import GenerateRequest, OutputProcessor
 from mmis.frontend.client.recovery import RecoveryPolicy
 from mmis.frontend.client.renderer import RenderedPrompt, SourcePrompt
@@ -101,7 +102,10 @@ async def _never() -> dict[str, Any]:
 def _state(client: _Client) -> Any:
     policy = RecoveryPolicy(cast(Any, _Renderer()), cast(Any, client), MMISMetrics("tiny"))
     processor = SimpleNamespace(decode=_decode, token_text=lambda t: chr(t))
-    return SimpleNamespace(processor=processor, policy=policy, max_model_len=64)
+    lora = LoRARegistry(cast(Any, client))  # no adapter: every request is the base model's
+    return SimpleNamespace(
+        processor=processor, policy=policy, max_model_len=64, lora=lora, model_name="tiny"
+    )
 
 
 async def _body(response: Any) -> bytes:

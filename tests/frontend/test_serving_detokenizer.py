@@ -15,6 +15,7 @@ from starlette.requests import Request
 from mmis.frontend.api.schemas import CompletionRequest
 from mmis.frontend.api.serving_completions import CompletionFormat
 from mmis.frontend.api.serving_generate import TextGenerator
+from mmis.frontend.client.lora import LoRARegistry
 from mmis.frontend.client.output_processor import IncrementalDetokenizer
 from mmis.frontend.client.recovery import RecoveryPolicy
 from mmis.frontend.client.renderer import RenderedPrompt, SourcePrompt
@@ -140,7 +141,11 @@ async def _respond(
     client = _Client(script, decodes)
     policy = RecoveryPolicy(cast(Any, _Renderer()), cast(Any, client), MMISMetrics("tiny"))
     state = SimpleNamespace(
-        processor=SimpleNamespace(decode=decode), policy=policy, max_model_len=64
+        processor=SimpleNamespace(decode=decode),
+        policy=policy,
+        max_model_len=64,
+        lora=LoRARegistry(cast(Any, None)),  # no adapter: the base model's requests
+        model_name="tiny",
     )
     req = CompletionRequest.model_validate(
         {"prompt": [1, 2, 3], "n": len(script), "stop": stop or None, "max_tokens": 8}

@@ -51,6 +51,8 @@ Invariants:
   or ``MMIS_ENGINE_THREADS`` size them, P1 runs with the usable CPUs less one per front-end
   process (``mmis/cpus.py``; a torch pool on every core spins between P1's small ops on the
   cores P0's image work needs: benchmarks/README.md, "Where a request's host time goes").
+- ``--lora-modules`` or ``--allow-runtime-lora-updating`` turn on P1's ``--enable-lora``
+  (vLLM asks for ``--enable-lora`` beside them; here it is implied, and still accepted).
 - P1 gets the model's ``--revision`` too (both sides load the same revision); processor
   kwargs stay in P0, the only side that runs the processor.
 - ``--encoders N`` (E/PD on one machine, docs/ARCHITECTURE.md "Encoder disaggregation"): N
@@ -158,6 +160,8 @@ def engine_settings(args: argparse.Namespace, settings: FrontendConfig) -> dict[
             values[field.name] = given
         elif field.metadata.get("shared") in p0:
             values[field.name] = p0[field.metadata["shared"]]
+    if settings.lora_modules or settings.allow_runtime_lora_updating:
+        values.setdefault("enable_lora", True)  # vLLM wants --enable-lora too: implied here
     if "threads" not in values and not _env_threads():
         # P1, the N front ends and the encoders share these CPUs: leave each of them one
         # (mmis/cpus.py)

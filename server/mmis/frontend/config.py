@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import json
 from collections.abc import Mapping
 from typing import Any
 
-from mmis.config import NOT_NEGATIVE, POSITIVE, check, setting, shared
+from mmis.config import NOT_NEGATIVE, POSITIVE, ConfigError, check, setting, shared
 from mmis.multimodal.hashing import DEFAULT_ALGORITHM, HASH_ALGORITHMS
 
 MiB = 1 << 20
@@ -261,6 +262,26 @@ class FrontendConfig:
         "'image_embeds': base64 of a .npy [tokens, hidden] array} (+ 'image_grid_thw' for "
         "Qwen2-VL); off: such a part is a 400",
     )
+    lora_modules: tuple[str, ...] = setting(
+        (),
+        metavar="NAME=PATH",
+        words=True,
+        rule=(
+            lambda v: valid_lora_modules(v),
+            'must be NAME=PATH or {"name", "path"} JSON each, names unique',
+        ),
+        help="PEFT LoRA adapters to serve from start-up, vLLM's syntax: 'NAME=PATH ...' (or "
+        """'{"name": NAME, "path": PATH}' each); a request whose model is NAME runs under it and """
+        "/v1/models lists it with the base model as parent. mmis serve turns on the engine's "
+        "--enable-lora when any is given; a bad adapter stops start-up naming it and the cause "
+        "(the flag takes one or more words; its variable is comma-separated NAME=PATH)",
+    )
+    allow_runtime_lora_updating: bool = setting(
+        False,
+        help="serve POST /v1/load_lora_adapter {lora_name, lora_path} and "
+        "/v1/unload_lora_adapter {lora_name} (behind the API key; vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING); off: the routes do not exist (404).",
+    )
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -282,6 +303,37 @@ class FrontendConfig:
 
     def __post_init__(self) -> None:
         check(self)
+        clash = {parse_lora_module(m)[0] for m in self.lora_modules} & set(self.served_names)
+        if clash:
+            raise ConfigError(f"--lora-modules names the served model {sorted(clash)[0]!r}")
+
+
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """``(name, path)`` of one ``--lora-modules`` entry: ``NAME=PATH`` or vLLM's JSON object
+    ``{"name": ..., "path": ...}``; ``ValueError`` saying what is wrong."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"{text!r} is not valid JSON ({exc})") from None
+        name, path = (value.get(k) if isinstance(value, dict) else None for k in ("name", "path"))
+    else:
+        name, sep, path = text.partition("=")
+        if not sep:
+            raise ValueError(f"{text!r} is not NAME=PATH")
+    if not isinstance(name, str) or not name.strip() or not isinstance(path, str) or not path:
+        raise ValueError(f"{text!r} needs a non-empty name and path")
+    return name.strip(), path
+
+
+def valid_lora_modules(entries: tuple[str, ...]) -> bool:
+    """Whether every ``--lora-modules`` entry parses and no name repeats."""
+    try:
+        names = [parse_lora_module(e)[0] for e in entries]
+    except ValueError:
+        return False
+    return len(names) == len(set(names))
 
 
 def _is_header_name(name: str) -> bool:

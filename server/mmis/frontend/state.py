@@ -51,6 +51,7 @@ from mmis.config import GiB
 from mmis.frontend.client.encoder_pool import EncoderPool
 from mmis.frontend.client.engine_client import EngineClient
 from mmis.frontend.client.levels import FrontendLevels
+from mmis.frontend.client.lora import LoRARegistry
 from mmis.frontend.client.media import MediaLoader
 from mmis.frontend.client.pending_invalidations import PendingInvalidations
 from mmis.frontend.client.processor import ModelProcessor
@@ -214,6 +215,12 @@ class FrontendState:
             max_embeds_bytes=int(settings.max_request_body_mb * (1 << 20)),
             embeds_hidden_size=embeds_hidden_size,
         )
+        self.lora = LoRARegistry(  # the engine's adapters (client/lora.py)
+            self.client,
+            settings.lora_modules,
+            index=settings.client_index,
+            stride=settings.api_servers,
+        )
         self.policy = RecoveryPolicy(
             self.renderer,
             self.client,
@@ -253,6 +260,7 @@ class FrontendState:
             if state.encoders is not None:
                 await state.encoders.start()
             await state.client.start(timeout=settings.engine_timeout_s, give_up=engine_failed)
+            await state.lora.start()  # --lora-modules: a bad adapter is a StartupError
         except BaseException:
             await state.close()
             raise
@@ -273,6 +281,7 @@ class FrontendState:
     def _on_epoch_change(self, epoch: str) -> None:
         if self.pending.observe_epoch(epoch):
             self.epoch_changes += 1
+            self.lora.engine_restarted()  # the new engine holds no adapter yet
 
     # ------------------------------------------------------------------ readiness
     async def _readiness_probe(self) -> None:
@@ -330,6 +339,7 @@ class FrontendState:
             self._probe.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._probe
+        await self.lora.close()
         await self.client.close()
         if self.encoders is not None:
             await self.encoders.close()

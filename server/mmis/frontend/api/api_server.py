@@ -2,9 +2,12 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``,
 ``POST /v1/embeddings``,
-``GET /v1/models`` (every served name), ``GET /version``, ``GET /health`` (this process
-answers: the front-end container's liveness, whatever the engine does), ``GET /ready`` (a
-synthetic image request completed since start, and the engine link up: readiness),
+``GET /v1/models`` (every served name, then each LoRA adapter with its ``parent``),
+``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (with
+``--allow-runtime-lora-updating``: :mod:`mmis.frontend.api.lora_routes`), ``GET /version``,
+``GET /health`` (this process answers: the front-end container's liveness, whatever the
+engine does), ``GET /ready`` (a synthetic image request completed since start, and the
+engine link up: readiness),
 and the operations routes ``GET /metrics`` (the process' one metrics registry: P0's series,
 P1's polled figures, the drift gauge and P0's level gauges; P1 is polled first when its
 snapshot is stale; one of N processes, ``--api-servers``, answers for all N there:
@@ -35,7 +38,9 @@ Invariants:
   tenant header, no uuid-only item is resolved there).
 - Every error leaves in the OpenAI shape (:mod:`mmis.frontend.errors`): malformed JSON
   (deep nesting included) is 400, unknown paths 404, a model the server does not serve 404
-  ``model_not_found``, unexpected exceptions 500 (text not leaked).
+  ``model_not_found`` (a generation route's ``model`` may also name a LoRA adapter the
+  engine holds, asked of the engine before the 404: ``client/lora.py``), unexpected
+  exceptions 500 (text not leaked).
 - A chat or completion request's unset sampling fields take the model's generation-config
   values (:mod:`mmis.frontend.api.generation_defaults`, ``--generation-config``).
 - A body is parsed on a worker thread when it is large (:data:`INLINE_PARSE_BYTES`), so
@@ -68,6 +73,7 @@ from mmis.frontend.api import generation_defaults
 from mmis.frontend.api.api_server_group import ApiServerGroup, group_cache_stats, group_metrics
 from mmis.frontend.api.drain import Drain, DrainMiddleware
 from mmis.frontend.api.http_gate import HttpGate, MiB, tenant_of
+from mmis.frontend.api.lora_routes import install_lora_routes
 from mmis.frontend.api.openapi import install_openapi
 from mmis.frontend.api.schemas import (
     ChatCompletionRequest,
@@ -200,7 +206,11 @@ def create_app(
             req = parse_request(model, body, max_n=settings.max_n)
         name = getattr(req, "model", None)
         if name is not None and name not in served:
-            raise ModelNotFoundError(name, served)
+            lora = state_of(request).lora  # a LoRA adapter's name (client/lora.py)
+            if not isinstance(req, SamplingRequest):  # adapters generate text only
+                raise ModelNotFoundError(name, served)
+            if await lora.resolve(name) is None:
+                raise ModelNotFoundError(name, [*served, *(a.name for a in lora.adapters())])
         if isinstance(req, SamplingRequest):  # the model's own defaults for what is unset
             req = generation_defaults.apply(req, request.app.state.generation_defaults)
         return req
@@ -242,6 +252,18 @@ def create_app(
                 device=engine.get("device"),
             )
             for name in served
+        ]
+        cards += [  # vLLM's shape: the adapter's path as root, the base model as parent
+            ModelCard(
+                id=adapter.name,
+                created=adapter.created,
+                root=adapter.path,
+                parent=settings.model_name,
+                max_model_len=state.max_model_len,
+                dtype=engine.get("dtype"),
+                device=engine.get("device"),
+            )
+            for adapter in state.lora.adapters()
         ]
         return ModelList(data=cards)
 
@@ -313,5 +335,6 @@ def create_app(
         blocks = await state_of(request).client.call_utility(RESET_PREFIX_CACHE)
         return JSONResponse({"blocks": int(blocks)})
 
+    install_lora_routes(app, settings)
     install_openapi(app)
     return app

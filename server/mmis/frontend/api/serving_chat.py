@@ -190,7 +190,7 @@ class ChatServing:
         self, http: Request, req: ChatCompletionRequest, *, tenant: str | None = ANONYMOUS
     ) -> Response:
         source = await self._source(req, tenant)
-        fmt = ChatFormat(self.state.model_name, req)
+        fmt = ChatFormat(self.generator.model_name(req), req)
         return await self.generator.respond(http, req, source, fmt, new_request_id("chatcmpl"))
 
     async def block_keys(
@@ -206,7 +206,9 @@ class ChatServing:
         if block_size is None:
             raise EngineUnavailableError("the engine has not reported its block size yet")
         source = await self._source(req, tenant, keys_only=True)
-        num_tokens, keys = await self.state.renderer.keys(source, int(block_size))
+        adapter = self.state.lora.get(req.model)  # its blocks chain from its id (client/lora.py)
+        lora_id = 0 if adapter is None else adapter.lora_id
+        num_tokens, keys = await self.state.renderer.keys(source, int(block_size), lora_id)
         return {
             "block_size": int(block_size),
             "prompt_tokens": num_tokens,

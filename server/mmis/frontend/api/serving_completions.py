@@ -83,8 +83,11 @@ class CompletionServing:
     async def create(self, http: Request, req: CompletionRequest) -> Response:
         source = await self.state.renderer.prepare(req.prompt, [], param="prompt")
         fmt = self.format
+        model = self.generator.model_name(req)  # a LoRA adapter's name when it names one
         if req.echo:
             prompt = req.prompt
             text = prompt if isinstance(prompt, str) else self.state.processor.decode(prompt)
-            fmt = CompletionFormat(self.state.model_name, echo=text)
+            fmt = CompletionFormat(model, echo=text)
+        elif model != self.state.model_name:
+            fmt = CompletionFormat(model)
         return await self.generator.respond(http, req, source, fmt, new_request_id("cmpl"))

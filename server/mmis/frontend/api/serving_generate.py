@@ -35,6 +35,7 @@ from mmis.frontend.api.serving_common import (
     guard_stream,
     unless_disconnected,
 )
+from mmis.frontend.client.lora import LoRANotFoundError
 from mmis.frontend.client.output_processor import (
     FinishedChoice,
     GenerateRequest,
@@ -45,6 +46,8 @@ from mmis.frontend.client.output_processor import (
 )
 from mmis.frontend.client.renderer import SourcePrompt
 from mmis.frontend.errors import SSE_DONE
+from mmis.protocol.errors import MMISError
+from mmis.protocol.messages import ErrorCode
 
 if TYPE_CHECKING:
     from mmis.frontend.state import FrontendState
@@ -125,12 +128,35 @@ class TextGenerator:
     def __init__(self, state: FrontendState, endpoint: str) -> None:
         self.endpoint = endpoint
         self.outputs = OutputProcessor(state.policy, state.processor, state.max_model_len)
+        self.lora = state.lora
+        self.model_name_base = state.model_name
 
     def generate_request(self, req: SamplingRequest, request_id: str) -> GenerateRequest:
-        """What the client is handed: plain data (the wire sampling parameters, the cap)."""
+        """What the client is handed: plain data (the wire sampling parameters, the cap, the
+        LoRA adapter ``model`` names: ``client/lora.py``; the route resolved it already)."""
         requested = req.requested_max_tokens()
         params = req.to_sampling_params(1 if requested is None else requested)
-        return GenerateRequest(request_id, self.endpoint, params, requested)
+        adapter = self.lora.get(req.model)
+        if adapter is None:
+            return GenerateRequest(request_id, self.endpoint, params, requested)
+        return GenerateRequest(
+            request_id, self.endpoint, params, requested, adapter.name, adapter.lora_id
+        )
+
+    def model_name(self, req: SamplingRequest) -> str:
+        """The ``model`` answers carry: the LoRA adapter the request named (as vLLM), else the
+        served model's first name."""
+        adapter = self.lora.get(req.model)
+        return self.model_name_base if adapter is None else adapter.name
+
+    def _stale(self, request: GenerateRequest, exc: MMISError) -> bool:
+        """Whether the engine refused ``request``'s adapter as not loaded, or as loaded under
+        another id: a sibling P0 unloaded (or reloaded) it, and this P0's entry is stale."""
+        name = request.lora_name
+        if name is None or exc.code != ErrorCode.INVALID_REQUEST.value:
+            return False
+        text = str(exc)
+        return f"{name!r} is not loaded" in text or f"{name!r} has id" in text
 
     async def respond(
         self,
@@ -140,12 +166,27 @@ class TextGenerator:
         fmt: ResponseFormat,
         request_id: str,
     ) -> Response:
-        request = self.generate_request(req, request_id)
-        if not req.stream:
-            done = await unless_disconnected(http, self.outputs.complete(source, request))
-            body = fmt.whole(request_id, done.choices, make_usage(done.usage))
-            return JSONResponse(body.model_dump(mode="json"))
-        stream = await unless_disconnected(http, self.outputs.stream(source, request))
+        """The answer; a request under an adapter this P0 knows stale (``_stale``) is sent
+        once more as the engine lists the adapter now, or is the 404 of an unknown model."""
+        for attempt in range(2):
+            request = self.generate_request(req, request_id)
+            try:
+                if not req.stream:
+                    whole = self.outputs.complete(source, request)
+                    done = await unless_disconnected(http, whole)
+                    body = fmt.whole(request_id, done.choices, make_usage(done.usage))
+                    return JSONResponse(body.model_dump(mode="json"))
+                stream = await unless_disconnected(http, self.outputs.stream(source, request))
+                break
+            except MMISError as exc:
+                if not self._stale(request, exc):
+                    raise
+                name = request.lora_name or ""
+                self.lora.forget(name)
+                if attempt or await self.lora.resolve(name) is None:
+                    raise LoRANotFoundError(
+                        f"the model {name!r} does not exist on this server", param="model"
+                    ) from None
         events = self._events(fmt, request_id, stream, req.include_usage)
         return SSEResponse(guard_stream(events))
 

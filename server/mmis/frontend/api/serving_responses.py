@@ -159,5 +159,5 @@ class ResponsesServing:
     ) -> Response:
         messages, images = template_messages(req.messages(), "input")
         source = await render_source(self.state, messages, images, "input", tenant=tenant)
-        fmt = ResponsesFormat(self.state.model_name, req)
+        fmt = ResponsesFormat(self.generator.model_name(req), req)
         return await self.generator.respond(http, req, source, fmt, f"resp_{uuid.uuid4().hex}")

@@ -225,12 +225,16 @@ class GenerateRequest:
     ``params`` holds every choice's sampling parameters: ``n`` choices, P0's ``stop``
     strings, ``logprobs``. ``max_tokens`` is the client's output-token cap; ``None`` lets each
     choice use the context window its rendered prompt leaves (``params.max_tokens`` is
-    replaced either way)."""
+    replaced either way). ``lora_name`` / ``lora_id``: the LoRA adapter the request's
+    ``model`` named (``client/lora.py``; None / 0: the base model), sent on every engine
+    request of it."""
 
     request_id: str
     endpoint: str  # the route's short name: chat, completions, responses
     params: SamplingParams
     max_tokens: int | None = None
+    lora_name: str | None = None
+    lora_id: int = 0
 
     @property
     def n(self) -> int:
@@ -356,6 +360,8 @@ class OutputProcessor:
             rendered.features[choice],
             sampling_params=msgspec.structs.replace(params, n=1, max_tokens=cap, seed=seed),
             arrival_time=time.time(),
+            lora_name=request.lora_name,
+            lora_id=request.lora_id,
         )
 
     def _build(self, request: GenerateRequest) -> Callable[..., EngineCoreRequest]:

@@ -518,10 +518,14 @@ class Renderer:
             raise HashOnlyCacheMissError([item.uuid or item.mm_hash])
         return self.processor.process_image(_pixels(item.image), item.processor_kwargs)
 
-    async def keys(self, source: SourcePrompt, block_size: int) -> tuple[int, list[bytes]]:
+    async def keys(
+        self, source: SourcePrompt, block_size: int, lora_id: int = 0
+    ) -> tuple[int, list[bytes]]:
         """:meth:`keys_sync` on the multimodal worker (it reads the shadow renders write)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self.keys_sync, source, block_size)
+        return await loop.run_in_executor(
+            self.executor, self.keys_sync, source, block_size, lora_id
+        )
 
     def render_sync(
         self,
@@ -591,14 +595,17 @@ class Renderer:
         recorded_with_data = tuple(p.item.mm_hash for p in plan if p.tensors is not None)
         return RenderedPrompt(token_ids, features, hits, len(plan) - hits, recorded_with_data)
 
-    def keys_sync(self, source: SourcePrompt, block_size: int) -> tuple[int, list[bytes]]:
+    def keys_sync(
+        self, source: SourcePrompt, block_size: int, lora_id: int = 0
+    ) -> tuple[int, list[bytes]]:
         """``(prompt tokens, block keys)`` of the prompt a render would send P1 now
         (``protocol/block_keys.py``), changing nothing: the shadow, its counters and the
         metrics stay as they were. An item the shadow knows keeps its recorded placeholder
         length, else its remembered one; any other item with data is processed to learn it
         (and its length remembered). A hash-only item of unknown length (:data:`UNBOUND`, or
         its content forgotten) cannot be placed: the prompt tokens and the keys then stop
-        where its placeholder starts."""
+        where its placeholder starts. ``lora_id``: the LoRA adapter's id (0: the base model),
+        whose blocks P1 keys apart."""
         lengths: list[int] = []
         cut: int | None = None  # the first item that cannot be placed
         for index, item in enumerate(source.items):
@@ -628,7 +635,7 @@ class Renderer:
         if cut is not None:
             token_ids = token_ids[: ranges[cut].offset]
             features = features[:cut]
-        return len(token_ids), block_keys.chain(token_ids, features, block_size)
+        return len(token_ids), block_keys.chain(token_ids, features, block_size, lora_id=lora_id)
 
     def forget(self, rendered: RenderedPrompt) -> int:
         """Undo what a render recorded for the items it processed and sent with data, when its

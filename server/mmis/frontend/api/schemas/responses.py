@@ -153,6 +153,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "mmis"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's ModelCard)
     max_model_len: int | None = None
     # what the engine computes in (``--dtype`` resolved: on CPU ``auto`` may serve a float32
     # checkpoint in bfloat16) and on which device type

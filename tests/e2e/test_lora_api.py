@@ -1,0 +1,243 @@
+"""The multi-LoRA API (issue 47, Build 3) on ONE real ``mmis serve`` (tiny LLaVA, an API key,
+``--lora-modules`` with two PEFT adapters of random non-zero weights: ``lm`` on the language
+model only, ``tower`` also on the vision tower and projector; ``--allow-runtime-lora-updating``),
+driven by the openai SDK and httpx:
+
+- ``/v1/models`` lists both adapters with ``parent`` = the base model and ``root`` = their path;
+  ``model=<adapter>`` answers differently from the base (and from the other adapter), the same
+  on a repeat, and the answer names the adapter; completions and responses select it too.
+  (Equality with transformers + PEFT is the engine's parity test, tests/engine/test_lora_parity.py.)
+- ``POST /v1/load_lora_adapter`` loads at run time (behind the API key), the new name answers as
+  the adapter of the same weights does; ``/v1/unload_lora_adapter`` of a name a live stream
+  uses is a 409, then unloads, and the name is a 404 ``model_not_found`` again (unload too).
+- Each bad adapter (rank over ``--max-lora-rank``, target modules the model lacks, corrupt
+  weights, a missing weights file, no directory) is a 400 naming the cause, and the server keeps
+  serving the base and the adapters it holds, unchanged.
+- ``POST /internal/block_keys`` under an adapter names the blocks the engine then announces
+  for it (``--kv-events-endpoint``, with its ``lora_id`` / ``lora_name``), keys apart from the
+  base model's for the same prompt (a router matches them: docs/ROUTING.md).
+- Without ``--allow-runtime-lora-updating`` (the session's ``tiny_serve``) the routes do not
+  exist (404, as vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING) and an adapter name is a 404.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import zmq
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lora_adapters import LM, TOWER, broken_copies, make_adapter
+from procs import Proc, ServeFactory, chat_body, image_url, openai_client, wait_for
+from tools import free_port
+
+from mmis.protocol.kv_events import KV_DECODER, BlockStored
+from mmis.tiny_models.tiny_model import tiny_model_dir
+
+pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(300)]
+
+KEY = "sk-lora"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_RANK = 8
+TOKEN = "7f" * 32  # the internal token (/internal/block_keys)
+
+
+class Served:
+    def __init__(self, proc: Proc, dirs: dict[str, Path], replay: str) -> None:
+        self.proc = proc
+        self.replay = replay  # the engine's KV-events replay endpoint
+        self.dirs = dirs
+        self.client = openai_client(proc, api_key=KEY)
+        self.http = httpx.Client(base_url=proc.root_url, headers=AUTH, timeout=60.0)
+
+    def chat(self, model: str, color: tuple[int, int, int] = (200, 30, 90)) -> tuple[str, str]:
+        """``(text, model)`` of a greedy 6-token chat with one image."""
+        out = self.client.chat.completions.create(
+            model=model,
+            max_tokens=6,
+            temperature=0,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": image_url(color)}},
+                        {"type": "text", "text": "What is in the picture?"},
+                    ],
+                }
+            ],
+        )
+        return out.choices[0].message.content or "", out.model
+
+    def post(self, path: str, body: dict[str, Any], **kw: Any) -> httpx.Response:
+        return self.http.post(path, json=body, **kw)
+
+
+@pytest.fixture(scope="module")
+def served(start_serve: ServeFactory, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    root = tmp_path_factory.mktemp("lora-adapters")
+    model = tiny_model_dir()
+    dirs = {
+        "lm": make_adapter(model, root / "lm", LM, rank=8, alpha=16, seed=1),
+        "tower": make_adapter(
+            model, root / "tower", TOWER["llava"], rank=4, alpha=8, seed=2, rslora=True
+        ),
+    }
+    dirs |= broken_copies(dirs["lm"], root, MAX_RANK)
+    flags = ["--model", str(model), "--served-model-name", "tiny", "--api-key", KEY]
+    flags += ["--max-lora-rank", str(MAX_RANK), "--allow-runtime-lora-updating"]
+    flags += [
+        "--lora-modules",
+        f"lm={dirs['lm']}",
+        f'{{"name": "tower", "path": "{dirs["tower"]}"}}',
+    ]
+    events, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    flags += ["--kv-events-endpoint", events, "--kv-events-replay-endpoint", replay]
+    env = {"OMP_NUM_THREADS": "1", "MMIS_FRONTEND_INTERNAL_TOKEN": TOKEN}
+    with start_serve("serve-lora", *flags, env=env) as proc:
+        running = Served(proc, dirs, replay)
+        yield running
+        running.http.close()
+
+
+def test_adapters_are_listed_and_selected_by_model(served: Served) -> None:
+    cards = {m.id: m.model_dump() for m in served.client.models.list().data}
+    assert cards["tiny"].get("parent") is None
+    for name in ("lm", "tower"):
+        assert cards[name]["parent"] == "tiny"
+        assert cards[name]["root"] == str(served.dirs[name])
+        assert cards[name]["object"] == "model" and cards[name]["owned_by"]
+    base, lm, tower = (served.chat(m) for m in ("tiny", "lm", "tower"))
+    assert (base[1], lm[1], tower[1]) == ("tiny", "lm", "tower")  # answers name the adapter
+    assert served.chat("lm") == lm and served.chat("tower") == tower  # a repeat: the same
+    assert len({base[0], lm[0], tower[0]}) == 3, (base, lm, tower)
+    done = served.client.completions.create(model="lm", prompt="hello", max_tokens=3)
+    assert done.model == "lm" and done.usage is not None and done.usage.completion_tokens == 3
+    resp = served.client.responses.create(model="tower", input="hello", max_output_tokens=3)
+    assert resp.model == "tower"
+    with pytest.raises(openai.NotFoundError) as missing:
+        served.chat("no-such-adapter")
+    assert missing.value.code == "model_not_found"
+
+
+def test_load_use_and_unload_at_run_time(served: Served) -> None:
+    body = {"lora_name": "again", "lora_path": str(served.dirs["lm"])}
+    refused = httpx.post(served.proc.root_url + "/v1/load_lora_adapter", json=body)
+    assert refused.status_code == 401  # behind the API key
+    loaded = served.post("/v1/load_lora_adapter", body)
+    assert loaded.status_code == 200, loaded.text
+    assert loaded.text == "Success: LoRA adapter 'again' added successfully."
+    assert served.post("/v1/load_lora_adapter", body).status_code == 400  # already loaded
+    listed = {m.id: m for m in served.client.models.list().data}
+    assert listed["again"].model_dump()["parent"] == "tiny"
+    assert served.chat("again")[0] == served.chat("lm")[0]  # the same weights, the same answer
+
+    stream = served.client.chat.completions.create(
+        model="again",
+        max_tokens=3000,
+        stream=True,
+        messages=[{"role": "user", "content": "count"}],
+        extra_body={"ignore_eos": True},
+    )
+    with stream:
+        next(iter(stream))  # the request runs under the adapter now
+        busy = served.post("/v1/unload_lora_adapter", {"lora_name": "again"})
+        assert busy.status_code == 409, busy.text
+        assert "in use" in busy.json()["error"]["message"]
+    unloaded: list[httpx.Response] = []
+
+    def unloads() -> bool:  # the stream's abort reaches the engine shortly after the close
+        unloaded.append(served.post("/v1/unload_lora_adapter", {"lora_name": "again"}))
+        return unloaded[-1].status_code != 409
+
+    wait_for("the unload after the stream ended", unloads, timeout=30)
+    assert unloaded[-1].status_code == 200, unloaded[-1].text
+    assert unloaded[-1].text == "Success: LoRA adapter 'again' removed successfully."
+    with pytest.raises(openai.NotFoundError) as gone:
+        served.chat("again")
+    assert gone.value.code == "model_not_found"
+    again = served.post("/v1/unload_lora_adapter", {"lora_name": "again"})
+    assert again.status_code == 404 and again.json()["error"]["code"] == "model_not_found"
+    assert "again" not in {m.id for m in served.client.models.list().data}
+
+
+@pytest.mark.parametrize(
+    ("case", "cause"),
+    [
+        ("rank", f"rank {MAX_RANK * 4} exceeds --max-lora-rank {MAX_RANK}"),
+        ("target", "match no projection of the model"),
+        ("corrupt", "cannot read"),
+        ("missing", "adapter_model.safetensors does not exist"),
+        ("nowhere", "is not a directory"),
+    ],
+)
+def test_a_bad_adapter_is_a_400_naming_the_cause_and_the_others_keep_serving(
+    served: Served, case: str, cause: str
+) -> None:
+    before = served.chat("tower"), served.chat("tiny")
+    path = served.dirs.get(case, served.dirs["lm"] / "nowhere")
+    answer = served.post(
+        "/v1/load_lora_adapter", {"lora_name": f"bad-{case}", "lora_path": str(path)}
+    )
+    assert answer.status_code == 400, answer.text
+    message = answer.json()["error"]["message"]
+    assert cause in message and f"bad-{case}" in message, message
+    assert (served.chat("tower"), served.chat("tiny")) == before
+    assert f"bad-{case}" not in {m.id for m in served.client.models.list().data}
+
+
+def test_runtime_routes_do_not_exist_unless_enabled(tiny_serve: Proc) -> None:
+    body = {"lora_name": "x", "lora_path": "/nowhere"}
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        assert httpx.post(tiny_serve.root_url + path, json=body).status_code == 404
+    client = openai_client(tiny_serve)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="x", prompt="hi", max_tokens=1)
+    assert missing.value.code == "model_not_found"
+
+
+def _replayed(dealer: zmq.Socket[bytes], start: int) -> list[bytes]:
+    """Every KV-event batch payload the engine buffered from sequence ``start`` on."""
+    dealer.send_multipart((b"", start.to_bytes(8, "big")))
+    payloads = []
+    while True:
+        assert dealer.poll(10_000), "no replay answer"
+        frames = dealer.recv_multipart()
+        if frames[2] == b"\xff" * 8:
+            return payloads
+        payloads.append(frames[3])
+
+
+def test_block_keys_under_an_adapter_are_the_blocks_the_engine_announces(served: Served) -> None:
+    body = chat_body((12, 140, 220), max_tokens=1)  # only the prompt's KV is computed
+    internal = {"Authorization": f"Bearer {TOKEN}"}
+
+    def keys(model: str) -> dict[str, Any]:
+        url = served.proc.root_url + "/internal/block_keys"
+        answer = httpx.post(url, json=body | {"model": model}, headers=internal)
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    tower, base = keys("tower"), keys("tiny")
+    assert tower["block_keys"] and len(tower["block_keys"]) == len(base["block_keys"])
+    assert not set(tower["block_keys"]) & set(base["block_keys"])  # keyed apart from the base
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        dealer.connect(served.replay)
+        seen = len(_replayed(dealer, 0))
+        done = served.post("/v1/chat/completions", body | {"model": "tower"})
+        assert done.status_code == 200, done.text
+        payloads = _replayed(dealer, seen)
+    finally:
+        dealer.close(linger=0)
+    stored = [
+        e for p in payloads for e in KV_DECODER.decode(p).events if isinstance(e, BlockStored)
+    ]
+    assert [h.hex() for e in stored for h in e.block_hashes] == tower["block_keys"]
+    assert {e.lora_name for e in stored} == {"tower"} and all(e.lora_id for e in stored)

@@ -1,0 +1,174 @@
+"""P0's LoRA registry (``frontend/client/lora.py``) against a fake engine that answers the LoRA
+utility calls as ``engine/core.py`` and ``engine/lora/manager.py`` do (their messages, their
+refusals: an id used before, a name already loaded, an adapter in use). The real engine's
+answers are the e2e test's (tests/e2e/test_lora_api.py); here what one real server cannot show:
+
+- ``--api-servers`` siblings share the engine's adapters: one loaded through one P0 resolves in
+  another with the engine's id; siblings never pick the same id, and no id is reused after an
+  unload, nor after a P0 restart (an id the engine says was used is skipped);
+- a sibling's unload is forgotten here when the engine refuses the stale adapter;
+- ``--lora-modules``: loaded at start-up, adopted when the engine already holds the name, and a
+  bad one (or an engine without ``--enable-lora``) is a one-line StartupError naming it;
+- the flag takes vLLM's ``NAME=PATH ...`` words and its JSON form.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import pytest
+
+from mmis.config import ConfigError, StartupError, add_flags, settings_from_args
+from mmis.frontend.client.engine_client import UtilityCallError
+from mmis.frontend.client.lora import (
+    LoRAAdapterError,
+    LoRAInUseError,
+    LoRANotFoundError,
+    LoRARegistry,
+)
+from mmis.frontend.config import FrontendConfig
+
+
+class FakeLoRAEngine:
+    """The engine's three LoRA utility calls (``enabled=False``: an engine without them)."""
+
+    def __init__(self, *, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.registered: dict[str, tuple[int, str]] = {}
+        self.used: set[int] = set()
+        self.live: set[str] = set()  # adapters a running request uses
+        self.id_refusals = 0  # loads refused for an id used before
+
+    async def call_utility(self, method: str, *args: Any, timeout: float = 30.0) -> Any:
+        try:
+            return self._call(method, *args)
+        except ValueError as exc:  # core_process._answer's shape
+            raise UtilityCallError(f"{method}: {exc}") from None
+
+    def _call(self, method: str, *args: Any) -> Any:
+        if not self.enabled or method not in (
+            "load_lora_adapter",
+            "unload_lora_adapter",
+            "list_lora_adapters",
+        ):
+            raise ValueError(f"unknown utility method {method!r}")
+        if method == "list_lora_adapters":
+            return [
+                {"name": n, "lora_id": i, "path": p, "tower": False}
+                for n, (i, p) in self.registered.items()
+            ]
+        if method == "unload_lora_adapter":
+            (name,) = args
+            if name in self.live:
+                raise ValueError(f"LoRA adapter {name!r} is in use by 1 request(s)")
+            if name not in self.registered:
+                raise ValueError(f"LoRA adapter {name!r} is not loaded")
+            del self.registered[name]
+            return True
+        name, lora_id, path = args
+        if name in self.registered:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded")
+        if lora_id < 1 or lora_id in self.used:
+            self.id_refusals += 1
+            raise ValueError(
+                f"LoRA adapter {name!r}: id {lora_id} is not positive or was used before "
+                "(prefix-cache blocks are keyed by it: protocol/block_keys.py)"
+            )
+        if path.startswith("/bad"):
+            raise ValueError(f"LoRA adapter {name!r}: rank 64 exceeds --max-lora-rank 16")
+        self.registered[name] = (lora_id, path)
+        self.used.add(lora_id)
+        return {"name": name, "lora_id": lora_id, "tower": False}
+
+
+def _registry(engine: FakeLoRAEngine, *modules: str, index: int = 0, stride: int = 1) -> Any:
+    return LoRARegistry(engine, modules, index=index, stride=stride)  # type: ignore[arg-type]
+
+
+async def test_siblings_share_the_engines_adapters_and_never_reuse_an_id() -> None:
+    engine = FakeLoRAEngine()
+    a, b = _registry(engine, index=0, stride=2), _registry(engine, index=1, stride=2)
+    await a.start()
+    await b.start()
+    x = await a.load("x", "/x")
+    y = await b.load("y", "/y")  # b has not heard of x: its own id sequence, another id
+    assert engine.id_refusals == 0 and x.lora_id != y.lora_id
+    assert (await b.resolve("x")) is not None and b.get("x").lora_id == x.lora_id
+    await a.unload("x")
+    x2 = await a.load("x", "/x")
+    ids = [x.lora_id, y.lora_id, x2.lora_id]
+    assert len(set(ids)) == 3, ids
+    assert engine.registered["x"][0] == x2.lora_id
+    restarted = _registry(engine, index=0, stride=2)  # P0 0 again: its sequence starts over
+    await restarted.start()  # adopts x and y (the engine's list) ...
+    z = await restarted.load("z", "/z")  # ... and picks an id above theirs, never a used one
+    assert z.lora_id not in ids and engine.registered["z"][0] == z.lora_id
+    b.forget("x")  # stale (a's unload and reload): asked again, b gets the engine's new id
+    assert (await b.resolve("x")) is not None and b.get("x").lora_id == x2.lora_id
+    await a.unload("y")
+    await b.refresh()  # the engine dropped y: so does every sibling that asks
+    assert b.get("y") is None and await b.resolve("y") is None
+
+
+async def test_an_id_used_before_is_skipped() -> None:
+    engine = FakeLoRAEngine()
+    engine.used |= {1, 2}  # a previous P0 loaded and unloaded two adapters
+    registry = _registry(engine)
+    await registry.start()
+    assert (await registry.load("x", "/x")).lora_id == 3
+
+
+async def test_refusals_are_typed_and_name_the_cause() -> None:
+    engine = FakeLoRAEngine()
+    registry = _registry(engine, "a=/a")
+    await registry.start()
+    with pytest.raises(LoRAAdapterError, match="rank 64 exceeds") as bad:
+        await registry.load("b", "/bad")
+    assert bad.value.status == 400 and not bad.value.message.startswith("load_lora_adapter")
+    assert registry.get("b") is None and "b" not in engine.registered
+    with pytest.raises(LoRAAdapterError, match="already been loaded"):
+        await registry.load("a", "/a")
+    engine.live.add("a")
+    with pytest.raises(LoRAInUseError, match="in use") as busy:
+        await registry.unload("a")
+    assert busy.value.status == 409 and registry.get("a") is not None
+    engine.live.clear()
+    await registry.unload("a")
+    with pytest.raises(LoRANotFoundError) as gone:
+        await registry.unload("a")
+    assert (gone.value.status, gone.value.code) == (404, "model_not_found")
+
+
+async def test_lora_modules_at_start_up() -> None:
+    engine = FakeLoRAEngine()
+    engine.registered["held"] = (7, "/held")  # a sibling loaded it first
+    registry = _registry(engine, "held=/held", '{"name": "new", "path": "/new"}')
+    await registry.start()
+    assert [a.name for a in registry.adapters()] == ["held", "new"]
+    assert registry.get("held").lora_id == 7 and registry.get("new").lora_id > 7
+    with pytest.raises(StartupError) as bad:
+        await _registry(FakeLoRAEngine(), "ok=/ok", "broken=/bad/one").start()
+    assert str(bad.value) == (
+        "--lora-modules broken=/bad/one: LoRA adapter 'broken': rank 64 exceeds --max-lora-rank 16"
+    )
+    with pytest.raises(StartupError, match="the engine runs without --enable-lora"):
+        await _registry(FakeLoRAEngine(enabled=False), "a=/a").start()
+    plain = _registry(FakeLoRAEngine(enabled=False))  # no adapters asked for: nothing to say
+    await plain.start()
+    assert not plain.enabled and await plain.resolve("a") is None
+
+
+def test_the_flag_takes_vllm_words_and_json() -> None:
+    parser = argparse.ArgumentParser()
+    add_flags(parser, FrontendConfig)
+    args = parser.parse_args(
+        ["--lora-modules", "a=/p/a", '{"name": "b", "path": "/p/b,c"}', "--port", "1"]
+    )
+    settings = settings_from_args(FrontendConfig, "FRONTEND", args)
+    assert settings.lora_modules == ("a=/p/a", '{"name": "b", "path": "/p/b,c"}')
+    for bad in (("a",), ("a=/x", "a=/y"), ('{"name": "a"}',)):
+        with pytest.raises(ConfigError, match="--lora-modules"):
+            FrontendConfig(lora_modules=bad)
+    with pytest.raises(ConfigError, match="names the served model"):
+        FrontendConfig(model="m", lora_modules=("m=/x",))
