@@ -6,7 +6,10 @@ answers are the e2e test's (tests/e2e/test_lora_api.py); here what one real serv
 - ``--api-servers`` siblings share the engine's adapters: one loaded through one P0 resolves in
   another with the engine's id; siblings never pick the same id, and no id is reused after an
   unload, nor after a P0 restart (an id the engine says was used is skipped);
-- a sibling's unload is forgotten here when the engine refuses the stale adapter;
+- a sibling's unload (or reload under a new id) is healed where it shows: the engine refuses
+  this P0's stale request, the generation looks the adapter up again and sends it once more
+  under the engine's id, or answers the 404 of an unknown model when it is gone;
+- after the engine restarts, every adapter this P0 knew is loaded again under its id;
 - ``--lora-modules``: loaded at start-up, adopted when the engine already holds the name, and a
   bad one (or an engine without ``--enable-lora``) is a one-line StartupError naming it;
 - the flag takes vLLM's ``NAME=PATH ...`` words and its JSON form.
@@ -15,11 +18,16 @@ answers are the e2e test's (tests/e2e/test_lora_api.py); here what one real serv
 from __future__ import annotations
 
 import argparse
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from starlette.requests import Request
 
 from mmis.config import ConfigError, StartupError, add_flags, settings_from_args
+from mmis.frontend.api.schemas import CompletionRequest
+from mmis.frontend.api.serving_completions import CompletionFormat
+from mmis.frontend.api.serving_generate import TextGenerator
 from mmis.frontend.client.engine_client import UtilityCallError
 from mmis.frontend.client.lora import (
     LoRAAdapterError,
@@ -27,7 +35,11 @@ from mmis.frontend.client.lora import (
     LoRANotFoundError,
     LoRARegistry,
 )
+from mmis.frontend.client.output_processor import Completion, GenerateRequest, TokenUsage
+from mmis.frontend.client.renderer import SourcePrompt
 from mmis.frontend.config import FrontendConfig
+from mmis.frontend.errors import from_request_error
+from mmis.protocol.messages import RequestError
 
 
 class FakeLoRAEngine:
@@ -157,6 +169,69 @@ async def test_lora_modules_at_start_up() -> None:
     plain = _registry(FakeLoRAEngine(enabled=False))  # no adapters asked for: nothing to say
     await plain.start()
     assert not plain.enabled and await plain.resolve("a") is None
+
+
+async def test_the_engine_restarted_gets_every_known_adapter_again() -> None:
+    engine = FakeLoRAEngine()
+    registry = _registry(engine, "a=/a", "b=/b")
+    await registry.start()
+    before = {n: (a.lora_id, a.path) for n, a in ((a.name, a) for a in registry.adapters())}
+    engine.registered.clear()  # a new engine process: no adapter, no id used
+    engine.used.clear()
+    registry.engine_restarted()
+    assert registry._reload is not None
+    await registry._reload
+    assert engine.registered == before
+
+
+class _Outputs:
+    """The output processor's ``complete`` as the engine answers a request under an adapter:
+    refused when its adapter is not loaded there or has another id (core.py's message)."""
+
+    def __init__(self, engine: FakeLoRAEngine) -> None:
+        self.engine = engine
+        self.sent: list[tuple[str | None, int]] = []
+
+    async def complete(self, source: SourcePrompt, request: GenerateRequest) -> Completion:
+        self.sent.append((request.lora_name, request.lora_id))
+        held = self.engine.registered.get(request.lora_name or "")
+        why = None if held else "is not loaded"
+        if held and held[0] != request.lora_id:
+            why = f"has id {held[0]}, not {request.lora_id}"
+        if why is not None:
+            message = f"LoRA adapter {request.lora_name!r} {why}"
+            raise from_request_error(RequestError(code="invalid_request", message=message))
+        return Completion([], TokenUsage(1, 0, 0))
+
+
+async def _never() -> dict[str, Any]:
+    raise AssertionError("the request was not expected to read its body")
+
+
+async def test_a_stale_adapter_is_looked_up_again_once() -> None:
+    engine = FakeLoRAEngine()
+    a, b = _registry(engine, index=0, stride=2), _registry(engine, index=1, stride=2)
+    await a.start()
+    await b.start()
+    x = await a.load("x", "/x")
+    assert await b.resolve("x") is not None  # b serves x under x's id
+    await a.unload("x")  # a sibling unloads and reloads it: a new id
+    x2 = await a.load("x", "/x")
+    state = SimpleNamespace(policy=None, processor=None, max_model_len=64, lora=b, model_name="m")
+    gen = TextGenerator(state, "completions")  # type: ignore[arg-type]
+    outputs = _Outputs(engine)
+    gen.outputs = outputs  # type: ignore[assignment]
+    req = CompletionRequest.model_validate({"model": "x", "prompt": [1], "max_tokens": 1})
+    http = Request({"type": "http"}, receive=_never)
+    source, fmt = SourcePrompt([1], [], "prompt"), CompletionFormat("x")
+    answer = await gen.respond(http, req, source, fmt, "cmpl-1")
+    assert answer.status_code == 200
+    assert outputs.sent == [("x", x.lora_id), ("x", x2.lora_id)]
+    await a.unload("x")  # now gone: the 404 of an unknown model, after one look
+    with pytest.raises(LoRANotFoundError) as gone:
+        await gen.respond(http, req, source, fmt, "cmpl-2")
+    assert (gone.value.status, gone.value.code) == (404, "model_not_found")
+    assert outputs.sent[2:] == [("x", x2.lora_id)] and b.get("x") is None
 
 
 def test_the_flag_takes_vllm_words_and_json() -> None:
