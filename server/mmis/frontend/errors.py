@@ -15,6 +15,9 @@ error                                         status  ``code``
 :class:`ContextLengthExceededError`           400     ``context_length_exceeded``
 :class:`HashOnlyCacheMissError`               422     ``multimodal_cache_miss``
 :class:`ModelNotFoundError` (``model``)       404     ``model_not_found``
+LoRA adapters (``frontend/client/lora.py``):  400     ``invalid_request`` (cannot be loaded),
+load / unload / an unknown adapter            404     ``model_not_found``,
+                                              409     ``lora_adapter_in_use`` (unload)
 :class:`RequestTooLargeError` (body size)     413     ``request_too_large``
 :class:`UnsupportedMediaTypeError`            415     ``unsupported_media_type``
 :class:`~mmis.protocol.errors.MultiModalCacheMissError` (after the one retry)

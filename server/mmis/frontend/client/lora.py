@@ -33,15 +33,12 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mmis.config import StartupError
-from mmis.frontend.client.engine_client import UtilityCallError
+from mmis.frontend.client.engine_client import EngineClient, UtilityCallError
 from mmis.frontend.config import parse_lora_module
 from mmis.frontend.errors import FrontendError
-
-if TYPE_CHECKING:
-    from mmis.frontend.client.engine_client import EngineClient
 
 log = logging.getLogger(__name__)
 
