@@ -253,6 +253,9 @@ def create_app(
             )
             for name in served
         ]
+        if state.lora.enabled:  # the engine's list, which a sibling P0 may have changed
+            with contextlib.suppress(FrontendError, TimeoutError):  # else what this P0 knows
+                await state.lora.refresh()
         cards += [  # vLLM's shape: the adapter's path as root, the base model as parent
             ModelCard(
                 id=adapter.name,

@@ -8,7 +8,8 @@ Invariants:
   know is looked up in the engine (``list_lora_adapters``) before it is called unknown, so an
   adapter loaded through a sibling P0 (``--api-servers N``) or before this P0 restarted is
   served here too; an unload through a sibling is seen when the engine refuses the adapter
-  (:meth:`LoRARegistry.forget`). Nothing else is shared between siblings.
+  (:meth:`LoRARegistry.forget`), and ``GET /v1/models`` lists the engine's list. Nothing else
+  is shared between siblings.
 - An adapter's ``lora_id`` is never reused in the engine's life (prefix-cache blocks are keyed
   by it: ``protocol/block_keys.py``): this P0 picks ids ``client_index + 1 + k * api_servers``
   above every id it has seen, so siblings never pick the same one, and an id the engine says was
