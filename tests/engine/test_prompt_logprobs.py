@@ -49,7 +49,9 @@ def _core(family: Any) -> EngineCore:
 def _serve(
     core: EngineCore, request_id: str, family: Any, params: SamplingParams
 ) -> tuple[list[int], list[Any], Any, list[EngineCoreOutput]]:
-    ids, items, inputs = family.request("Describe this image in a few words.", [family.image(3)])
+    ids, items, inputs = family.request(
+        "Describe this image in a few short words, please.", [family.image(3)]
+    )
     features = [
         MultiModalFeature(
             modality="image",
