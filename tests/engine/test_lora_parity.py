@@ -22,7 +22,7 @@ import torch
 
 from mmis.engine.execution.model import load_adapter
 from mmis.engine.execution.runner import ModelRunner
-from mmis.engine.lora.errors import LoRAError
+from mmis.engine.lora.errors import LoRAIdReusedError, LoRAInUseError
 from mmis.engine.lora.manager import LoRAManager
 from mmis.protocol.encoder import MM_EMBEDS
 from mmis.protocol.messages import (
@@ -194,21 +194,24 @@ def test_engine_core_serves_adapters_and_loads_and_unloads_them(setup: Setup) ->
     hidden = int(setup.family.adapter.model.config.text_config.hidden_size)
     feature.data = {MM_EMBEDS: np.zeros((feature.placeholder.length, hidden), np.float32)}
     core.add_request(pre)
-    with pytest.raises(ValueError, match="in use by 1 request"):
+    with pytest.raises(LoRAInUseError, match="in use by 1 request"):
         calls["unload_lora_adapter"]("lm")
     tokens: dict[str, list[int]] = {r: [] for r in "tlbxwe"}
     errors: dict[str, str] = {}
+    codes: dict[str, str] = {}  # what P0 switches on (frontend/api/serving_generate.py)
     while core.has_work():
         for out in core.step():
             tokens[out.request_id] += out.new_token_ids
             if out.error is not None:
                 errors[out.request_id] = out.error.message
+                codes[out.request_id] = out.error.code
     assert errors == {
         "x": "LoRA adapter 'missing' is not loaded",
         "w": f"LoRA adapter 'lm' has id {lm_id}, not {lm_id + 100}",
         "e": "LoRA adapter 'tower' changes the vision tower: its images cannot come "
         "pre-encoded (E/PD)",
     }
+    assert codes == {"x": "lora_not_loaded", "w": "lora_id_mismatch", "e": "invalid_request"}
     assert tokens["t"] == _peft_reference(setup, "tower", 21)
     assert tokens["l"] == _peft_reference(setup, "lm", 21)
     assert tokens["b"] == setup.family.reference("Describe it.", [setup.family.image(21)], MAX_NEW)
@@ -216,6 +219,6 @@ def test_engine_core_serves_adapters_and_loads_and_unloads_them(setup: Setup) ->
     # load / unload at run time; an id names one adapter for the engine's life
     assert calls["load_lora_adapter"]("extra", 50, str(setup.dirs["lm2"]))["lora_id"] == 50
     assert calls["unload_lora_adapter"]("extra") is True
-    with pytest.raises(LoRAError, match="used before"):
+    with pytest.raises(LoRAIdReusedError, match="used before"):
         calls["load_lora_adapter"]("extra", 50, str(setup.dirs["lm2"]))
     assert "extra" not in {e["name"] for e in calls["list_lora_adapters"]()}

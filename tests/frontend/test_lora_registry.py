@@ -1,7 +1,10 @@
 """P0's LoRA registry (``frontend/client/lora.py``) against a fake engine that answers the LoRA
-utility calls as ``engine/core.py`` and ``engine/lora/manager.py`` do (their messages, their
-refusals: an id used before, a name already loaded, an adapter in use). The real engine's
-answers are the e2e test's (tests/e2e/test_lora_api.py); here what one real server cannot show:
+utility calls as ``engine/core.py`` and ``engine/lora/manager.py`` do: it raises the engine's
+own typed refusals (``engine/lora/errors.py``: an id used before, a name already loaded, an
+adapter in use) and answers them as ``engine/core_process.py`` does (``utility_error``: the
+wire code and message), read back by the engine client's ``UtilityCallError.from_wire``. The
+real engine's answers are the e2e test's (tests/e2e/test_lora_api.py); here what one real
+server cannot show:
 
 - ``--api-servers`` siblings share the engine's adapters: one loaded through one P0 resolves in
   another with the engine's id; siblings never pick the same id, and no id is reused after an
@@ -12,41 +15,60 @@ answers are the e2e test's (tests/e2e/test_lora_api.py); here what one real serv
 - after the engine restarts, every adapter this P0 knew is loaded again under its id;
 - ``--lora-modules``: loaded at start-up, adopted when the engine already holds the name, and a
   bad one (or an engine without ``--enable-lora``) is a one-line StartupError naming it;
-- the flag takes vLLM's ``NAME=PATH ...`` words and its JSON form.
+- the flag takes vLLM's ``NAME=PATH ...`` words and its JSON form;
+- P0 reads a refusal's code, never its text: an engine whose messages say something else
+  gets the same answers.
 """
 
 from __future__ import annotations
 
 import argparse
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from starlette.requests import Request
 
 from mmis.config import ConfigError, StartupError, add_flags, settings_from_args
+from mmis.engine.core_process import UnknownUtilityError, utility_error
+from mmis.engine.lora.errors import (
+    LoRAAlreadyLoadedError,
+    LoRAError,
+    LoRAIdMismatchError,
+    LoRAIdReusedError,
+    LoRAInUseError,
+    LoRANotLoadedError,
+    LoRARankError,
+)
 from mmis.frontend.api.schemas import CompletionRequest
 from mmis.frontend.api.serving_completions import CompletionFormat
 from mmis.frontend.api.serving_generate import TextGenerator
 from mmis.frontend.client.engine_client import UtilityCallError
 from mmis.frontend.client.lora import (
     LoRAAdapterError,
-    LoRAInUseError,
     LoRANotFoundError,
     LoRARegistry,
 )
+from mmis.frontend.client.lora import LoRAInUseError as P0InUseError
 from mmis.frontend.client.output_processor import Completion, GenerateRequest, TokenUsage
 from mmis.frontend.client.renderer import SourcePrompt
 from mmis.frontend.config import FrontendConfig
 from mmis.frontend.errors import from_request_error
-from mmis.protocol.messages import RequestError
+
+_E = TypeVar("_E", bound=Exception)
+
+
+def _reworded(exc: _E) -> _E:
+    """``exc`` under the same class with a message sharing no word with the engine's."""
+    return type(exc)(f"refused ({type(exc).__name__})")
 
 
 class FakeLoRAEngine:
-    """The engine's three LoRA utility calls (``enabled=False``: an engine without them)."""
+    """The engine's three LoRA utility calls (``enabled=False``: an engine without them);
+    ``reword``: every refusal keeps its class (its code) but says something else."""
 
-    def __init__(self, *, enabled: bool = True) -> None:
-        self.enabled = enabled
+    def __init__(self, *, enabled: bool = True, reword: bool = False) -> None:
+        self.enabled, self.reword = enabled, reword
         self.registered: dict[str, tuple[int, str]] = {}
         self.used: set[int] = set()
         self.live: set[str] = set()  # adapters a running request uses
@@ -55,8 +77,9 @@ class FakeLoRAEngine:
     async def call_utility(self, method: str, *args: Any, timeout: float = 30.0) -> Any:
         try:
             return self._call(method, *args)
-        except ValueError as exc:  # core_process._answer's shape
-            raise UtilityCallError(f"{method}: {exc}") from None
+        except (LoRAError, UnknownUtilityError) as exc:  # as core_process._answer answers it
+            refusal = _reworded(exc) if self.reword else exc
+            raise UtilityCallError.from_wire(utility_error(method, refusal)) from None
 
     def _call(self, method: str, *args: Any) -> Any:
         if not self.enabled or method not in (
@@ -64,7 +87,7 @@ class FakeLoRAEngine:
             "unload_lora_adapter",
             "list_lora_adapters",
         ):
-            raise ValueError(f"unknown utility method {method!r}")
+            raise UnknownUtilityError(f"unknown utility method {method!r}")
         if method == "list_lora_adapters":
             return [
                 {"name": n, "lora_id": i, "path": p, "tower": False}
@@ -73,22 +96,22 @@ class FakeLoRAEngine:
         if method == "unload_lora_adapter":
             (name,) = args
             if name in self.live:
-                raise ValueError(f"LoRA adapter {name!r} is in use by 1 request(s)")
+                raise LoRAInUseError(f"LoRA adapter {name!r} is in use by 1 request(s)")
             if name not in self.registered:
-                raise ValueError(f"LoRA adapter {name!r} is not loaded")
+                raise LoRANotLoadedError(f"LoRA adapter {name!r} is not loaded")
             del self.registered[name]
             return True
         name, lora_id, path = args
         if name in self.registered:
-            raise ValueError(f"LoRA adapter {name!r} is already loaded")
+            raise LoRAAlreadyLoadedError(f"LoRA adapter {name!r} is already loaded")
         if lora_id < 1 or lora_id in self.used:
             self.id_refusals += 1
-            raise ValueError(
+            raise LoRAIdReusedError(
                 f"LoRA adapter {name!r}: id {lora_id} is not positive or was used before "
                 "(prefix-cache blocks are keyed by it: protocol/block_keys.py)"
             )
         if path.startswith("/bad"):
-            raise ValueError(f"LoRA adapter {name!r}: rank 64 exceeds --max-lora-rank 16")
+            raise LoRARankError(f"LoRA adapter {name!r}: rank 64 exceeds --max-lora-rank 16")
         self.registered[name] = (lora_id, path)
         self.used.add(lora_id)
         return {"name": name, "lora_id": lora_id, "tower": False}
@@ -142,7 +165,7 @@ async def test_refusals_are_typed_and_name_the_cause() -> None:
     with pytest.raises(LoRAAdapterError, match="already been loaded"):
         await registry.load("a", "/a")
     engine.live.add("a")
-    with pytest.raises(LoRAInUseError, match="in use") as busy:
+    with pytest.raises(P0InUseError, match="in use") as busy:
         await registry.unload("a")
     assert busy.value.status == 409 and registry.get("a") is not None
     engine.live.clear()
@@ -186,7 +209,8 @@ async def test_the_engine_restarted_gets_every_known_adapter_again() -> None:
 
 class _Outputs:
     """The output processor's ``complete`` as the engine answers a request under an adapter:
-    refused when its adapter is not loaded there or has another id (core.py's message)."""
+    refused when its adapter is not loaded there or has another id (``LoRAManager.refusal``'s
+    typed errors, on the wire as ``core.py`` sends them)."""
 
     def __init__(self, engine: FakeLoRAEngine) -> None:
         self.engine = engine
@@ -194,13 +218,17 @@ class _Outputs:
 
     async def complete(self, source: SourcePrompt, request: GenerateRequest) -> Completion:
         self.sent.append((request.lora_name, request.lora_id))
-        held = self.engine.registered.get(request.lora_name or "")
-        why = None if held else "is not loaded"
-        if held and held[0] != request.lora_id:
-            why = f"has id {held[0]}, not {request.lora_id}"
+        name = request.lora_name
+        held = self.engine.registered.get(name or "")
+        why: LoRAError | None = None
+        if held is None:
+            why = LoRANotLoadedError(f"LoRA adapter {name!r} is not loaded")
+        elif held[0] != request.lora_id:
+            why = LoRAIdMismatchError(
+                f"LoRA adapter {name!r} has id {held[0]}, not {request.lora_id}"
+            )
         if why is not None:
-            message = f"LoRA adapter {request.lora_name!r} {why}"
-            raise from_request_error(RequestError(code="invalid_request", message=message))
+            raise from_request_error((_reworded(why) if self.engine.reword else why).to_wire())
         return Completion([], TokenUsage(1, 0, 0))
 
 
@@ -232,6 +260,43 @@ async def test_a_stale_adapter_is_looked_up_again_once() -> None:
         await gen.respond(http, req, source, fmt, "cmpl-2")
     assert (gone.value.status, gone.value.code) == (404, "model_not_found")
     assert outputs.sent[2:] == [("x", x2.lora_id)] and b.get("x") is None
+
+
+async def test_p0_reads_the_refusals_codes_not_their_texts() -> None:
+    """Every refusal worded otherwise (same class, same code): the same answers."""
+    engine = FakeLoRAEngine(reword=True)
+    engine.used.add(1)  # lora_id_reused: the next id is tried
+    a, b = _registry(engine, "x=/x"), _registry(engine, index=1, stride=2)
+    await a.start()
+    await b.start()
+    assert a.get("x").lora_id == 2 and engine.id_refusals == 1
+    engine.registered["y"] = (9, "/y")  # lora_already_loaded: a sibling's, adopted
+    with pytest.raises(LoRAAdapterError, match=r"refused \(LoRAAlreadyLoadedError\)"):
+        await a.load("y", "/y")
+    assert a.get("y").lora_id == 9
+    engine.live.add("x")  # lora_in_use: the 409, its message the engine's
+    with pytest.raises(P0InUseError, match=r"^refused \(LoRAInUseError\)$") as busy:
+        await a.unload("x")
+    assert busy.value.status == 409
+    engine.live.clear()
+    await b.resolve("x")  # b knows x under id 2
+    await a.unload("x")
+    with pytest.raises(LoRANotFoundError):  # lora_not_loaded: the 404
+        await a.unload("x")
+    await a.load("x", "/x")  # x again, under a new id: b's entry is stale
+    state = SimpleNamespace(policy=None, processor=None, max_model_len=64, lora=b, model_name="m")
+    gen = TextGenerator(state, "completions")  # type: ignore[arg-type]
+    gen.outputs = outputs = _Outputs(engine)  # type: ignore[assignment]
+    req = CompletionRequest.model_validate({"model": "x", "prompt": [1], "max_tokens": 1})
+    http = Request({"type": "http"}, receive=_never)
+    source, fmt = SourcePrompt([1], [], "prompt"), CompletionFormat("x")
+    answer = await gen.respond(http, req, source, fmt, "cmpl-1")  # lora_id_mismatch: resent
+    assert answer.status_code == 200 and [i for _, i in outputs.sent] == [2, a.get("x").lora_id]
+    await a.unload("x")
+    with pytest.raises(LoRANotFoundError):  # lora_not_loaded for a request: looked up, the 404
+        await gen.respond(http, req, source, fmt, "cmpl-2")
+    with pytest.raises(StartupError, match="without --enable-lora"):  # unknown_utility
+        await _registry(FakeLoRAEngine(enabled=False, reword=True), "a=/a").start()
 
 
 def test_the_flag_takes_vllm_words_and_json() -> None:

@@ -60,6 +60,7 @@ import msgspec
 import numpy as np
 
 from mmis.engine.execution.runner import LaunchedStep, ModelRunner
+from mmis.engine.lora.errors import LoRADisabledError, LoRAInUseError
 from mmis.engine.scheduling.admission import ModelLimits, Problem, check_request
 from mmis.engine.scheduling.request import Request
 from mmis.engine.scheduling.sched_output import SchedulerOutput, StepOutput
@@ -174,16 +175,16 @@ class EngineCore:
             pre_encoded = any(  # by a remote encoder (E/PD): the base tower's output
                 isinstance(f.data, Mapping) and MM_EMBEDS in f.data for f in request.mm_features
             )
-            why = (
-                "cannot be served: this engine runs without --enable-lora"
+            why = (  # typed: its code goes on the wire (P0 looks a lora_not_loaded up again)
+                LoRADisabledError(
+                    f"LoRA adapter {request.lora_name!r} cannot be served: "
+                    "this engine runs without --enable-lora"
+                )
                 if lora is None
                 else lora.refusal(request.lora_name, request.lora_id, pre_encoded=pre_encoded)
             )
             if why is not None:
-                message = f"LoRA adapter {request.lora_name!r} {why}"
-                self._immediate.append(
-                    _error(request.request_id, ErrorCode.INVALID_REQUEST, message)
-                )
+                self._immediate.append(_error(request.request_id, ErrorCode(why.code), str(why)))
                 return
         try:
             admitted = Request.from_core_request(
@@ -386,10 +387,10 @@ class EngineCore:
         under it (its next step would find no weights)."""
         lora = self.runner.lora
         if lora is None:
-            raise ValueError("this engine runs without --enable-lora")
+            raise LoRADisabledError("this engine runs without --enable-lora")
         live = sum(r.lora_name == name for r in self.scheduler.requests.values())
         if live:
-            raise ValueError(f"LoRA adapter {name!r} is in use by {live} request(s)")
+            raise LoRAInUseError(f"LoRA adapter {name!r} is in use by {live} request(s)")
         return lora.unload_call(name)
 
     def reset_prefix_cache(self) -> int:

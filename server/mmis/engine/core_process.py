@@ -22,6 +22,8 @@ Threads and what each one owns (the invariants that keep P1 crash-free under dri
 - Utility calls are dispatched in one place, :meth:`EngineCoreProc._utility`, by one table
   (:meth:`EngineCoreProc.utilities`): the shell's own calls run on the input thread (they
   touch the receiver cache), the core's (:meth:`EngineCore.utilities`) on the busy loop.
+  A call that raises is answered, never fatal, with its exception's ``code`` when typed (the
+  LoRA refusals, ``unknown_utility``), else ``utility_failed`` (:func:`utility_error`).
 - ``reset_mm_cache`` empties the receiver cache and switches to its new epoch, so P0 drops
   its whole shadow instead of drifting. ``mm_cache_sync`` (a P0's once, after its
   handshake) queues for that client a reset and what the receiver holds now, so a restarted
@@ -108,7 +110,14 @@ class EngineCore(Protocol):
     def utilities(self) -> Mapping[str, Callable[..., Any]]: ...
 
 
-__all__ = ["MM_CACHE_SYNC", "EngineCore", "EngineCoreProc", "topic"]
+__all__ = [
+    "MM_CACHE_SYNC",
+    "EngineCore",
+    "EngineCoreProc",
+    "UnknownUtilityError",
+    "topic",
+    "utility_error",
+]
 
 MM_CACHE_SYNC = "mm_cache_sync"
 """The utility call a P0 makes once after its handshake: the receiver's current entries."""
@@ -138,11 +147,26 @@ class CoreUtility:
 CoreMessage = AddRequest | Abort | CoreUtility
 
 
+class UnknownUtilityError(MMISError, ValueError):
+    """A utility call naming a method this engine lacks (``unknown_utility``: P0 reads the
+    LoRA calls' as an engine without ``--enable-lora``)."""
+
+    code = ErrorCode.UNKNOWN_UTILITY.value
+
+
 def _unknown(method: str) -> Callable[..., Any]:
     def fail(*_args: Any) -> Any:
-        raise ValueError(f"unknown utility method {method!r}")
+        raise UnknownUtilityError(f"unknown utility method {method!r}")
 
     return fail
+
+
+def utility_error(method: str, exc: Exception) -> RequestError:
+    """The wire error of a utility call that raised ``exc``: its own ``code`` when it is typed
+    (:class:`MMISError`: the LoRA refusals, an unknown method), else ``utility_failed``; the
+    message is ``"<method>: <exc>"``."""
+    code = exc.code if isinstance(exc, MMISError) else ErrorCode.UTILITY_FAILED.value
+    return RequestError(code=code, message=f"{method}: {exc}")
 
 
 class EngineCoreProc:
@@ -378,7 +402,7 @@ class EngineCoreProc:
         try:
             result = UtilityResult(call_id=call.call_id, ok=True, result=fn(*call.args))
         except Exception as exc:  # a failed utility call is answered, never fatal
-            err = RequestError(code="utility_failed", message=f"{call.method}: {exc}")
+            err = utility_error(call.method, exc)
             result = UtilityResult(call_id=call.call_id, ok=False, error=err)
         self._out.answer(call.client_index, result)
 

@@ -17,7 +17,12 @@ error                                         status  ``code``
 :class:`ModelNotFoundError` (``model``)       404     ``model_not_found``
 LoRA adapters (``frontend/client/lora.py``):  400     ``invalid_request`` (cannot be loaded),
 load / unload / an unknown adapter            404     ``model_not_found``,
-                                              409     ``lora_adapter_in_use`` (unload)
+(switched on the engine's codes, never on     409     ``lora_adapter_in_use`` (unload)
+its texts: ``lora_in_use``, ...)
+a request's adapter the engine refused as     400     its own ``code`` (P0 first looks the
+``lora_not_loaded`` / ``lora_id_mismatch``            adapter up again and sends the request
+                                                      once more, else answers the 404:
+                                                      ``api/serving_generate.py``)
 :class:`RequestTooLargeError` (body size)     413     ``request_too_large``
 :class:`UnsupportedMediaTypeError`            415     ``unsupported_media_type``
 :class:`~mmis.protocol.errors.MultiModalCacheMissError` (after the one retry)
@@ -225,6 +230,10 @@ def error_body(exc: BaseException) -> dict[str, Any]:
     return {"error": error}
 
 
+STALE_LORA_CODES = frozenset({ErrorCode.LORA_NOT_LOADED.value, ErrorCode.LORA_ID_MISMATCH.value})
+"""The engine's refusals of a request's LoRA adapter that a fresh look-up of it may heal."""
+
+
 def from_request_error(
     error: RequestError, missing_mm_hashes: Iterable[str] = ()
 ) -> MMISError | FrontendError:
@@ -233,7 +242,9 @@ def from_request_error(
     A ``multimodal_cache_miss`` becomes :class:`MultiModalCacheMissError` (the endpoint retries
     it once; if it reaches :func:`error_body` it is the 503). Unknown codes are internal errors.
     An ``invalid_request`` error keeps the ``param`` P1 named (e.g. the field that carried a
-    structured-output constraint that did not compile).
+    structured-output constraint that did not compile). A LoRA adapter the engine does not hold
+    (``lora_not_loaded``) or holds under another id (``lora_id_mismatch``) is a 400 keeping
+    that code, which ``api/serving_generate.py`` switches on.
     """
     if error.code == ErrorCode.MULTIMODAL_CACHE_MISS.value:
         return MultiModalCacheMissError(missing_mm_hashes)
@@ -241,6 +252,8 @@ def from_request_error(
         return ContextLengthExceededError(error.message, param="messages")
     if error.code == ErrorCode.INVALID_REQUEST.value:
         return InvalidRequestError(error.message, param=error.param)
+    if error.code in STALE_LORA_CODES:  # the request's ``model`` names an adapter P0 knows stale
+        return InvalidRequestError(error.message, param="model", code=error.code)
     internal = MMISError(error.message)
     internal.code = ErrorCode.INTERNAL.value
     return internal

@@ -46,6 +46,23 @@ class ErrorCode(enum.StrEnum):
     """P1 restarted (new cache epoch) under a request in flight; retryable."""
     ENGINE_UNAVAILABLE = "engine_unavailable"
     """P1 stopped answering (or P0 is closing); retryable by the client."""
+    UTILITY_FAILED = "utility_failed"
+    """A utility call raised an error that has no code of its own."""
+    UNKNOWN_UTILITY = "unknown_utility"
+    """A utility call names a method this engine does not have (e.g. LoRA without
+    ``--enable-lora``)."""
+    # LoRA refusals (engine/lora/errors.py); P0 switches on these, never on message texts
+    LORA_INVALID = "lora_invalid"
+    """An adapter that cannot be loaded: files, PEFT config, rank or target modules."""
+    LORA_ALREADY_LOADED = "lora_already_loaded"
+    LORA_ID_REUSED = "lora_id_reused"
+    """A load under an id that is not positive or was used before in the engine's life."""
+    LORA_NOT_LOADED = "lora_not_loaded"
+    """A request or an unload names an adapter the engine does not hold."""
+    LORA_ID_MISMATCH = "lora_id_mismatch"
+    """A request names a held adapter under another id (a stale P0 entry)."""
+    LORA_IN_USE = "lora_in_use"
+    """An unload refused while a live request runs under the adapter."""
 
 
 class PlaceholderRange(msgspec.Struct, array_like=True, frozen=True):

@@ -1,7 +1,7 @@
 """Multi-LoRA (issue 47): PEFT adapters served side by side in one batch, on the language
 model's projections and, where an adapter has weights there, the vision tower and projector.
 
-One concept per file: ``errors.py`` (the typed refusals, each a 400 at the API),
+One concept per file: ``errors.py`` (the typed refusals, each with its wire ``code``),
 ``adapter.py`` (reading and validating a PEFT directory), ``residency.py`` (torch-free:
 ``--max-loras`` device slots and ``--max-cpu-loras`` host copies, LRU, pins),
 ``layer.py`` (the wrapped projection and the grouped apply), ``manager.py`` (one model's LoRA
@@ -31,17 +31,19 @@ configuration time for now):
 - The scheduler keeps at most ``max_loras`` distinct adapters among its running requests
   (``SchedulerConfig.max_loras``), so a step's adapters always fit the slots.
 
-Wired (this session): ``EngineCoreRequest.lora_name`` / ``lora_id`` (protocol v8, appended
-with defaults); ``make_core`` builds the manager under ``--enable-lora`` (and ``load_model``
-then skips the CUDA projection fusion); the core refuses a request whose adapter is not loaded,
-has another id, or changes the tower while its images come pre-encoded (E/PD), as
-``invalid_request``; it keys a tower adapter's items ``<mm_hash>+lora<id>``
-(``scheduling/request.py`` ``encoder_key``); prefix-cache keys chain from ``lora_root(id)``
-(``protocol/block_keys.py``); KV events carry ``lora_id`` / ``lora_name``. The engine's
-utility calls for P0's API: ``load_lora_adapter(name, lora_id, path)`` -> ``{name, lora_id,
-tower}``, ``unload_lora_adapter(name)`` (refused while a live request uses it),
-``list_lora_adapters()`` -> ``[{name, lora_id, path, tower}]``; a refusal comes back as the
-utility's error (``utility_failed``) whose message starts with the cause. P0 must assign ids
-that are never reused in an engine's life and compute block keys with
+Wired (this session): ``EngineCoreRequest.lora_name`` / ``lora_id`` (protocol v8, appended with
+defaults); ``make_core`` builds the manager under ``--enable-lora`` (and ``load_model`` then
+skips the CUDA projection fusion); the core refuses a request whose adapter is not loaded
+(``lora_not_loaded``), has another id (``lora_id_mismatch``), or changes the tower while its
+images come pre-encoded (E/PD, ``invalid_request``); it keys a tower adapter's items
+``<mm_hash>+lora<id>`` (``scheduling/request.py`` ``encoder_key``); prefix-cache keys chain
+from ``lora_root(id)`` (``protocol/block_keys.py``); KV events carry ``lora_id`` /
+``lora_name``. The engine's utility calls for P0's API: ``load_lora_adapter(name, lora_id,
+path)`` -> ``{name, lora_id, tower}``, ``unload_lora_adapter(name)`` (refused while a live
+request uses it), ``list_lora_adapters()`` -> ``[{name, lora_id, path, tower}]``; a refusal
+comes back as the utility's error with its class's code (``lora_invalid``,
+``lora_already_loaded``, ``lora_id_reused``, ``lora_not_loaded``, ``lora_in_use``; an engine
+without ``--enable-lora`` answers ``unknown_utility``) and a message starting with the cause.
+P0 must assign ids that are never reused in an engine's life and compute block keys with
 ``block_keys.chain(..., lora_id=...)`` for routing.
 """

@@ -27,7 +27,14 @@ from dataclasses import dataclass
 import torch
 
 from mmis.engine.lora.adapter import LoRAAdapter, load_adapter
-from mmis.engine.lora.errors import LoRAError
+from mmis.engine.lora.errors import (
+    LoRAAlreadyLoadedError,
+    LoRAError,
+    LoRAIdMismatchError,
+    LoRAIdReusedError,
+    LoRANotLoadedError,
+    LoRAPreEncodedError,
+)
 from mmis.engine.lora.layer import LoRALinear, LoRARows
 from mmis.engine.lora.residency import SlotTable
 
@@ -105,9 +112,9 @@ class LoRAManager:
     def add(self, name: str, lora_id: int, path: str) -> Registered:
         """Validate and register the PEFT adapter at ``path`` (a typed LoRAError if not)."""
         if name in self._registered:
-            raise LoRAError(f"LoRA adapter {name!r} is already loaded")
+            raise LoRAAlreadyLoadedError(f"LoRA adapter {name!r} is already loaded")
         if lora_id < 1 or lora_id in self._used_ids:  # an id names one adapter for life
-            raise LoRAError(
+            raise LoRAIdReusedError(
                 f"LoRA adapter {name!r}: id {lora_id} is not positive or was used before "
                 "(prefix-cache blocks are keyed by it: protocol/block_keys.py)"
             )
@@ -126,7 +133,7 @@ class LoRAManager:
     def remove(self, name: str) -> None:
         """Unregister ``name`` (refused while a running request uses it); its slot is zeroed."""
         if name not in self._registered:
-            raise LoRAError(f"LoRA adapter {name!r} is not loaded")
+            raise LoRANotLoadedError(f"LoRA adapter {name!r} is not loaded")
         slot = self.table.drop(name)
         if slot is not None:
             for layer in self.layers.values():
@@ -136,23 +143,28 @@ class LoRAManager:
 
     def get(self, name: str) -> Registered:
         if name not in self._registered:
-            raise LoRAError(f"LoRA adapter {name!r} is not loaded")
+            raise LoRANotLoadedError(f"LoRA adapter {name!r} is not loaded")
         return self._registered[name]
 
     def registered(self) -> Iterator[Registered]:
         return iter(self._registered.values())
 
-    def refusal(self, name: str, lora_id: int, *, pre_encoded: bool = False) -> str | None:
-        """Why a request under ``name`` / ``lora_id`` cannot run (None: it can);
-        ``pre_encoded``: some of its images come as encoder outputs (E/PD), which only an
-        adapter that leaves the tower alone can use."""
+    def refusal(self, name: str, lora_id: int, *, pre_encoded: bool = False) -> LoRAError | None:
+        """Why a request under ``name`` / ``lora_id`` cannot run, typed (its ``code`` goes on
+        the wire; None: it can); ``pre_encoded``: some of its images come as encoder outputs
+        (E/PD), which only an adapter that leaves the tower alone can use."""
         entry = self._registered.get(name)
         if entry is None:
-            return "is not loaded"
+            return LoRANotLoadedError(f"LoRA adapter {name!r} is not loaded")
         if entry.lora_id != lora_id:
-            return f"has id {entry.lora_id}, not {lora_id}"
+            return LoRAIdMismatchError(
+                f"LoRA adapter {name!r} has id {entry.lora_id}, not {lora_id}"
+            )
         if pre_encoded and entry.changes_tower:
-            return "changes the vision tower: its images cannot come pre-encoded (E/PD)"
+            return LoRAPreEncodedError(
+                f"LoRA adapter {name!r} changes the vision tower: its images cannot come "
+                "pre-encoded (E/PD)"
+            )
         return None
 
     # the engine's utility calls (engine/core.py's table; P0's load/unload API, issue 47)

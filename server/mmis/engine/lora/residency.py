@@ -19,7 +19,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from mmis.engine.lora.errors import LoRACapacityError
+from mmis.engine.lora.errors import LoRACapacityError, LoRAInUseError
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class SlotTable:
         """Forget ``name`` (unload): its slot, if any, is freed and returned; refused while
         pinned."""
         if self._pins[name]:
-            raise ValueError(f"LoRA adapter {name!r} is in use by running requests")
+            raise LoRAInUseError(f"LoRA adapter {name!r} is in use by running requests")
         self._host.pop(name, None)
         slot = self._slots.pop(name, None)
         if slot is not None:

@@ -45,9 +45,8 @@ from mmis.frontend.client.output_processor import (
     TokenUsage,
 )
 from mmis.frontend.client.renderer import SourcePrompt
-from mmis.frontend.errors import SSE_DONE
+from mmis.frontend.errors import SSE_DONE, STALE_LORA_CODES
 from mmis.protocol.errors import MMISError
-from mmis.protocol.messages import ErrorCode
 
 if TYPE_CHECKING:
     from mmis.frontend.state import FrontendState
@@ -151,12 +150,9 @@ class TextGenerator:
 
     def _stale(self, request: GenerateRequest, exc: MMISError) -> bool:
         """Whether the engine refused ``request``'s adapter as not loaded, or as loaded under
-        another id: a sibling P0 unloaded (or reloaded) it, and this P0's entry is stale."""
-        name = request.lora_name
-        if name is None or exc.code != ErrorCode.INVALID_REQUEST.value:
-            return False
-        text = str(exc)
-        return f"{name!r} is not loaded" in text or f"{name!r} has id" in text
+        another id (its codes, never its message): a sibling P0 unloaded (or reloaded) it, and
+        this P0's entry is stale."""
+        return request.lora_name is not None and exc.code in STALE_LORA_CODES
 
     async def respond(
         self,

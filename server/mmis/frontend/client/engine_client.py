@@ -78,7 +78,22 @@ __all__ = ["EngineClient", "EngineUnavailableError", "OutputQueue", "error_outpu
 
 
 class UtilityCallError(MMISError):
-    code = "utility_failed"
+    """A utility call the engine answered with an error; ``code`` is the wire
+    ``RequestError.code`` (the engine's typed refusal, e.g. ``lora_in_use``, or
+    ``utility_failed``): callers switch on it, never on the message."""
+
+    code = ErrorCode.UTILITY_FAILED.value
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+    @classmethod
+    def from_wire(cls, error: RequestError | None) -> UtilityCallError:
+        if error is None:
+            return cls("utility call failed")
+        return cls(error.message, error.code)
 
 
 @dataclasses.dataclass
@@ -324,8 +339,7 @@ class EngineClient(EngineLiveness):
                 if res.ok:
                     fut.set_result(res.result)
                 else:
-                    msg = res.error.message if res.error else "utility call failed"
-                    fut.set_exception(UtilityCallError(msg))
+                    fut.set_exception(UtilityCallError.from_wire(res.error))
         for out in batch.outputs:
             entry = self._inflight.get(out.request_id)
             if entry is not None:

@@ -19,6 +19,9 @@ Invariants:
   unknown adapter is a 404 :class:`LoRANotFoundError` (``model_not_found``); one that a live
   request uses is a 409 :class:`LoRAInUseError`; an engine without ``--enable-lora`` is a 400
   saying so. Nothing is half-registered: the registry changes only after the engine answered.
+- What a refusal means is read from its wire code alone (``ErrorCode``: ``lora_id_reused``,
+  ``lora_already_loaded``, ``lora_not_loaded``, ``lora_in_use``, ``unknown_utility``; the
+  engine's typed errors, ``engine/lora/errors.py``), never from its message text.
 - ``--lora-modules`` entries are ``NAME=PATH`` or vLLM's JSON form ``{"name": ..., "path":
   ...}`` (:func:`parse_lora_module`); at start-up each is loaded (or adopted, when the engine
   already holds that name: a sibling or an earlier P0 loaded it), and a bad one is a one-line
@@ -40,6 +43,7 @@ from mmis.config import StartupError
 from mmis.frontend.client.engine_client import EngineClient, UtilityCallError
 from mmis.frontend.config import parse_lora_module
 from mmis.frontend.errors import FrontendError
+from mmis.protocol.messages import ErrorCode
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +81,9 @@ class LoRAAdapter:
 
 
 def _cause(exc: BaseException, method: str) -> str:
-    """The engine's message without its ``method: `` prefix (it starts with the cause)."""
+    """The engine's message without its ``method: `` prefix (it starts with the cause), for
+    the client to read; what the refusal means is its code."""
     return str(exc).removeprefix(f"{method}: ")
-
-
-def _is_unknown_method(cause: str) -> bool:
-    return cause.startswith("unknown utility method")
 
 
 class LoRARegistry:
@@ -199,12 +200,11 @@ class LoRARegistry:
                 try:
                     await self._client.call_utility(LOAD, name, lora_id, path)
                 except UtilityCallError as exc:
-                    cause = _cause(exc, LOAD)
-                    if "was used before" in cause:  # an earlier P0 of this index took it
+                    if exc.code == ErrorCode.LORA_ID_REUSED:  # an earlier P0 of this index
                         continue
-                    if "is already loaded" in cause:  # a sibling loaded it: adopt
+                    if exc.code == ErrorCode.LORA_ALREADY_LOADED:  # a sibling loaded it: adopt
                         await self.refresh()
-                    raise self._refusal(cause, "lora_path") from None
+                    raise self._refusal(exc, LOAD, "lora_path") from None
                 adapter = LoRAAdapter(name, lora_id, path)
                 self._adapters[name] = adapter
                 return adapter
@@ -217,15 +217,14 @@ class LoRARegistry:
             try:
                 await self._client.call_utility(UNLOAD, name)
             except UtilityCallError as exc:
-                cause = _cause(exc, UNLOAD)
-                if cause.endswith("is not loaded"):
+                if exc.code == ErrorCode.LORA_NOT_LOADED:
                     self._adapters.pop(name, None)
                     raise LoRANotFoundError(
                         f"the LoRA adapter {name!r} cannot be found", param="lora_name"
                     ) from None
-                if "is in use by" in cause:
-                    raise LoRAInUseError(cause, param="lora_name") from None
-                raise self._refusal(cause, "lora_name") from None
+                if exc.code == ErrorCode.LORA_IN_USE:
+                    raise LoRAInUseError(_cause(exc, UNLOAD), param="lora_name") from None
+                raise self._refusal(exc, UNLOAD, "lora_name") from None
             self._adapters.pop(name, None)
 
     # ------------------------------------------------------------------ helpers
@@ -233,14 +232,15 @@ class LoRARegistry:
         try:
             listed = await self._client.call_utility(LIST)
         except UtilityCallError as exc:
-            raise self._refusal(_cause(exc, LIST), None) from None
+            raise self._refusal(exc, LIST, None) from None
         return list(listed or [])
 
     @staticmethod
-    def _refusal(cause: str, param: str | None) -> LoRAAdapterError:
-        if _is_unknown_method(cause):
-            cause = "the engine runs without --enable-lora"
-        return LoRAAdapterError(cause, param=param)
+    def _refusal(exc: UtilityCallError, method: str, param: str | None) -> LoRAAdapterError:
+        """The 400 of a refusal: the engine's cause, or that it has no LoRA calls at all."""
+        if exc.code == ErrorCode.UNKNOWN_UTILITY:
+            return LoRAAdapterError("the engine runs without --enable-lora", param=param)
+        return LoRAAdapterError(_cause(exc, method), param=param)
 
     def _seen(self, lora_id: int) -> None:
         """Move the id sequence past ``lora_id``."""
