@@ -143,6 +143,10 @@ def configure(settings: kopf.OperatorSettings, options: Options) -> kopf.Operato
     settings.peering.name = options.peering or "default"
     settings.peering.priority = options.priority
     settings.peering.clusterwide = not options.namespaces
+    # a namespaced operator serves exactly its namespaces (no globs): without this, kopf
+    # retries listing every namespace (which the chart's namespaced RBAC refuses) for
+    # about a minute before it serves them anyway
+    settings.scanning.disabled = bool(options.namespaces)
     if options.workers is not None:
         settings.execution.max_workers = options.workers
     return settings
