@@ -13,6 +13,7 @@ runner with ``engine/lora/`` (the same ``Driver`` the runner parity tests use).
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +35,9 @@ from mmis.protocol.messages import (
 
 from .conftest import Driver, Family
 
-LM = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
-TOWER = {  # language model + vision tower + projector
-    "llava": r".*(language_model.*\.(q_proj|v_proj|down_proj)|vision_tower.*\.(q_proj|fc1|out_proj)"
-    r"|multi_modal_projector\.linear_[12])",
-    "qwen2-vl": r".*(language_model.*\.(q_proj|v_proj|down_proj)|visual\.blocks.*\.(qkv|fc2)"
-    r"|visual\.merger\.mlp\.[02])",
-}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the adapter maker
+from lora_adapters import LM, TOWER, make_adapter
+
 # name -> (target, rank, alpha, rslora, seed); "tower" reaches the vision side
 ADAPTERS: dict[str, tuple[str, int, int, bool, int]] = {
     "lm": (LM, 8, 16, False, 1),
@@ -71,22 +68,15 @@ _PEFT: dict[tuple[str, str], Any] = {}
 def _setup(name: str, tiny_dirs: dict[str, Path], root: Path) -> Setup:
     if name in _SETUPS:
         return _SETUPS[name]
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoProcessor
 
     path = tiny_dirs[name]
     dirs = {}
     for adapter, (target, rank, alpha, rslora, seed) in ADAPTERS.items():
         target = TOWER[name] if target == "TOWER" else target
-        config = LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=target)
-        peft_model = get_peft_model(_base(path), config)
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():  # PEFT inits B to zero: random non-zero A and B
-            for pname, param in peft_model.named_parameters():
-                if "lora_" in pname:
-                    param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
-        dirs[adapter] = root / name / adapter
-        peft_model.save_pretrained(dirs[adapter])
+        dirs[adapter] = make_adapter(
+            path, root / name / adapter, target, rank=rank, alpha=alpha, seed=seed, rslora=rslora
+        )
     ours = load_adapter(path, "cpu", torch.float32)
     runner = ModelRunner.create(ours, num_blocks=256, block_size=16)
     runner.lora = LoRAManager(ours.model, max_loras=4, max_rank=8)
