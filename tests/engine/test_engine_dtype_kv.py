@@ -29,6 +29,7 @@ from engine_harness import EngineHarness
 from mmis.config import ConfigError, GiB
 from mmis.engine.config import DEFAULT_KV_BLOCKS, EngineConfig
 from mmis.engine.execution.dtype import (
+    DtypeError,
     bf16_matmul_faster,
     checkpoint_dtype,
     cpu_flags,
@@ -101,6 +102,22 @@ def test_a_bad_dtype_is_refused() -> None:
     done = run_engine("--dtype", "int8")
     assert done.returncode != 0
     assert "invalid choice: 'int8'" in done.stderr
+
+
+def test_bfloat16_on_a_gpu_without_it_names_the_gpu_and_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pre-Ampere GPU (V100, T4) lacks bfloat16; no lent device (H100/H200) does, so this
+    one check runs here with torch's two CUDA queries stubbed (``mmis serve`` turns the
+    :class:`DtypeError` into its one start-up line: tests/entrypoints/test_startup_errors.py)."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100-SXM2-16GB")
+    with pytest.raises(DtypeError) as caught:
+        resolve_dtype("bfloat16", torch.device("cuda"), tmp_path)
+    message = str(caught.value)
+    assert "Tesla V100" in message and "compute capability 8.0" in message
+    assert "use --dtype float16, or --dtype auto" in message
+    assert "\n" not in message
 
 
 def test_a_budget_below_one_max_length_sequence_is_refused() -> None:

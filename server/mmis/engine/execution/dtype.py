@@ -94,7 +94,10 @@ def resolve_dtype(
         raise DtypeError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {name!r}")
     dtype = DTYPES[name]
     if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise DtypeError(f"--dtype bfloat16 is not supported on {torch.cuda.get_device_name()}")
+        raise DtypeError(
+            f"--dtype bfloat16 is not supported on {torch.cuda.get_device_name()} (bfloat16 "
+            "needs compute capability 8.0 or newer): use --dtype float16, or --dtype auto"
+        )
     try:
         _compute_check(dtype, device)
     except RuntimeError as exc:
