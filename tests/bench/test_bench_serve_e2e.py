@@ -13,6 +13,8 @@ from pathlib import Path
 
 from procs import MMIS, Proc, series
 
+from mmis.bench.serve import request_models
+
 TOKENS = "mmis_generation_tokens_total"
 
 
@@ -67,3 +69,18 @@ def test_bench_imports_no_torch() -> None:
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_lora_modules_name_each_requests_model(tiny_server: Proc, tmp_path: Path) -> None:
+    # the server serves "tiny" and no adapter "nope": the requests drawn "nope" (seeded, as
+    # request_models draws them) are exactly the 404s, each naming it
+    run = bench(tiny_server, tmp_path, "--lora-modules", "tiny", "nope", "--seed", "3")
+    result = json.loads((tmp_path / "result.json").read_text())
+    names = request_models(6, "tiny", ["tiny", "nope"], "random", 3)
+    assert 0 < names.count("nope") < 6 and run.returncode == 0, run.stderr
+    assert result["lora_modules"] == ["tiny", "nope"] and result["lora_assignment"] == "random"
+    assert result["lora_requests"] == {"tiny": names.count("tiny"), "nope": names.count("nope")}
+    assert result["errors_by_status"] == {"404": names.count("nope")}
+    failed = [i for i, error in enumerate(result["errors"]) if error]
+    assert failed == [i for i, n in enumerate(names) if n == "nope"]
+    assert all("nope" in result["errors"][i] for i in failed)

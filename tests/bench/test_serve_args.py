@@ -11,7 +11,7 @@ import statistics
 import pytest
 
 from mmis.bench.datasets import SampleRequest
-from mmis.bench.serve import arrival_delays, build_body
+from mmis.bench.serve import arrival_delays, build_body, request_models
 from mmis.entrypoints import bench
 
 
@@ -33,6 +33,15 @@ def test_body_streams_with_usage_and_images_after_the_text() -> None:
     assert body["max_completion_tokens"] == 5 and body["ignore_eos"] and body["top_k"] == 1
     content = body["messages"][0]["content"]
     assert [part["type"] for part in content] == ["text", "image_url"]
+
+
+def test_lora_modules_pick_each_requests_model_seeded_or_in_turn() -> None:
+    assert request_models(3, "base", None) == ["base"] * 3
+    assert request_models(5, "base", ["a", "b", "c"], "round-robin") == ["a", "b", "c", "a", "b"]
+    drawn = request_models(200, "base", ["a", "b", "c", "d"], "random", 7)
+    assert drawn == request_models(200, "base", ["a", "b", "c", "d"], "random", 7)
+    assert drawn != request_models(200, "base", ["a", "b", "c", "d"], "random", 8)
+    assert all(25 <= drawn.count(name) <= 75 for name in "abcd")  # each about 50 of 200
 
 
 def parse(*argv: str) -> argparse.Namespace:
