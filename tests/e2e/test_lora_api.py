@@ -18,6 +18,12 @@ driven by the openai SDK and httpx:
   base model's for the same prompt (a router matches them: docs/ROUTING.md).
 - Without ``--allow-runtime-lora-updating`` (the session's ``tiny_serve``) the routes do not
   exist (404, as vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING) and an adapter name is a 404.
+- The operator's internal routes on the operations port (``--ops-port``; the internal token
+  only): ``POST /internal/load_lora_adapter`` of a hub id (``hf://org/name@rev``, read from an
+  HF cache the test fills: the server runs offline) is served under its name and listed, with
+  ``GET /stats/cache``'s ``lora`` naming what the engine holds; a repeat is a 200, the same name
+  from another path a 409 ``lora_already_loaded``; unloading twice is a 200 each time. A hub id
+  that is malformed or not to be had is a 400 naming the cause, at once.
 """
 
 from __future__ import annotations
@@ -46,13 +52,16 @@ pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(300)]
 KEY = "sk-lora"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_RANK = 8
-TOKEN = "7f" * 32  # the internal token (/internal/block_keys)
+TOKEN = "7f" * 32  # the internal token (/internal/*)
+INTERNAL = {"Authorization": f"Bearer {TOKEN}"}
+HUB_ID = "hf://mmis-test/lm@v1"  # lm's files in the server's HF cache (hub_cache)
 
 
 class Served:
-    def __init__(self, proc: Proc, dirs: dict[str, Path], replay: str) -> None:
+    def __init__(self, proc: Proc, dirs: dict[str, Path], replay: str, ops: str) -> None:
         self.proc = proc
         self.replay = replay  # the engine's KV-events replay endpoint
+        self.ops = ops  # the operations port's root URL
         self.dirs = dirs
         self.client = openai_client(proc, api_key=KEY)
         self.http = httpx.Client(base_url=proc.root_url, headers=AUTH, timeout=60.0)
@@ -78,6 +87,26 @@ class Served:
     def post(self, path: str, body: dict[str, Any], **kw: Any) -> httpx.Response:
         return self.http.post(path, json=body, **kw)
 
+    def internal(
+        self, path: str, body: dict[str, Any], token: str | None = TOKEN
+    ) -> httpx.Response:
+        headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+        return httpx.post(self.ops + path, json=body, headers=headers, timeout=60.0)
+
+
+def hub_cache(root: Path, repo: str, revision: str, adapter: Path) -> Path:
+    """An HF hub cache under ``root`` holding ``adapter``'s files as ``repo`` at ``revision``
+    (huggingface_hub's layout: ``models--org--name/{refs/<rev>, snapshots/<commit>/...}``)."""
+    folder = root / ("models--" + repo.replace("/", "--"))
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = folder / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for file in adapter.iterdir():
+        (snapshot / file.name).write_bytes(file.read_bytes())
+    (folder / "refs").mkdir()
+    (folder / "refs" / revision).write_text(commit)
+    return root
+
 
 @pytest.fixture(scope="module")
 def served(start_serve: ServeFactory, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
@@ -99,9 +128,12 @@ def served(start_serve: ServeFactory, tmp_path_factory: pytest.TempPathFactory) 
     ]
     events, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     flags += ["--kv-events-endpoint", events, "--kv-events-replay-endpoint", replay]
+    ops_port = free_port()
+    flags += ["--ops-port", str(ops_port)]
     env = {"OMP_NUM_THREADS": "1", "MMIS_FRONTEND_INTERNAL_TOKEN": TOKEN}
+    env["HF_HUB_CACHE"] = str(hub_cache(root / "hub", "mmis-test/lm", "v1", dirs["lm"]))
     with start_serve("serve-lora", *flags, env=env) as proc:
-        running = Served(proc, dirs, replay)
+        running = Served(proc, dirs, replay, f"http://127.0.0.1:{ops_port}")
         yield running
         running.http.close()
 
@@ -169,6 +201,64 @@ def test_load_use_and_unload_at_run_time(served: Served) -> None:
     assert "again" not in {m.id for m in served.client.models.list().data}
 
 
+def test_the_internal_routes_keep_the_operators_adapter_set(served: Served) -> None:
+    load, unload = "/internal/load_lora_adapter", "/internal/unload_lora_adapter"
+    body = {"lora_name": "synced", "lora_path": HUB_ID}
+    for token in (None, KEY, "0" * 64):  # the internal token only: not the API key
+        refused = served.internal(load, body, token=token)
+        assert refused.status_code == 401, refused.text
+        assert refused.json()["error"]["code"] == "invalid_internal_token"
+    assert served.post(load, body).status_code == 404  # on the operations port only
+    loaded = served.internal(load, body)
+    assert loaded.status_code == 200, loaded.text
+    assert loaded.text == "Success: LoRA adapter 'synced' added successfully."
+    card = {m.id: m.model_dump() for m in served.client.models.list().data}["synced"]
+    assert card["parent"] == "tiny" and card["root"] == HUB_ID
+    assert served.chat("synced") == (served.chat("lm")[0], "synced")  # lm's files, from the hub
+
+    def held() -> list[dict[str, str]]:
+        stats = httpx.get(served.ops + "/stats/cache", timeout=30)  # no token: the probe's
+        assert stats.status_code == 200, stats.text
+        assert {"drift_rate", "hit_rate"} <= set(stats.json())
+        assert stats.json()["lora"]["max_loras"] >= 1
+        adapters: list[dict[str, str]] = stats.json()["lora"]["adapters"]
+        return adapters
+
+    lm, tower = ({"name": n, "path": str(served.dirs[n])} for n in ("lm", "tower"))
+    assert held() == [lm, {"name": "synced", "path": HUB_ID}, tower]  # sorted by name
+    again = served.internal(load, body)  # the operator's next sync: nothing to do
+    assert again.status_code == 200 and "already loaded" in again.text, again.text
+    other = served.internal(load, body | {"lora_path": tower["path"]})
+    assert other.status_code == 409, other.text
+    assert other.json()["error"]["code"] == "lora_already_loaded"
+    assert HUB_ID in other.json()["error"]["message"]
+    for said in ("removed successfully", "not loaded"):  # an unload twice: 200 both times
+        gone = served.internal(unload, {"lora_name": "synced"})
+        assert gone.status_code == 200 and said in gone.text, gone.text
+    assert held() == [lm, tower]
+    with pytest.raises(openai.NotFoundError):
+        served.chat("synced")
+
+
+@pytest.mark.parametrize(
+    ("path", "cause"),
+    [
+        ("hf://mmis-test/absent", "is not in the local HF cache and HF_HUB_OFFLINE is set"),
+        ("hf://mmis-test/lm@v2", "is not in the local HF cache and HF_HUB_OFFLINE is set"),
+        ("hf://no-org", "is not of the form hf://<org>/<name>[@<revision>]"),
+    ],
+)
+def test_a_hub_id_that_cannot_be_had_is_a_400_naming_the_cause(
+    served: Served, path: str, cause: str
+) -> None:
+    body = {"lora_name": "from-hub", "lora_path": path}
+    answer = served.internal("/internal/load_lora_adapter", body)
+    assert answer.status_code == 400, answer.text
+    message = answer.json()["error"]["message"]
+    assert cause in message and "from-hub" in message, message
+    assert answer.elapsed.total_seconds() < 5  # no retries against a hub it cannot reach
+
+
 @pytest.mark.parametrize(
     ("case", "cause"),
     [
@@ -218,11 +308,10 @@ def _replayed(dealer: zmq.Socket[bytes], start: int) -> list[bytes]:
 
 def test_block_keys_under_an_adapter_are_the_blocks_the_engine_announces(served: Served) -> None:
     body = chat_body((12, 140, 220), max_tokens=1)  # only the prompt's KV is computed
-    internal = {"Authorization": f"Bearer {TOKEN}"}
 
     def keys(model: str) -> dict[str, Any]:
-        url = served.proc.root_url + "/internal/block_keys"
-        answer = httpx.post(url, json=body | {"model": model}, headers=internal)
+        url = served.ops + "/internal/block_keys"
+        answer = httpx.post(url, json=body | {"model": model}, headers=INTERNAL)
         assert answer.status_code == 200, answer.text
         return answer.json()
 

@@ -373,10 +373,13 @@ class EngineCoreProc:
             self._answer(call, fn)
 
     def _hello(self) -> dict[str, Any]:
+        lora = getattr(getattr(self.core, "runner", None), "lora", None)
         return {
             "cache_epoch": self.cache_epoch,
             "engine_index": self.engine_index,
             **self.model_info,
+            # --max-loras with --enable-lora (P0's /stats/cache reports it)
+            **({} if lora is None else {"max_loras": str(lora.table.max_loras)}),
         }
 
     def _reset_mm_cache(self) -> bool:

@@ -17,8 +17,9 @@ error                                         status  ``code``
 :class:`ModelNotFoundError` (``model``)       404     ``model_not_found``
 LoRA adapters (``frontend/client/lora.py``):  400     ``invalid_request`` (cannot be loaded),
 load / unload / an unknown adapter            404     ``model_not_found``,
-(switched on the engine's codes, never on     409     ``lora_adapter_in_use`` (unload)
-its texts: ``lora_in_use``, ...)
+(switched on the engine's codes, never on     409     ``lora_adapter_in_use`` (unload),
+its texts: ``lora_in_use``, ...)                      ``lora_already_loaded`` (an internal
+                                                      load of a name held from another path)
 a request's adapter the engine refused as     400     its own ``code`` (P0 first looks the
 ``lora_not_loaded`` / ``lora_id_mismatch``            adapter up again and sends the request
                                                       once more, else answers the 404:

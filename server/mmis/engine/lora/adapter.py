@@ -15,6 +15,11 @@ Invariants:
 - The scaling is folded into ``B`` here: ``alpha / r``, or ``alpha / sqrt(r)`` with rslora
   (PEFT's rule), so the device computes ``x A^T (s B)^T`` and keeps no per-module scale.
 - Weights stay on the host in float32 (the resident set's CPU copy); the layer casts on load.
+- A ``path`` of the form ``hf://<org>/<name>[@<revision>]`` (a hub id, checked by P0:
+  ``frontend/client/lora_hub.py``) is read from the local HF cache only (:func:`local_directory`):
+  P0 downloaded its files there first, on its own thread; the engine never touches the network,
+  so a hub adapter dropped from the host set reads back from the same snapshot. Not in the
+  cache is a :class:`~mmis.engine.lora.errors.LoRAFileError` naming the id.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from mmis.engine.lora.errors import (
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+HUB_SCHEME = "hf://"
 KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
 
 
@@ -127,6 +133,29 @@ def _target_matches(target: object, modules: Mapping[str, tuple[int, int]]) -> l
     return [repr(target)]
 
 
+def local_directory(name: str, path: str) -> str:
+    """The directory of adapter ``path``: itself, or for a hub id the snapshot of its
+    revision in the local HF cache (``HF_HOME`` / ``HF_HUB_CACHE``; never the network)."""
+    if not path.startswith(HUB_SCHEME):
+        return path
+    repo, _, revision = path.removeprefix(HUB_SCHEME).partition("@")
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder: str = snapshot_download(
+            repo,
+            revision=revision or None,
+            allow_patterns=[CONFIG_FILE, "adapter_model.*"],
+            local_files_only=True,
+        )
+    except Exception as exc:  # LocalEntryNotFoundError, a malformed id, ...
+        raise LoRAFileError(
+            f"LoRA adapter {name!r}: {path} is not in the engine's HF cache (P0 downloads hub "
+            f"adapters into the HF_HOME it shares with the engine): {type(exc).__name__}"
+        ) from None
+    return folder
+
+
 def load_adapter(
     name: str,
     lora_id: int,
@@ -136,6 +165,7 @@ def load_adapter(
 ) -> LoRAAdapter:
     """The adapter at ``path``, checked against ``modules`` (name -> ``(in, out)`` of every
     LoRA-capable projection of the engine's model) and ``max_rank`` (see the docstring)."""
+    path = local_directory(name, path)
     if not os.path.isdir(path):
         raise LoRAFileError(f"LoRA adapter {name!r}: {path} is not a directory")
     rank, alpha, rslora, target = _check_config(name, _read_config(name, path))

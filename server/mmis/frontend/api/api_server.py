@@ -13,9 +13,11 @@ P1's polled figures, the drift gauge and P0's level gauges; P1 is polled first w
 snapshot is stale; one of N processes, ``--api-servers``, answers for all N there:
 :mod:`mmis.frontend.api.api_server_group`), ``GET /stats/cache``,
 ``POST /internal/block_keys`` (a chat request's prefix-cache block keys, for routers:
-docs/ROUTING.md) and ``POST /internal/reset_prefix_cache``
-(P1 forgets its cached prefix blocks and announces it; answers how many) — on ``--ops-port``
-when it is set. The two ``/internal/*`` routes answer only the internal token
+docs/ROUTING.md), ``POST /internal/reset_prefix_cache``
+(P1 forgets its cached prefix blocks and announces it; answers how many) and
+``POST /internal/load_lora_adapter`` / ``/internal/unload_lora_adapter`` (the operator's
+idempotent adapter sync: :mod:`mmis.frontend.api.lora_routes`) — on ``--ops-port``
+when it is set. The ``/internal/*`` routes answer only the internal token
 (``MMIS_FRONTEND_INTERNAL_TOKEN``; 403 without one configured), never the API key.
 
 ``GET /stats/cache`` (no key: the operator reads it on every ready pod) answers the drift
@@ -23,7 +25,10 @@ window as JSON: ``drift_rate`` (drift misses / shadow hits over the window; 0.0 
 shadow hits), ``hit_rate`` (sender-cache hits / lookups), ``retry_rate`` (retries /
 requests), the raw window deltas ``shadow_hits``, ``drift_misses``, ``queries``,
 ``retries``, ``requests``, and ``window_seconds`` / ``span_seconds`` (the configured window,
-and how much of it the samples cover so far).
+and how much of it the samples cover so far); with LoRA on (the engine's ``--enable-lora``),
+``lora``: ``{"adapters": [{"name", "path"}, ...] sorted by name, "max_loras"}``, the engine's
+list asked on each call as ``/v1/models`` does (the same for every ``--api-servers``
+process), for the operator's adapter sync; without LoRA the key is absent.
 
 Invariants:
 - Every request passes :class:`~mmis.frontend.api.http_gate.HttpGate` first (the outermost
@@ -91,6 +96,7 @@ from mmis.frontend.api.serving_common import ClientGoneError
 from mmis.frontend.api.serving_completions import CompletionServing
 from mmis.frontend.api.serving_embeddings import EmbeddingServing
 from mmis.frontend.api.serving_responses import ResponsesServing
+from mmis.frontend.client.lora import LoRAAdapter
 from mmis.frontend.client.sibling_bindings import SiblingBindings
 from mmis.frontend.config import FrontendConfig
 from mmis.frontend.errors import (
@@ -197,6 +203,14 @@ def create_app(
         state: FrontendState = request.app.state.mmis
         return state
 
+    async def engine_adapters(state: FrontendState) -> list[LoRAAdapter]:
+        """The LoRA adapters the engine holds: its list, which a sibling P0 may have changed
+        (else, when the engine cannot answer, what this P0 knows); none without LoRA."""
+        if state.lora.enabled:
+            with contextlib.suppress(FrontendError, TimeoutError):
+                await state.lora.refresh()
+        return state.lora.adapters()
+
     async def parse(request: Request, model: type[M]) -> M:
         """The body as ``model`` (400 when malformed), naming a served model (else 404)."""
         body = await request.body()
@@ -253,9 +267,6 @@ def create_app(
             )
             for name in served
         ]
-        if state.lora.enabled:  # the engine's list, which a sibling P0 may have changed
-            with contextlib.suppress(FrontendError, TimeoutError):  # else what this P0 knows
-                await state.lora.refresh()
         cards += [  # vLLM's shape: the adapter's path as root, the base model as parent
             ModelCard(
                 id=adapter.name,
@@ -266,7 +277,7 @@ def create_app(
                 dtype=engine.get("dtype"),
                 device=engine.get("device"),
             )
-            for adapter in state.lora.adapters()
+            for adapter in await engine_adapters(state)
         ]
         return ModelList(data=cards)
 
@@ -303,10 +314,20 @@ def create_app(
 
     @app.get("/stats/cache")
     async def cache_stats(request: Request) -> Response:
-        own = state_of(request).telemetry.drift.stats()
-        if group is None or group.is_private(request.scope):
-            return JSONResponse(own)
-        return JSONResponse(await group_cache_stats(group, own))
+        state = state_of(request)
+        own = state.telemetry.drift.stats()
+        if group is not None and group.is_private(request.scope):
+            return JSONResponse(own)  # a sibling sums the windows (api_server_group.py)
+        stats: dict[str, object] = dict(
+            own if group is None else await group_cache_stats(group, own)
+        )
+        if state.lora.enabled:  # the operator's adapter sync reads what the engine holds
+            adapters = sorted(await engine_adapters(state), key=lambda a: a.name)
+            stats["lora"] = {
+                "adapters": [{"name": a.name, "path": a.path} for a in adapters],
+                "max_loras": int(state.client.engine_info.get("max_loras", 0)),
+            }
+        return JSONResponse(stats)
 
     @app.post("/sibling/uuid_binding", include_in_schema=False)  # no port serves it
     async def sibling_uuid_binding(request: Request) -> Response:

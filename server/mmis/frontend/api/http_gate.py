@@ -6,7 +6,8 @@ in this order:
 
 1. **Port.** With ``--ops-port`` set, the operations routes (:data:`OPS_PATHS`:
    ``/metrics``, ``/stats/cache``, ``/internal/block_keys``,
-   ``/internal/reset_prefix_cache``) answer on that port only (404
+   ``/internal/reset_prefix_cache``, ``/internal/load_lora_adapter``,
+   ``/internal/unload_lora_adapter``) answer on that port only (404
    on the serving port, after the key check), and that port answers nothing else but the
    probes (404). The operator's Service and Ingress expose the serving port only;
    Prometheus and the operator's coherence probe reach ``/metrics`` and ``/stats/cache`` on
@@ -17,10 +18,11 @@ in this order:
    and :data:`SIBLING_PATHS` (a sibling asking for a uuid binding), which nothing else
    answers (404).
 2. **Internal token.** :data:`INTERNAL_PATHS` (``/internal/*``: a router's key request, the
-   prefix-cache reset) answer only ``Authorization: Bearer <internal token>``
-   (``--internal-token``, set through ``MMIS_FRONTEND_INTERNAL_TOKEN``), on whichever port
-   serves them; the API key neither opens them nor is asked for there. A missing or wrong
-   token is 401 ``invalid_internal_token``; without a configured token they are 403
+   prefix-cache reset, the operator's LoRA adapter loads and unloads) answer only
+   ``Authorization: Bearer <internal token>`` (``--internal-token``, set through
+   ``MMIS_FRONTEND_INTERNAL_TOKEN``), on whichever port serves them; the API key neither
+   opens them nor is asked for there. A missing or wrong token is 401
+   ``invalid_internal_token``; without a configured token they are 403
    ``internal_routes_disabled``. Compared in constant time.
 3. **API key.** With ``--api-key`` (one key or several, separated by commas), every other
    path of the serving port but :data:`OPEN_PATHS` (``/health``, ``/ready``: kubelet carries
@@ -73,7 +75,14 @@ from mmis.frontend.errors import (
     error_status,
 )
 
-INTERNAL_PATHS = frozenset({"/internal/block_keys", "/internal/reset_prefix_cache"})
+INTERNAL_PATHS = frozenset(
+    {
+        "/internal/block_keys",
+        "/internal/reset_prefix_cache",
+        "/internal/load_lora_adapter",  # the operator's adapter sync (api/lora_routes.py)
+        "/internal/unload_lora_adapter",
+    }
+)
 OPS_PATHS = frozenset({"/metrics", "/stats/cache"}) | INTERNAL_PATHS
 OPEN_PATHS = frozenset({"/health", "/ready"})  # kubelet's probes carry no key
 SIBLING_PATHS = frozenset({"/sibling/uuid_binding"})  # one P0 of N asks another, privately

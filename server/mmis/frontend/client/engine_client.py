@@ -196,9 +196,8 @@ class EngineClient(EngineLiveness):
                         f"engine at {self.input_address} did not answer within {timeout:.0f}s"
                     ) from None
         self.cache_epoch = str(hello["cache_epoch"])
-        self.engine_info = {
-            k: str(hello[k]) for k in ("dtype", "device", "block_size") if k in hello
-        }
+        info = ("dtype", "device", "block_size", "max_loras")  # max_loras: LoRA on only
+        self.engine_info = {k: str(hello[k]) for k in info if k in hello}
         self._handshaken(loop)
         await self._sync_shadow()
 

@@ -14,6 +14,19 @@ Invariants:
   by it: ``protocol/block_keys.py``): this P0 picks ids ``client_index + 1 + k * api_servers``
   above every id it has seen, so siblings never pick the same one, and an id the engine says was
   used before (this P0 restarted) is skipped for the next.
+- Loads and unloads come two ways (``api/lora_routes.py``): vLLM's ``/v1`` routes (:meth:`load` /
+  :meth:`unload`: a name already loaded is a 400, an unknown one a 404) and the operator's
+  internal routes, which reconcile (:meth:`ensure_loaded` / :meth:`ensure_unloaded`: the
+  engine's list is asked first; a name loaded from the same path is a success, from another
+  path a 409 :class:`LoRAConflictError` ``lora_already_loaded``; unloading a name the engine
+  does not hold is a success). Both go through :meth:`load` / :meth:`unload`: one owner.
+- ``lora_path`` may be a hub id, ``hf://<org>/<name>[@<revision>]``
+  (``client/lora_hub.py``): P0 downloads the adapter's files into the HF cache on a worker
+  thread (the engine's loop never waits on the network), then hands the engine the id, which
+  the engine reads from that cache alone (``engine/lora/adapter.py``; the pod's containers
+  share ``HF_HOME``) and lists as the adapter's path. A
+  malformed id, an unreachable hub, a missing repo or revision is a 400 naming the cause, and
+  nothing reaches the engine.
 - A refusal keeps its cause: the engine's message (``"load_lora_adapter: LoRA adapter 'x':
   rank 32 exceeds ..."``) without the method prefix, as a 400 :class:`LoRAAdapterError`; an
   unknown adapter is a 404 :class:`LoRANotFoundError` (``model_not_found``); one that a live
@@ -41,6 +54,7 @@ from typing import Any
 
 from mmis.config import StartupError
 from mmis.frontend.client.engine_client import EngineClient, UtilityCallError
+from mmis.frontend.client.lora_hub import HubSourceError, download, parse_hub_source
 from mmis.frontend.config import parse_lora_module
 from mmis.frontend.errors import FrontendError
 from mmis.protocol.messages import ErrorCode
@@ -54,6 +68,23 @@ _MAX_ID_TRIES = 64  # ids the engine says were used before, skipped before givin
 class LoRAAdapterError(FrontendError):
     """An adapter that cannot be loaded (rank over ``--max-lora-rank``, missing or corrupt
     files, target modules the model lacks, a name already loaded, LoRA off): 400."""
+
+
+class LoRANameTakenError(LoRAAdapterError):
+    """A load under a name the engine already holds (vLLM's 400 on the ``/v1`` route);
+    ``held_path``: the path it holds that name from, when known."""
+
+    def __init__(self, message: str, *, held_path: str | None = None) -> None:
+        super().__init__(message, param="lora_name")
+        self.held_path = held_path
+
+
+class LoRAConflictError(FrontendError):
+    """A reconciling (internal) load of a name the engine holds from another path: 409
+    ``lora_already_loaded`` (unload it first)."""
+
+    status = 409
+    code = "lora_already_loaded"
 
 
 class LoRANotFoundError(FrontendError):
@@ -174,6 +205,7 @@ class LoRARegistry:
     async def _load_again(self, adapters: list[LoRAAdapter]) -> None:
         for adapter in adapters:
             try:
+                await self._fetch(adapter.name, adapter.path)
                 await self._client.call_utility(LOAD, adapter.name, adapter.lora_id, adapter.path)
             except Exception as exc:  # already loaded by a sibling, or gone: the engine decides
                 log.warning("LoRA adapter %r not loaded again: %s", adapter.name, exc)
@@ -191,10 +223,12 @@ class LoRARegistry:
         """Load ``path`` as ``name`` under a fresh id; :class:`LoRAAdapterError` naming the
         cause when the engine refuses it (nothing is registered then)."""
         async with self._lock:
-            if name in self._adapters:
-                raise LoRAAdapterError(
-                    f"the LoRA adapter {name!r} has already been loaded", param="lora_name"
+            held = self._adapters.get(name)
+            if held is not None:
+                raise LoRANameTakenError(
+                    f"the LoRA adapter {name!r} has already been loaded", held_path=held.path
                 )
+            await self._fetch(name, path)
             for _ in range(_MAX_ID_TRIES):
                 lora_id = self._next_id()
                 try:
@@ -204,6 +238,10 @@ class LoRARegistry:
                         continue
                     if exc.code == ErrorCode.LORA_ALREADY_LOADED:  # a sibling loaded it: adopt
                         await self.refresh()
+                        held = self._adapters.get(name)
+                        raise LoRANameTakenError(
+                            _cause(exc, LOAD), held_path=None if held is None else held.path
+                        ) from None
                     raise self._refusal(exc, LOAD, "lora_path") from None
                 adapter = LoRAAdapter(name, lora_id, path)
                 self._adapters[name] = adapter
@@ -227,7 +265,46 @@ class LoRARegistry:
                 raise self._refusal(exc, UNLOAD, "lora_name") from None
             self._adapters.pop(name, None)
 
+    async def ensure_loaded(self, name: str, path: str) -> bool:
+        """The operator's load: ``name`` held from ``path`` afterwards. True when it was
+        loaded now, False when the engine already held it from ``path``;
+        :class:`LoRAConflictError` when it holds ``name`` from another path."""
+        await self.refresh()  # the engine's list: a sibling may have loaded or unloaded it
+        try:
+            await self.load(name, path)
+        except LoRANameTakenError as exc:
+            if exc.held_path == path:
+                return False
+            held = f" from {exc.held_path}" if exc.held_path is not None else ""
+            raise LoRAConflictError(
+                f"the LoRA adapter {name!r} is already loaded{held}, not from {path}: "
+                "unload it first",
+                param="lora_path",
+            ) from None
+        return True
+
+    async def ensure_unloaded(self, name: str) -> bool:
+        """The operator's unload: True when ``name`` was unloaded now, False when the engine
+        did not hold it; :class:`LoRAInUseError` while a request runs under it."""
+        try:
+            await self.unload(name)
+        except LoRANotFoundError:
+            return False
+        return True
+
     # ------------------------------------------------------------------ helpers
+    @staticmethod
+    async def _fetch(name: str, path: str) -> None:
+        """For a hub id, have its files in the HF cache (downloaded on a worker thread) before
+        the engine reads them from there; a 400 naming adapter ``name`` and the cause when they
+        cannot be had. Nothing for a directory."""
+        try:
+            source = parse_hub_source(path)
+            if source is not None:
+                await asyncio.to_thread(download, source)
+        except HubSourceError as exc:
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: {exc}", param="lora_path") from None
+
     async def _list(self) -> list[dict[str, Any]] | None:
         try:
             listed = await self._client.call_utility(LIST)
