@@ -109,9 +109,11 @@ from typing import Any
 from mmis_operator import kube as r  # the resource's names (kube.py's first section)
 from mmis_operator import routing
 from mmis_operator.spec import (
+    ADAPTER_CLAIMS_DIR,
     AutoscalingSpec,
     MonitoringSpec,
     ServiceSpec,
+    adapter_claims,
     format_bytes,
     gib,
     merge,
@@ -407,6 +409,7 @@ ENGINE_STOP_SECONDS = 15  # P1's own stop after SIGTERM (the grace period's last
 # tests/contract/test_pod_contract.py checks it)
 API_SERVERS_STOP_MARGIN_SECONDS = 10
 TOKEN_ENV = "HF_TOKEN"
+ADAPTER_VOLUME_PREFIX = "lora-"  # + the claim of a pvc:// adapter source
 # P0's and the encoder's token (epd: MMIS_ENCODER_TOKEN), read from the internal token's Secret
 ENCODER_TOKEN_ENV = "MMIS_ENCODER_TOKEN"
 # snapshot_download of the weights, config, tokenizer and processor files of one revision
@@ -499,6 +502,8 @@ def engine_args(spec: ServiceSpec) -> list[str]:
         args += ["--otlp-traces-endpoint", spec.otlp_endpoint]
     if spec.routing is not None:  # the endpoint picker subscribes to its cache events
         args += routing.engine_args()
+    if spec.adapters is not None:  # the list itself reaches the pods at run time, never here
+        args += ["--enable-lora"]
     return [*args, *spec.engine_flags]  # spec.engine's serving settings (spec.ENGINE_FLAGS)
 
 
@@ -547,12 +552,32 @@ def _security() -> dict[str, Any]:
     }
 
 
-def _mounts() -> list[dict[str, Any]]:
+def _mounts(spec: ServiceSpec) -> list[dict[str, Any]]:
     return [
         {"name": r.SHM_VOLUME, "mountPath": r.SHM_MOUNT},
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": MODEL_CACHE_VOLUME, "mountPath": CACHE_DIR},
+        *(
+            {"name": adapter_volume(c), "mountPath": f"{ADAPTER_CLAIMS_DIR}/{c}", "readOnly": True}
+            for c in adapter_claims(spec.adapters)
+        ),
     ]
+
+
+def adapter_volume(claim: str) -> str:
+    """The volume of a ``pvc://CLAIM/...`` adapter source (mounted read-only at
+    ``ADAPTER_CLAIMS_DIR/CLAIM`` in both containers)."""
+    return f"{ADAPTER_VOLUME_PREFIX}{claim}"
+
+
+def adapter_token_env(name: str) -> dict[str, Any]:
+    """P0's internal token for ``spec.adapters`` alone (no routing, no encoder): the same
+    Secret, ``optional``, so a pod starts whether or not the operator could create it (no
+    internal key: P0 then has no token and refuses ``/internal/*``, which the adapters' status
+    says)."""
+    env = routing.token_env(name, routing.FRONTEND_TOKEN_ENV)
+    env["valueFrom"]["secretKeyRef"]["optional"] = True
+    return env
 
 
 def created_claim_name(name: str) -> str:
@@ -641,6 +666,8 @@ def frontend_container(
     env = [*common_env(spec, name), {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
     if spec.routing is not None:  # /internal/* answers only the picker's bearer token
         env.append(routing.token_env(name, routing.FRONTEND_TOKEN_ENV))
+    elif spec.adapters is not None:  # ... and the operator's, which pushes spec.adapters
+        env.append(adapter_token_env(name))
     if spec.encoder is not None:  # the encoders admit only the internal token (ZMQ PLAIN)
         env.append(routing.token_env(name, ENCODER_TOKEN_ENV))
     if spec.api_key_secret:
@@ -675,7 +702,7 @@ def frontend_container(
         "readinessProbe": _probe("/ready", 5, 3, 3),
         "livenessProbe": _liveness(r.HTTP_PORT_NAME),
         "securityContext": _security(),
-        "volumeMounts": _mounts(),
+        "volumeMounts": _mounts(spec),
     }
     if spec.drain_seconds:
         container["lifecycle"] = _pre_stop(spec.drain_seconds)
@@ -722,7 +749,7 @@ def engine_container(spec: ServiceSpec, name: str) -> dict[str, Any]:
         "readinessProbe": _probe("/health", 5, 3, 3, r.ENGINE_HEALTH_PORT_NAME),
         "livenessProbe": _liveness(r.ENGINE_HEALTH_PORT_NAME),
         "securityContext": _security(),
-        "volumeMounts": _mounts(),
+        "volumeMounts": _mounts(spec),
         # SIGTERM only once every front end of the pod has drained and exited
         "lifecycle": _wait_frontend(spec),
     }
@@ -749,6 +776,13 @@ def pod_spec(spec: ServiceSpec, name: str, namespace: str | None = None) -> dict
             },
             {"name": "tmp", "emptyDir": {}},
             model_cache_volume(spec, name),
+            *(
+                {
+                    "name": adapter_volume(c),
+                    "persistentVolumeClaim": {"claimName": c, "readOnly": True},
+                }
+                for c in adapter_claims(spec.adapters)
+            ),
         ],
         "securityContext": {
             "runAsNonRoot": True,

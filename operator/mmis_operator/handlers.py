@@ -8,6 +8,8 @@ Invariants:
 - A transient failure (API server down, RBAC being fixed) becomes ``kopf.TemporaryError``
   with a delay, so kopf retries without a crash.
 - Handlers return None: kopf stores nothing in ``status``; all status is ours.
+- The coherence timer and a change of ``spec.adapters`` run the same probe cycle
+  (:meth:`CoherenceProbe.run`: CacheCoherent, and the adapters pushed to the ready pods).
 - No handler needs a finalizer, so deleting a resource never waits for the operator (an
   uninstalled operator included): children go by garbage collection (owner references), and
   the timers are registered without kopf's finalizer (``_no_finalizer``); a finalizer left by
@@ -107,10 +109,18 @@ def build_registry(
         registry=registry,
     )
     async def coherence(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+        await probe_cycle(body, logger)
+
+    # a changed spec.adapters reaches the ready pods now, not at the next probe tick
+    @kopf.on.update(*resource, id="adapters", field="spec.adapters", registry=registry)
+    async def adapters_changed(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+        await probe_cycle(body, logger)
+
+    async def probe_cycle(body: kopf.Body, logger: kopf.Logger) -> None:
         plain = _plain(body)
         try:
-            threshold = parse_spec(plain.get("spec") or {}).cache.drift_threshold
-            await coherence_probe.run(plain, threshold)
+            spec = parse_spec(plain.get("spec") or {})
+            await coherence_probe.run(plain, spec.cache.drift_threshold, spec.adapters)
         except (InvalidSpecError, KubeError) as exc:  # Degraded says the first; next tick retries
             logger.debug("coherence probe of %s: %s", body.metadata.name, exc)
 

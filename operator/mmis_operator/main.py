@@ -31,7 +31,9 @@ Invariants:
   ``--encoders`` (``encoder.enabled``),
   ``--no-network-policies`` (``networkPolicy.enabled=false``), ``--network-policy-scrapers``
   (``networkPolicy.scrapers``, a NetworkPolicyPeer as JSON), ``--operator-pod-labels`` and the
-  operator's namespace (``--operator-namespace``, else ``$POD_NAMESPACE``: the downward API).
+  operator's namespace (``--operator-namespace``, else ``$POD_NAMESPACE``: the downward API),
+  and ``--internal-key`` (``adapters.enabled``; else ``$MMIS_OPERATOR_INTERNAL_KEY``, which the
+  chart sets from its Secret ``<fullname>-internal-key``).
 - :class:`OperatorThread` stops through kopf's stop flag (no signals, no thread killing) and
   ``start`` returns only after kopf reports readiness (or raises if it died first).
 """
@@ -62,6 +64,8 @@ from mmis_operator.probe import CoherenceProbe
 from mmis_operator.reconciler import Security
 
 # --- Options and kopf settings (was settings.py) --------------------------------------------------
+
+INTERNAL_KEY_ENV = "MMIS_OPERATOR_INTERNAL_KEY"  # --internal-key's value (the chart's Secret)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +101,10 @@ class Options:
     # installed with encoder.enabled (it may create the internal token's Secret): spec.encoder
     # is built; otherwise refused (Encoders False, EncodersNotEnabled)
     encoders: bool = False
+    # the chart's adapters.enabled: the key internal tokens are derived from (adapters.py),
+    # so the operator can push spec.adapters to the pods; from --internal-key or, better (a
+    # flag shows in the process list), INTERNAL_KEY_ENV; empty: no adapter reaches a pod
+    internal_key: str = dataclasses.field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if self.watch_client_timeout <= self.watch_server_timeout:
@@ -120,6 +128,7 @@ class Options:
             operator_namespace=self.operator_namespace,
             operator_labels=self.operator_pod_labels,
             encoders=self.encoders,
+            internal_key=self.internal_key,
         )
 
 
@@ -204,6 +213,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="build spec.encoder (the chart's encoder.enabled, which lets the operator create "
         "the internal token's Secret); unset, spec.encoder is refused (Encoders False, "
         "EncodersNotEnabled)",
+    )
+    parser.add_argument(
+        "--internal-key",
+        metavar="KEY",
+        help="the key each resource's internal token is derived from (HMAC-SHA256 of "
+        "NAMESPACE/NAME/UID), so the operator can push spec.adapters to the pods' /internal/* "
+        f"routes; prefer the environment ({INTERNAL_KEY_ENV}, the chart's adapters.enabled "
+        "sets it from the Secret <fullname>-internal-key); unset, spec.adapters is loaded "
+        "nowhere and status.adapters says so",
     )
     parser.add_argument(
         "--no-network-policies",
@@ -297,6 +315,8 @@ def options_from_args(args: argparse.Namespace) -> Options:
     given.update(namespaces=tuple(args.namespace), priority=_priority(args.priority))
     if given.get("operator_namespace") is None:  # the downward API (the chart sets it)
         given["operator_namespace"] = os.environ.get("POD_NAMESPACE") or None
+    if given.get("internal_key") is None:  # the chart: secretKeyRef, never a flag
+        given["internal_key"] = os.environ.get(INTERNAL_KEY_ENV) or None
     return Options(**{name: value for name, value in given.items() if value is not None})
 
 
@@ -357,7 +377,12 @@ async def serve(
         registry=build_registry(
             kube,
             options.resync_seconds,
-            CoherenceProbe(kube, options.probe_timeout, options.allow_stats_endpoint_override),
+            CoherenceProbe(
+                kube,
+                options.probe_timeout,
+                options.allow_stats_endpoint_override,
+                options.internal_key,
+            ),
             options.probe_seconds,
             options.allow_fault_injection,
             security=options.security(),

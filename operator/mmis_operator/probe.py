@@ -22,6 +22,14 @@ Invariants:
   needs two cycles after the operator starts) is ``status.encoderFallbacksPerMinute``. A pod
   that does not answer is left out of the rate; with no pod sampled twice the field is left as
   it is. Without ``spec.encoder`` nothing more is fetched.
+- With ``spec.adapters`` the same cycle brings each ready pod's LoRA adapters to the spec's
+  list (:mod:`mmis_operator.adapters`: the pod's holdings read from the ``/stats/cache`` answer
+  it already fetched, then P0's ``/internal/*`` LoRA routes on the same ops port with the
+  derived internal token) and writes ``status.adapters`` in the same status write; without it
+  ``status.adapters`` is removed and no pod is called. The cycle also runs on a change of
+  ``spec.adapters`` (``handlers``), so a change lands within seconds; cycles of one resource
+  never overlap (a lock per resource), and a cycle that ran on a list already replaced is
+  repaired by the next one.
 """
 
 from __future__ import annotations
@@ -37,13 +45,15 @@ from typing import Any
 
 import httpx
 
+from mmis_operator import adapters, status
 from mmis_operator import kube as r  # the resource's names (kube.py's first section)
-from mmis_operator import status
 from mmis_operator.kube import Kube
+from mmis_operator.spec import AdapterSpec
 
 logger = logging.getLogger(__name__)
 OVERRIDE_ANNOTATION = f"{r.GROUP}/stats-endpoints"
 STATS_PATH = "/stats/cache"
+ADAPTERS_STATUS = "adapters"  # status.adapters: per replica {pod, adapters, error?}
 METRICS_PATH = "/metrics"
 
 
@@ -86,12 +96,14 @@ async def _fetch(client: httpx.AsyncClient, target: Target) -> status.ProbeResul
     try:
         response = await client.get(target.url)
         response.raise_for_status()
-        stats = status.parse_stats(response.json())
+        answer = response.json()
+        stats = status.parse_stats(answer)
+        lora = adapters.held(answer)
     except httpx.HTTPError as exc:
         return status.ProbeResult(target.pod, error=f"{type(exc).__name__}: {exc}"[:200])
     except ValueError as exc:  # bad JSON or a StatsError
         return status.ProbeResult(target.pod, error=f"bad answer: {exc}"[:200])
-    return status.ProbeResult(target.pod, stats=stats)
+    return status.ProbeResult(target.pod, stats=stats, lora=lora)
 
 
 @functools.cache
@@ -136,15 +148,46 @@ async def fetch_fallbacks(found: Sequence[Target], timeout: float) -> dict[str, 
     return {t.pod: v for t, v in zip(found, answers, strict=True) if v is not None}
 
 
-class CoherenceProbe:
-    """One operator's probe: its Kube client, HTTP timeout and override permission."""
+async def sync_adapters(
+    found: Sequence[Target],
+    results: Sequence[status.ProbeResult],
+    wanted: Sequence[AdapterSpec],
+    token: str | None,
+    timeout: float,
+) -> list[adapters.Replica]:
+    """Bring every probed pod to ``wanted`` (concurrently, each call bounded by ``timeout``);
+    a pod whose probe failed is reported with that failure and not called."""
+    async with httpx.AsyncClient(
+        timeout=timeout, follow_redirects=False, trust_env=False, verify=_tls()
+    ) as c:
 
-    def __init__(self, kube: Kube, timeout: float = 2.0, allow_override: bool = False) -> None:
+        async def one(target: Target, result: status.ProbeResult) -> adapters.Replica:
+            if result.error is not None:
+                return adapters.Replica(target.pod, error=f"{STATS_PATH}: {result.error}")
+            base = target.url.removesuffix(STATS_PATH)
+            return await adapters.sync_pod(c, target.pod, base, token, wanted, result.lora)
+
+        return list(await asyncio.gather(*(one(t, p) for t, p in zip(found, results, strict=True))))
+
+
+class CoherenceProbe:
+    """One operator's probe: its Kube client, HTTP timeout, override permission and internal
+    key (None: no token to call the pods' ``/internal/*`` routes with)."""
+
+    def __init__(
+        self,
+        kube: Kube,
+        timeout: float = 2.0,
+        allow_override: bool = False,
+        internal_key: str | None = None,
+    ) -> None:
         if not timeout > 0:
             raise ValueError(f"probe timeout must be positive, got {timeout}")
         self.kube = kube
         self.timeout = timeout
         self.allow_override = allow_override
+        self.internal_key = internal_key or None
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         # per resource: pod -> (monotonic seconds, fallbacks total) of the last cycle
         self._fallbacks: dict[tuple[str, str], dict[str, tuple[float, float]]] = {}
         self.clock = time.monotonic
@@ -154,21 +197,40 @@ class CoherenceProbe:
         found = self.kube.request("GET", path, query={"labelSelector": r.selector_string(name)})
         return list(found.get("items") or [])
 
-    async def run(self, body: Mapping[str, Any], threshold: float) -> status.Coherence:
-        """Probe, judge and store; returns what was stored."""
+    async def run(
+        self,
+        body: Mapping[str, Any],
+        threshold: float,
+        wanted: Sequence[AdapterSpec] | None = None,
+    ) -> status.Coherence:
+        """Probe, judge, sync ``wanted`` (the parsed ``spec.adapters``; None: absent) and
+        store; returns what was stored."""
         meta = body["metadata"]
-        pods = await asyncio.to_thread(self.list_pods, meta["namespace"], meta["name"])
-        found = targets(body, pods, self.allow_override)
-        results = await fetch_all(found, self.timeout)
-        judged = status.evaluate(results, threshold)
-        rate = None
         key = (meta["namespace"], meta["name"])
-        if (body.get("spec") or {}).get("encoder") is not None:
-            rate = await self.fallback_rate(key, found)
-        else:
-            self._fallbacks.pop(key, None)
-        await asyncio.to_thread(self.store, meta["namespace"], meta["name"], judged, rate)
-        return judged
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            pods = await asyncio.to_thread(self.list_pods, meta["namespace"], meta["name"])
+            found = targets(body, pods, self.allow_override)
+            results = await fetch_all(found, self.timeout)
+            judged = status.evaluate(results, threshold)
+            rate = None
+            if (body.get("spec") or {}).get("encoder") is not None:
+                rate = await self.fallback_rate(key, found)
+            else:
+                self._fallbacks.pop(key, None)
+            held = None
+            if wanted is not None:
+                token = self.token(meta)
+                replicas = await sync_adapters(found, results, wanted, token, self.timeout)
+                held = [adapters.replica_status(one) for one in replicas]
+            await asyncio.to_thread(self.store, *key, judged, rate, held)
+            return judged
+
+    def token(self, meta: Mapping[str, Any]) -> str | None:
+        """The resource's internal token, derived from the operator's key (None: no key)."""
+        if self.internal_key is None:
+            return None
+        namespace, name = meta["namespace"], meta["name"]
+        return adapters.internal_token(self.internal_key, namespace, name, str(meta.get("uid")))
 
     async def fallback_rate(self, key: tuple[str, str], found: Sequence[Target]) -> float | None:
         """Encoder fallbacks per minute of resource ``key``'s pods since the last cycle."""
@@ -180,11 +242,17 @@ class CoherenceProbe:
         return status.fallbacks_per_minute(before, sampled)
 
     def store(
-        self, namespace: str, name: str, judged: status.Coherence, rate: float | None = None
+        self,
+        namespace: str,
+        name: str,
+        judged: status.Coherence,
+        rate: float | None = None,
+        held: list[dict[str, Any]] | None = None,
     ) -> None:
-        """Write ``status.cache`` and ``CacheCoherent`` (an Event when its status flips) and,
-        when known, ``status.encoderFallbacksPerMinute``."""
-        fields: dict[str, Any] = {"cache": judged.cache}
+        """Write ``status.cache`` and ``CacheCoherent`` (an Event when its status flips),
+        when known ``status.encoderFallbacksPerMinute``, and ``status.adapters`` (``held``;
+        None removes it: no ``spec.adapters``)."""
+        fields: dict[str, Any] = {"cache": judged.cache, ADAPTERS_STATUS: held}
         if rate is not None:
             fields[status.ENCODER_FALLBACKS] = rate
         update = status.DesiredStatus(fields, (judged.condition,))

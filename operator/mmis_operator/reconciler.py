@@ -52,6 +52,16 @@ Invariants:
   reconcile in this process, afterwards only the kinds this process applied (``_encoded``),
   never a kind whose API the cluster does not serve. Without ``spec.encoder`` the condition
   and ``status.encoderFallbacksPerMinute`` are removed.
+- ``spec.adapters`` turns on ``--enable-lora`` in the pods (the list itself never reaches the
+  pod template: the coherence probe pushes it, :mod:`mmis_operator.adapters`). With the
+  operator's internal key (``Security.internal_key``, the chart's ``adapters.enabled``) the
+  Secret ``NAME-internal`` is created for it too (create only), holding the token derived from
+  the key, the resource's namespace, name and uid, so the operator can call the pods'
+  ``/internal/*`` routes without ever reading a Secret; with a key, routing's and the encoders'
+  Secret holds the same derived token. P0 reads it through an ``optional`` reference when only
+  ``spec.adapters`` asks for it, so pods start without a key too (and refuse ``/internal/*``).
+  A Secret created before the key existed keeps its random token (create only): the adapters'
+  status then reports 403s until ``NAME-internal`` is deleted and the pods restarted.
 - NetworkPolicies (``Security.network_policies``, on by default): ``NAME`` for the inference
   pods and, with routing, ``NAME-epp`` for the picker's; when the setting is off both are
   deleted when this resource owns them (looked for on its first reconcile in this process,
@@ -104,7 +114,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from mmis_operator import builders, encoder, routing, status
+from mmis_operator import adapters, builders, encoder, routing, status
 from mmis_operator import kube as r  # the resource's names (kube.py's first section)
 from mmis_operator.builders import created_claim_name
 from mmis_operator.kube import Kube, KubeError, object_path, service_path
@@ -185,6 +195,18 @@ class Security:
     operator_namespace: str | None = None
     operator_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
     encoders: bool = False  # installed with encoder.enabled: spec.encoder is built
+    # the chart's adapters.enabled (--internal-key): internal tokens are derived from it
+    # (adapters.internal_token) and the operator may create NAME-internal for spec.adapters;
+    # empty: tokens are drawn at random and the pods' /internal/* routes are out of its reach
+    internal_key: str = dataclasses.field(default="", repr=False)
+
+    def token(self, meta: Mapping[str, Any]) -> str:
+        """The internal token to write into a new ``NAME-internal``: derived with the key,
+        else drawn at random (nobody but the pods' Secret then knows it)."""
+        if not self.internal_key:
+            return secrets.token_hex(32)
+        namespace, name, uid = meta["namespace"], meta["name"], str(meta.get("uid"))
+        return adapters.internal_token(self.internal_key, namespace, name, uid)
 
     def operator_peer(self) -> dict[str, Any] | None:
         """The operator's pods as a NetworkPolicyPeer, or None when not known."""
@@ -481,8 +503,9 @@ class Reconciler:
         applied: dict[str, dict[str, Any]] = {}
         try:
             # before the pods that read it (the picker's, the encoders' and the front ends')
-            if pods.routing is not None or pods.encoder is not None:
-                self.kube.create(builders.token_secret(body, secrets.token_hex(32)))
+            keyed = pods.adapters is not None and bool(self.security.internal_key)
+            if pods.routing is not None or pods.encoder is not None or keyed:
+                self.kube.create(builders.token_secret(body, self.security.token(meta)))
             encoders = self._encoder_objects(body, pods)
             for manifest in manifests:
                 applied[manifest["kind"]] = self.kube.apply(manifest)

@@ -476,6 +476,8 @@ class ServerFlag:
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")  # python logging levels, both servers'
+MAX_LORAS = 1024  # engine.maxLoras / maxCpuLoras: the CRD's bound (the server's is >= 1)
+MAX_LORA_RANK = 1024  # engine.maxLoraRank: the CRD's bound (the server's is >= 1)
 # mmis engine (server/mmis/engine/config.py). Each has no CRD default: unset, no flag, the
 # server's default holds. Bounds equal the server's rules (tests/operator/test_serving_settings).
 ENGINE_FLAGS: tuple[ServerFlag, ...] = (
@@ -494,6 +496,10 @@ ENGINE_FLAGS: tuple[ServerFlag, ...] = (
     ServerFlag("engine.encoderCacheTokens", "--encoder-cache-tokens", "int", low=1,
                high=16777216),
     ServerFlag("engine.selfCheck", "--no-self-check", "switch", when=False),
+    # spec.adapters' engine limits (--enable-lora itself follows spec.adapters' presence)
+    ServerFlag("engine.maxLoras", "--max-loras", "int", low=1, high=MAX_LORAS),
+    ServerFlag("engine.maxLoraRank", "--max-lora-rank", "int", low=1, high=MAX_LORA_RANK),
+    ServerFlag("engine.maxCpuLoras", "--max-cpu-loras", "int", low=1, high=MAX_LORAS),
     ServerFlag("telemetry.logLevel", "--log-level", "choice", choices=LOG_LEVELS),
 )  # fmt: skip
 # mmis frontend (server/mmis/frontend/config.py); engine.maxModelLen and telemetry.logLevel go
@@ -678,6 +684,112 @@ def _encoder_pod_template(section: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(override, Mapping):
         raise InvalidSpecError("spec.encoder.podTemplate", "must be an object")
     return dict(override)
+
+
+# --- spec.adapters: LoRA adapters pushed to the running pods (issue 47) -------------------------
+
+ADAPTERS_MAX = 128  # entries of spec.adapters (the CRD's maxItems)
+ADAPTER_NAME_MAX = 128
+# a served model name: letters, digits and . _ : / - (no comma: the routing metric joins names
+# with commas; no space), starting with a letter or digit
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
+# pvc://<claim>/<path>: the claim (a DNS label short enough for the volume name "lora-<claim>")
+# is mounted read-only at ADAPTER_CLAIMS_DIR/<claim> in both containers
+ADAPTER_CLAIMS_DIR = "/mnt/mmis-adapters"
+ADAPTER_CLAIM_MAX = 58
+ADAPTER_CLAIM = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# hf://<org>/<name>[@<revision>]: downloaded by the pod (P0), HF_TOKEN from model.tokenSecretRef
+ADAPTER_HUB = re.compile(
+    r"^hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?$"
+)
+ADAPTER_SOURCE_HELP = (
+    "an absolute path on the model volume (/var/cache/mmis/adapters/a), pvc://CLAIM/PATH or "
+    "hf://ORG/NAME[@REVISION]"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterSpec:
+    """One entry of ``spec.adapters``: ``name`` (the model name clients send), ``source`` as
+    written, ``path`` what the pod loads (``lora_path`` of ``POST
+    /internal/load_lora_adapter``: the absolute path, the claim's mount path joined with the
+    path, or the ``hf://`` id itself) and ``claim`` (the pvc:// claim, else None)."""
+
+    name: str
+    source: str
+    path: str
+    claim: str | None = None
+
+
+def _relative_ok(path: str) -> bool:
+    parts = path.split("/")
+    return bool(path) and ".." not in parts and not any(c.isspace() for c in path)
+
+
+def parse_adapter_source(source: object, field: str) -> tuple[str, str | None]:
+    """``(path the pod loads, claim or None)`` of one adapter source (see
+    :data:`ADAPTER_SOURCE_HELP`); anything else is an :class:`InvalidSpecError` on ``field``."""
+    bad = InvalidSpecError(field, f"must be {ADAPTER_SOURCE_HELP}, got {source!r}")
+    if not isinstance(source, str) or len(source) > 1024:
+        raise bad
+    if source.startswith("/"):
+        if not _relative_ok(source.lstrip("/")):
+            raise bad
+        return source.rstrip("/") or source, None
+    if source.startswith("pvc://"):
+        claim, _, rest = source.removeprefix("pvc://").partition("/")
+        if not (
+            ADAPTER_CLAIM.match(claim) and len(claim) <= ADAPTER_CLAIM_MAX and _relative_ok(rest)
+        ):
+            raise bad
+        return f"{ADAPTER_CLAIMS_DIR}/{claim}/{rest.strip('/')}", claim
+    if source.startswith("hf://") and ADAPTER_HUB.match(source):
+        return source, None
+    raise bad
+
+
+def parse_adapters(spec: Mapping[str, Any], served_name: str) -> tuple[AdapterSpec, ...] | None:
+    """``spec.adapters``, or None when absent (the pods then run without ``--enable-lora``).
+    Names are unique and never the base model's served name."""
+    raw = spec.get("adapters")
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) > ADAPTERS_MAX:
+        raise InvalidSpecError(
+            "spec.adapters", f"must be a list of at most {ADAPTERS_MAX} {{name, source}} entries"
+        )
+    found: list[AdapterSpec] = []
+    for i, item in enumerate(raw):
+        where = f"spec.adapters[{i}]"
+        if not isinstance(item, Mapping):
+            raise InvalidSpecError(where, "must be an object with name and source")
+        name = item.get("name")
+        if (
+            not isinstance(name, str)
+            or len(name) > ADAPTER_NAME_MAX
+            or not ADAPTER_NAME.match(name)
+        ):
+            raise InvalidSpecError(
+                f"{where}.name",
+                f"must be a model name of 1 to {ADAPTER_NAME_MAX} letters, digits and . _ : / - "
+                f"starting with a letter or digit, got {name!r}",
+            )
+        if name == served_name:
+            raise InvalidSpecError(
+                f"{where}.name", f"{name!r} is the base model's served name: pick another"
+            )
+        if any(a.name == name for a in found):
+            raise InvalidSpecError(f"{where}.name", f"{name!r} appears twice: names are unique")
+        source = item.get("source")
+        path, claim = parse_adapter_source(source, f"{where}.source")
+        found.append(AdapterSpec(name=name, source=str(source), path=path, claim=claim))
+    return tuple(found)
+
+
+def adapter_claims(adapters: tuple[AdapterSpec, ...] | None) -> tuple[str, ...]:
+    """The pvc:// claims the pods mount (sorted, each once): a new claim changes the pod
+    template; the rest of the list never does."""
+    return tuple(sorted({a.claim for a in adapters or () if a.claim}))
 
 
 # --- Defaults and field readers (was spec_fields.py) ----------------------------------------------
@@ -960,6 +1072,7 @@ class ServiceSpec:
     encoder: EncoderSpec | None = None  # None: no encoder pods (spec.encoder absent)
     engine_flags: tuple[str, ...] = ()  # ENGINE_FLAGS the spec sets, as mmis engine flags
     frontend_flags: tuple[str, ...] = ()  # FRONTEND_FLAGS the spec sets, as mmis frontend flags
+    adapters: tuple[AdapterSpec, ...] | None = None  # None: no LoRA (spec.adapters absent)
 
 
 def _zero(value: int | str) -> bool:
@@ -1051,8 +1164,9 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
         DEFAULTS["auth.apiKeySecretRef.key"],
     )
     front = parse_frontend(spec)
+    model = parse_model(spec)
     parsed = ServiceSpec(
-        model=parse_model(spec),
+        model=model,
         replicas=read_int(spec, "spec.replicas"),
         image=str(spec.get("image") or DEFAULTS["image"]),
         image_pull_policy=str(spec.get("imagePullPolicy") or DEFAULTS["imagePullPolicy"]),
@@ -1090,7 +1204,14 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
         encoder=parse_encoder(spec, read_int(res, "spec.resources.gpus")),
         engine_flags=server_flag_args(spec, ENGINE_FLAGS),
         frontend_flags=server_flag_args(spec, FRONTEND_FLAGS),
+        adapters=parse_adapters(spec, model.served_name),
     )
+    low, high = eng.get("maxLoras"), eng.get("maxCpuLoras")
+    if isinstance(low, int) and isinstance(high, int) and high < low:
+        raise InvalidSpecError(
+            "spec.engine.maxCpuLoras",
+            f"({high}) must be at least maxLoras ({low}): the host keeps every device adapter",
+        )
     if parsed.engine_memory_bytes <= 0 or parsed.frontend_memory_bytes <= 0:
         raise InvalidSpecError("spec.resources", "memory and frontendMemory must be positive")
     if parsed.ingress.get("enabled") and not parsed.ingress.get("host"):

@@ -486,6 +486,7 @@ class ProbeResult:
     pod: str
     stats: PodStats | None = None
     error: str | None = None
+    lora: Mapping[str, str] | None = None  # adapter name -> path held (None: no LoRA in the pod)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,7 +39,15 @@ def test_handler_ids_are_valid_annotation_names() -> None:
     ids = {h.id for h in registry._changing.get_all_handlers()}
     ids |= {h.id for h in registry._spawning.get_all_handlers()}
     ids |= {h.id for h in registry._watching.get_all_handlers()}
-    assert ids == {"reconcile", "reconcile/spec", "resync", "coherence", "deployment", "pod"}
+    assert ids == {
+        "reconcile",
+        "reconcile/spec",
+        "adapters/spec.adapters",
+        "resync",
+        "coherence",
+        "deployment",
+        "pod",
+    }
     for handler_id in ids:
         assert re.fullmatch(r"[A-Za-z0-9][-A-Za-z0-9_./]*", handler_id)
 

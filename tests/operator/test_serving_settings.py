@@ -61,6 +61,9 @@ EVERY: dict[str, dict[str, Any]] = {
         "attentionBackend": "torch",
         "encoderCacheTokens": 16384,
         "selfCheck": False,
+        "maxLoras": 2,
+        "maxLoraRank": 32,
+        "maxCpuLoras": 4,
     },
     "frontend": {
         "maxImagesPerPrompt": 4,
