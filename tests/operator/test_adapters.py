@@ -23,6 +23,7 @@ what changed): ``.venv/bin/python tests/operator/test_adapters.py --write-golden
 
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 import hashlib
@@ -37,7 +38,7 @@ from typing import Any
 
 import pytest
 
-from mmis_operator import adapters, builders, routing
+from mmis_operator import adapters, builders, main, routing
 from mmis_operator import kube as r
 from mmis_operator.adapters import Action, plan
 from mmis_operator.probe import OVERRIDE_ANNOTATION, CoherenceProbe
@@ -383,6 +384,46 @@ async def test_failures_are_reported_per_replica_never_raised(store: Any, p0: st
     assert entry == {"pod": "llava-0", "adapters": [], "error": adapters.NO_LORA}
     (entry,) = (await _cycle(store, "http://127.0.0.1:9", "k3y", [A]))["adapters"]
     assert entry["error"].startswith("/stats/cache: ConnectError")
+
+
+# --- The chart: adapters.enabled ------------------------------------------------------------
+
+
+def test_the_charts_adapters_value_makes_the_key_and_grants_only_secret_create() -> None:
+    """adapters.enabled: a generated key in ``<fullname>-internal-key`` that the operator gets
+    as INTERNAL_KEY_ENV (never a flag), and exactly one more rule per operator role (create
+    Secrets: NAME-internal); off, none of the three. The operator reads the env."""
+    from tests.security.test_rbac import CHART, _docs, _rules, violations
+
+    plain, enabled = _docs(CHART), _docs(CHART, "--set", "adapters.enabled=true")
+    rules: dict[str, list[Any]] = {where: [] for where, _ in _rules(enabled)}
+    for where, rule in _rules(enabled):
+        rules[where].append(rule)
+    for where, rule in _rules(plain):
+        rules[where].remove(rule)
+    secret = {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]}
+    assert rules == {where: [secret] for where in rules} and rules
+    assert violations(enabled, routing_enabled=True) == []  # secrets: create only
+    (key,) = [d for d in enabled if d["kind"] == "Secret"]
+    assert key["metadata"]["name"].endswith("-internal-key") and len(key["data"]["key"]) > 64
+    assert not [d for d in plain if d["kind"] == "Secret"]
+
+    def env(docs: list[dict[str, Any]]) -> dict[str, Any]:
+        (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+        (box,) = dep["spec"]["template"]["spec"]["containers"]
+        assert not any("internal-key" in a for a in box["args"])
+        return {e["name"]: e for e in box["env"]}
+
+    ref = env(enabled)[main.INTERNAL_KEY_ENV]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": key["metadata"]["name"], "key": "key"}
+    assert main.INTERNAL_KEY_ENV not in env(plain)
+    parser = argparse.ArgumentParser()
+    main.add_arguments(parser)
+    environ = {main.INTERNAL_KEY_ENV: "k3y"}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(main.os, "environ", environ)
+        assert main.options_from_args(parser.parse_args([])).security().internal_key == "k3y"
+    assert "k3y" not in repr(main.options_from_args(parser.parse_args(["--internal-key", "k3y"])))
 
 
 if __name__ == "__main__":

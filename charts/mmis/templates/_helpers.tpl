@@ -117,10 +117,11 @@ create-only. tests/security/test_rbac.py reads the rendered rules. */}}
   verbs: [bind]
   resourceNames: [{{ include "mmis.pickerClusterRole" . }}]
 {{- end }}
-{{- if or .Values.routing.enabled (.Values.encoder | default dict).enabled }}
+{{- if or .Values.routing.enabled (.Values.encoder | default dict).enabled (.Values.adapters | default dict).enabled }}
 # the internal token's Secret NAME-internal (spec.routing: the picker's; spec.encoder: the
-# encoders' and front ends' MMIS_ENCODER_TOKEN): create only, never read, changed, listed or
-# deleted (garbage collection deletes it with the resource)
+# encoders' and front ends' MMIS_ENCODER_TOKEN; spec.adapters: P0's, for the operator's
+# calls): create only, never read, changed, listed or deleted (garbage collection deletes it
+# with the resource)
 - apiGroups: [""]
   resources: [secrets]
   verbs: [create]
