@@ -89,6 +89,13 @@ The inference pod:
   :data:`ENGINE_STOP_SECONDS` for the engine's own stop. No in-flight request loses its engine.
 - With ``spec.routing`` the front end, the engine and the picker read the internal token from
   the Secret ``NAME-internal`` (``routing.token_env``: ``secretKeyRef``, never a value).
+- With ``spec.adapters`` (present, whatever its list) the engine gets ``--enable-lora`` and
+  P0 the internal token (an optional reference when neither routing nor encoders need the
+  Secret), and P0 downloads ``hf://`` adapters itself: it runs without ``HF_HUB_OFFLINE`` (a
+  cached model still loads when the hub is unreachable) and with ``model.tokenSecretRef``'s
+  ``HF_TOKEN``; the engine stays offline. Each ``pvc://`` claim of the list is a read-only
+  volume mounted at ``spec.ADAPTER_CLAIMS_DIR/CLAIM`` in both containers. Nothing else of the
+  list reaches the pod: the operator pushes it (:mod:`mmis_operator.adapters`).
 - With ``spec.encoder`` the front end also gets ``--encoder-service
   NAME-encoder.NAMESPACE.svc:PORT`` (:func:`encoder_service`, the encoders' headless Service:
   :mod:`mmis_operator.encoder` builds the encoder objects) and ``MMIS_ENCODER_TOKEN`` from the
@@ -664,6 +671,12 @@ def frontend_container(
     memory = format_bytes(spec.frontend_memory_bytes + spec.cache.shm_volume_bytes)
     # the front end needs no GPU: the NVIDIA runtime then mounts none into it
     env = [*common_env(spec, name), {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
+    if spec.adapters is not None:  # P0 downloads hf:// adapters (the engine stays offline)
+        env = [e for e in env if e["name"] != "HF_HUB_OFFLINE"]
+        if spec.model.token_secret:
+            secret, key = spec.model.token_secret
+            ref = {"secretKeyRef": {"name": secret, "key": key}}
+            env.append({"name": TOKEN_ENV, "valueFrom": ref})
     if spec.routing is not None:  # /internal/* answers only the picker's bearer token
         env.append(routing.token_env(name, routing.FRONTEND_TOKEN_ENV))
     elif spec.adapters is not None:  # ... and the operator's, which pushes spec.adapters

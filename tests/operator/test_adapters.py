@@ -210,6 +210,17 @@ def test_p0_reads_the_internal_token_optionally_for_adapters_alone() -> None:
     assert routing.FRONTEND_TOKEN_ENV not in {e["name"] for e in absent}
 
 
+def test_p0_downloads_hub_adapters_with_the_models_token_and_the_engine_stays_offline() -> None:
+    boxes = _containers(_template([]))
+    front = {e["name"]: e for e in boxes[r.FRONTEND]["env"]}
+    engine = {e["name"]: e for e in boxes[r.ENGINE]["env"]}
+    assert "HF_HUB_OFFLINE" not in front
+    assert front["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    assert engine["HF_HUB_OFFLINE"]["value"] == "1" and "HF_TOKEN" not in engine
+    plain = {e["name"]: e for e in _containers(_template(None))[r.FRONTEND]["env"]}
+    assert plain["HF_HUB_OFFLINE"]["value"] == "1" and "HF_TOKEN" not in plain
+
+
 # --- The internal token ---------------------------------------------------------------------
 
 
