@@ -172,6 +172,7 @@ NAMING_PAGES = (
     "docs/getting-started.md",
     "docs/models.md",
     "docs/api.md",
+    "docs/lora.md",
     "docs/kubernetes.md",
     "docs/encoders.md",
     "docs/observability.md",
