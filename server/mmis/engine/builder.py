@@ -143,11 +143,13 @@ def make_core(
     if cfg.enable_lora and runner.lora is None:  # engine/lora/: adapters load at run time
         from mmis.engine.lora.manager import LoRAManager
 
-        runner.lora = LoRAManager(
-            adapter.model,
+        runner.lora = LoRAManager(  # under tensor parallelism: this rank's shares, its writes
+            adapter.model,  # recorded for the workers (engine/execution/tensor_parallel.py)
             max_loras=cfg.max_loras,
             max_rank=cfg.max_lora_rank,
             max_cpu_loras=cfg.max_cpu_loras,
+            shards=adapter.tp_shards,
+            record_writes=runner.tensor_parallel is not None,
         )
     return EngineCore(
         scheduler,

@@ -264,11 +264,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check(self)
-        if self.enable_lora and self.tensor_parallel_size > 1:  # engine/lora/: not split yet
-            raise ConfigError(
-                "--enable-lora does not work with --tensor-parallel-size > 1 yet "
-                "(the LoRA weights are not split over ranks)"
-            )
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ConfigError(
                 f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras "

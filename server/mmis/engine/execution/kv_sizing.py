@@ -44,6 +44,11 @@ Invariants:
   allocator's segment rounding). The blocks are what is left of the shared room after
   ``max(step peak, G) + G``: the pool holds ``G`` for good, and the eager warm-up of the
   largest bucket needs ``G`` again outside it while capturing.
+- Under ``--enable-lora`` the LoRA slots (``--max-loras`` + 1 slots of ``A`` and ``B`` at
+  ``--max-lora-rank`` for every wrapped projection, ``engine/lora/manager.py`` ``slot_bytes``,
+  allocated after the pool) are reserved like the graph pool, on every rank (each its own
+  share), and logged: a ``--gpu-memory-utilization`` pool is that many bytes (rounded up to
+  blocks) smaller. ``--num-kv-blocks`` and ``--kv-cache-gb`` are taken as given.
 - A budget from ``--gpu-memory-utilization`` that holds fewer blocks than one max-length
   sequence needs (``ceil(max_model_len / block_size)`` plus the reserved block 0) raises
   :class:`KVSizingError` naming the flag and both counts; the pool is never smaller.
@@ -109,6 +114,7 @@ class WorstCase:
     sampling: SamplingParams | None = WORST_SAMPLING  # every row's (None: greedy, nothing else)
     decode_graphs: bool = False  # reserve the CUDA graph pool (captured after sizing)
     attention_backend: str = "auto"  # --attention-backend: the graphs' backend, as the runner's
+    lora_bytes: int = 0  # the LoRA slots' buffers, allocated after sizing: reserved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,19 +360,21 @@ def gpu_kv_blocks(
         encoded = sum(len(s.mm_items) for s in step.scheduled)
         del runner, step, histories
         # the graph pool is held for good, and its capture's eager warm-up peaks at G too
-        fit = rank_fit(memory, max(peak, graphs), fraction, per_block, last=last, reserved=graphs)
+        reserved = graphs + worst.lora_bytes
+        fit = rank_fit(memory, max(peak, graphs), fraction, per_block, last=last, reserved=reserved)
         fits, blocks = fit.fits, fit.blocks
         if tp is not None:  # every rank takes the same decision: the minimum of the readings
             agreed = tp.agree_min([int(fits), blocks])
             fits, blocks = bool(agreed[0]), agreed[1]
         log.info(
             "KV sizing: %.2f GiB total x %.2f, %.2f GiB in use, %.2f GiB CUDA graph pool, "
-            "%.2f GiB profiling peak at %d tokens (%d encoder items, sampler with %s "
-            "logprobs, prompt logprobs %s) -> %s",
+            "%.3f GiB LoRA slots, %.2f GiB profiling peak at %d tokens (%d encoder items, "
+            "sampler with %s logprobs, prompt logprobs %s) -> %s",
             fit.total / (1 << 30),
             fraction,
             fit.used / (1 << 30),
             graphs / (1 << 30),
+            worst.lora_bytes / (1 << 30),
             peak / (1 << 30),
             tokens,
             encoded,
@@ -385,13 +393,31 @@ def gpu_kv_blocks(
     return blocks, blocks * per_block, tokens
 
 
+def lora_slot_bytes(cfg: EngineConfig, adapter: ModelAdapter) -> int:
+    """The LoRA slots' bytes on this rank under ``--enable-lora`` (else 0), computed by
+    their owner before it allocates them (``engine/lora/manager.py`` ``slot_bytes``)."""
+    if not cfg.enable_lora:
+        return 0
+    from mmis.engine.lora.manager import slot_bytes
+
+    return slot_bytes(
+        adapter.model,
+        max_loras=cfg.max_loras,
+        max_rank=cfg.max_lora_rank,
+        shards=adapter.tp_shards,
+    )
+
+
 def worst_case(
-    cfg: EngineConfig, encoder_item: ProbedItem | None, tp: TensorParallel | None
+    cfg: EngineConfig,
+    encoder_item: ProbedItem | None,
+    tp: TensorParallel | None,
+    adapter: ModelAdapter | None = None,
 ) -> WorstCase:
     """``mmis engine``'s :class:`WorstCase`: as many copies of ``encoder_item`` as the
     per-step encoder budget takes (the scheduler's: ``builder.make_core``), the worst
-    sampler, and the graph pool unless ``--enforce-eager`` or tensor parallelism
-    (``decode_graphs.setup``)."""
+    sampler, the graph pool unless ``--enforce-eager`` or tensor parallelism
+    (``decode_graphs.setup``), and ``adapter``'s LoRA slots under ``--enable-lora``."""
     copies = 0
     if encoder_item is not None:
         budget = encoder_cache_tokens(cfg.encoder_cache_tokens, encoder_item.tokens)
@@ -401,6 +427,7 @@ def worst_case(
         encoder_items=copies,
         decode_graphs=not cfg.enforce_eager and tp is None,
         attention_backend=cfg.attention_backend,
+        lora_bytes=0 if adapter is None else lora_slot_bytes(cfg, adapter),
     )
 
 
@@ -433,7 +460,7 @@ def plan_kv_pool(
             max_num_seqs=cfg.max_num_seqs,
             max_model_len=max_model_len,
             tp=tp,
-            worst=worst_case(cfg, encoder_item, tp),
+            worst=worst_case(cfg, encoder_item, tp, adapter),
         )
         return KVPlan(blocks, budget, source, tokens)
     if cfg.gpu_memory_utilization is not None:

@@ -38,6 +38,8 @@ Invariants:
   clears them); images are encoded in one call per adapter that changes the tower (the base
   tower for the rest), whose items the scheduler keys with the adapter
   (``scheduling/request.py`` ``encoder_key``); a step with LoRA rows never replays a CUDA graph.
+  Under tensor parallelism the step's broadcast carries the slot writes since the last one and
+  each sequence's slot, so every rank applies the same adapters (``engine/lora/manager.py``).
 - It reads the scheduler's :class:`SchedulerOutput` as is (``sched_output.py``).
 - Per-request state is only the partial sum of mean-pooling requests whose prompt spans
   several chunks, the device token counts of requests with penalties (always equal to
@@ -320,7 +322,21 @@ class ModelRunner:
             meta.positions.unsqueeze(0) if host_positions is None else uploaded[2].unsqueeze(-2)
         )
         if self.tensor_parallel is not None:  # the other ranks run the same forward
-            self.tensor_parallel.broadcast_step(sizes, starts, tables, spans, embeds, positions)
+            lora_writes, lora_slots = [], None
+            if lora is not None:  # they replay the slot writes and use the same slots
+                lora_writes = lora.take_writes()
+                if lora_active:
+                    lora_slots = [self._lora_slots[n] for n in lora_names]
+            self.tensor_parallel.broadcast_step(
+                sizes,
+                starts,
+                tables,
+                spans,
+                embeds,
+                positions,
+                lora_writes=lora_writes,
+                lora_slots=lora_slots,
+            )
         graphs = self.decode_graphs
         if (
             graphs is not None

@@ -26,6 +26,10 @@ Invariants:
   usual broadcast); a worker runs it over a pool of the same size, reads its own device, and
   every rank takes the minimum of the readings (:func:`agree_min`), so the count rank 0 then
   sends fits every device.
+- Under ``--enable-lora`` every rank wraps its split projections with its share of each
+  adapter (``engine/lora/layer.py``; the tower's, on rank 0 only); rank 0's step broadcast
+  carries its slot writes and each sequence's slot, which the workers apply before the same
+  forward (:meth:`WorkerRank.forward`), so all ranks' slots hold the same adapters.
 - Heads, KV heads and the MLP width must divide by the size, or the model is refused at
   start-up (:class:`TensorParallelError`) naming the numbers.
 - A worker that exits ends the engine (rank 0 exits 1 rather than wait in a collective),
@@ -61,19 +65,42 @@ class TensorParallelError(ValueError):
     """The model cannot be split over the requested number of ranks."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """This rank's share of one split projection: ``dim`` ``"out"`` (column-parallel: output
+    rows ``lo:hi``) or ``"in"`` (row-parallel: input columns ``lo:hi``, partial outputs summed)
+    of ``full`` (the unsplit size). ``shard_adapter`` records one per split projection in
+    ``adapter.tp_shards`` (module name in ``adapter.model`` -> Shard), which ``engine/lora/``
+    reads to split its adapters the same way."""
+
+    dim: str
+    lo: int
+    hi: int
+    full: int
+
+
 class RowParallelLinear(torch.nn.Module):
-    """A linear layer holding a slice of the input columns; partial outputs summed."""
+    """A linear layer holding a slice of the input columns; partial outputs summed
+    (``forward`` = :meth:`finish` of :meth:`partial`: a LoRA delta goes in between)."""
 
     def __init__(self, linear: torch.nn.Linear, lo: int, hi: int) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(linear.weight.data[:, lo:hi].clone(), False)
         bias = linear.bias
         self.bias = None if bias is None else torch.nn.Parameter(bias.data.clone(), False)
+        self.in_features, self.out_features = hi - lo, linear.out_features  # this rank's
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.nn.functional.linear(x, self.weight)
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output (no bias)."""
+        return torch.nn.functional.linear(x, self.weight)
+
+    def finish(self, out: torch.Tensor) -> torch.Tensor:
+        """Every rank's shares summed (in place), then the bias."""
         dist.all_reduce(out)
         return out if self.bias is None else out + self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.finish(self.partial(x))
 
 
 def _keep_rows(linear: torch.nn.Linear, lo: int, hi: int) -> None:
@@ -101,7 +128,10 @@ def shard_adapter(adapter: Any, rank: int, size: int) -> None:
     fused = unfuse_projections(adapter.language_model.layers)
     q_lo, q_hi = _part(heads, rank, size, "attention heads")
     kv_lo, kv_hi = _part(kv_heads, rank, size, "KV heads")
-    for i, layer in enumerate(adapter.language_model.layers):
+    layers = adapter.language_model.layers
+    prefix = next(n for n, m in adapter.model.named_modules() if m is layers)
+    shards: dict[str, Shard] = {}
+    for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             if not isinstance(getattr(attn, name, None), torch.nn.Linear):
@@ -109,15 +139,28 @@ def shard_adapter(adapter: Any, rank: int, size: int) -> None:
         for name in ("gate_proj", "up_proj", "down_proj"):
             if not isinstance(getattr(mlp, name, None), torch.nn.Linear):
                 raise TensorParallelError(f"decoder layer {i} has no linear mlp.{name}")
-        _keep_rows(attn.q_proj, q_lo * head_dim, q_hi * head_dim)
-        _keep_rows(attn.k_proj, kv_lo * head_dim, kv_hi * head_dim)
-        _keep_rows(attn.v_proj, kv_lo * head_dim, kv_hi * head_dim)
-        attn.o_proj = RowParallelLinear(attn.o_proj, q_lo * head_dim, q_hi * head_dim)
+        q_rows, kv_rows = (q_lo * head_dim, q_hi * head_dim), (kv_lo * head_dim, kv_hi * head_dim)
         m_lo, m_hi = _part(mlp.gate_proj.out_features, rank, size, "MLP width")
+        splits = {
+            "self_attn.q_proj": ("out", *q_rows, attn.q_proj.out_features),
+            "self_attn.k_proj": ("out", *kv_rows, attn.k_proj.out_features),
+            "self_attn.v_proj": ("out", *kv_rows, attn.v_proj.out_features),
+            "self_attn.o_proj": ("in", *q_rows, attn.o_proj.in_features),
+            "mlp.gate_proj": ("out", m_lo, m_hi, mlp.gate_proj.out_features),
+            "mlp.up_proj": ("out", m_lo, m_hi, mlp.up_proj.out_features),
+            "mlp.down_proj": ("in", m_lo, m_hi, mlp.down_proj.in_features),
+        }
+        for name, (dim, lo, hi, full) in splits.items():
+            shards[f"{prefix}.{i}.{name}"] = Shard(dim, lo, hi, full)
+        _keep_rows(attn.q_proj, *q_rows)
+        _keep_rows(attn.k_proj, *kv_rows)
+        _keep_rows(attn.v_proj, *kv_rows)
+        attn.o_proj = RowParallelLinear(attn.o_proj, *q_rows)
         _keep_rows(mlp.gate_proj, m_lo, m_hi)
         _keep_rows(mlp.up_proj, m_lo, m_hi)
         mlp.down_proj = RowParallelLinear(mlp.down_proj, m_lo, m_hi)
     adapter.num_heads, adapter.num_kv_heads = q_hi - q_lo, kv_hi - kv_lo
+    adapter.tp_shards = shards
     if fused:
         fuse_projections(adapter.language_model.layers)
 
@@ -159,13 +202,20 @@ class TensorParallel:
         spans: Sequence[Sequence[tuple[int, int]]] | None,
         embeds: torch.Tensor,
         positions: torch.Tensor,
+        *,
+        lora_writes: Sequence[tuple[int, str, int, str]] = (),
+        lora_slots: Sequence[int] | None = None,
     ) -> None:
-        """Send one step's forward inputs to every worker (called right before rank 0's)."""
+        """Send one step's forward inputs to every worker (called right before rank 0's);
+        under LoRA, the slot writes since the last step (``(slot, name, lora_id, path)``,
+        replayed in order) and each sequence's slot (None: a base-only step)."""
         args = {
             "num_tokens": list(num_tokens),
             "starts": list(starts),
             "block_tables": [list(t) for t in block_tables],
             "spans": None if spans is None else [list(x) for x in spans],
+            "lora_writes": [tuple(w) for w in lora_writes],
+            "lora_slots": None if lora_slots is None else list(lora_slots),
         }
         header: list[Any] = [(_STEP, args, tuple(embeds.shape), tuple(positions.shape))]
         dist.broadcast_object_list(header, src=0, device=self._comm_device)
@@ -265,6 +315,8 @@ class WorkerRank:
     block_size: int
     dtype: torch.dtype
     device: torch.device
+    lora: Any = None  # engine/lora/manager.py's LoRAManager, a mirror (--enable-lora)
+    reserved: int = 0  # bytes KV sizing holds aside (the LoRA slots, allocated after it)
 
     @property
     def comm(self) -> torch.device | None:
@@ -294,7 +346,21 @@ class WorkerRank:
             self.device,
             bidirectional_spans=args["spans"],
         )
+        if self.lora is not None:
+            self._select_lora(args)
         self.adapter.forward(embeds, positions, PagedStep(pool, meta, self.backend))
+
+    def _select_lora(self, args: dict[str, Any]) -> None:
+        """Replay rank 0's slot writes, then set each token row's slot as rank 0 did."""
+        lora = self.lora
+        for slot, name, lora_id, path in args.get("lora_writes", ()):
+            lora.write_slot(slot, name, lora_id, path)
+        slots = args.get("lora_slots")
+        if slots is None:
+            lora.lm_rows.clear()
+            return
+        per_row = [s for s, n in zip(slots, args["num_tokens"], strict=True) for _ in range(n)]
+        lora.lm_rows.select(per_row, dtype=self.dtype, device=self.device)
 
 
 def worker_pool_size(worker: WorkerRank, memory: Any = None) -> int:
@@ -320,7 +386,9 @@ def worker_pool_size(worker: WorkerRank, memory: Any = None) -> int:
         with torch.inference_mode():
             peak = memory.peak_of(lambda h=header, p=pool: worker.forward(h, p))
         del pool
-        fit = rank_fit(memory, peak, fraction, spec.bytes_per_block, last=last)
+        fit = rank_fit(
+            memory, peak, fraction, spec.bytes_per_block, last=last, reserved=worker.reserved
+        )
         agree_min([int(fit.fits), fit.blocks], worker.comm)
 
 
@@ -355,7 +423,9 @@ def worker_main(
     threading.Thread(target=orphan_watch, name="tp-orphan", daemon=True).start()
 
     dtype = resolve_dtype(cfg.dtype, device, path)
-    adapter = load_adapter(path, device=device, dtype=dtype, revision=cfg.revision)
+    adapter = load_adapter(  # as rank 0 loads it (builder.load_model): LoRA wraps unfused
+        path, device=device, dtype=dtype, revision=cfg.revision, fuse=not cfg.enable_lora
+    )
     try:
         shard_adapter(adapter, rank, size)
     except TensorParallelError:
@@ -371,7 +441,28 @@ def worker_main(
         dtype,
         device,
     )
+    if cfg.enable_lora:  # sized before, allocated after the pool (as rank 0: builder.py)
+        from mmis.engine.lora.manager import slot_bytes
+
+        worker.reserved = slot_bytes(
+            adapter.model,
+            max_loras=cfg.max_loras,
+            max_rank=cfg.max_lora_rank,
+            shards=adapter.tp_shards,
+            tower=False,
+        )
     pool = PagedKVPool(adapter.kv_cache_spec(cfg.block_size), worker_pool_size(worker))
+    if cfg.enable_lora:
+        from mmis.engine.lora.manager import LoRAManager
+
+        worker.lora = LoRAManager(
+            adapter.model,
+            max_loras=cfg.max_loras,
+            max_rank=cfg.max_lora_rank,
+            max_cpu_loras=cfg.max_cpu_loras,
+            shards=adapter.tp_shards,
+            tower=False,
+        )
     with torch.inference_mode():
         while True:
             header = worker.receive()

@@ -12,9 +12,11 @@ This package imports nothing at package level, so the torch-free scheduler may i
 
 The engine interface (what the front end's API, the operator and the runner call; settings
 ``--enable-lora`` (off), ``--max-loras``, ``--max-lora-rank``, ``--max-cpu-loras`` on
-``EngineConfig``, vLLM's names; LoRA with ``--tensor-parallel-size`` > 1 is refused at
-configuration time for now):
+``EngineConfig``, vLLM's names; under ``--tensor-parallel-size`` > 1 each rank holds its share
+of every adapter, split as the engine splits the projection: ``layer.py``, ``manager.py``):
 
+- ``slot_bytes(model, max_loras=, max_rank=, shards=)``: the bytes the manager's slots will
+  take, which KV sizing holds aside (``engine/execution/kv_sizing.py``).
 - ``LoRAManager(model, max_loras=, max_rank=, max_cpu_loras=)`` wraps the model once at load
   (before the CUDA fusion of ``execution/model/fused.py``, which then leaves wrapped groups
   unfused; after or before the CPU's ``pack_linears``, whose modules it wraps as they are).

@@ -24,11 +24,36 @@ Invariants:
   :class:`~mmis.engine.execution.cpu_linear.PackedLinear`): the wrapper only adds the delta to
   its output, so packing may happen before or after wrapping.
 - Loading slot ``s`` writes that slot's rows only (zeroing its padding); clearing writes zeros.
+- Under tensor parallelism (``engine/execution/tensor_parallel.py``) a wrapped projection holds
+  this rank's share, the way the engine splits the base: a column-parallel projection (its
+  ``shard`` ``dim == "out"``: q/k/v, gate/up) keeps ``B``'s output rows ``lo:hi`` and the whole
+  ``A``; a row-parallel one (``dim == "in"``: o/down, a ``RowParallelLinear``) keeps ``A``'s
+  input columns ``lo:hi`` and the whole ``B``, and its delta is added to the partial output
+  *before* the base's all-reduce (``sum_r (x_r A_r^T) B = x A^T B``: no extra collective).
+  ``in_features`` / ``out_features`` stay the unsplit sizes (what an adapter is checked
+  against); :func:`buffer_bytes` is what one wrapper allocates.
 """
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import torch
+
+
+class Shard(Protocol):
+    """This rank's share of a projection (``tensor_parallel.Shard``): ``dim`` ``"out"`` (output
+    rows ``lo:hi``) or ``"in"`` (input columns ``lo:hi``) of ``full``."""
+
+    dim: str
+    lo: int
+    hi: int
+    full: int
+
+
+def buffer_bytes(n_in: int, n_out: int, slots: int, max_rank: int, dtype: torch.dtype) -> int:
+    """Bytes of one wrapper's ``A`` and ``B`` buffers (``n_in`` / ``n_out``: this rank's)."""
+    return slots * max_rank * (n_in + n_out) * dtype.itemsize
 
 
 def grouped_lora_delta(
@@ -77,6 +102,22 @@ class LoRARows:
         self.mask, self.active = None, False
 
 
+def local_features(base: torch.nn.Module) -> tuple[int, int]:
+    """``(in, out)`` of ``base`` as this rank holds it."""
+    features: tuple[int, int] = (base.in_features, base.out_features)  # type: ignore[assignment]
+    return int(features[0]), int(features[1])
+
+
+def full_features(base: torch.nn.Module, shard: Shard | None) -> tuple[int, int]:
+    """``(in, out)`` of ``base`` before the tensor-parallel split (what adapters match)."""
+    n_in, n_out = local_features(base)
+    if shard is None:
+        return n_in, n_out
+    if shard.hi - shard.lo != (n_out if shard.dim == "out" else n_in):
+        raise ValueError(f"shard {shard} does not match the projection's {n_in}->{n_out}")
+    return (n_in, shard.full) if shard.dim == "out" else (shard.full, n_out)
+
+
 class LoRALinear(torch.nn.Module):
     """``base(x)`` plus each row's adapter delta (see the module docstring)."""
 
@@ -91,29 +132,36 @@ class LoRALinear(torch.nn.Module):
         *,
         dtype: torch.dtype | None = None,
         device: torch.device | None = None,
+        shard: Shard | None = None,
     ) -> None:
         super().__init__()
         self.base = base
         self.rows = rows
-        features: tuple[int, int] = (base.in_features, base.out_features)  # type: ignore[assignment]
-        self.in_features, self.out_features = int(features[0]), int(features[1])
+        self.shard = shard
+        local_in, local_out = local_features(base)
+        self.in_features, self.out_features = full_features(base, shard)
         weight = getattr(base, "weight", None)  # a PackedLinear has none: dtype/device given
         if isinstance(weight, torch.Tensor):
             dtype, device = dtype or weight.dtype, device or weight.device
         dtype, device = dtype or torch.float32, device or torch.device("cpu")
         slots = rows.num_slots
         self.register_buffer(
-            "lora_a", torch.zeros(slots, max_rank, self.in_features, dtype=dtype, device=device)
+            "lora_a", torch.zeros(slots, max_rank, local_in, dtype=dtype, device=device)
         )
         self.register_buffer(
-            "lora_b_t", torch.zeros(slots, max_rank, self.out_features, dtype=dtype, device=device)
+            "lora_b_t", torch.zeros(slots, max_rank, local_out, dtype=dtype, device=device)
         )
         self.loaded: set[int] = set()  # slots holding weights for this module
 
     def set_slot(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Load ``a`` ``[r, in]`` and scaled ``b`` ``[out, r]`` into ``slot`` (>= 1)."""
+        """Load ``a`` ``[r, in]`` and scaled ``b`` ``[out, r]`` (unsplit) into ``slot`` (>= 1);
+        under tensor parallelism this rank's share of them (module docstring)."""
         if slot < 1:
             raise ValueError("slot 0 is the no-adapter slot and stays zero")
+        if self.shard is not None and self.shard.dim == "out":
+            b = b[self.shard.lo : self.shard.hi]
+        elif self.shard is not None:
+            a = a[:, self.shard.lo : self.shard.hi]
         rank = a.shape[0]
         self.lora_a[slot].zero_()
         self.lora_b_t[slot].zero_()
@@ -128,11 +176,18 @@ class LoRALinear(torch.nn.Module):
             self.loaded.discard(slot)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.base(x)
         mask = self.rows.mask
         if not self.loaded or mask is None:
+            out: torch.Tensor = self.base(x)
             return out
-        return out + grouped_lora_delta(x, self.lora_a, self.lora_b_t, mask).to(out.dtype)
+        delta = grouped_lora_delta(x, self.lora_a, self.lora_b_t, mask)
+        if self.shard is not None and self.shard.dim == "in":  # before the all-reduce
+            split: Any = self.base  # tensor_parallel.RowParallelLinear
+            partial: torch.Tensor = split.partial(x)
+            finished: torch.Tensor = split.finish(partial + delta.to(partial.dtype))
+            return finished
+        out = self.base(x)
+        return out + delta.to(out.dtype)
 
     def extra_repr(self) -> str:
         return f"slots={self.rows.num_slots}, max_rank={self.lora_a.shape[1]}"

@@ -17,11 +17,20 @@ Invariants:
   slot happens only in :meth:`acquire`, between steps, so no step reads a half-written slot.
 - :meth:`changes_tower` is true iff the adapter has weights under a tower prefix: only then may
   an image's encoder output (and its cache key) depend on the adapter.
+- :func:`slot_bytes` is what the wrapping allocates, computed from the same plan before
+  anything is allocated: KV sizing (``engine/execution/kv_sizing.py``) holds it aside.
+- Tensor parallelism (``engine/execution/tensor_parallel.py``): with ``shards`` (the model's
+  ``tp_shards``) each split projection holds this rank's share (``layer.py``), and adapters are
+  still checked against the unsplit shapes. Rank 0's manager (``record_writes``) notes every
+  slot write of :meth:`acquire` (:meth:`take_writes`: the runner sends them with the step);
+  a worker rank's mirror (``tower=False``: the tower runs on rank 0 only, its projections
+  checked but not wrapped) replays them with :meth:`write_slot` before the same forward, so
+  every rank's slot ``s`` holds the same adapter's share.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +44,7 @@ from mmis.engine.lora.errors import (
     LoRANotLoadedError,
     LoRAPreEncodedError,
 )
-from mmis.engine.lora.layer import LoRALinear, LoRARows
+from mmis.engine.lora.layer import LoRALinear, LoRARows, Shard, buffer_bytes, full_features
 from mmis.engine.lora.residency import SlotTable
 
 # the vision tower and projector of each family, as module names in the transformers model
@@ -65,6 +74,69 @@ def _under(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
+def _is_projection_or_split(module: torch.nn.Module) -> bool:
+    return _is_projection(module) or type(module).__name__ == "RowParallelLinear"
+
+
+def _targets(
+    model: torch.nn.Module, prefixes: tuple[str, ...]
+) -> list[tuple[str, torch.nn.Module]]:
+    """Every LoRA-capable projection under ``prefixes``, in module order."""
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if _is_projection_or_split(module) and _under(name, prefixes)
+    ]
+
+
+@dataclass(frozen=True)
+class WrapPlan:
+    """What :class:`LoRAManager` wraps: name -> this rank's ``(in, out)`` of each wrapped
+    projection, and the unsplit ``(in, out)`` of every LoRA-capable one (wrapped or not)."""
+
+    wrapped: dict[str, tuple[int, int]]
+    capable: dict[str, tuple[int, int]]
+
+
+def wrap_plan(
+    model: torch.nn.Module,
+    *,
+    shards: Mapping[str, Shard] | None = None,
+    tower: bool = True,
+    lm_prefixes: tuple[str, ...] = LM_PREFIXES,
+    tower_prefixes: tuple[str, ...] = TOWER_PREFIXES,
+) -> WrapPlan:
+    """The projections a manager over ``model`` wraps (the module docstring's rules)."""
+    shards = shards or {}
+    wrapped: dict[str, tuple[int, int]] = {}
+    capable: dict[str, tuple[int, int]] = {}
+    for name, module in _targets(model, lm_prefixes + tower_prefixes):
+        if name not in shards and type(module).__name__ == "RowParallelLinear":
+            raise ValueError(f"{name} is split over ranks but has no tensor-parallel shard")
+        capable[name] = full_features(module, shards.get(name))
+        if tower or not _under(name, tower_prefixes):
+            wrapped[name] = (int(module.in_features), int(module.out_features))  # type: ignore[arg-type]
+    return WrapPlan(wrapped, capable)
+
+
+def slot_bytes(
+    model: torch.nn.Module,
+    *,
+    max_loras: int,
+    max_rank: int,
+    shards: Mapping[str, Shard] | None = None,
+    tower: bool = True,
+) -> int:
+    """Bytes a :class:`LoRAManager` with these settings allocates for its slots on ``model``
+    (computed before allocating: KV sizing reserves them)."""
+    dtype = next(model.parameters()).dtype
+    plan = wrap_plan(model, shards=shards, tower=tower)
+    return sum(
+        buffer_bytes(n_in, n_out, max_loras + 1, max_rank, dtype)
+        for n_in, n_out in plan.wrapped.values()
+    )
+
+
 class LoRAManager:
     """See the module docstring."""
 
@@ -77,6 +149,9 @@ class LoRAManager:
         max_cpu_loras: int | None = None,
         lm_prefixes: tuple[str, ...] = LM_PREFIXES,
         tower_prefixes: tuple[str, ...] = TOWER_PREFIXES,
+        shards: Mapping[str, Shard] | None = None,
+        tower: bool = True,
+        record_writes: bool = False,
     ) -> None:
         self.model, self.max_rank = model, max_rank
         self.table = SlotTable(max_loras, max_cpu_loras)
@@ -87,27 +162,37 @@ class LoRAManager:
         self._registered: dict[str, Registered] = {}
         self._host: dict[str, LoRAAdapter] = {}
         self._used_ids: set[int] = set()  # never reused, removed adapters' included
-        self._attach(lm_prefixes)
+        # rank 0 under tensor parallelism: (slot, name, lora_id, path) written since the last
+        # take_writes (None: not recorded)
+        self._writes: list[tuple[int, str, int, str]] | None = [] if record_writes else None
+        plan = wrap_plan(
+            model,
+            shards=shards,
+            tower=tower,
+            lm_prefixes=lm_prefixes,
+            tower_prefixes=tower_prefixes,
+        )
+        self._capable = plan.capable
+        self._attach(plan, shards or {})
 
-    def _attach(self, lm_prefixes: tuple[str, ...]) -> None:
+    def _attach(self, plan: WrapPlan, shards: Mapping[str, Shard]) -> None:
         param = next(self.model.parameters())
         dtype, device = param.dtype, param.device
-        targets = [
-            (name, module)
-            for name, module in self.model.named_modules()
-            if _is_projection(module) and _under(name, lm_prefixes + self.tower_prefixes)
-        ]
-        for name, module in targets:
+        for name in plan.wrapped:
+            module = self.model.get_submodule(name)
             rows = self.tower_rows if _under(name, self.tower_prefixes) else self.lm_rows
             parent_name, _, attr = name.rpartition(".")
             parent = self.model.get_submodule(parent_name)
-            wrapped = LoRALinear(module, rows, self.max_rank, dtype=dtype, device=device)
+            wrapped = LoRALinear(
+                module, rows, self.max_rank, dtype=dtype, device=device, shard=shards.get(name)
+            )
             setattr(parent, attr, wrapped)
             self.layers[name] = wrapped
 
     def modules(self) -> dict[str, tuple[int, int]]:
-        """Every LoRA-capable projection: name -> ``(in_features, out_features)``."""
-        return {n: (m.in_features, m.out_features) for n, m in self.layers.items()}
+        """Every LoRA-capable projection: name -> unsplit ``(in_features, out_features)``
+        (a worker rank's unwrapped tower projections included)."""
+        return dict(self._capable)
 
     def add(self, name: str, lora_id: int, path: str) -> Registered:
         """Validate and register the PEFT adapter at ``path`` (a typed LoRAError if not)."""
@@ -197,13 +282,33 @@ class LoRAManager:
                     name, entry.lora_id, entry.path, self.modules(), self.max_rank
                 )
             self._keep_host(adapter)
-            for module, layer in self.layers.items():
-                if module in adapter.weights:
-                    a, b = adapter.weights[module]
-                    layer.set_slot(got.slot, a, b)
-                else:
-                    layer.clear_slot(got.slot)
+            self._write(got.slot, adapter)
+            if self._writes is not None:
+                self._writes.append((got.slot, name, entry.lora_id, entry.path))
         return got.slot
+
+    def _write(self, slot: int, adapter: LoRAAdapter) -> None:
+        for module, layer in self.layers.items():
+            if module in adapter.weights:
+                a, b = adapter.weights[module]
+                layer.set_slot(slot, a, b)
+            else:
+                layer.clear_slot(slot)
+
+    def take_writes(self) -> list[tuple[int, str, int, str]]:
+        """The slot writes since the last call, in order (``record_writes`` only)."""
+        writes, self._writes = self._writes or [], [] if self._writes is not None else None
+        return writes
+
+    @torch.no_grad()
+    def write_slot(self, slot: int, name: str, lora_id: int, path: str) -> None:
+        """A worker rank's replay of rank 0's write (module docstring): its host copy of
+        ``name`` under ``lora_id`` (read from ``path`` if it has none) into ``slot``."""
+        adapter = self._host.get(name)
+        if adapter is None or adapter.lora_id != lora_id:
+            adapter = load_adapter(name, lora_id, path, self.modules(), self.max_rank)
+        self._keep_host(adapter)
+        self._write(slot, adapter)
 
     def release(self, name: str) -> None:
         self.table.release(name)

@@ -144,6 +144,9 @@ class ModelAdapter(abc.ABC):
         self.num_heads = int(text.num_attention_heads)
         self.num_kv_heads = int(getattr(text, "num_key_value_heads", None) or self.num_heads)
         self.head_dim = int(getattr(text, "head_dim", None) or self.hidden_size // self.num_heads)
+        # module name -> this rank's tensor_parallel.Shard of each split projection (set by
+        # tensor_parallel.shard_adapter; engine/lora/ splits its adapters the same way)
+        self.tp_shards: dict[str, Any] = {}
         # every end-of-sequence id the checkpoint declares stops a request (Qwen2-VL's
         # generation_config lists <|im_end|> and <|endoftext|>; its config only one)
         found: list[int] = []
