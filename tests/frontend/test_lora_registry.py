@@ -17,12 +17,20 @@ server cannot show:
   bad one (or an engine without ``--enable-lora``) is a one-line StartupError naming it;
 - the flag takes vLLM's ``NAME=PATH ...`` words and its JSON form;
 - P0 reads a refusal's code, never its text: an engine whose messages say something else
-  gets the same answers.
+  gets the same answers;
+- the operator's loads and unloads (the internal routes) reconcile against the engine's list,
+  whichever sibling changed it: the same name and path again is nothing to do, another path a
+  409, an unload of a name not held nothing to do;
+- a hub id ``hf://org/name[@rev]`` is parsed (bad forms a 400 that never reaches the engine),
+  and a hub that cannot be reached is a 400 naming the cause at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import socket
+import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
@@ -46,10 +54,12 @@ from mmis.frontend.api.serving_generate import TextGenerator
 from mmis.frontend.client.engine_client import UtilityCallError
 from mmis.frontend.client.lora import (
     LoRAAdapterError,
+    LoRAConflictError,
     LoRANotFoundError,
     LoRARegistry,
 )
 from mmis.frontend.client.lora import LoRAInUseError as P0InUseError
+from mmis.frontend.client.lora_hub import HubSource, HubSourceError, parse_hub_source
 from mmis.frontend.client.output_processor import Completion, GenerateRequest, TokenUsage
 from mmis.frontend.client.renderer import SourcePrompt
 from mmis.frontend.config import FrontendConfig
@@ -312,3 +322,81 @@ def test_the_flag_takes_vllm_words_and_json() -> None:
             FrontendConfig(lora_modules=bad)
     with pytest.raises(ConfigError, match="names the served model"):
         FrontendConfig(model="m", lora_modules=("m=/x",))
+
+
+async def test_the_operators_loads_and_unloads_reconcile() -> None:
+    engine = FakeLoRAEngine()
+    a, b = _registry(engine, index=0, stride=2), _registry(engine, index=1, stride=2)
+    await a.start()
+    await b.start()
+    assert await b.ensure_loaded("x", "/x") is True
+    assert await a.ensure_loaded("x", "/x") is False  # a sibling loaded it: nothing to do
+    assert engine.registered["x"][0] == b.get("x").lora_id
+    with pytest.raises(LoRAConflictError, match="already loaded from /x, not from /y") as other:
+        await a.ensure_loaded("x", "/y")
+    assert (other.value.status, other.value.code) == (409, "lora_already_loaded")
+    await b.unload("x")  # a's entry is stale now: the engine's list decides
+    assert await a.ensure_loaded("x", "/x") is True and "x" in engine.registered
+    engine.live.add("x")
+    with pytest.raises(P0InUseError):
+        await b.ensure_unloaded("x")
+    engine.live.clear()
+    assert await b.ensure_unloaded("x") is True  # b had not heard of a's load
+    assert await a.ensure_unloaded("x") is False and "x" not in engine.registered
+    with pytest.raises(LoRAAdapterError, match="without --enable-lora"):
+        await _registry(FakeLoRAEngine(enabled=False)).ensure_loaded("x", "/x")
+
+
+def test_hub_ids_are_parsed() -> None:
+    assert parse_hub_source("/adapters/sql") is None  # a directory: not a hub id
+    assert parse_hub_source("hf://org/name") == HubSource("org/name")
+    assert parse_hub_source("hf://Org-1/my_adapter.v2@v1.0") == HubSource(
+        "Org-1/my_adapter.v2", "v1.0"
+    )
+    assert parse_hub_source("hf://org/name@refs/pr/3") == HubSource("org/name", "refs/pr/3")
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    assert str(parse_hub_source(f"hf://org/name@{sha}")) == f"hf://org/name@{sha}"
+    for bad in (
+        "hf://",
+        "hf://name",
+        "hf://org/",
+        "hf://org/name/extra",
+        "hf://org/name@",
+        "hf://org/name@a@b",
+        "hf://org/na me",
+        "hf://org/name@../x",
+        "hf://-org/name",
+        "hf://org--x/name",
+        "hf:///org/name",
+    ):
+        with pytest.raises(HubSourceError, match="is not of the form hf://<org>/<name>"):
+            parse_hub_source(bad)
+
+
+async def test_a_bad_or_unreachable_hub_id_is_a_400_that_never_reaches_the_engine(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from huggingface_hub import constants
+
+    with socket.socket() as closed:  # a port nobody listens on: the connection is refused
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    engine = FakeLoRAEngine()
+    registry = _registry(engine)
+    await registry.start()
+    with pytest.raises(LoRAAdapterError, match="'h': 'hf://solo' is not of the form") as bad:
+        await registry.load("h", "hf://solo")
+    assert bad.value.status == 400 and bad.value.param == "lora_path"
+    started = time.monotonic()
+    with pytest.raises(LoRAAdapterError, match="unreachable") as down:
+        await registry.load("h", "hf://org/name@v1")
+    assert time.monotonic() - started < 5  # one attempt, no retries
+    assert "LoRA adapter 'h': hf://org/name@v1 could not be fetched" in down.value.message
+    assert "not in the local HF cache" in down.value.message
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(LoRAAdapterError, match="HF_HUB_OFFLINE is set"):
+        await registry.load("h", "hf://org/name")
+    assert engine.registered == {} and registry.get("h") is None
