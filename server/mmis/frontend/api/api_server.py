@@ -89,6 +89,7 @@ from mmis.frontend.api.schemas import (
     install_exception_handlers,
     parse_request,
 )
+from mmis.frontend.api.schemas.responses import LoRAAdapterStat, LoRAStats
 from mmis.frontend.api.schemas.responses_api import ResponsesRequest
 from mmis.frontend.api.schemas.sampling import SamplingRequest
 from mmis.frontend.api.serving_chat import ChatServing
@@ -323,10 +324,10 @@ def create_app(
         )
         if state.lora.enabled:  # the operator's adapter sync reads what the engine holds
             adapters = sorted(await engine_adapters(state), key=lambda a: a.name)
-            stats["lora"] = {
-                "adapters": [{"name": a.name, "path": a.path} for a in adapters],
-                "max_loras": int(state.client.engine_info.get("max_loras", 0)),
-            }
+            stats["lora"] = LoRAStats(  # the document's shape (schemas/responses.py)
+                adapters=[LoRAAdapterStat(name=a.name, path=a.path) for a in adapters],
+                max_loras=int(state.client.engine_info.get("max_loras", 0)),
+            ).model_dump()
         return JSONResponse(stats)
 
     @app.post("/sibling/uuid_binding", include_in_schema=False)  # no port serves it

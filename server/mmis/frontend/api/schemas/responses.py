@@ -220,8 +220,21 @@ class PrefixCacheReset(BaseModel):
     blocks: int = Field(ge=0, description="blocks forgotten (announced as AllBlocksCleared)")
 
 
+class LoRAAdapterStat(BaseModel):
+    name: str = Field(description="the adapter's name (a request's `model`)")
+    path: str = Field(description="what it was loaded from: a directory or an hf:// hub id")
+
+
+class LoRAStats(BaseModel):
+    """``/stats/cache``'s ``lora``: the adapters the engine holds (the operator's sync)."""
+
+    adapters: list[LoRAAdapterStat] = Field(description="sorted by name")
+    max_loras: int = Field(ge=0, description="the engine's --max-loras")
+
+
 class CacheStats(BaseModel):
-    """``GET /stats/cache``: the drift window (:meth:`mmis.telemetry.drift.DriftWindow.stats`)."""
+    """``GET /stats/cache``: the drift window (:meth:`mmis.telemetry.drift.DriftWindow.stats`)
+    and, with LoRA on, the engine's adapters (``lora``; absent without LoRA)."""
 
     drift_rate: float = Field(ge=0.0, description="drift misses / shadow hits; 0 without hits")
     hit_rate: float = Field(ge=0.0, le=1.0, description="sender-cache hits / lookups")
@@ -233,6 +246,9 @@ class CacheStats(BaseModel):
     queries: float = Field(ge=0.0)
     retries: float = Field(ge=0.0)
     requests: float = Field(ge=0.0)
+    lora: LoRAStats | None = Field(
+        default=None, description="with LoRA on: the engine's adapters; absent without"
+    )
 
 
 class VersionInfo(BaseModel):
