@@ -80,6 +80,13 @@ Invariants:
   autoscaler always reads :data:`ENCODER_QUEUE` and has the bounds and windows of
   ``spec.autoscaling``. Its ``podTemplate`` is merged over the encoder pods' template
   (:func:`merge`, the rules of ``spec.podTemplate``, which is the inference pods' only).
+- ``spec.adapters`` (:func:`parse_adapters`): absent, None (no LoRA: the pods as before);
+  present, even empty, a tuple of :class:`AdapterSpec` whose names are unique, never the base
+  model's served name and never hold a comma or a space (the routing metric joins names with
+  commas), and whose sources resolve to the path the pod loads (:func:`parse_adapter_source`:
+  an absolute path, ``pvc://CLAIM/PATH`` under :data:`ADAPTER_CLAIMS_DIR`, or ``hf://ORG/NAME
+  [@REV]`` as is); no path holds ``..``. ``engine.maxLoras`` / ``maxLoraRank`` /
+  ``maxCpuLoras`` are serving settings (:data:`ENGINE_FLAGS`), ``maxCpuLoras >= maxLoras``.
 - The ``podTemplate`` override (:func:`merge`): mappings merge recursively; the override wins
   on scalars. Lists of named items (containers, volumes, env, volumeMounts, ports, ...) merge
   item by item on ``name``: an override entry updates the generated entry of the same name,

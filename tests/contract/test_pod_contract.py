@@ -82,6 +82,8 @@ def _variants() -> Iterator[tuple[str, dict[str, Any]]]:
         "revision-processor-kwargs": {"model": {"id": "acme/vlm", **MODEL_EXTRAS}},
         "routing": {"routing": {"cacheWeight": 2}},  # the engine's cache-event flags
         "api-servers": {"frontend": {"apiServers": 4}},  # P0 processes: --api-servers
+        # --enable-lora and the LoRA limits; P0's optional internal token
+        "adapters": {"adapters": [{"name": "a", "source": "/m/a"}], "engine": {"maxLoras": 2}},
     }
     for name, change in changes.items():
         obj = copy.deepcopy(base)

@@ -78,6 +78,13 @@ def _with(path: str, value: Any) -> dict[str, Any]:
         (_with("cache.type", "redis"), "spec.cache.type must be one of lru, shm"),
         (_with("engine.dtype", "fp8"), "spec.engine.dtype must be one of auto, bfloat16"),
         (_with("engine.gpuMemoryUtilization", 1.5), "must be a fraction in (0, 1]"),
+        (_with("engine", {"maxLoras": 4, "maxCpuLoras": 2}), "must be at least maxLoras"),
+        (_with("adapters", [{"name": "a b", "source": "/m/a"}]), "spec.adapters[].name must be"),
+        (_with("adapters", [{"name": "a", "source": "s3://b/a"}]), "spec.adapters[].source must"),
+        (
+            _with("adapters", [{"name": "a", "source": "/m/a"}, {"name": "a", "source": "/m/b"}]),
+            "Duplicate value",
+        ),
     ],
 )
 def test_invalid_resources_are_rejected_with_the_rule_message(
@@ -171,6 +178,19 @@ def test_every_serving_setting_is_accepted(cluster: Cluster, crd: None, namespac
     stored = json.loads(proc.stdout)["spec"]
     for section, values in every.items():
         assert {k: stored[section][k] for k in values} == values, section
+
+
+def test_every_adapter_source_form_is_accepted(cluster: Cluster, crd: None, namespace: str) -> None:
+    """The spec of tests/operator/golden/children_adapters.json (a path, a pvc:// and an hf://
+    adapter, the engine's LoRA limits) passes the real API server, nothing pruned."""
+    golden = ROOT / "tests" / "operator" / "golden" / "children_adapters.json"
+    spec = json.loads(golden.read_text())["resource"]["spec"]
+    obj = copy.deepcopy(VALID)
+    obj["spec"].update(adapters=spec["adapters"], engine=spec["engine"])
+    proc = _dry_run(cluster, namespace, obj)
+    assert proc.returncode == 0, proc.stderr
+    stored = json.loads(proc.stdout)["spec"]
+    assert stored["adapters"] == spec["adapters"] and stored["engine"] == spec["engine"]
 
 
 def test_shm_rule_accepts_a_large_enough_store(cluster: Cluster, crd: None, namespace: str) -> None:
