@@ -330,6 +330,9 @@ def metrics_page() -> str:
         ),
         "api_server": ["0", "…", "63"],
         "model": ["the served model name"],
+        "running_lora_adapters": ["the adapters held, sorted, comma-joined"],
+        "waiting_lora_adapters": ['"" (always empty)'],
+        "max_lora": ["how many adapters are held"],
     }
     lines = [
         HEADER.format(source="server/mmis/telemetry/catalog.py"),

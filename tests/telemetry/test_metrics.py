@@ -12,6 +12,7 @@ from mmis.telemetry.catalog import ALLOWED_LABELS, Owner
 from mmis.telemetry.drift import DriftCollector, DriftWindow, counters_of
 from mmis.telemetry.engine_stats import KEYS, EngineStats
 from mmis.telemetry.errors import LabelValueError, TelemetryError
+from mmis.telemetry.lora_info import LoRAInfoCollector
 from mmis.telemetry.metrics import MMISMetrics
 from mmis.telemetry.stats_collector import EngineStatsCollector
 
@@ -27,6 +28,7 @@ def full_registry() -> MMISMetrics:
     engine.update(EngineStats(num_requests_waiting=2, encoder_cache_queries=3).to_dict())
     metrics.attach(engine)
     metrics.attach(DriftCollector(DriftWindow(counters_of(metrics)), "tiny-vlm"))
+    metrics.attach(LoRAInfoCollector("tiny-vlm", lambda: ["lm"]))  # a P0 with LoRA on
     metrics.processor_cache(queries=4, hits=3)
     metrics.shadow_hits(3)
     metrics.drift_misses(1)

@@ -64,6 +64,7 @@ from mmis.protocol.encoder import EncoderKey
 from mmis.protocol.messages import EngineCoreRequest, SamplingParams
 from mmis.shm import ShmWriter
 from mmis.telemetry.bundle import FrontendTelemetry
+from mmis.telemetry.lora_info import LoRAInfoCollector
 from mmis.telemetry.tracing import Tracing, setup_tracing
 from mmis.telemetry.tracing_config import TracingConfig
 
@@ -221,6 +222,9 @@ class FrontendState:
             index=settings.client_index,
             stride=settings.api_servers,
         )
+        self.metrics.attach(  # mmis:lora_requests_info, the picker's LoRA affinity
+            LoRAInfoCollector(self.model_name, self._lora_names)
+        )
         self.policy = RecoveryPolicy(
             self.renderer,
             self.client,
@@ -269,6 +273,10 @@ class FrontendState:
         state.stats.start()
         state._probe = loop.create_task(state._readiness_probe(), name="mmis-ready-probe")
         return state
+
+    def _lora_names(self) -> list[str] | None:
+        """The adapters the engine holds as this P0 knows them; None while LoRA is off."""
+        return [a.name for a in self.lora.adapters()] if self.lora.enabled else None
 
     # ------------------------------------------------------------------ engine callbacks
     def _on_missing(self, mm_hashes: list[str]) -> None:

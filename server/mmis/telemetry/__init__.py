@@ -9,6 +9,8 @@ Modules (import the one you need; this package imports nothing eagerly):
 - ``engine_stats`` / ``stats_collector``: P1's figures as a plain dict (the ``stats`` utility
   call) and the collector that renders the latest snapshot into P0's ``/metrics``;
 - ``drift``: drift rate = drift misses / shadow hits over a sliding window;
+- ``lora_info``: ``mmis:lora_requests_info``, the adapters a P0's engine holds (the endpoint
+  picker's LoRA affinity);
 - ``tracing_config`` / ``tracing``: OpenTelemetry from ``OTEL_*`` plus explicit settings, off
   (a no-op tracer, no SDK import) unless an OTLP endpoint is configured; context propagation
   P0 -> P1 and the cache span events;

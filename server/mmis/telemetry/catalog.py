@@ -5,12 +5,16 @@ Invariants:
   extension's endpoint picker scrapes: ``mmis:num_requests_waiting``,
   ``mmis:num_requests_running``, ``mmis:kv_cache_usage_perc`` — the model-server protocol's
   TotalQueuedRequests / TotalRunningRequests / KVCacheUtilization, all gauges; the KV usage is
-  a fraction in [0, 1], as in the ``vllm:kv_cache_usage_perc`` reference metric — and for
-  ``mmis:uuid_rebinds_total``, the name docs/SECURITY.md gives it).
+  a fraction in [0, 1], as in the ``vllm:kv_cache_usage_perc`` reference metric — for
+  ``mmis:lora_requests_info``, the protocol's LoRA metric that the picker's LoRA-affinity
+  scorer reads (:mod:`mmis.telemetry.lora_info`), and for ``mmis:uuid_rebinds_total``, the
+  name docs/SECURITY.md gives it).
 - Counter names end in ``_total``, as they appear in PromQL.
 - Label names come from :data:`ALLOWED_LABELS` only, and every label has a closed value set:
   request ids, hashes, uuids or any other per-request value never become a label (checked at
-  import time here, and by a test that scans everything a registry exposes).
+  import time here, and by a test that scans everything a registry exposes). The LoRA labels
+  (:data:`LORA_LABELS`) are bounded as ``model`` is, by deployment: the names of the
+  adapters the operator loads, never a request's value, one series per P0 at a time.
 - ``api_server`` (the P0 process index, "0" .. "63") is on no spec: with ``--api-servers N``
   above 1 every P0 series (all but P1's ``Owner.ENGINE`` figures) gets it at exposition
   (:meth:`~mmis.telemetry.metrics.MMISMetrics.exposition`); with one P0 it is absent, so
@@ -60,7 +64,13 @@ ENCODER_ITEM_OUTCOMES = frozenset({"encoded", "cached"})
 ENCODER_REJECT_REASONS = ("dtype", "shape", "nonfinite", "pixels")
 # the P0 process index under --api-servers N (mmis.frontend.config.MAX_API_SERVERS = 64)
 API_SERVER_INDICES = frozenset(str(i) for i in range(64))
-ALLOWED_LABELS = frozenset({"model", "endpoint", "outcome", "status", "api_server", "reason"})
+# mmis:lora_requests_info (issue 47): vLLM's label names, which the picker's metrics extractor
+# reads: the adapters held (names sorted, comma-joined), those waiting (always ""), how many
+# it holds
+LORA_LABELS = ("running_lora_adapters", "waiting_lora_adapters", "max_lora")
+ALLOWED_LABELS = frozenset(
+    {"model", "endpoint", "outcome", "status", "api_server", "reason", *LORA_LABELS}
+)
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0)
@@ -173,6 +183,17 @@ DRIFT_RATE = MetricSpec(
     G,
     "Drift misses / shadow hits over the drift window.",
     ("model",),
+    Owner.DERIVED,
+)
+
+LORA_INFO = MetricSpec(
+    "mmis:lora_requests_info",
+    G,
+    "The LoRA adapters this P0's engine holds (with LoRA on only): running_lora_adapters their "
+    "names, sorted and comma-joined; waiting_lora_adapters empty; max_lora how many it holds. "
+    "The value is the Unix time this P0 first showed that set (the endpoint picker's "
+    "LoRA-affinity scorer reads the newest series).",
+    ("model", *LORA_LABELS),
     Owner.DERIVED,
 )
 
