@@ -28,13 +28,15 @@ Invariants:
   (:func:`engine_event_args`) and the picker's ``mmis-cache-scorer`` parameters, so the ports
   the engines publish on are the ones the picker subscribes to. The front end's ops port
   (``kube.OPS_PORT``) serves its metrics and ``POST /internal/block_keys``.
-- The metrics the framework scrapes are mmis's three model-server-protocol gauges
-  (``server/mmis/telemetry/catalog.py``: ``mmis:num_requests_waiting``,
-  ``mmis:num_requests_running``, ``mmis:kv_cache_usage_perc``), read from the front end's
-  operations port.
-- The profile composes the cache scorer with the framework's queue and KV-utilisation
-  scorers; a request whose keys or events are missing scores 0 on the cache scorer for every
-  pod, so load alone decides and the request never fails for lack of cache data.
+- The metrics the framework scrapes are mmis's model-server-protocol metrics
+  (``server/mmis/telemetry/catalog.py``: the gauges ``mmis:num_requests_waiting``,
+  ``mmis:num_requests_running``, ``mmis:kv_cache_usage_perc``, and ``mmis:lora_requests_info``,
+  the LoRA adapters each front end's engine holds), read from the front end's operations port.
+- The profile composes the cache scorer with the framework's queue, KV-utilisation and
+  LoRA-affinity scorers; a request whose keys or events are missing scores 0 on the cache
+  scorer for every pod, so load alone decides and the request never fails for lack of cache
+  data. A request for a LoRA adapter goes to a pod that holds it whenever one does
+  (:func:`lora_weight`); a base-model request scores the same on every pod there.
 - The picker pod meets Pod Security ``restricted``. Its rights are the chart's ClusterRole
   (``--picker-cluster-role``, :data:`PICKER_RULES`: read pods, InferencePools,
   InferenceObjectives and InferenceModelRewrites; leases and events for leader election),
@@ -69,12 +71,32 @@ from mmis_operator.spec import CACHE_WEIGHT, RoutingSpec
 # --- The endpoint picker's configuration (was picker_config.py) -----------------------------------
 
 CACHE_SCORER = "mmis-cache-scorer"
+LORA_SCORER = "lora-affinity-scorer"  # the framework's (GIE v1.5.0 scorer/loraaffinity)
+# the framework's scorers beside the cache scorer that load decides by, each weighing 1
+LOAD_SCORERS = ("queue-scorer", "kv-cache-utilization-scorer")
 ENGINE_NAME = "mmis"  # the framework's engine label for our metric names
 METRICS = {
     "queuedRequestsSpec": "mmis:num_requests_waiting",
     "runningRequestsSpec": "mmis:num_requests_running",
     "kvUsageSpec": "mmis:kv_cache_usage_perc",
+    "loraSpec": "mmis:lora_requests_info",  # server/mmis/telemetry/lora_info.py
 }
+
+
+def lora_weight(cache_weight: int) -> int:
+    """The LoRA-affinity scorer's weight: one more than every other scorer's weight together.
+
+    Each scorer's score lies in [0, 1] and the picker takes the highest weighted sum. P0's
+    ``mmis:lora_requests_info`` gives ``max_lora`` = the adapters it holds, so the framework's
+    scorer gives 1 to a pod holding the request's adapter and 0 to every other (none has "room
+    for one more", its 0.8: mmis loads adapters through the load API only). A holder's sum is
+    then at least this weight, a non-holder's at most ``cache_weight`` + 1 + 1 (a full cache
+    match on an idle, empty pod): the holder wins by at least 1, whatever the cache and the
+    load say, and among holders the cache and load scorers decide as without LoRA. A request
+    for the base model (or an adapter no pod holds) scores 0 on every pod, so it changes
+    nothing there.
+    """
+    return cache_weight + len(LOAD_SCORERS) + 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +131,9 @@ def picker_config(
 
     ``ops_port`` is the front end's operations port: its ``/metrics`` and its
     ``POST /internal/block_keys``. ``silence_seconds``: a pod whose replay socket has not
-    answered for that long is scored as holding nothing until it answers again.
+    answered for that long is scored as holding nothing until it answers again. The
+    LoRA-affinity scorer weighs :func:`lora_weight` (``cache_weight`` + 3): a pod holding a
+    request's adapter always wins over one that does not.
     """
     ports = ports or EventPorts()
     scorer_params = {
@@ -126,8 +150,8 @@ def picker_config(
         "kind": "EndpointPickerConfig",
         "plugins": [
             {"type": CACHE_SCORER, "parameters": scorer_params},
-            {"type": "queue-scorer"},
-            {"type": "kv-cache-utilization-scorer"},
+            *({"type": scorer} for scorer in LOAD_SCORERS),
+            {"type": LORA_SCORER},
             {"type": "max-score-picker"},
             {"type": "openai-parser"},
             {
@@ -147,8 +171,8 @@ def picker_config(
                 "name": "default",
                 "plugins": [
                     {"pluginRef": CACHE_SCORER, "weight": cache_weight},
-                    {"pluginRef": "queue-scorer", "weight": 1},
-                    {"pluginRef": "kv-cache-utilization-scorer", "weight": 1},
+                    *({"pluginRef": scorer, "weight": 1} for scorer in LOAD_SCORERS),
+                    {"pluginRef": LORA_SCORER, "weight": lora_weight(cache_weight)},
                     {"pluginRef": "max-score-picker"},
                 ],
             }

@@ -35,11 +35,12 @@ import re
 import secrets
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
@@ -101,6 +102,17 @@ class Replica:
         blocks: int = answer.json()["blocks"]
         return blocks
 
+    def metric(self, name: str, **labels: str) -> list[tuple[dict[str, str], float]]:
+        """The samples ``name`` of this replica's ``/metrics`` (ops port) whose labels include
+        ``labels``: (labels, value) each."""
+        text = httpx.get(self.ops_url + "/metrics", timeout=10).text
+        return [
+            (dict(s.labels), s.value)
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == name and labels.items() <= s.labels.items()
+        ]
+
 
 class PickerStack:
     def __init__(
@@ -113,14 +125,18 @@ class PickerStack:
         *,
         replicas: int = 3,
         serve_args: tuple[str, ...] = (),
+        replica_args: Mapping[int, tuple[str, ...]] | None = None,
         model: Path | None = None,
         config_for: Callable[[int, EventPorts], dict[str, Any]] | None = None,
     ) -> None:
-        """``model``: the served model (default: the tiny LLaVA); ``config_for(ops_port,
-        events)``: the picker's configuration (default: what the operator deploys)."""
+        """``serve_args``: every replica's extra flags; ``replica_args[i]``: replica i's after
+        them (an adapter on one replica only); ``model``: the served model (default: the tiny
+        LLaVA); ``config_for(ops_port, events)``: the picker's configuration (default: what
+        the operator deploys)."""
         self.cluster, self.namespace, self.log_dir = cluster, namespace, log_dir
         self._epp_exe, self._gateway_exe = epp, gateway
         self.n, self._serve_args = replicas, serve_args
+        self._replica_args = dict(replica_args or {})
         p = _free_ports(10)
         self.http_port, self.ops_port = p[0], p[1]
         self.events = EventPorts(kv=p[2], kv_replay=p[3], mm=p[4], mm_replay=p[5])
@@ -164,6 +180,7 @@ class PickerStack:
         args = ["serve", "--model", str(self.model), "--served-model-name", "tiny"]
         args += ["--host", ip, "--port", str(self.http_port), "--ops-port", str(self.ops_port)]
         args += [*engine_event_args(self.events, host=ip), *self._serve_args]
+        args += self._replica_args.get(i, ())
         env = {"MMIS_ENGINE_EVENTS_TOKEN": self.token, "MMIS_FRONTEND_INTERNAL_TOKEN": self.token}
         proc = Proc(f"serve-{i}", args, log_dir, env=env, announces=True)
         self._daemons.append(proc)

@@ -257,6 +257,29 @@ def test_config_text_is_the_picker_config_with_the_spec_weight(sample: dict[str,
     assert templates[0] != templates[1]
 
 
+@pytest.mark.parametrize("cache_weight", [0, routing.CACHE_WEIGHT, MAX_CACHE_WEIGHT])
+def test_a_lora_holder_outweighs_every_other_scorer_together(cache_weight: int) -> None:
+    """The framework's LoRA-affinity scorer reads P0's ``mmis:lora_requests_info`` (the
+    catalog's name and labels) and weighs more than every other scorer together, each score
+    being in [0, 1]: a pod holding the request's adapter (1) beats any that does not (0)."""
+    from mmis.telemetry import catalog
+
+    config = routing.picker_config(ops_port=8001, cache_weight=cache_weight)
+    plugins = {p["type"]: p.get("parameters") for p in config["plugins"]}
+    (engine,) = plugins["core-metrics-extractor"]["engineConfigs"]
+    assert engine["loraSpec"] == catalog.LORA_INFO.name
+    # the labels the framework's extractor reads (extractor/metrics: LoraInfo*MetricName)
+    assert catalog.LORA_INFO.labels[1:] == (
+        "running_lora_adapters", "waiting_lora_adapters", "max_lora"
+    )  # fmt: skip
+    assert routing.LORA_SCORER in plugins
+    (profile,) = config["schedulingProfiles"]
+    weights = {p["pluginRef"]: p["weight"] for p in profile["plugins"] if "weight" in p}
+    lora = weights.pop(routing.LORA_SCORER)
+    assert weights == {routing.CACHE_SCORER: cache_weight, **dict.fromkeys(routing.LOAD_SCORERS, 1)}
+    assert lora >= sum(weights.values()) + 1
+
+
 def test_rbac_binds_the_charts_picker_role_in_the_namespace(sample: dict[str, Any]) -> None:
     objects = _objects(_routed(sample))
     assert "Role" not in objects  # the operator grants nothing it would have to hold
