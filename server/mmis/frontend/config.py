@@ -65,8 +65,10 @@ class FrontendConfig:
     )
     internal_token: str | None = setting(
         None,
-        help="the token /internal/block_keys and /internal/reset_prefix_cache require "
-        "('Authorization: Bearer TOKEN'; the API key does not open them); without it they "
+        help="the token the /internal/* routes require (/internal/block_keys, "
+        "/internal/reset_prefix_cache, /internal/load_lora_adapter, "
+        "/internal/unload_lora_adapter; 'Authorization: Bearer TOKEN'; the API key does not "
+        "open them); without it they "
         "answer 403. Set it through the environment (MMIS_FRONTEND_INTERNAL_TOKEN): a flag "
         "shows in the process list",
     )
@@ -82,8 +84,8 @@ class FrontendConfig:
         None,
         rule=(lambda v: v is None or 0 <= v <= 65535, "must be a port number (0 picks one)"),
         help="serve /metrics, /stats/cache (no API key: Prometheus and the operator, pod to "
-        "pod) and /internal/* (the internal token: routers) on this port instead of --port; "
-        "0 picks a free one",
+        "pod) and /internal/* (the internal token: routers, the operator) on this port instead "
+        "of --port; 0 picks a free one",
     )
     max_request_body_mb: float = setting(
         32.0,
