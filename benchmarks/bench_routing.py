@@ -13,7 +13,10 @@ forwarding each request where the picker says. Two configurations of the same pi
 
 Each configuration gets fresh replicas (cold caches). ``--users`` users, ``--concurrency`` of
 them at a time; each sends ``--questions`` streamed questions about one photo of its own, one
-after the other (the next once the previous answered). The model is the tiny Qwen2-VL with
+after the other (the next once the previous answered): ``mmis bench serve``'s load loop and
+client (``mmis.bench``) with its users-asking-in-turn workload (``--questions-per-image``: the
+photo before each question, a user's requests in order, the concurrency counting users), on
+this benchmark's photos and questions. The model is the tiny Qwen2-VL with
 the hub's image settings (``qwen2-vl-hub``), so an 896x672 photo is 768 image tokens: a miss
 pays decoding, the processor, the vision tower and the prefill of the image; a hit prefills the
 new question only.
@@ -32,14 +35,13 @@ the ``uptime`` load.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import json
 import os
 import statistics
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,8 @@ from kubecluster import Cluster, find_tools
 from picker_stack import DESTINATION, PickerStack
 from tools import go_tool
 
+from mmis.bench.datasets import SampleRequest
+from mmis.bench.serve import build_body, run_requests
 from mmis.tiny_models.tiny_model import tiny_model_dir
 from mmis_operator.routing import picker_config
 
@@ -78,42 +82,6 @@ def random_config(ops_port: int, events: Any) -> dict[str, Any]:
     return config
 
 
-def ask(url: str, photo: str, question: str) -> tuple[float, int, str]:
-    """One streamed chat: (TTFT seconds, output tokens, replica address)."""
-    body = {
-        "model": "tiny",
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "max_tokens": 8,
-        "temperature": 0,
-        "messages": [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "image_url", "image_url": {"url": photo}},
-                    {"type": "text", "text": question},
-                ],
-            }
-        ],
-    }
-    start = time.perf_counter()
-    ttft, tokens = None, 0
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as resp:
-        resp.raise_for_status()
-        dest = resp.headers.get(DESTINATION, "").rsplit(":", 1)[0]
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            if ttft is None and '"content"' in line:
-                ttft = time.perf_counter() - start
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    if ttft is None:
-        raise RuntimeError("the stream ended without a content chunk")
-    return ttft, tokens, dest
-
-
 def prefix_hit_rate(stack: PickerStack) -> float:
     hits = queries = 0.0
     for r in stack.replicas:
@@ -133,33 +101,38 @@ def run(
         "data:image/jpeg;base64," + base64.b64encode(photo_jpeg(500 + u, *size)).decode()
         for u in range(users)
     ]
-    results: list[list[tuple[float, int, str]]] = [[] for _ in range(users)]
-    errors: list[BaseException] = []
-
-    queue = list(range(users))
-    lock = threading.Lock()
-
-    def worker() -> None:  # one user at a time: all its questions, then the next user
-        try:
-            while True:
-                with lock:
-                    if not queue:
-                        return
-                    u = queue.pop(0)
-                for q in range(questions):
-                    results[u].append(ask(stack.url, photos[u], QUESTIONS[q % len(QUESTIONS)]))
-        except BaseException as exc:  # reported after the run
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
-    if errors:
-        raise errors[0]
+    samples = [
+        SampleRequest(
+            QUESTIONS[q % len(QUESTIONS)],
+            len(QUESTIONS[q % len(QUESTIONS)].split()),
+            (photos[u],),
+            8,
+            session=u,
+            images_first=True,
+        )
+        for u in range(users)
+        for q in range(questions)
+    ]
+    bodies = [build_body(s, "tiny", "/v1/chat/completions", temperature=0.0) for s in samples]
+    outputs, wall = asyncio.run(
+        run_requests(
+            stack.url + "/v1/chat/completions",
+            bodies,
+            max_concurrency=concurrency,
+            sessions=[s.session for s in samples],
+        )
+    )
+    failed = [o for o in outputs if not o.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(outputs)} requests failed: {failed[0].error}")
+    # per user, in order: (TTFT seconds, output tokens, replica address)
+    results = [
+        [
+            (o.ttft, o.output_tokens, o.headers.get(DESTINATION, "").rsplit(":", 1)[0])
+            for o in outputs[u * questions : (u + 1) * questions]
+        ]
+        for u in range(users)
+    ]
     repeats = [r for rs in results for r in rs[1:]]
     routed_hits = 0
     for rs in results:

@@ -15,6 +15,7 @@ Streamed (``"stream": true`` in the body), as ``vllm bench serve`` measures it:
   (``stream_options.include_usage``; ``tokens_from_usage`` is then true), else the number of
   chunks that carried generated text.
 - ``latency``: from just before sending to the end of the stream.
+- ``headers``: the response's headers (lower-case names), e.g. a gateway's destination.
 Not streamed: ``ttft`` is the whole latency, ``itl`` empty, tokens from ``usage``.
 
 The SSE body is split on ``b"\\n"`` only: JSON escapes a newline, while a decoded-line reader
@@ -47,6 +48,7 @@ class RequestOutput:
     prompt_tokens: int | None = None
     generated_text: str = ""
     start: float = 0.0  # perf_counter() when it was sent
+    headers: dict[str, str] = dataclasses.field(default_factory=dict)
     exception: str = ""  # the transport error's class name when no answer came
 
 
@@ -163,6 +165,7 @@ async def _exchange(
 ) -> None:
     async with http.stream("POST", url, json=body, headers=headers) as response:
         out.status = response.status_code
+        out.headers = dict(response.headers)
         if response.status_code != 200:
             text = (await response.aread()).decode(errors="replace")
             try:

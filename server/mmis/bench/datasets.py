@@ -14,6 +14,17 @@
   prompts of ``prompts.txt`` in that folder (one per line, blank lines skipped), cycled, or one
   default prompt.
 
+Users asking in turn (``questions`` > 1, ``--questions-per-image``; an mmis workload: vLLM's
+bench has none): request ``k`` is question ``k % questions`` of user ``k // questions``
+(``--num-prompts`` counts the questions, the last user may ask fewer). A user's requests show
+the same images (random-mm: one user's images, each a slot of the repeat ratio; image-folder:
+image ``u`` of the folder, cycled) with a prompt each (random-mm: its own random words;
+image-folder: prompt ``k``, cycled), carry ``session = u`` and put the images before the text
+(``images_first``), so every question of a user shares the images' prompt prefix, as a person
+asking about one photo does. The run sends a user's requests in order, each once the previous
+answered (``mmis.bench.serve.run_requests``). With ``questions`` 1 (the default) every request
+is its own user: ``session`` None, text before images, as vLLM sends them.
+
 Images travel as ``data:`` URLs, so the run needs nothing but the endpoint. Invariant: this
 module imports no torch and nothing of the server (an import-linter contract).
 """
@@ -55,12 +66,16 @@ class DatasetError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class SampleRequest:
-    """One request of the workload: its prompt, its images (data URLs) and its output length."""
+    """One request of the workload: its prompt, its images (data URLs) and its output length;
+    ``session``: the user it asks for (None: on its own), ``images_first``: the images before
+    the text in its message (see the module docstring)."""
 
     prompt: str
     prompt_len: int
     images: tuple[str, ...]
     output_len: int
+    session: int | None = None
+    images_first: bool = False
 
 
 def jpeg_data_url(seed: int, width: int, height: int, quality: int = 85) -> str:
@@ -94,6 +109,16 @@ def image_slots(slots: int, repeat_ratio: float, rng: np.random.Generator) -> li
     return out
 
 
+def _check_questions(questions: int) -> None:
+    if questions < 1:
+        raise DatasetError(f"--questions-per-image must be at least 1, got {questions}")
+
+
+def _user(k: int, questions: int) -> tuple[int | None, bool]:
+    """(``session``, ``images_first``) of request ``k``."""
+    return (k // questions, True) if questions > 1 else (None, False)
+
+
 def random_prompt(words: int, rng: np.random.Generator) -> str:
     """``words`` random common words (about as many tokens)."""
     return " ".join(_WORDS[i] for i in rng.integers(0, len(_WORDS), words))
@@ -109,6 +134,7 @@ def random_mm(
     input_len: int = 32,
     output_len: int = 128,
     seed: int = 0,
+    questions: int = 1,
 ) -> list[SampleRequest]:
     """The ``random-mm`` workload (see the module docstring)."""
     if num_prompts < 1:
@@ -120,20 +146,29 @@ def random_mm(
         )
     if input_len < 1 or output_len < 1:
         raise DatasetError("--random-input-len and --random-output-len must be at least 1")
+    _check_questions(questions)
+    users = -(-num_prompts // questions)
     rng = np.random.default_rng(seed)
-    slots = image_slots(num_prompts * num_images, repeat_ratio, rng)
+    slots = image_slots(users * num_images, repeat_ratio, rng)
     # each unique image has its own seed, drawn from the run's generator
     image_seeds = rng.integers(0, 2**63 - 1, max(slots, default=-1) + 1)
     urls: dict[int, str] = {}
     out = []
     for k in range(num_prompts):
+        u = k // questions
         images = []
-        for index in slots[k * num_images : (k + 1) * num_images]:
+        for index in slots[u * num_images : (u + 1) * num_images]:
             if index not in urls:
                 urls[index] = jpeg_data_url(int(image_seeds[index]), width, height)
             images.append(urls[index])
         out.append(
-            SampleRequest(random_prompt(input_len, rng), input_len, tuple(images), output_len)
+            SampleRequest(
+                random_prompt(input_len, rng),
+                input_len,
+                tuple(images),
+                output_len,
+                *_user(k, questions),
+            )
         )
     return out
 
@@ -144,9 +179,10 @@ def _file_data_url(path: Path) -> str:
 
 
 def image_folder(
-    directory: Path, num_prompts: int, *, output_len: int = 128
+    directory: Path, num_prompts: int, *, output_len: int = 128, questions: int = 1
 ) -> list[SampleRequest]:
     """The ``image-folder`` workload (see the module docstring)."""
+    _check_questions(questions)
     if not directory.is_dir():
         raise DatasetError(f"--dataset-path {directory}: not a directory of images")
     images = sorted(p for p in directory.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
@@ -160,13 +196,14 @@ def image_folder(
         prompts = [line.strip() for line in prompts_file.read_text().splitlines() if line.strip()]
         if not prompts:
             raise DatasetError(f"{prompts_file}: no prompt in it (one per line)")
-    urls = [_file_data_url(p) for p in images[:num_prompts]]
+    urls = [_file_data_url(p) for p in images[: -(-num_prompts // questions)]]
     return [
         SampleRequest(
             prompts[k % len(prompts)],
             len(prompts[k % len(prompts)].split()),
-            (urls[k % len(urls)],),
+            (urls[k // questions % len(urls)],),
             output_len,
+            *_user(k, questions),
         )
         for k in range(num_prompts)
     ]

@@ -17,7 +17,11 @@ shape ``--burstiness``, 1 = Poisson, drawn from ``--seed``); ``--max-concurrency
 requests in flight (a request that arrives while the cap is reached waits for a free slot), so
 ``--request-rate inf --max-concurrency N`` is a closed loop of N clients. A failed request is
 counted (by HTTP status, or ``timeout`` / ``error`` when no status came) and never stops the
-run. The duration is from the first send to the last answer.
+run. The duration is from the first send to the last answer. Users asking in turn
+(``--questions-per-image N``, mmis only: ``mmis.bench.datasets``): the requests of one user
+(``sessions``) go one after the other, each sent once the previous answered (failed or not);
+the arrivals and ``--max-concurrency`` then count users, a user holding its slot from its
+first send to its last answer.
 
 Exit status: 0 when at least one request completed (a warning line on stderr names the
 failures, if any), 1 when none did (one line with the count by status and the first error),
@@ -137,6 +141,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=128,
         help="max output tokens per request (both datasets)",
     )
+    data.add_argument(
+        "--questions-per-image",
+        type=int,
+        default=1,
+        help="mmis only (vLLM's bench has no such workload): users each asking N questions "
+        "about their own images (both datasets), one after the other, the next once the "
+        "previous answered, the images before the text so the questions share their prefix; "
+        "--num-prompts counts questions, --max-concurrency and --request-rate count users "
+        "(1: each request on its own, text first, as vLLM sends them)",
+    )
     data.add_argument("--seed", type=int, default=0, help="seed of the workload and the arrivals")
     data.add_argument(
         "--ignore-eos", action="store_true", help="ask for exactly the output length (vLLM's)"
@@ -230,8 +244,9 @@ def build_body(
     """The streamed request of one sample, usage asked for (``stream_options``)."""
     body: dict[str, Any]
     if endpoint.rstrip("/").endswith("/chat/completions"):
-        content: list[dict[str, Any]] = [{"type": "text", "text": sample.prompt}]
-        content += [{"type": "image_url", "image_url": {"url": url}} for url in sample.images]
+        text = [{"type": "text", "text": sample.prompt}]
+        images = [{"type": "image_url", "image_url": {"url": url}} for url in sample.images]
+        content = images + text if sample.images_first else text + images
         body = {
             "model": model,
             "messages": [{"role": "user", "content": content}],
@@ -326,37 +341,53 @@ async def run_requests(
     headers: dict[str, str] | None = None,
     timeout: float | None = None,
     on_done: Callable[[RequestOutput], None] | None = None,
+    sessions: Sequence[int | None] | None = None,
 ) -> tuple[list[RequestOutput], float]:
     """Send each body once to ``url`` (see the module docstring): (outputs in the bodies'
-    order, duration in seconds from the first send to the last answer)."""
+    order, duration in seconds from the first send to the last answer). ``sessions``: each
+    body's user (None: on its own); one user's bodies are sent in their list order, each once
+    the previous answered, under one arrival and one concurrency slot."""
     if max_concurrency is not None and max_concurrency < 1:
         raise BenchError(f"--max-concurrency must be at least 1, got {max_concurrency}")
     if request_rate <= 0 or burstiness <= 0:
         raise BenchError("--request-rate and --burstiness must be positive")
-    delays = arrival_delays(len(bodies), request_rate, burstiness, seed)
+    groups: list[list[int]] = []  # the bodies each arrival sends, in order
+    by_session: dict[int, list[int]] = {}
+    for i, session in enumerate(sessions if sessions is not None else [None] * len(bodies)):
+        if session is None:
+            groups.append([i])
+        elif session in by_session:
+            by_session[session].append(i)
+        else:
+            groups.append(by_session.setdefault(session, [i]))
+    delays = arrival_delays(len(groups), request_rate, burstiness, seed)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     limits = httpx.Limits(
         max_connections=max_concurrency, max_keepalive_connections=max_concurrency
     )
+    outputs: list[RequestOutput] = [RequestOutput() for _ in bodies]
 
-    async def one(http: httpx.AsyncClient, body: dict[str, Any]) -> RequestOutput:
+    async def in_turn(http: httpx.AsyncClient, group: list[int]) -> None:
+        for i in group:
+            outputs[i] = await send(http, url, bodies[i], headers=headers, timeout=timeout)
+            if on_done is not None:
+                on_done(outputs[i])
+
+    async def one(http: httpx.AsyncClient, group: list[int]) -> None:
         if gate is None:
-            out = await send(http, url, body, headers=headers, timeout=timeout)
+            await in_turn(http, group)
         else:
             async with gate:
-                out = await send(http, url, body, headers=headers, timeout=timeout)
-        if on_done is not None:
-            on_done(out)
-        return out
+                await in_turn(http, group)
 
     async with httpx.AsyncClient(timeout=None, limits=limits) as http:
         start = time.perf_counter()
         tasks = []
-        for body, delay in zip(bodies, delays, strict=True):
+        for group, delay in zip(groups, delays, strict=True):
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(http, body)))
-        outputs = list(await asyncio.gather(*tasks))
+            tasks.append(asyncio.create_task(one(http, group)))
+        await asyncio.gather(*tasks)
         return outputs, time.perf_counter() - start
 
 
@@ -386,7 +417,10 @@ def build_dataset(args: argparse.Namespace) -> list[datasets.SampleRequest]:
         if args.dataset_path is None:
             raise BenchError("--dataset-name image-folder needs --dataset-path DIR")
         return datasets.image_folder(
-            args.dataset_path, args.num_prompts, output_len=args.random_output_len
+            args.dataset_path,
+            args.num_prompts,
+            output_len=args.random_output_len,
+            questions=args.questions_per_image,
         )
     return datasets.random_mm(
         args.num_prompts,
@@ -397,6 +431,7 @@ def build_dataset(args: argparse.Namespace) -> list[datasets.SampleRequest]:
         input_len=args.random_input_len,
         output_len=args.random_output_len,
         seed=args.seed,
+        questions=args.questions_per_image,
     )
 
 
@@ -543,6 +578,7 @@ def _run(args: argparse.Namespace) -> int:
             headers=headers,
             timeout=args.request_timeout,
             on_done=progress.update,
+            sessions=[s.session for s in samples],
         )
     )
     figures = metrics.calculate_metrics(
