@@ -17,16 +17,21 @@ CONNECTION_BYTES + SLACK`` bytes (:func:`peer_bound`), with ``CONNECTION_BYTES``
 64-byte message headers, session and PLAIN objects; 5 * 64: the five frames' headers) and
 ``SLACK`` = 32 MiB (the allocator, a thread's arena, Python). Within ``t`` seconds at most
 ``MAX_REPLAYS + MAX_QUEUED_REPLAYS + MAX_REPLAYS * ceil(t / REPLAY_STALL_S)`` peers are
-served (:func:`most_served`: 40 in this test's 15 s), and however long they stay, never more
-than all of them: with this test's largest batch (about 17 KiB: a 4,000-token prompt's 250
-block hashes stored and as many evicted, in one step) the bound asserted is about 80 MiB for
-400 peers over 15 s, and 270 MiB were all 400 served. Measured (2 cores, shared): +21 MiB
-after the fix; +716 MiB with the replay loop before it (every peer served at once, each
-holding what the kernel did not take of the 3.2 MiB buffer), the issue's +500 MB.
+served (:func:`most_served`: 36 in this test's 9 s and a poll), and however long they stay,
+never more than all of them: with this test's largest batch (about 17 KiB: a 4,000-token
+prompt's 250 block hashes stored and as many evicted, in one step) the bound asserted is about
+76 MiB for 400 peers over 9 s, and 270 MiB were all 400 served. Measured (2 cores, shared),
+with 200 batches over 15 s: +21 MiB after the fix; +716 MiB with the replay loop before it
+(every peer served at once, each holding what the kernel did not take of the 3.2 MiB buffer),
+the issue's +500 MB; with this test's 1.7 MB buffer that loop would hold about 1.4 MB a peer,
+over 500 MiB.
 
 Here a real ``mmis serve`` with the events token (so the peers authenticate: the worst
-case, a peer holding the token) fills its replay buffer with 200 batches from 200
-completions, then 400 authenticated peers ask for a replay from 0 and never read. The
+case, a peer holding the token) fills its replay buffer with 100 batches from 100
+completions (about 1.7 MB: twice what a peer that never reads can be sent before its replay
+stalls, ``REPLAY_PEER_HWM`` batches and the kernel's buffers, so every replay stalls; a
+replay that did not would end at once and free its place, and ``served`` would pass the
+cap), then 400 authenticated peers ask for a replay from 0 and never read. The
 engine process's RSS (``/proc``) stays within the bound, no more peers than the caps allow
 receive anything, and once they leave a reading replay gets the whole buffer and the server
 still answers. A unit test checks the buffer's byte bound, and one with a publisher in this
@@ -60,9 +65,10 @@ from mmis.tiny_models.tiny_model import tiny_model_dir
 
 TOKEN = "5e" * 32
 PEERS = 400
-REQUESTS = 200  # completions, one KV batch each
+REQUESTS = 100  # completions, one KV batch each (200 before: the same proof, 2x the fill)
 PROMPT_TOKENS = 4000  # one prefill step (--max-num-batched-tokens 4096): one large batch
-OBSERVE_S = 15.0  # how long the peers sit on their requests while RSS is sampled
+OBSERVE_S = 9.0  # how long the peers sit on their requests while RSS is sampled: three
+# REPLAY_STALL_S turns of abandon-and-start (15 s, five turns, before: each turn is the same)
 # the caps the stated bound is derived from (engine/event_publisher.py may only be tighter)
 LIVE_HWM = 256
 REPLAY_PEER_HWM = 32
