@@ -57,6 +57,7 @@ import pytest
 from kubecluster import Cluster, KubectlError
 from kubecluster.process import free_port
 from kubecluster.realnode import IMAGE, RealNode, missing, port_forward
+from lora_adapters import LM, make_adapter  # tests/lora_adapters.py
 from PIL import Image
 from tools import in_ci  # tests/tools.py (on the path by conftest.py)
 
@@ -121,6 +122,7 @@ def operator(cluster: Cluster, node: RealNode) -> Iterator[str]:
         "--liveness-port", str(free_port()), "--probe-seconds", "3",
     )  # fmt: skip
     values["encoder"] = {"enabled": True}  # spec.encoder (test_encoders_serve_...)
+    values["adapters"] = {"enabled": True}  # spec.adapters (test_an_adapter_request_...)
     values_file = cluster.kubeconfig.parent / f"{ns}-values.json"
     values_file.write_text(json.dumps(values))
     helm = [str(cluster.bin("helm")), "install", "mmis", str(CHART), "-n", ns]
@@ -578,6 +580,7 @@ def test_volume_below_the_store_is_a_clear_error_not_a_crash_loop(cluster: Clust
 # -- issue 45: two P0 processes in one pod ------------------------------------------------------
 
 API_SERVERS = 2
+ADAPTER = "lm"  # issue 47: the LoRA adapter of the second service (spec.adapters)
 # the P0 container's requests, written: exactly these for both processes (the node has 2 CPUs,
 # so the unset default, 2 CPUs per process, would not fit beside the first service)
 FRONTEND_REQUESTS = {"frontendCpu": "250m", "frontendMemory": "3Gi"}
@@ -591,9 +594,14 @@ def two_servers(cluster: Cluster, operator: str, tmp_path_factory: pytest.TempPa
     models = tmp_path_factory.mktemp("realnode-models-2")
     models.chmod(0o755)
     build_tiny_model(models / "tiny-llava")
+    # issue 47: a LoRA adapter on the model volume, listed from the start (no extra rollout)
+    make_adapter(models / "tiny-llava", models / ADAPTER, LM, rank=8, alpha=16, seed=1)
+    for saved in (models / ADAPTER).iterdir():  # safetensors saves 0600: the pods run as 1000
+        saved.chmod(0o644)
     docs = _manifests("service", "--namespace", ns, "--models", str(models))
     (resource,) = [d for d in docs["items"] if d["kind"] == "MMInferenceService"]
     resource["spec"]["frontend"] = {"apiServers": API_SERVERS}
+    resource["spec"]["adapters"] = [{"name": ADAPTER, "source": f"/models/{ADAPTER}"}]
     resource["spec"]["resources"].update(FRONTEND_REQUESTS)
     cluster.kubectl("apply", "-f", "-", input=json.dumps(docs))
     _wait_ready(cluster, ns, 1)
@@ -643,3 +651,53 @@ def test_two_api_servers_serve_image_chats_through_the_service(cluster: Cluster,
     assert set(counts) == {str(i) for i in range(API_SERVERS)}, counts
     assert all(n > 0 for n in counts.values()) and sum(counts.values()) == sent, (counts, sent)
     assert _restarts(_ready_pods(cluster, two_servers)[0]) == {"frontend": 0, "engine": 0}
+
+
+# -- issue 47: a LoRA adapter of spec.adapters served through the Service ----------------------
+
+
+def test_an_adapter_request_is_served_through_the_service(cluster: Cluster, two_servers: str):
+    """The chart's operator (``adapters.enabled``: its key, the token Secret it may create)
+    loads the second service's adapter, a directory on the model volume, into the running pod
+    through its P0s' internal routes; ``status.adapters`` names it and chats naming it are
+    answered through the Service by the adapter (either P0 process may take one)."""
+
+    seen: list[Any] = []
+
+    def named() -> list[dict[str, Any]] | None:
+        found = ok.get(cluster, two_servers, "mmis", NAME).get("status", {}).get("adapters")
+        seen[:] = [found]
+        return found if found and found[0]["adapters"] == [ADAPTER] else None
+
+    try:
+        (entry,) = _wait("status.adapters to name the adapter", named, timeout=60)
+    except pytest.fail.Exception:
+        pytest.fail(f"status.adapters never named {ADAPTER}: {seen}")
+    assert (
+        "error" not in entry
+        and entry["pod"] == _ready_pods(cluster, two_servers)[0]["metadata"]["name"]
+    )
+    content: list[Any] = [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image_url", "image_url": {"url": _image_url(3)}},
+    ]
+    with port_forward(cluster, two_servers, f"svc/{NAME}", 8000) as port:
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60
+        )
+        cards = {m.id: m for m in client.models.list().data}
+        assert cards[ADAPTER].model_dump().get("parent") == "/models/tiny-llava"
+        answers = set()
+        for _ in range(4):  # a fresh connection each: either P0 process may answer
+            with openai.OpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0
+            ) as one:
+                reply = one.chat.completions.create(
+                    model=ADAPTER,
+                    messages=[{"role": "user", "content": content}],
+                    max_tokens=6,
+                    temperature=0,
+                )
+            assert reply.model == ADAPTER and reply.choices[0].finish_reason in ("length", "stop")
+            answers.add(reply.choices[0].message.content)
+        assert len(answers) == 1  # greedy: the same adapter's answer from either process
