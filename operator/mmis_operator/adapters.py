@@ -18,8 +18,11 @@ Invariants:
 - :func:`plan` is pure and minimal: unload what the spec no longer lists, reload (unload, then
   load) a name whose path changed, load what is missing; nothing for a pod that already holds
   the list. Unloads come first, so a pod at its ``--max-cpu-loras`` has room for the loads.
-- :func:`sync_pod` never raises: every HTTP call has the probe's short timeout, and a failure
-  (connection, timeout, a 4xx/5xx with P0's message) ends that pod's sync for this cycle and is
+- :func:`sync_pod` never raises: every HTTP call has the probe's short timeout. A refused call
+  (a 4xx/5xx with P0's message: a bad adapter, one in use) does not stop the others, so one bad
+  entry never keeps the rest of the list from loading; a reload whose unload was refused skips
+  its load. A transport failure (connection, timeout) ends that pod's sync for this cycle. Each
+  failure is
   reported in its entry; the next cycle plans again from what the pod then holds. The P0
   routes are idempotent (``iface``: same name and path 200, unknown name on unload 200), so a
   retried plan is harmless.
@@ -129,7 +132,7 @@ async def sync_pod(
     holding: Mapping[str, str] | None,
 ) -> Replica:
     """Carry out :func:`plan` on one pod (``base_url``: its ops port, no trailing slash)
-    with ``Authorization: Bearer <token>``; stops at the first failure, never raises."""
+    with ``Authorization: Bearer <token>``; never raises (see the module invariants)."""
     if holding is None:
         return Replica(pod, error=NO_LORA)
     now = dict(holding)
@@ -137,25 +140,27 @@ async def sync_pod(
     if actions and token is None:
         return Replica(pod, tuple(sorted(now)), NO_KEY)
     headers = {"Authorization": f"Bearer {token}"}
+    errors: list[str] = []
+    stuck: set[str] = set()  # refused unloads: their reload's load would be refused too
     for action in actions:
+        if action.name in stuck:
+            continue
         path = LOAD_PATH if action.verb == "load" else UNLOAD_PATH
         try:
             response = await client.post(base_url + path, json=action.body(), headers=headers)
         except httpx.HTTPError as exc:
-            cause = f"{type(exc).__name__}: {exc}"
-            return Replica(
-                pod, tuple(sorted(now)), f"{action.verb} {action.name}: {cause}"[:ERROR_MAX]
-            )
+            errors.append(f"{action.verb} {action.name}: {type(exc).__name__}: {exc}")
+            break
         if response.status_code != 200:
-            cause = f"{response.status_code} {_cause(response)}"
-            return Replica(
-                pod, tuple(sorted(now)), f"{action.verb} {action.name}: {cause}"[:ERROR_MAX]
-            )
-        if action.verb == "load":
+            errors.append(f"{action.verb} {action.name}: {response.status_code} {_cause(response)}")
+            if action.verb == "unload":
+                stuck.add(action.name)
+        elif action.verb == "load":
             now[action.name] = str(action.path)
         else:
             now.pop(action.name, None)
-    return Replica(pod, tuple(sorted(now)))
+    error = "; ".join(errors)[:ERROR_MAX] or None
+    return Replica(pod, tuple(sorted(now)), error)
 
 
 def replica_status(replica: Replica) -> dict[str, Any]:

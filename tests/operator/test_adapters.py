@@ -380,10 +380,19 @@ async def test_a_cycle_brings_the_pod_to_the_list_with_the_derived_token(
 
 async def test_failures_are_reported_per_replica_never_raised(store: Any, p0: str) -> None:
     _P0.refuse = "b"
-    status = await _cycle(store, p0, "k3y", [A, B])
+    status = await _cycle(store, p0, "k3y", [B, A])
     (entry,) = status["adapters"]
-    assert entry["adapters"] == ["a"]  # x unloaded, a loaded, b refused
+    assert entry["adapters"] == ["a"]  # x unloaded, b refused, a loaded all the same
     assert entry["error"] == "load b: 400 no adapter_config.json in /m/bad"
+    assert [body["lora_name"] for _, body, _ in _P0.calls] == ["x", "b", "a"]
+    # a reload whose unload is refused (in use) skips its load; the rest goes on
+    _P0.holding, _P0.calls, _P0.refuse = {"a": "/m/old"}, [], "a"
+    (entry,) = (await _cycle(store, p0, "k3y", [A, B]))["adapters"]
+    assert [(p.rsplit("/", 1)[1], b["lora_name"]) for p, b, _ in _P0.calls] == [
+        ("unload_lora_adapter", "a"),
+        ("load_lora_adapter", "b"),
+    ]
+    assert entry["adapters"] == ["a", "b"] and entry["error"].startswith("unload a: 400")
     # no key: nothing sent, the entry names the chart value and the flag
     _P0.calls.clear()
     (entry,) = (await _cycle(store, p0, None, [A, B, AdapterSpec("c", "/m/c", "/m/c")]))["adapters"]
