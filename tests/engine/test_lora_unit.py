@@ -132,6 +132,47 @@ def test_adapter_loads_scaling_and_rslora(tmp_path: Path) -> None:
     assert load_adapter("t", 3, str(tower), MODULES, 8).touches(("model.visual",))
 
 
+def test_unreadable_weights_name_the_permission_not_a_missing_file() -> None:
+    """safetensors reports a file it may not open as "No such file or directory" (a pod's
+    uid 1000 and a 0600 file written by another user: tests/kube/test_realnode_mmis.py); the
+    error says it is unreadable and how to fix it. Root reads anything, so the read runs in a
+    forked child that drops to uid 65534 first."""
+    import os
+    import tempfile
+
+    # pytest's own tmp_path sits under a 0700 directory the child's uid cannot enter
+    scratch = Path(tempfile.mkdtemp(prefix="mmis-lora-perm-"))
+    scratch.chmod(0o755)
+    path = _adapter(scratch / "a")
+    path.chmod(0o755)
+    (path / "adapter_config.json").chmod(0o644)
+    (path / "adapter_model.safetensors").chmod(0o600)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child reports through the pipe)
+        message = "no error"
+        try:
+            if os.getuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            load_adapter("mine", 1, str(path), MODULES, 8)
+        except LoRAFileError as exc:
+            message = str(exc)
+        except BaseException as exc:  # anything else is the failure reported
+            message = f"{type(exc).__name__}: {exc}"
+        os.write(write, message.encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(child, 0)
+    with os.fdopen(read, "rb") as pipe:
+        message = pipe.read().decode()
+    import shutil
+
+    shutil.rmtree(scratch)
+    assert "is not readable by this process (uid" in message, message
+    assert "chmod a+r" in message and "No such file" not in message
+
+
 @pytest.mark.parametrize(
     ("case", "error", "words"),
     [

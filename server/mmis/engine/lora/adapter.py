@@ -109,6 +109,15 @@ def _read_weights(name: str, path: str) -> dict[str, torch.Tensor]:
     file = os.path.join(path, WEIGHTS_FILE)
     if not os.path.exists(file):
         raise LoRAFileError(f"LoRA adapter {name!r}: {file} does not exist")
+    try:  # safetensors reports an unreadable file as "No such file or directory"
+        open(file, "rb").close()
+    except PermissionError:
+        raise LoRAFileError(
+            f"LoRA adapter {name!r}: {file} is not readable by this process (uid "
+            f"{os.getuid()}): make the adapter's files readable to it (e.g. chmod a+r)"
+        ) from None
+    except OSError as exc:
+        raise LoRAFileError(f"LoRA adapter {name!r}: cannot read {file}: {exc}") from None
     try:
         from safetensors.torch import load_file
 
