@@ -159,8 +159,11 @@ def test_stalled_replays_are_capped_and_do_not_stop_a_reader() -> None:
             assert time.monotonic() < deadline, "the queue took more than its bound"
             time.sleep(0.05)
         # four replays stall; after REPLAY_STALL_S they are abandoned and the queue moves
-        time.sleep(REPLAY_STALL_S + 1.5)
-        assert pub.replays_abandoned >= MAX_REPLAYS
+        # (a bounded poll: the same bound as the fixed sleep of REPLAY_STALL_S + 1.5 it replaced)
+        deadline = time.monotonic() + REPLAY_STALL_S + 1.5
+        while pub.replays_abandoned < MAX_REPLAYS:
+            assert time.monotonic() < deadline, f"{pub.replays_abandoned} replays abandoned"
+            time.sleep(0.05)
         # a reader gets its whole replay once its turn comes (the picker retries meanwhile)
         reader = ctx.socket(zmq.DEALER)
         secure_client(reader, TOKEN)
