@@ -33,6 +33,7 @@ dropping that stream instead of the process. Checked here:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -43,6 +44,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -270,32 +272,51 @@ def _rss(pid: int) -> int:
     raise AssertionError(f"no VmRSS for {pid}")
 
 
+class _ClusterComing:
+    """The control plane while it starts in a thread: :class:`PickerStack` first reaches it
+    (``kubectl``, ``kubeconfig``) once its replicas are ready, so the control plane comes up
+    while they load instead of before them (the setup was the two starts' sum)."""
+
+    def __init__(self, started: Future[Cluster]) -> None:
+        self._started = started
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._started.result(timeout=300), name)
+
+
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostileStack]:
     """The test control plane (as tests/kube's fixture: fails under CI=true, else skips,
-    when its tools are missing)."""
+    when its tools are missing), started side by side with the stack's replicas."""
     try:
         tools = find_tools(build=False)
     except ToolsMissing as exc:
         if in_ci():
             pytest.fail(f"control plane unavailable with CI=true: {exc}", pytrace=False)
         pytest.skip(f"control plane unavailable: {exc}")
-    with Cluster(tools) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostileStack]:
     epp, gateway = go_tool("mmis-epp"), go_tool("mmis-gateway")
     namespace = "hostile-" + os.urandom(4).hex()
-    cluster.kubectl("create", "namespace", namespace)
-    try:
-        with HostileStack(
-            cluster, namespace, tmp_path_factory.mktemp("hostile"), epp, gateway
-        ) as running:
-            yield running
-    finally:
-        cluster.kubectl("delete", "namespace", namespace, "--wait=false")
+    with contextlib.ExitStack() as exits:
+
+        def start() -> Cluster:
+            cluster = exits.enter_context(Cluster(tools))  # stopped last, whatever happened
+            cluster.kubectl("create", "namespace", namespace)
+            return cluster
+
+        with ThreadPoolExecutor(1) as pool:  # left only once the start ended, either way
+            started = pool.submit(start)
+            try:
+                with HostileStack(
+                    _ClusterComing(started),  # type: ignore[arg-type]
+                    namespace,
+                    tmp_path_factory.mktemp("hostile"),
+                    epp,
+                    gateway,
+                ) as running:
+                    yield running
+            finally:
+                if started.done() and started.exception() is None:
+                    started.result().kubectl("delete", "namespace", namespace, "--wait=false")
 
 
 def _chat(i: int) -> dict[str, object]:
