@@ -109,10 +109,17 @@ def uptime() -> str:
 
 
 def bench_run(
-    base: str, mode: str, args: argparse.Namespace, side: int, seed: int, out: Path
+    server: str,
+    base: str,
+    mode: str,
+    args: argparse.Namespace,
+    side: int,
+    seed: int,
+    out: Path,
 ) -> dict[str, Any]:
-    """One ``mmis bench serve`` run: its result JSON, with the load before it."""
-    name = out / f"run-{seed}.json"
+    """One ``mmis bench serve`` run against ``server`` at ``base``: its result JSON (kept as
+    ``out/SERVER-MODE-SEED.json``), with the load before it."""
+    name = out / f"{server}-{mode}-{seed}.json"
     cmd = [
         MMIS, "bench", "serve", "--base-url", base, "--model", "tiny",
         "--dataset-name", "random-mm", "--random-mm-num-images", "1",
@@ -217,13 +224,13 @@ def main(argv: list[str] | None = None) -> int:
         warm = argparse.Namespace(**{**vars(args), "requests": args.concurrency, "tokens": 4})
         pairs = [(s, m) for s in servers for m in ("base", "mixed") if (s, m) != ("plain", "mixed")]
         for server, mode in pairs:  # warm-up: each pair, every adapter once at least
-            bench_run(servers[server], mode, warm, side, 99_000, out)
+            bench_run(server, servers[server], mode, warm, side, 99_000, out)
         runs: dict[tuple[str, str], list[dict[str, Any]]] = {p: [] for p in pairs}
         for r in range(args.rounds):
             for server, mode in pairs if r % 2 == 0 else pairs[::-1]:
                 # the same seeds on each server: the same images, each new to that server
                 seed = 1000 * (r + 1) + (0 if mode == "base" else 500)
-                result = bench_run(servers[server], mode, args, side, seed, out)
+                result = bench_run(server, servers[server], mode, args, side, seed, out)
                 runs[server, mode].append(result)
                 print(
                     f"  round {r} {server:5s} {mode:5s} {result['output_throughput']:8.1f} tok/s "
