@@ -22,8 +22,16 @@ routing benchmark's stack (docs/ROUTING.md).
   binary ``MMIS_EPP_BINARY`` names (a scratch build, e.g. with a behaviour broken on purpose
   to show that a test fails without it).
 
+Start order (:meth:`PickerStack.start`): every replica is launched at once, none waited for
+before the next (each is registered for :meth:`PickerStack.stop` the moment it exists); the
+pool, the picker and the gateway come up while the replicas load; each replica's Pod is
+created once that replica answers ``/ready`` (a readiness probe's view), in whatever order
+they get there; the start returns once the picker sees every pod ready and the gateway answers.
+
 Invariant: every wait is a bounded poll of an observable (an HTTP answer, a metric), never a
-fixed sleep; :meth:`PickerStack.stop` stops every process it started, even after a failure.
+fixed sleep; a wait of the start fails at once, with that process's log, when any process of
+the stack has exited; :meth:`PickerStack.stop` stops every process it started, even after a
+failure.
 """
 
 from __future__ import annotations
@@ -153,11 +161,10 @@ class PickerStack:
         try:
             for i in range(self.n):
                 self._start_replica(f"127.0.0.{i + 2}", i)
-            for r in self.replicas:
-                r.proc.wait_http("/ready", timeout=300)
-                self._create_pod(r, self.replicas.index(r))
             self._create_pool()
             self._start_picker()
+            self._await_replicas(timeout=300)
+            self._await_picker()
         except BaseException:
             self.stop()
             raise
@@ -182,9 +189,40 @@ class PickerStack:
         args += [*engine_event_args(self.events, host=ip), *self._serve_args]
         args += self._replica_args.get(i, ())
         env = {"MMIS_ENGINE_EVENTS_TOKEN": self.token, "MMIS_FRONTEND_INTERNAL_TOKEN": self.token}
-        proc = Proc(f"serve-{i}", args, log_dir, env=env, announces=True)
+        # launched, not waited for: its stdout goes to its log (its "listening" line unread),
+        # its address is known, and its /ready is polled with the others' (_await_replicas)
+        proc = Proc(f"serve-{i}", args, log_dir, env=env)
         self._daemons.append(proc)
-        self.replicas.append(Replica(proc, ip, self.http_port, self.ops_port, self.token))
+        replica = Replica(proc, ip, self.http_port, self.ops_port, self.token)
+        proc.root_url = replica.url
+        self.replicas.append(replica)
+
+    def _exited(self, waiting_for: str) -> None:
+        """``RuntimeError`` with its log's tail when a process of the stack has exited."""
+        for d in self._daemons:
+            if d.popen.poll() is not None:
+                raise RuntimeError(
+                    f"{d.name} exited (rc {d.popen.returncode}) while waiting for {waiting_for}"
+                    f"\n{d.log_tail()}"
+                )
+
+    def _await_replicas(self, timeout: float) -> None:
+        """Poll every replica's ``/ready`` together; each one's Pod is created as it answers."""
+        deadline = time.monotonic() + timeout
+        pending = dict(enumerate(self.replicas))
+        while pending:
+            self._exited("the replicas' /ready")
+            for i, r in list(pending.items()):
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(r.url + "/ready", timeout=5).status_code == 200:
+                        self._create_pod(r, i)
+                        del pending[i]
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                tails = "\n".join(f"{r.proc.name}:\n{r.proc.log_tail()}" for r in pending.values())
+                raise TimeoutError(f"replicas not ready within {timeout:.0f}s\n{tails}")
+            time.sleep(0.1)  # polling other processes' APIs; not a synchronisation
 
     def _create_pod(self, r: Replica, i: int) -> None:
         name = f"replica-{i}"
@@ -260,12 +298,7 @@ class PickerStack:
         )
         self._daemons.append(epp)
         self.epp = epp
-        wait_until(
-            f"the picker sees {self.n} ready pods",
-            lambda: self.picker_metric("inference_pool_ready_pods") == self.n,
-            120,
-            epp,
-        )
+        # its gRPC client connects lazily: it may start before the picker listens
         gw = Daemon(
             "mmis-gateway",
             [str(self._gateway_exe), f"--listen=127.0.0.1:{self.gateway_port}",
@@ -275,10 +308,19 @@ class PickerStack:
         self._daemons.append(gw)
         self.gateway = gw
 
+    def _await_picker(self) -> None:
+        """The picker sees every pod ready, then the gateway answers."""
+
+        def all_ready() -> bool:
+            self._exited("the picker")
+            return self.picker_metric("inference_pool_ready_pods") == self.n
+
         def models() -> bool:
+            self._exited("the gateway")
             return httpx.get(self.url + "/v1/models", timeout=5).status_code < 500
 
-        wait_until("the gateway answers", models, 60, gw)
+        wait_until(f"the picker sees {self.n} ready pods", all_ready, 120, self.epp)
+        wait_until("the gateway answers", models, 60, self.gateway)
 
     # ----------------------------------------------------------------- use
     def chat(self, body: dict[str, Any], timeout: float = 120) -> tuple[str, dict[str, Any]]:
