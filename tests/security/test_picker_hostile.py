@@ -274,8 +274,9 @@ def _rss(pid: int) -> int:
 
 class _ClusterComing:
     """The control plane while it starts in a thread: :class:`PickerStack` first reaches it
-    (``kubectl``, ``kubeconfig``) once its replicas are ready, so the control plane comes up
-    while they load instead of before them (the setup was the two starts' sum)."""
+    (``kubectl``, ``kubeconfig``) when it creates the pool, right after launching its replicas,
+    so the control plane comes up while they load instead of before them (the setup was the
+    two starts' sum)."""
 
     def __init__(self, started: Future[Cluster]) -> None:
         self._started = started
