@@ -28,6 +28,8 @@ driven by the openai SDK and httpx:
 
 from __future__ import annotations
 
+import json
+import random
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -282,6 +284,43 @@ def test_a_bad_adapter_is_a_400_naming_the_cause_and_the_others_keep_serving(
     assert cause in message and f"bad-{case}" in message, message
     assert (served.chat("tower"), served.chat("tiny")) == before
     assert f"bad-{case}" not in {m.id for m in served.client.models.list().data}
+
+
+def test_hostile_bodies_on_the_lora_routes_are_400s_and_change_nothing(served: Served) -> None:
+    """Bytes from the network on the four LoRA routes (the public ones under the API key, the
+    ops port's under the internal token): not JSON, random bytes, the wrong shapes, a body past
+    --max-body-bytes (the gate's one bound, before any parsing). Each is a 4xx with a message;
+    the adapter set and the answers are unchanged."""
+    before = sorted(m.id for m in served.client.models.list().data), served.chat("lm")
+    rng = random.Random(47)
+    bodies: list[bytes] = [
+        b"",
+        b"{not json",
+        bytes(rng.randrange(256) for _ in range(512)),
+        b"[]",
+        b'{"lora_name": 7, "lora_path": ["x"]}',
+        b'{"lora_name": "", "lora_path": ""}',
+        json.dumps({"lora_name": "x" * 100_000, "lora_path": "/\x00"}).encode(),
+        b'{"lora_name": "' + b"a" * (64 * 1024 * 1024) + b'"}',
+    ]
+    routes = [
+        (served.proc.root_url, "/v1/load_lora_adapter", AUTH),
+        (served.proc.root_url, "/v1/unload_lora_adapter", AUTH),
+        (served.ops, "/internal/load_lora_adapter", INTERNAL),
+        (served.ops, "/internal/unload_lora_adapter", INTERNAL),
+    ]
+    for root, path, headers in routes:
+        for body in bodies:
+            answer = httpx.post(
+                root + path,
+                content=body,
+                headers={**headers, "Content-Type": "application/json"},
+                timeout=60.0,
+            )
+            assert 400 <= answer.status_code < 500, (path, body[:40], answer.text[:200])
+            assert answer.json()["error"]["message"], (path, body[:40])
+    after = sorted(m.id for m in served.client.models.list().data), served.chat("lm")
+    assert after == before
 
 
 def test_runtime_routes_do_not_exist_unless_enabled(tiny_serve: Proc) -> None:

@@ -42,18 +42,26 @@ from mmis.frontend.client.lora import LoRAAdapterError, LoRARegistry
 from mmis.frontend.config import FrontendConfig
 from mmis.frontend.state import FrontendState
 
+# the operator's own bounds on spec.adapters (operator/mmis_operator/spec.py, the CRD): an
+# adapter's name is a model name, its path a filesystem path (PATH_MAX)
+NAME_MAX = 128
+PATH_MAX = 4096
+
 
 class LoadLoRAAdapterRequest(OpenAIModel):
-    lora_name: str = Field(min_length=1, description="the name requests use as `model`")
+    lora_name: str = Field(
+        min_length=1, max_length=NAME_MAX, description="the name requests use as `model`"
+    )
     lora_path: str = Field(
         min_length=1,
+        max_length=PATH_MAX,
         description="a PEFT adapter directory on the server, or hf://<org>/<name>[@<revision>]",
     )
     lora_int_id: int | None = Field(None, description="ignored (vLLM's; the server assigns ids)")
 
 
 class UnloadLoRAAdapterRequest(OpenAIModel):
-    lora_name: str = Field(min_length=1)
+    lora_name: str = Field(min_length=1, max_length=NAME_MAX)
     lora_int_id: int | None = None
 
 
