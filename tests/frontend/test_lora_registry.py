@@ -229,7 +229,9 @@ class _Outputs:
     async def complete(self, source: SourcePrompt, request: GenerateRequest) -> Completion:
         self.sent.append((request.lora_name, request.lora_id))
         name = request.lora_name
-        held = self.engine.registered.get(name or "")
+        if name is None:  # the base model's: always served
+            return Completion([], TokenUsage(1, 0, 0))
+        held = self.engine.registered.get(name)
         why: LoRAError | None = None
         if held is None:
             why = LoRANotLoadedError(f"LoRA adapter {name!r} is not loaded")
@@ -240,6 +242,19 @@ class _Outputs:
         if why is not None:
             raise from_request_error((_reworded(why) if self.engine.reword else why).to_wire())
         return Completion([], TokenUsage(1, 0, 0))
+
+
+def _generator(registry: Any) -> TextGenerator:
+    """A completions generator of a P0 serving base model ``m`` with ``registry``'s adapters."""
+    state = SimpleNamespace(
+        policy=None,
+        processor=None,
+        max_model_len=64,
+        lora=registry,
+        model_name="m",
+        served_names=("m",),
+    )
+    return TextGenerator(state, "completions")  # type: ignore[arg-type]
 
 
 async def _never() -> dict[str, Any]:
@@ -255,8 +270,7 @@ async def test_a_stale_adapter_is_looked_up_again_once() -> None:
     assert await b.resolve("x") is not None  # b serves x under x's id
     await a.unload("x")  # a sibling unloads and reloads it: a new id
     x2 = await a.load("x", "/x")
-    state = SimpleNamespace(policy=None, processor=None, max_model_len=64, lora=b, model_name="m")
-    gen = TextGenerator(state, "completions")  # type: ignore[arg-type]
+    gen = _generator(b)
     outputs = _Outputs(engine)
     gen.outputs = outputs  # type: ignore[assignment]
     req = CompletionRequest.model_validate({"model": "x", "prompt": [1], "max_tokens": 1})
@@ -270,6 +284,33 @@ async def test_a_stale_adapter_is_looked_up_again_once() -> None:
         await gen.respond(http, req, source, fmt, "cmpl-2")
     assert (gone.value.status, gone.value.code) == (404, "model_not_found")
     assert outputs.sent[2:] == [("x", x2.lora_id)] and b.get("x") is None
+
+
+async def test_an_adapter_unloaded_after_its_route_resolved_it_is_a_404_not_the_base() -> None:
+    """The route resolves ``model`` (``api_server.parse``) before the media load; an unload in
+    between (here, or a sibling's seen by a concurrent request's stale answer, which forgets
+    it) must not turn the request into the base model's: the engine is asked and says gone."""
+    engine = FakeLoRAEngine()
+    a, b = _registry(engine, index=0, stride=2), _registry(engine, index=1, stride=2)
+    await a.start()
+    await b.start()
+    await a.load("x", "/x")
+    assert await b.resolve("x") is not None  # the route's check passed on b
+    await a.unload("x")  # a sibling unloads it ...
+    b.forget("x")  # ... and a concurrent request's stale answer made b forget it
+    gen = _generator(b)
+    gen.outputs = outputs = _Outputs(engine)  # type: ignore[assignment]
+    req = CompletionRequest.model_validate({"model": "x", "prompt": [1], "max_tokens": 1})
+    http = Request({"type": "http"}, receive=_never)
+    with pytest.raises(LoRANotFoundError) as gone:
+        await gen.respond(http, req, SourcePrompt([1], [], "prompt"), CompletionFormat("x"), "c")
+    assert (gone.value.status, gone.value.code) == (404, "model_not_found")
+    assert outputs.sent == []  # nothing went to the engine, under no adapter or any
+    base = CompletionRequest.model_validate({"model": "m", "prompt": [1], "max_tokens": 1})
+    answer = await gen.respond(
+        http, base, SourcePrompt([1], [], "prompt"), CompletionFormat("m"), "d"
+    )
+    assert answer.status_code == 200 and outputs.sent == [(None, 0)]
 
 
 async def test_p0_reads_the_refusals_codes_not_their_texts() -> None:
@@ -294,8 +335,7 @@ async def test_p0_reads_the_refusals_codes_not_their_texts() -> None:
     with pytest.raises(LoRANotFoundError):  # lora_not_loaded: the 404
         await a.unload("x")
     await a.load("x", "/x")  # x again, under a new id: b's entry is stale
-    state = SimpleNamespace(policy=None, processor=None, max_model_len=64, lora=b, model_name="m")
-    gen = TextGenerator(state, "completions")  # type: ignore[arg-type]
+    gen = _generator(b)
     gen.outputs = outputs = _Outputs(engine)  # type: ignore[assignment]
     req = CompletionRequest.model_validate({"model": "x", "prompt": [1], "max_tokens": 1})
     http = Request({"type": "http"}, receive=_never)

@@ -104,7 +104,12 @@ def _state(client: _Client) -> Any:
     processor = SimpleNamespace(decode=_decode, token_text=lambda t: chr(t))
     lora = LoRARegistry(cast(Any, client))  # no adapter: every request is the base model's
     return SimpleNamespace(
-        processor=processor, policy=policy, max_model_len=64, lora=lora, model_name="tiny"
+        processor=processor,
+        policy=policy,
+        max_model_len=64,
+        lora=lora,
+        model_name="tiny",
+        served_names=("tiny",),
     )
 
 

@@ -146,6 +146,7 @@ async def _respond(
         max_model_len=64,
         lora=LoRARegistry(cast(Any, None)),  # no adapter: the base model's requests
         model_name="tiny",
+        served_names=("tiny",),
     )
     req = CompletionRequest.model_validate(
         {"prompt": [1, 2, 3], "n": len(script), "stop": stop or None, "max_tokens": 8}

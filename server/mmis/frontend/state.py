@@ -175,6 +175,7 @@ class FrontendState:
         self.processor = processor
         self.max_model_len = max_model_len
         self.model_name = settings.model_name
+        self.served_names = settings.served_names  # the base model's names (not adapters)
         self.telemetry = FrontendTelemetry.create(self.model_name, settings.drift_window_s)
         self.metrics = self.telemetry.metrics
         self.epoch_changes = 0

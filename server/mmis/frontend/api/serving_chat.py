@@ -206,7 +206,7 @@ class ChatServing:
         if block_size is None:
             raise EngineUnavailableError("the engine has not reported its block size yet")
         source = await self._source(req, tenant, keys_only=True)
-        adapter = self.state.lora.get(req.model)  # its blocks chain from its id (client/lora.py)
+        adapter = await self.generator.adapter(req)  # its blocks chain from its id (client/lora.py)
         lora_id = 0 if adapter is None else adapter.lora_id
         num_tokens, keys = await self.state.renderer.keys(source, int(block_size), lora_id)
         return {

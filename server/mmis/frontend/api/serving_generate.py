@@ -35,7 +35,7 @@ from mmis.frontend.api.serving_common import (
     guard_stream,
     unless_disconnected,
 )
-from mmis.frontend.client.lora import LoRANotFoundError
+from mmis.frontend.client.lora import LoRAAdapter, LoRANotFoundError
 from mmis.frontend.client.output_processor import (
     FinishedChoice,
     GenerateRequest,
@@ -129,13 +129,31 @@ class TextGenerator:
         self.outputs = OutputProcessor(state.policy, state.processor, state.max_model_len)
         self.lora = state.lora
         self.model_name_base = state.model_name
+        self.base_names = frozenset(state.served_names)
 
-    def generate_request(self, req: SamplingRequest, request_id: str) -> GenerateRequest:
+    async def adapter(self, req: SamplingRequest) -> LoRAAdapter | None:
+        """The LoRA adapter ``req.model`` names, as this P0 knows it now (``client/lora.py``;
+        the engine is asked when it does not); None for the base model. A name the route
+        resolved but that was unloaded since (through this P0 or a sibling, while the request's
+        media loaded, or by a concurrent request's stale answer) is the 404 of an unknown
+        model: a request naming an adapter is never answered by the base model."""
+        name = req.model
+        if name is None or name in self.base_names:
+            return None
+        adapter = await self.lora.resolve(name)
+        if adapter is None:
+            raise LoRANotFoundError(
+                f"the model {name!r} does not exist on this server", param="model"
+            )
+        return adapter
+
+    def generate_request(
+        self, req: SamplingRequest, request_id: str, adapter: LoRAAdapter | None
+    ) -> GenerateRequest:
         """What the client is handed: plain data (the wire sampling parameters, the cap, the
-        LoRA adapter ``model`` names: ``client/lora.py``; the route resolved it already)."""
+        LoRA adapter :meth:`adapter` found for ``model``)."""
         requested = req.requested_max_tokens()
         params = req.to_sampling_params(1 if requested is None else requested)
-        adapter = self.lora.get(req.model)
         if adapter is None:
             return GenerateRequest(request_id, self.endpoint, params, requested)
         return GenerateRequest(
@@ -165,7 +183,7 @@ class TextGenerator:
         """The answer; a request under an adapter this P0 knows stale (``_stale``) is sent
         once more as the engine lists the adapter now, or is the 404 of an unknown model."""
         for attempt in range(2):
-            request = self.generate_request(req, request_id)
+            request = self.generate_request(req, request_id, await self.adapter(req))
             try:
                 if not req.stream:
                     whole = self.outputs.complete(source, request)
@@ -179,7 +197,7 @@ class TextGenerator:
                     raise
                 name = request.lora_name or ""
                 self.lora.forget(name)
-                if attempt or await self.lora.resolve(name) is None:
+                if attempt:
                     raise LoRANotFoundError(
                         f"the model {name!r} does not exist on this server", param="model"
                     ) from None
