@@ -162,9 +162,10 @@ class TextGenerator:
 
     def model_name(self, req: SamplingRequest) -> str:
         """The ``model`` answers carry: the LoRA adapter the request named (as vLLM), else the
-        served model's first name."""
-        adapter = self.lora.get(req.model)
-        return self.model_name_base if adapter is None else adapter.name
+        served model's first name. (Read from the name alone: the route let only served names
+        and adapters through, and an adapter unloaded since is a 404 before any answer.)"""
+        name = req.model
+        return self.model_name_base if name is None or name in self.base_names else name
 
     def _stale(self, request: GenerateRequest, exc: MMISError) -> bool:
         """Whether the engine refused ``request``'s adapter as not loaded, or as loaded under
