@@ -21,6 +21,9 @@ Invariants:
   The reconcile runs in a worker thread too (``asyncio.to_thread``) and, once it succeeded,
   queues a status refresh from the Deployment as it is then (``Refresher.submit_fresh``), so
   events that overtook the reconcile's own write can never leave a stale status behind.
+- A pod that turns Ready also gets ``spec.adapters`` at once (``CoherenceProbe.pod_seen``,
+  once per Ready spell, no API call on the loop: the probe's own per-resource task pushes
+  with the cycle's sync, its API calls in worker threads), not at the next probe tick.
 """
 
 from __future__ import annotations
@@ -148,8 +151,11 @@ def build_registry(
     )
     async def pod_event(body: kopf.Body, type: str | None, **_: Any) -> None:
         key = _owner(body)
-        if type != "DELETED" and key is not None:  # on DELETED the Deployment's events follow
-            plain = _plain(body)
+        if key is None:
+            return
+        plain, deleted = _plain(body), type == "DELETED"
+        coherence_probe.pod_seen(key, plain, deleted)  # turned Ready: the adapters, now
+        if not deleted:  # on DELETED the Deployment's events follow
             refresher.submit_pod(key, body.metadata.name, lambda: reconciler.pod_changed(plain))
 
     _no_finalizer(registry)

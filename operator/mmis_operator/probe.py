@@ -30,6 +30,17 @@ Invariants:
   ``spec.adapters`` (``handlers``), so a change lands within seconds; cycles of one resource
   never overlap (a lock per resource), and a cycle that ran on a list already replaced is
   repaired by the next one.
+- A pod that turns Ready (a scale-up, a restarted pod, a rolling update) gets the adapters
+  within seconds, not at the next tick: the operator's pod events feed
+  :meth:`CoherenceProbe.pod_seen` (on the event loop, no API call), which queues the pod once
+  per Ready spell (:class:`Arrivals`: the pod's uid and its Ready condition's
+  ``lastTransitionTime``, so further events of a Ready pod queue nothing and a pod Ready again
+  after a restart is queued again); one task per resource drains the queue with
+  :meth:`CoherenceProbe.push`, the cycle's own fetch and :func:`sync_adapters` on just those
+  pods, under the resource's lock, its API calls in worker threads. The push re-reads the
+  resource inside the lock, so it never undoes a ``spec.adapters`` change synced meanwhile,
+  and writes only its pods' ``status.adapters`` entries (:func:`with_replicas`). A failed
+  push is retried by the next tick, as before.
 """
 
 from __future__ import annotations
@@ -40,21 +51,24 @@ import functools
 import logging
 import ssl
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import httpx
 
 from mmis_operator import adapters, status
 from mmis_operator import kube as r  # the resource's names (kube.py's first section)
-from mmis_operator.kube import Kube
-from mmis_operator.spec import AdapterSpec
+from mmis_operator.kube import Kube, KubeError, service_path
+from mmis_operator.spec import AdapterSpec, InvalidSpecError, parse_spec
 
 logger = logging.getLogger(__name__)
 OVERRIDE_ANNOTATION = f"{r.GROUP}/stats-endpoints"
 STATS_PATH = "/stats/cache"
 ADAPTERS_STATUS = "adapters"  # status.adapters: per replica {pod, adapters, error?}
 METRICS_PATH = "/metrics"
+
+
+Key = tuple[str, str]  # (namespace, resource name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +83,56 @@ def _ready(pod: Mapping[str, Any]) -> bool:
     pod_status = pod.get("status") or {}
     ready = status.find(pod_status.get("conditions") or (), "Ready")
     return bool(pod_status.get("podIP")) and ready is not None and ready.get("status") == "True"
+
+
+def ready_since(pod: Mapping[str, Any]) -> str | None:
+    """When the pod's current Ready spell began (its Ready condition's ``lastTransitionTime``,
+    "" when unset), or None when the pod is not ready (:func:`_ready`)."""
+    if not _ready(pod):
+        return None
+    ready = status.find(pod["status"]["conditions"], "Ready") or {}
+    return str(ready.get("lastTransitionTime") or "")
+
+
+def _who(pod: Mapping[str, Any]) -> str:
+    return str(pod["metadata"].get("uid") or pod["metadata"]["name"])
+
+
+class Arrivals:
+    """Which pods turned Ready since last seen: :meth:`arrived` is True once per Ready spell
+    (a pod's uid and :func:`ready_since`).
+
+    Pure state, on the event loop only. kopf may batch a pod's events (only the newest of a
+    burst reaches the handler), so a Ready -> not ready -> Ready flap inside one batch is seen
+    by the Ready condition's new ``lastTransitionTime``; a spell is forgotten when the pod is
+    seen not ready or deleted, so the memory holds one short string per ready pod."""
+
+    def __init__(self) -> None:
+        self._spells: dict[str, str] = {}  # pod uid (or name) -> its Ready spell already seen
+
+    def arrived(self, pod: Mapping[str, Any]) -> bool:
+        who, since = _who(pod), ready_since(pod)
+        if since is None:
+            self._spells.pop(who, None)
+            return False
+        if self._spells.get(who) == since:
+            return False
+        self._spells[who] = since
+        return True
+
+    def forget(self, pod: Mapping[str, Any]) -> None:
+        self._spells.pop(_who(pod), None)
+
+
+def with_replicas(
+    current: Sequence[Mapping[str, Any]], fresh: Sequence[Mapping[str, Any]], ready: Collection[str]
+) -> list[dict[str, Any]]:
+    """``status.adapters`` after a push: ``fresh``'s entries replace those of their pods, the
+    other entries of pods still in ``ready`` are kept, the rest dropped; sorted by pod (as a
+    cycle writes them)."""
+    entries = {str(e["pod"]): dict(e) for e in current if e.get("pod") in ready}
+    entries.update({str(e["pod"]): dict(e) for e in fresh})
+    return [entries[pod] for pod in sorted(entries)]
 
 
 def targets(
@@ -187,7 +251,10 @@ class CoherenceProbe:
         self.timeout = timeout
         self.allow_override = allow_override
         self.internal_key = internal_key or None
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._locks: dict[Key, asyncio.Lock] = {}
+        self.arrivals = Arrivals()
+        self._arrived: dict[Key, set[str]] = {}  # per resource: pods waiting for a push
+        self._pushes: dict[Key, asyncio.Task[None]] = {}  # per resource: the task draining it
         # per resource: pod -> (monotonic seconds, fallbacks total) of the last cycle
         self._fallbacks: dict[tuple[str, str], dict[str, tuple[float, float]]] = {}
         self.clock = time.monotonic
@@ -224,6 +291,73 @@ class CoherenceProbe:
                 held = [adapters.replica_status(one) for one in replicas]
             await asyncio.to_thread(self.store, *key, judged, rate, held)
             return judged
+
+    def pod_seen(self, key: Key, pod: Mapping[str, Any], deleted: bool = False) -> None:
+        """An event of a pod of resource ``key`` (call on the event loop; no API call here): a
+        pod that turned Ready is queued for :meth:`push`, once per Ready spell."""
+        if deleted:
+            self.arrivals.forget(pod)
+        elif self.arrivals.arrived(pod):
+            self._arrived.setdefault(key, set()).add(str(pod["metadata"]["name"]))
+            if key not in self._pushes:
+                self._pushes[key] = asyncio.get_running_loop().create_task(self._drain(key))
+
+    async def _drain(self, key: Key) -> None:
+        try:
+            while pods := self._arrived.pop(key, None):
+                try:
+                    await self.push(*key, pods)
+                except (InvalidSpecError, KubeError) as exc:  # the next tick retries
+                    logger.debug("adapters push to %s of %s/%s: %s", sorted(pods), *key, exc)
+                except Exception:  # a bug: say so, keep the operator running
+                    logger.exception("adapters push to %s of %s/%s", sorted(pods), *key)
+        finally:  # no await since the empty pop: a pod queued meanwhile started a new task
+            self._pushes.pop(key, None)
+
+    async def idle(self) -> None:
+        """Wait until every queued push has run (tests)."""
+        while self._pushes:
+            await asyncio.gather(*list(self._pushes.values()), return_exceptions=True)
+
+    async def push(
+        self, namespace: str, name: str, pods: Collection[str]
+    ) -> list[adapters.Replica]:
+        """Bring ``pods`` (those still ready) to the resource's ``spec.adapters`` now, with the
+        cycle's own fetch and sync, and store their ``status.adapters`` entries; nothing
+        without ``spec.adapters``. Returns the pods' outcomes."""
+        key = (namespace, name)
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            body = await asyncio.to_thread(self.kube.get, service_path(namespace, name))
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                return []
+            wanted = parse_spec(body.get("spec") or {}).adapters
+            if wanted is None:
+                return []
+            listed = await asyncio.to_thread(self.list_pods, namespace, name)
+            ready = targets(body, listed, self.allow_override)
+            found = [t for t in ready if t.pod in pods]
+            if not found:
+                return []
+            results = await fetch_all(found, self.timeout)
+            token = self.token(body["metadata"])
+            replicas = await sync_adapters(found, results, wanted, token, self.timeout)
+            entries = [adapters.replica_status(one) for one in replicas]
+            names = {t.pod for t in ready}
+            await asyncio.to_thread(self.store_adapters, namespace, name, entries, names)
+            return replicas
+
+    def store_adapters(
+        self, namespace: str, name: str, entries: list[dict[str, Any]], ready: Collection[str]
+    ) -> None:
+        """Write ``entries`` into ``status.adapters`` (:func:`with_replicas`), nothing else."""
+
+        def compute(obj: Mapping[str, Any]) -> status.DesiredStatus:
+            current = (obj.get("status") or {}).get(ADAPTERS_STATUS) or []
+            return status.DesiredStatus(
+                {ADAPTERS_STATUS: with_replicas(current, entries, ready)}, ()
+            )
+
+        status.write(self.kube, namespace, name, compute)
 
     def token(self, meta: Mapping[str, Any]) -> str | None:
         """The resource's internal token, derived from the operator's key (None: no key)."""

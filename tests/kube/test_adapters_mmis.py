@@ -6,8 +6,9 @@ kwok runs the resource's pod with a fake IP, so the resource carries the test-on
 ``allow_stats_endpoint_override``) pointing at a real ``mmis serve`` on the tiny model with
 ``--enable-lora``, its ops port, and the internal token the operator derives from its
 ``internal_key`` (what the Secret ``NAME-internal`` would hand P0 in a real pod). The probe
-timer is slow (300 s), so only the ``spec.adapters`` field handler can sync within the test's
-deadlines. Every wait polls an observable state with a deadline.
+timer is slow (600 s), so only the ``spec.adapters`` field handler and the push to a pod that
+turns Ready can sync within the test's deadlines. Every wait polls an observable state with a
+deadline.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from mmis_operator.probe import OVERRIDE_ANNOTATION
 pytestmark = [pytest.mark.controlplane, pytest.mark.model, pytest.mark.slow]
 
 KEY = "test-internal-key"
-SYNC_S = 20.0  # a spec.adapters change reaches the pod within this (the timer is 300 s)
+SYNC_S = 20.0  # a spec.adapters change reaches the pod within this (the timer is 600 s)
+PUSH_S = 10.0  # a pod that turns Ready gets spec.adapters within this (the timer is 600 s)
 
 
 def _until(what: str, check: Callable[[], Any], timeout: float) -> Any:
@@ -72,7 +74,7 @@ def test_an_adapter_reaches_the_running_pod_without_a_restart(
         },
     }
     options = ok.options(
-        namespace, probe_seconds=300.0, allow_stats_endpoint_override=True, internal_key=KEY
+        namespace, probe_seconds=600.0, allow_stats_endpoint_override=True, internal_key=KEY
     )
 
     def patch(items: list[dict[str, str]]) -> None:
@@ -96,7 +98,8 @@ def test_an_adapter_reaches_the_running_pod_without_a_restart(
     ok.apply(cluster, namespace, resource)
     uid = ok.get(cluster, namespace, "mmis/tiny")["metadata"]["uid"]
     env = {"OMP_NUM_THREADS": "1"}
-    env["MMIS_FRONTEND_INTERNAL_TOKEN"] = internal_token(KEY, namespace, "tiny", uid)
+    token = internal_token(KEY, namespace, "tiny", uid)
+    env["MMIS_FRONTEND_INTERNAL_TOKEN"] = token
     args = ["serve", "--port", "0", "--model", str(tiny_model_dir())]
     args += ["--served-model-name", "tiny", "--enable-lora", "--ops-port", str(ops)]
     serve = Proc("serve-adapters", args, tmp_path, env, announces=True)
@@ -123,6 +126,24 @@ def test_an_adapter_reaches_the_running_pod_without_a_restart(
             assert answer.json()["model"] == "lm"
             entry = _until("status.adapters to name lm", lambda: holds(["lm"]), SYNC_S)
             assert entry["pod"].startswith("tiny-")
+
+            # a restarted pod: a new pod (the server, its lm gone as in a fresh process) that
+            # turns Ready gets lm at once, long before the probe tick
+            unload = httpx.post(
+                f"http://127.0.0.1:{ops}/internal/unload_lora_adapter",
+                json={"lora_name": "lm"},
+                headers={"Authorization": f"Bearer {token}"},
+            )
+            assert unload.status_code == 200, unload.text
+            assert "lm" not in models()
+            cluster.kubectl("delete", "pod", "-n", namespace, entry["pod"], "--wait=false")
+            _until("the new pod to list lm", lambda: "lm" in models(), PUSH_S)
+
+            def new_pod_holds_lm() -> dict[str, Any] | None:
+                found = holds(["lm"])
+                return found if found and found["pod"] != entry["pod"] else None
+
+            _until("status.adapters of the new pod", new_pod_holds_lm, SYNC_S)
 
             patch([])
             _until("the pod to drop lm", lambda: "lm" not in models(), SYNC_S)

@@ -13,6 +13,9 @@ volumes, and pushed to the running pods through P0's internal LoRA routes.
 - The plan (load missing, reload a changed path, unload extras) and one probe cycle against a
   real HTTP server standing in for P0: the calls, their bearer token, ``status.adapters``, a
   refused call and a pod without LoRA reported per replica, nothing raised.
+- A pod that turns Ready is pushed the list at once, once per Ready spell (uid and the Ready
+  condition's lastTransitionTime), only that pod, and only its ``status.adapters`` entry is
+  written (the other ready pods' kept, the gone pods' dropped).
 
 The real API server's CEL rules: tests/kube/test_crd_mmis.py; a real ``mmis serve`` taking an
 adapter without a restart: tests/kube/test_adapters_mmis.py.
@@ -41,7 +44,7 @@ import pytest
 from mmis_operator import adapters, builders, main, routing
 from mmis_operator import kube as r
 from mmis_operator.adapters import Action, plan
-from mmis_operator.probe import OVERRIDE_ANNOTATION, CoherenceProbe
+from mmis_operator.probe import OVERRIDE_ANNOTATION, Arrivals, CoherenceProbe, with_replicas
 from mmis_operator.reconciler import Integrations, Reconciler, Security
 from mmis_operator.spec import AdapterSpec, InvalidSpecError, parse_spec
 from mmis_operator.status import PodStats
@@ -404,6 +407,66 @@ async def test_failures_are_reported_per_replica_never_raised(store: Any, p0: st
     assert entry == {"pod": "llava-0", "adapters": [], "error": adapters.NO_LORA}
     (entry,) = (await _cycle(store, "http://127.0.0.1:9", "k3y", [A]))["adapters"]
     assert entry["error"].startswith("/stats/cache: ConnectError")
+
+
+def _spell(name: str, since: str, ready: bool = True, uid: str = "") -> dict[str, Any]:
+    pod = _pod(name)
+    pod["metadata"]["uid"] = uid or f"uid-{name}"
+    cond = {"type": "Ready", "status": "True" if ready else "False", "lastTransitionTime": since}
+    pod["status"]["conditions"] = [cond]
+    return pod
+
+
+def test_a_pod_arrives_once_per_ready_spell() -> None:
+    seen = Arrivals()
+    assert seen.arrived(_spell("p", "t0", ready=False)) is False
+    assert seen.arrived(_spell("p", "t1")) is True  # turned Ready
+    assert seen.arrived(_spell("p", "t1")) is False  # another event of the Ready pod
+    assert seen.arrived(_spell("p", "t2")) is True  # a flap batched into one event
+    assert seen.arrived(_spell("p", "t3", ready=False)) is False
+    assert seen.arrived(_spell("p", "t3")) is True  # Ready again (without a new time too)
+    assert seen.arrived(_spell("p", "t3", uid="other")) is True  # a new pod of the same name
+    going = _spell("q", "t1")
+    going["metadata"]["deletionTimestamp"] = "t9"
+    assert seen.arrived(going) is False  # terminating: not ready
+    seen.forget(_spell("p", "t3"))
+    assert seen.arrived(_spell("p", "t3")) is True
+
+
+def test_with_replicas_replaces_keeps_and_drops_entries() -> None:
+    current = [{"pod": "b", "adapters": ["x"]}, {"pod": "gone", "adapters": []}]
+    fresh = [{"pod": "a", "adapters": ["y"], "error": "e"}]
+    assert with_replicas(current, fresh, {"a", "b"}) == [fresh[0], current[0]]
+    assert with_replicas([], [], {"a"}) == []
+
+
+async def test_a_pod_that_turns_ready_gets_the_list_at_once_and_alone(store: Any, p0: str) -> None:
+    store.obj["metadata"]["annotations"] = {OVERRIDE_ANNOTATION: f"{p0},{p0}"}
+    store.obj["spec"]["adapters"] = [{"name": "a", "source": "/m/a"}]
+    others = [{"pod": "llava-0", "adapters": ["x"]}, {"pod": "llava-gone", "adapters": []}]
+    store.obj["status"] = {"adapters": others}
+    probe = CoherenceProbe(store, timeout=2.0, allow_override=True, internal_key="k3y")
+    new = _spell("llava-1", "t1")
+    probe.list_pods = lambda *_: [_spell("llava-0", "t0"), new]  # type: ignore[method-assign]
+    key = ("ml", "llava")
+
+    async def seen(pod: dict[str, Any]) -> list[tuple[str, str]]:
+        _P0.calls.clear()
+        probe.pod_seen(key, pod)
+        await probe.idle()
+        return [(path.rsplit("/", 1)[1], body["lora_name"]) for path, body, _ in _P0.calls]
+
+    # llava-0 stands on the same server: a push to it too would call twice
+    assert await seen(new) == [("unload_lora_adapter", "x"), ("load_lora_adapter", "a")]
+    assert store.obj["status"]["adapters"] == [others[0], {"pod": "llava-1", "adapters": ["a"]}]
+    _P0.holding.clear()  # the pod lost it: only a new Ready spell or the tick repairs it
+    assert await seen(new) == []  # another event of the same Ready pod: nothing
+    assert await seen(_spell("llava-1", "t2")) == [("load_lora_adapter", "a")]
+    _P0.holding.clear()
+    del store.obj["spec"]["adapters"]
+    assert await seen(_spell("llava-1", "t3")) == []  # no spec.adapters: no call
+    probe.pod_seen(key, _spell("llava-1", "t3"), deleted=True)
+    assert probe.arrivals.arrived(_spell("llava-1", "t3")) is True  # forgotten on DELETED
 
 
 # --- The chart: adapters.enabled ------------------------------------------------------------
