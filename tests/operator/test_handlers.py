@@ -53,8 +53,9 @@ def test_handler_ids_are_valid_annotation_names() -> None:
 
 
 def test_event_handlers_and_the_reconcile_never_block_kopfs_loop_or_threads() -> None:
-    """Child events only queue a coalesced refresh (``reconciler.Refresher``) and the reconcile
-    awaits a worker thread: kopf's event loop and executor stay free (bench_operator)."""
+    """Child events only queue work (a coalesced refresh, ``reconciler.Refresher``; a pod that
+    turned Ready, ``probe.CoherenceProbe.pod_seen``) and the reconcile awaits a worker thread:
+    kopf's event loop and executor stay free (bench_operator)."""
     cfg = kubernetes.client.Configuration()
     cfg.host = "https://127.0.0.1:1"
     registry = handlers.build_registry(Kube(cfg))
