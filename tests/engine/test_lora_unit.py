@@ -34,13 +34,55 @@ def test_grouped_apply_equals_per_row_reference() -> None:
     index = [0, 1, 2, 3, 4, 0, 4, 4, 1, 3, 0, 2, 2]
     rows_ = LoRARows(slots)
     rows_.select(index, dtype=torch.float32, device="cpu")
-    assert rows_.mask is not None
-    got = grouped_lora_delta(x, a, b_t, rows_.mask)
+    assert rows_.single is None and rows_.slots == {1, 2, 3, 4}
+    mask = rows_.flat_mask(rank)
+    assert mask.shape == (rows, slots * rank) and rows_.flat_mask(rank) is mask  # once a step
+    got = grouped_lora_delta(x, a, b_t, mask)
     want = torch.stack([x[i] @ a[s].T @ b_t[s] for i, s in enumerate(index)])
     torch.testing.assert_close(got, want)
     assert torch.all(got[[0, 5, 10]] == 0)  # base rows: exactly nothing added
     # leading dims ([1, rows, in], as a language model is called) broadcast the same
-    torch.testing.assert_close(grouped_lora_delta(x[None], a, b_t, rows_.mask)[0], want)
+    torch.testing.assert_close(grouped_lora_delta(x[None], a, b_t, mask)[0], want)
+
+
+@pytest.mark.parametrize(
+    "seq_slots",
+    [
+        [2, 0, 1, 2],  # several adapters and base rows: the grouped apply
+        [2, 2, 2, 2],  # one adapter on every row: its own pair, no mask
+        [0, 2, 0, 2],  # one adapter beside base rows: its pair and a 0/1 row mask
+        [0, 1, 0, 1],  # only an adapter this projection does not hold: the base alone
+    ],
+)
+def test_wrapper_row_index_per_sequence_equals_per_row_reference(seq_slots: list[int]) -> None:
+    """Each sequence's slot set once for its tokens (``repeats``, as the runner calls it), over
+    the three paths of ``LoRALinear.forward`` and the skip; outputs against row-by-row sums."""
+    g = torch.Generator().manual_seed(2)
+    linear = torch.nn.Linear(8, 6)
+    rows = LoRARows(4)
+    wrapped = LoRALinear(linear, rows, max_rank=3)
+    pairs = {
+        s: (torch.randn(r, 8, generator=g), torch.randn(6, r, generator=g))
+        for s, r in ((2, 3), (3, 2))
+    }  # slot 1 holds an adapter that leaves this projection alone
+    for s, (a, b) in pairs.items():
+        wrapped.set_slot(s, a, b)
+    if not set(seq_slots) & set(pairs):  # the skip never reads a slot this layer does not hold
+        wrapped.lora_a[1].fill_(float("nan"))
+    sizes = [3, 1, 4, 2]  # tokens per sequence
+    x = torch.randn(1, sum(sizes), 8, generator=g)  # [1, tokens, in], as the model calls it
+    rows.select(seq_slots, repeats=sizes, dtype=torch.float32, device="cpu")
+    per_row = [s for s, n in zip(seq_slots, sizes, strict=True) for _ in range(n)]
+    with torch.no_grad():
+        want = linear(x).clone()
+        for i, s in enumerate(per_row):
+            if s in pairs:
+                a, b = pairs[s]
+                want[0, i] += x[0, i] @ a.T @ b.T
+        got = wrapped(x)
+    torch.testing.assert_close(got, want)
+    base_rows = [i for i, s in enumerate(per_row) if s not in pairs]
+    assert torch.equal(got[0, base_rows], linear(x)[0, base_rows].detach())  # exactly the base
 
 
 def test_wrapper_over_a_linear_and_a_packed_linear() -> None:

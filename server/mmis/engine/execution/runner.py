@@ -443,8 +443,12 @@ class ModelRunner:
         if not names:
             lora.lm_rows.clear()
             return
-        per_row = [slots[n] for n, size in zip(names, sizes, strict=True) for _ in range(size)]
-        lora.lm_rows.select(per_row, dtype=self.adapter.dtype, device=self.adapter.device)
+        lora.lm_rows.select(
+            [slots[n] for n in names],
+            repeats=sizes,
+            dtype=self.adapter.dtype,
+            device=self.adapter.device,
+        )
 
     def _tower_groups(self, seqs: Sequence[ScheduledRequest]) -> dict[str, str | None]:
         """mm_hash -> the adapter its encoder call runs under (None: the base tower; also for

@@ -359,8 +359,7 @@ class WorkerRank:
         if slots is None:
             lora.lm_rows.clear()
             return
-        per_row = [s for s, n in zip(slots, args["num_tokens"], strict=True) for _ in range(n)]
-        lora.lm_rows.select(per_row, dtype=self.dtype, device=self.device)
+        lora.lm_rows.select(slots, repeats=args["num_tokens"], dtype=self.dtype, device=self.device)
 
 
 def worker_pool_size(worker: WorkerRank, memory: Any = None) -> int:

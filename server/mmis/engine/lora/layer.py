@@ -4,22 +4,34 @@ grouped apply over a batch's rows.
 Design (after studying vLLM's punica ``bgmv``/``sgmv`` and SGLang's segment GEMMs; no code
 copied): a layer with ``S = max_loras + 1`` slots holds ``A`` as ``[S, r_max, in]`` and ``B``
 transposed per slot, ``[S, r_max, out]`` (so both flatten to one matrix without a copy); ranks
-below ``r_max`` are zero-padded and slot 0 is all zeros (no adapter). For the rows ``x``
-``[..., in]`` and a per-row one-hot ``mask`` ``[..., S, 1]`` (set once per forward on the
-shared :class:`LoRARows`), :func:`grouped_lora_delta` computes
+below ``r_max`` are zero-padded and slot 0 is all zeros (no adapter). The shared
+:class:`LoRARows` of a forward holds, built once per step (never per layer), each row's slot
+on the device and what the step needs of it:
 
-    delta = ((x @ A_flat^T).view(..., S, r_max) * mask).view(..., S * r_max) @ B_flat
+- one adapter in the step (:attr:`LoRARows.single`: every row of a tower call, a step whose
+  rows all use one adapter, or that adapter and base rows): the delta is that slot's own
+  rank-``r`` pair, ``((x @ A_s^T) * m) @ B_s`` (``m`` the rows' 0/1 column, absent when every
+  row has the adapter);
+- several: :func:`grouped_lora_delta` over every slot's columns,
 
-two GEMMs per projection whatever the mix of adapters (one launch each, fixed shapes, so CUDA
-graphs can capture it), never a loop over adapters. It spends ``S * r_max`` columns where a
-gather would spend ``r_max``: at vLLM's defaults (4 adapters, rank 16: 80 columns against a
-projection's thousands) that is a few percent of the base matmul; a sort-by-slot segment kernel
-is the better shape past a few hundred columns.
+    delta = ((x @ A_flat^T) * mask) @ B_flat
+
+  with ``mask`` ``[..., S * r_max]`` each row's one-hot slot repeated over its ``r_max``
+  columns (:meth:`LoRARows.flat_mask`, built at the first layer of the step and reused).
+
+Either is two GEMMs and one multiply per projection whatever the mix of adapters (fixed
+shapes, one launch each, no host sync), never a loop over adapters; the delta is accumulated
+into the base output in place (``addmm_``). The grouped form spends ``S * r_max`` columns
+where a gather would spend ``r_max``: at vLLM's defaults (4 adapters, rank 16: 80 columns
+against a projection's thousands) that is a few percent of the base matmul; a sort-by-slot
+segment kernel is the better shape past a few hundred columns. At the tiny LLaVA's width (64)
+the apply's cost is its launches, not its multiply-adds (benchmarks/README.md's LoRA section).
 
 Invariants:
 - A base row (slot 0) gets exactly the base output: its mask row is zero, and a step with no
-  adapter row (:attr:`LoRARows.active` false) or a layer no resident adapter touches skips the
-  delta entirely (base-only batches pay nothing).
+  adapter row (:attr:`LoRARows.active` false), or a layer that none of the step's adapters
+  touches (no slot of :attr:`LoRARows.slots` loaded in it), skips the delta entirely
+  (base-only batches pay nothing).
 - ``base`` is whatever module computed the projection (``torch.nn.Linear``, the CPU's
   :class:`~mmis.engine.execution.cpu_linear.PackedLinear`): the wrapper only adds the delta to
   its output, so packing may happen before or after wrapping.
@@ -36,8 +48,10 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 
@@ -60,46 +74,86 @@ def grouped_lora_delta(
     x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
     """The LoRA delta of every row of ``x`` ``[..., in]`` under its own slot: ``a``
-    ``[S, r, in]``, ``b_t`` ``[S, r, out]`` (scaled), ``mask`` one-hot ``[..., S, 1]``
-    broadcastable against ``[..., S, r]``."""
+    ``[S, r, in]``, ``b_t`` ``[S, r, out]`` (scaled), ``mask`` ``[..., S * r]`` (each row's
+    one-hot slot repeated ``r`` times: :meth:`LoRARows.flat_mask`), broadcastable against
+    ``x``'s leading dimensions."""
     slots, rank, _ = a.shape
-    h = torch.nn.functional.linear(x, a.reshape(slots * rank, -1))
-    h = (h.unflatten(-1, (slots, rank)) * mask).flatten(-2)
-    return h @ b_t.reshape(slots * rank, -1)
+    h = torch.nn.functional.linear(x, a.view(slots * rank, -1)).mul_(mask)
+    return h @ b_t.view(slots * rank, -1)
 
 
 class LoRARows:
     """Which slot each row of the next forward uses, shared by every :class:`LoRALinear` of one
-    part of the model (the language model's rows, or the vision tower's)."""
+    part of the model (the language model's rows, or the vision tower's).
+
+    After :meth:`select`: :attr:`active` (some row has an adapter), :attr:`slots` (the step's
+    adapter slots, 0 excluded), :attr:`single` (the slot when there is exactly one, else None),
+    :attr:`index` (each row's slot on the device, ``[rows, 1 * trailing]``) and :attr:`mask`
+    (with :attr:`single`: each row's 0/1 ``[rows, 1 * trailing, 1]``, None when every row has
+    that slot; else None and :meth:`flat_mask` builds the grouped mask once per rank)."""
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
-        self.mask: torch.Tensor | None = None
         self.active = False
+        self.slots: frozenset[int] = frozenset()
+        self.single: int | None = None
+        self.index: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None
+        self._flat: dict[int, torch.Tensor] = {}
+        self._dtype = torch.float32
 
     def select(
         self,
-        slots: list[int],
+        slots: Sequence[int],
         *,
+        repeats: Sequence[int] | None = None,
         trailing: int = 0,
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        """Set each row's slot (0: none). ``trailing`` is the number of dimensions between the
-        row and the features that share the row's slot (1 for a vision tower's ``[images,
-        patches, in]`` with one slot per image; 0 for flattened tokens)."""
-        if any(s < 0 or s >= self.num_slots for s in slots):
+        """Set each row's slot (0: none): ``slots[i]`` for ``repeats[i]`` consecutive rows
+        (one row each without ``repeats``: a sequence's slot for each of its tokens).
+        ``trailing`` is the number of dimensions between the row and the features that share
+        the row's slot (1 for a vision tower's ``[images, patches, in]`` with one slot per
+        image; 0 for flattened tokens). One upload of the row index; nothing reads back."""
+        present = set(slots)
+        if min(present, default=0) < 0 or max(present, default=0) >= self.num_slots:
             raise ValueError(f"LoRA slots must be within [0, {self.num_slots}), got {slots}")
-        self.active = any(slots)
+        if repeats is not None and (len(repeats) != len(slots) or min(repeats, default=0) < 0):
+            raise ValueError(f"LoRA row counts {repeats} do not match the slots {slots}")
+        self._flat = {}
+        self.slots = frozenset(present - {0})
+        self.active = bool(self.slots)
         if not self.active:
-            self.mask = None
+            self.single = self.index = self.mask = None
             return
-        index = torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True)
-        mask = torch.nn.functional.one_hot(index, self.num_slots).to(dtype)
-        self.mask = mask.view(len(slots), *([1] * trailing), self.num_slots, 1)
+        self.single = next(iter(self.slots)) if len(self.slots) == 1 else None
+        per_row = np.asarray(slots, dtype=np.int64)
+        if repeats is not None:
+            per_row = np.repeat(per_row, np.asarray(repeats, dtype=np.int64))
+        shape = (per_row.shape[0], *([1] * trailing))
+        index = torch.from_numpy(per_row).to(device, non_blocking=True).view(shape)
+        self.index, self._dtype = index, dtype
+        self.mask = None
+        if self.single is not None and 0 in present:  # base rows beside the one adapter
+            self.mask = (index == self.single).to(dtype).unsqueeze(-1)
+
+    def flat_mask(self, rank: int) -> torch.Tensor:
+        """``[rows, 1 * trailing, S * rank]``: each row's one-hot slot repeated ``rank``
+        times (column ``j`` belongs to slot ``j // rank``); built once per step and rank."""
+        mask = self._flat.get(rank)
+        if mask is None:
+            if self.index is None:
+                raise RuntimeError("LoRARows.flat_mask before a select with adapter rows")
+            columns = torch.arange(self.num_slots * rank, device=self.index.device) // rank
+            mask = (self.index.unsqueeze(-1) == columns).to(self._dtype)
+            self._flat[rank] = mask
+        return mask
 
     def clear(self) -> None:
-        self.mask, self.active = None, False
+        self.active, self.slots, self.single = False, frozenset(), None
+        self.index = self.mask = None
+        self._flat = {}
 
 
 def local_features(base: torch.nn.Module) -> tuple[int, int]:
@@ -176,18 +230,33 @@ class LoRALinear(torch.nn.Module):
             self.loaded.discard(slot)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mask = self.rows.mask
-        if not self.loaded or mask is None:
+        rows = self.rows
+        if not rows.active or self.loaded.isdisjoint(rows.slots):
             out: torch.Tensor = self.base(x)
             return out
-        delta = grouped_lora_delta(x, self.lora_a, self.lora_b_t, mask)
         if self.shard is not None and self.shard.dim == "in":  # before the all-reduce
             split: Any = self.base  # tensor_parallel.RowParallelLinear
-            partial: torch.Tensor = split.partial(x)
-            finished: torch.Tensor = split.finish(partial + delta.to(partial.dtype))
+            partial: torch.Tensor = self._add_delta(split.partial(x), x)
+            finished: torch.Tensor = split.finish(partial)
             return finished
-        out = self.base(x)
-        return out + delta.to(out.dtype)
+        return self._add_delta(self.base(x), x)
+
+    def _add_delta(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``out`` (the base's output for ``x``) plus each row's delta, in place when it can."""
+        rows, a, b_t = self.rows, self.lora_a, self.lora_b_t
+        slots, rank, _ = a.shape
+        if rows.single is not None:  # one adapter: its own rank-r pair
+            a, b_t = a[rows.single], b_t[rows.single]
+            h = torch.nn.functional.linear(x, a)
+            if rows.mask is not None:
+                h.mul_(rows.mask)
+        else:
+            a, b_t = a.view(slots * rank, -1), b_t.view(slots * rank, -1)
+            h = torch.nn.functional.linear(x, a).mul_(rows.flat_mask(rank))
+        if out.dtype == h.dtype and out.is_contiguous() and h.is_contiguous():
+            out.view(-1, out.shape[-1]).addmm_(h.view(-1, h.shape[-1]), b_t)
+            return out
+        return out + (h @ b_t).to(out.dtype)
 
     def extra_repr(self) -> str:
         return f"slots={self.rows.num_slots}, max_rank={self.lora_a.shape[1]}"
