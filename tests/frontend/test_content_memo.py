@@ -1,9 +1,9 @@
 """The content memo (``frontend/client/media/content_memo.py``) in the real renderer.
 
-The real tiny-model processor, shadow and single worker: bytes seen before give the pixels'
-``mm_hash`` without decoding; a render that needs the pixels decodes them and sends exactly
-what a first sight sends; other bytes of the same pixels reach the same hash; a corrupt image
-is refused whatever the memo holds.
+The real tiny-model processor, shadow and single worker: bytes seen before give their
+``mm_hash`` (the hash of the bytes) without decoding; a render that needs the pixels decodes
+them and sends exactly what a first sight sends; other bytes of the same pixels are another
+item with the same tensors; a corrupt image is refused whatever the memo holds.
 """
 
 from __future__ import annotations
@@ -57,10 +57,14 @@ def _photo(seed: int) -> Image.Image:
     return Image.fromarray(pixels)
 
 
-def _url(image: Image.Image, compress_level: int = 6) -> str:
+def _png(image: Image.Image, compress_level: int = 6) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="PNG", compress_level=compress_level)
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return buf.getvalue()
+
+
+def _url(image: Image.Image, compress_level: int = 6) -> str:
+    return "data:image/png;base64," + base64.b64encode(_png(image, compress_level)).decode()
 
 
 async def _prepare(r: Renderer, url: str, detail: str | None = None) -> SourcePrompt:
@@ -70,7 +74,7 @@ async def _prepare(r: Renderer, url: str, detail: str | None = None) -> SourcePr
     return await r.prepare(prompt, [ImageRef(url, None, "messages[0]", detail=detail)])
 
 
-async def test_bytes_seen_before_give_the_pixels_hash_without_decoding(renderer: Renderer) -> None:
+async def test_bytes_seen_before_give_their_hash_without_decoding(renderer: Renderer) -> None:
     image = _photo(1)
     url = _url(image)
     first = (await _prepare(renderer, url)).items[0]
@@ -78,7 +82,8 @@ async def test_bytes_seen_before_give_the_pixels_hash_without_decoding(renderer:
     again = (await _prepare(renderer, url)).items[0]
     assert isinstance(again.image, EncodedImage)
     assert "image" not in vars(again.image)  # not decoded
-    assert again.mm_hash == first.mm_hash == renderer.hash_image(image)
+    assert again.mm_hash == first.mm_hash == renderer.hash_encoded(_png(image))
+    assert first.mm_hash != renderer.hash_image(image)  # bytes, not pixels
     assert (renderer.memo.hits, renderer.memo.misses) == (1, 1)
 
 
@@ -102,14 +107,23 @@ async def test_a_render_that_needs_the_pixels_sends_what_a_first_sight_sends(
         np.testing.assert_array_equal(np.asarray(sent[name]), np.asarray(fresh[name]))
 
 
-async def test_other_bytes_of_the_same_pixels_reach_the_same_hash(renderer: Renderer) -> None:
+async def test_other_bytes_of_the_same_pixels_are_another_item_with_the_same_tensors(
+    renderer: Renderer,
+) -> None:
     image = _photo(3)
     fast, small = _url(image, compress_level=1), _url(image, compress_level=9)
     assert fast != small
-    a = (await _prepare(renderer, fast)).items[0]
-    b = (await _prepare(renderer, small)).items[0]
-    assert isinstance(b.image, Image.Image)  # a memo miss: decoded and hashed
-    assert a.mm_hash == b.mm_hash
+    a = await _prepare(renderer, fast)
+    b = await _prepare(renderer, small)
+    assert isinstance(b.items[0].image, Image.Image)  # a memo miss: decoded and hashed
+    assert a.items[0].mm_hash != b.items[0].mm_hash  # hashed as bytes (multimodal/hashing.py)
+    ra = await renderer.render(a, bypass=False, reserve_tokens=1)
+    rb = await renderer.render(b, bypass=False, reserve_tokens=1)
+    assert (ra.processed, rb.processed) == (1, 1) and ra.token_ids == rb.token_ids
+    da, db = ra.features[0][0].data, rb.features[0][0].data
+    assert isinstance(da, dict) and isinstance(db, dict) and da.keys() == db.keys()
+    for name in da:
+        np.testing.assert_array_equal(np.asarray(da[name]), np.asarray(db[name]))
 
 
 async def test_the_detail_budget_is_part_of_the_memo_key() -> None:
@@ -133,7 +147,7 @@ async def test_the_detail_budget_is_part_of_the_memo_key() -> None:
         auto = (await _prepare(r, url)).items[0]
         low = (await _prepare(r, url, detail="low")).items[0]
         assert isinstance(low.image, Image.Image)  # same bytes, other kwargs: a memo miss
-        assert low.mm_hash == r.hash_image(image, low_kwargs) != auto.mm_hash
+        assert low.mm_hash == r.hash_encoded(_png(image), low_kwargs) != auto.mm_hash
         assert (await _prepare(r, url, detail="low")).items[0].mm_hash == low.mm_hash
 
 

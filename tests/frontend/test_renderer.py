@@ -168,7 +168,7 @@ async def test_prepare_loads_hashes_and_checks_placeholders(renderer: Renderer) 
         [ImageRef(data_url, None, "messages[0].content[0]")],
     )
     assert len(source.items) == 1 and source.items[0].image is not None
-    assert source.items[0].mm_hash == renderer.hash_image(_img((3, 3, 3)))
+    assert source.items[0].mm_hash == renderer.hash_encoded(buf.getvalue())
     with pytest.raises(InvalidRequestError, match="image placeholder"):
         await renderer.prepare("no image token here", [ImageRef(data_url, None, "p")])
 

@@ -15,6 +15,7 @@ from mmis.multimodal.hashing import (
     InvalidItemUUIDError,
     UnhashableValueError,
     UnknownHashAlgorithmError,
+    encoded_item_mm_hash,
     hash_item,
     hash_value,
     item_mm_hash,
@@ -191,3 +192,29 @@ def test_invalid_uuid_rejected_with_clear_message(bad: Any, message: str) -> Non
 def test_item_without_data() -> None:
     with pytest.raises(HashingError, match="needs its data"):
         item_mm_hash(model_id="m", modality="image", item=None)
+
+
+def test_an_encoded_item_is_its_bytes_under_its_decoder() -> None:
+    """Images a request carries are hashed as their bytes with the decoder's identity
+    (issue 45): the same bytes agree; other bytes, another decoder, model, modality or kwargs
+    differ; and the framing never meets a pixel hash or bare bytes given to hash_item."""
+    rgb = Image.new("RGB", (8, 4), (10, 20, 30))
+    png, bmp = io.BytesIO(), io.BytesIO()
+    rgb.save(png, "PNG")
+    rgb.save(bmp, "BMP")
+
+    def enc(data: bytes, decoder: str = "d1", **kwargs: Any) -> str:
+        args: dict[str, Any] = {"model_id": "m", "modality": "image", **kwargs}
+        return encoded_item_mm_hash(data=data, decoder=decoder, **args)
+
+    base = enc(png.getvalue())
+    assert base == enc(png.getvalue()) == enc(bytearray(png.getvalue()))
+    assert base != enc(bmp.getvalue())  # the same pixels in other bytes: another item
+    assert base != enc(png.getvalue(), decoder="d2")
+    assert base != enc(png.getvalue(), model_id="m2")
+    assert base != enc(png.getvalue(), modality="video")
+    assert base != enc(png.getvalue(), processor_kwargs={"do_resize": False})
+    assert base != enc(png.getvalue(), algorithm="sha256")
+    assert base not in {_h(rgb), _h(png.getvalue()), _h(Image.open(png))}
+    with pytest.raises(UnhashableValueError, match="must be bytes"):
+        enc("not-bytes")  # type: ignore[arg-type]

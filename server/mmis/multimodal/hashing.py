@@ -14,6 +14,17 @@ Invariants:
 - Dicts are hashed with their keys sorted by the keys' framed bytes, so key order never
   matters; numpy arrays include dtype and shape; images include mode, size, palette and
   transparency, so the same raw bytes under a different layout hash differently.
+- An item received encoded (every image a request carries, by data URL, http(s) or file) is
+  hashed as its encoded bytes with the identity of the decoder that turns them into pixels
+  (:func:`encoded_item_mm_hash`; P0's is ``frontend/client/media/decode.py``
+  ``decoder_identity``): decoding is a function of the bytes and that identity, so the hash
+  still fixes the pixels, hence the processor's tensors, the engine sees. Which items share a
+  hash: the same bytes under the same decoder identity, model, modality and processor kwargs.
+  The same pixels in other bytes (re-encoded, recompressed, other metadata) are *another* item
+  (a cache miss, never a wrong hit); an in-process image hashed as its pixels (the readiness
+  probe) never shares a hash with an encoded one (the item is framed as another type). Before
+  this, images were hashed as their decoded pixels (``tobytes`` and a pass over 24-36 MB per
+  4-12 MP photo: about a fifth of P0's CPU on a unique photo, benchmarks/README.md, issue 45).
 - An item's ``mm_hash`` is always the hash of its content: a client's ``uuid`` never is one,
   never enters one and never leaves P0 (docs/SECURITY.md, "uuids per tenant"). P0 binds a
   uuid sent with data, per tenant, to the content hash of that data, and resolves a uuid
@@ -215,6 +226,29 @@ def hash_item(
             f"got {type(item).__name__}"
         )
     h = new_hasher(algorithm)
+    _feed(h, (FORMAT_VERSION, model_id, modality, item, dict(processor_kwargs or {})))
+    return h.hexdigest()
+
+
+def encoded_item_mm_hash(
+    *,
+    model_id: str,
+    modality: str,
+    data: bytes | bytearray | memoryview,
+    decoder: str,
+    processor_kwargs: Mapping[str, Any] | None = None,
+    algorithm: str = DEFAULT_ALGORITHM,
+) -> str:
+    """The ``mm_hash`` of an item received encoded: its bytes as received and ``decoder``, the
+    identity of what decodes them (see the module docstring for which items share a hash).
+    The item is framed as ``("encoded", decoder, data)``, so it never equals the hash of a
+    decoded image, an array or bare bytes given to :func:`hash_item`."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise UnhashableValueError(
+            f"an encoded {modality} item must be bytes, got {type(data).__name__}"
+        )
+    h = new_hasher(algorithm)
+    item = ("encoded", decoder, data)
     _feed(h, (FORMAT_VERSION, model_id, modality, item, dict(processor_kwargs or {})))
     return h.hexdigest()
 

@@ -3,9 +3,10 @@
 Two stages:
 
 1. :meth:`Renderer.prepare` (asyncio): loads the images with the media loader (limits, SSRF
-   guard), hashes each one by its content (bytes the content memo has seen give their hash
-   without being decoded: :mod:`~mmis.frontend.client.media.content_memo`; their pixels are
-   decoded only if a render needs them) and tokenizes the prompt with one image token per
+   guard), hashes each one by its content (its encoded bytes with the decoder's identity,
+   :meth:`Renderer.hash_encoded`; bytes the content memo has seen are not decoded again:
+   :mod:`~mmis.frontend.client.media.content_memo`; their pixels are decoded only if a render
+   needs them) and tokenizes the prompt with one image token per
    image, on a worker thread (a long prompt never stalls the event loop), after refusing a
    prompt too long for the context from its length alone. A client's ``uuid`` only names an
    item for its tenant (:mod:`~mmis.frontend.client.tenancy`): sent with data it is bound to
@@ -80,6 +81,7 @@ from PIL import Image
 from mmis.frontend.client.encoder_asks import Asks, Precomputed, ask_encoders, encodable
 from mmis.frontend.client.media import DecodedVideo, MediaLoader, check_image_count
 from mmis.frontend.client.media.content_memo import ContentMemo, EncodedImage, bytes_digest
+from mmis.frontend.client.media.decode import decoder_identity
 from mmis.frontend.client.mm_embeds import PrecomputedEmbeds, decode_embeds
 from mmis.frontend.client.pending_invalidations import PendingInvalidations
 from mmis.frontend.client.processor import ModelProcessor, ProcessedImage, PromptError
@@ -92,7 +94,7 @@ from mmis.frontend.errors import (
     TooManyImagesError,
 )
 from mmis.multimodal.cache import SenderCache, ShadowEntry, ShadowItem, item_nbytes
-from mmis.multimodal.hashing import item_mm_hash, validate_uuid
+from mmis.multimodal.hashing import encoded_item_mm_hash, item_mm_hash, validate_uuid
 from mmis.protocol import block_keys
 from mmis.protocol.encoder import EncodeItem
 from mmis.protocol.messages import MultiModalFeature, ShmAddress
@@ -353,9 +355,10 @@ class Renderer:
     async def _load_images(
         self, refs: Sequence[ImageRef]
     ) -> list[tuple[str, Image.Image | EncodedImage, dict[str, Any]]]:
-        """``(mm_hash, pixels, kwargs)`` of each image with a URL: bytes the content memo
-        knows (``media/content_memo.py``) keep their bytes, decoded only if a render needs
-        them; the others are decoded and hashed concurrently, and remembered."""
+        """``(mm_hash, pixels, kwargs)`` of each image with a URL, hashed as its bytes
+        (:meth:`hash_encoded`): bytes the content memo knows (``media/content_memo.py``) keep
+        their bytes, decoded only if a render needs them; the others are decoded (the limits
+        checked) and hashed concurrently, and remembered."""
         datas = await self.loader.load_encoded(
             [ref.url or "" for ref in refs], params=[ref.param for ref in refs]
         )
@@ -373,7 +376,7 @@ class Renderer:
             if known is not None:
                 return known, EncodedImage(data, self.loader.decode_sync), kwargs
             image = await self.loader.decode(data, param=ref.param)
-            mm_hash = await loop.run_in_executor(None, self.hash_image, image, kwargs)
+            mm_hash = await loop.run_in_executor(None, self.hash_encoded, data, kwargs)
             self.memo.put(digest, context, mm_hash)
             return mm_hash, image, kwargs
 
@@ -450,8 +453,25 @@ class Renderer:
             algorithm=self.hash_algorithm,
         )
 
+    def hash_encoded(self, data: bytes, processor_kwargs: dict[str, Any] | None = None) -> str:
+        """The mm_hash of an image received as ``data`` (every image a request carries): those
+        bytes, the decoder's identity (``media/decode.py`` ``decoder_identity``: Pillow, its
+        codecs, the format list) and the processor kwargs (default: the processor's). The same
+        pixels in other bytes are another item (``multimodal/hashing.py``)."""
+        kwargs = self.processor.processor_kwargs if processor_kwargs is None else processor_kwargs
+        return encoded_item_mm_hash(
+            model_id=self.model_id,
+            modality=MODALITY,
+            data=data,
+            decoder=decoder_identity(tuple(self.loader.config.image_formats)),
+            processor_kwargs=kwargs,
+            algorithm=self.hash_algorithm,
+        )
+
     def hash_image(self, image: Image.Image, processor_kwargs: dict[str, Any] | None = None) -> str:
-        """An image's mm_hash: its pixels and the processor kwargs (default: the processor's)."""
+        """The mm_hash of an image made in this process, without bytes (the readiness probe):
+        its pixels and the processor kwargs (default: the processor's). Never equal to a
+        :meth:`hash_encoded` hash."""
         kwargs = self.processor.processor_kwargs if processor_kwargs is None else processor_kwargs
         return item_mm_hash(
             model_id=self.model_id,

@@ -1,19 +1,19 @@
-"""The content memo: an image's encoded bytes seen before give its ``mm_hash`` without decoding.
+"""The content memo: an image's encoded bytes seen before are not decoded again.
 
 A chat resends its image on every turn, and a popular picture arrives in many requests. For a
-4-12 MP JPEG, P0 spends ~15 ms reading the data URL and ~250 ms decoding it to pixels,
-converting them and hashing them (benchmarks/README.md, "Several P0 processes per engine");
-when the shadow then says P1 holds the item, none of those pixels is ever used. The memo maps
-the digest of the bytes as received (with the processor kwargs the hash covers) to the
-``mm_hash`` computed from their pixels the first time, so a repeat costs one pass of BLAKE3
-over the bytes (~2 ms), and the pixels are decoded only if a render needs them
+4-12 MP JPEG, P0 spends ~15 ms reading the data URL and ~40-60 ms decoding it to pixels
+(benchmarks/README.md, "Several P0 processes per engine"); when the shadow then says P1 holds
+the item, none of those pixels is ever used. The memo maps the digest of the bytes as
+received (with the processor kwargs the hash covers) to the ``mm_hash`` computed the first
+time, once those bytes decoded under this process's limits, so a repeat costs one pass of
+BLAKE3 over the bytes (~2 ms), and the pixels are decoded only if a render needs them
 (:class:`EncodedImage`).
 
 Invariants:
-- The ``mm_hash`` is still the hash of the decoded pixels (``multimodal/hashing.py``): the memo
-  only remembers it. Decoding is deterministic in one process (same bytes, same limits, same
-  Pillow), so an entry is exact; different bytes that decode to the same pixels (a PNG
-  recompressed) miss the memo and still reach the same ``mm_hash`` through their pixels.
+- The ``mm_hash`` is the hash of the bytes with the decoder's identity
+  (``multimodal/hashing.py`` ``encoded_item_mm_hash``): the memo only remembers it, and that
+  the bytes decoded. Different bytes that decode to the same pixels (a PNG recompressed) are
+  another item, with another hash.
 - An entry is made only after the bytes decoded under this process's limits (format list,
   pixel cap), so a hit never skips a check a first sight would have failed.
 - Bounded: :data:`MEMO_ENTRIES` keys of ~100 bytes each, least recently used dropped first.

@@ -9,16 +9,53 @@ Invariants:
   half-grey image. This module never sets ``ImageFile.LOAD_TRUNCATED_IMAGES`` and refuses to
   decode if someone else did.
 - The result is RGB; images with transparency are composited onto white.
+- :func:`decoder_identity` names everything besides the bytes that decides the pixels this
+  module returns (this module's conversion, :data:`DECODE_VERSION`; Pillow's version and its
+  codec libraries'; the format list, whose order decides which plugin opens ambiguous bytes).
+  The renderer hashes an image as its bytes with that identity
+  (``multimodal/hashing.py`` ``encoded_item_mm_hash``), so any change to what
+  :func:`decode_image` returns for some bytes must bump :data:`DECODE_VERSION`.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 from collections.abc import Sequence
+from typing import Final
 
-from PIL import Image, ImageFile, UnidentifiedImageError
+import PIL
+from PIL import Image, ImageFile, UnidentifiedImageError, features
 
 from mmis.frontend.errors import InvalidMediaError, MediaTooLargeError
+
+DECODE_VERSION: Final = "mmis-decode/1"
+_LIBRARIES: Final = (
+    "libjpeg_turbo",
+    "jpg",
+    "jpg_2000",
+    "zlib",
+    "zlib_ng",
+    "libtiff",
+    "webp",
+    "avif",
+)
+
+
+@functools.lru_cache(maxsize=8)
+def decoder_identity(formats: Sequence[str]) -> str:
+    """What besides the bytes decides :func:`decode_image`'s pixels (see the module
+    docstring), e.g. ``mmis-decode/1 Pillow=13.0.0 libjpeg_turbo=3.2.0 ... formats=JPEG,PNG``.
+    ``formats``: a tuple (cached per tuple)."""
+    versions = []
+    for name in _LIBRARIES:
+        try:
+            version = features.version(name)
+        except ValueError:  # a name this Pillow does not know
+            version = None
+        versions.append(f"{name}={version or '-'}")
+    listed = ",".join(f.upper() for f in formats)
+    return f"{DECODE_VERSION} Pillow={PIL.__version__} {' '.join(versions)} formats={listed}"
 
 
 def decode_image(
