@@ -250,7 +250,9 @@ def serve(
     import uvicorn
 
     from mmis.frontend.api.api_server import create_app
+    from mmis.frontend.client.media.allocator import keep_image_buffers
 
+    keep_image_buffers()  # glibc keeps a photo's large buffers between requests (issue 45)
     if settings.drain_lock:
         try:
             hold_drain_lock(settings.drain_lock)
