@@ -20,8 +20,11 @@ Issue 45's benchmark. The model is tiny (P1 is cheap), so the front end's image 
   ``--api-server-count`` 1 and 2, one after the other (its log says whether its multimodal
   processor cache was on).
 - Per server and workload: requests/s (requests over the rounds' wall time), p50 time to first
-  streamed token, and for mmis the shadow-hit rate over the run (``mmis_shadow_hits_total`` /
-  ``mmis_processor_cache_queries_total``, all processes).
+  streamed token, the front end's CPU milliseconds per request (utime + stime, ``/proc``, of
+  every process of the server but its engine's: mmis's P0s and their supervisor, vLLM's API
+  servers; not mmis's P1, vLLM's EngineCore and workers), and for mmis the shadow-hit rate
+  over the run (``mmis_shadow_hits_total`` / ``mmis_processor_cache_queries_total``, all
+  processes).
 Targets (the issue): 2 P0s >= 1.5x the req/s of 1 P0 and p50 TTFT <= 0.7x on unique photos;
 the shadow-hit rate of 2 P0s >= 0.9x of 1 P0's on repeated photos; mmis with 2 P0s >= 1.5x vLLM
 with 2 API servers on repeated photos. Last line: ``SUMMARY bench_frontend_scaleout: ...``.
@@ -45,6 +48,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_vllm import PEER_PORT, PEER_ROOT, REPO, send_streamed, wait_quiet
+from host_time_split import TICK_S, _cmd, _tree
 from serve_client import ServerProcess
 
 PHOTOS = Path.home() / ".cache/mmis/bench-photos"
@@ -118,6 +122,24 @@ def shadow_counts(server: ServerProcess) -> tuple[float, float]:
     return hits, queries
 
 
+ENGINE_MARKS = (" engine", "EngineCore", "VLLM::Worker", "resource_tracker")
+
+
+def frontend_cpu_s(root: int) -> float:
+    """CPU seconds so far of the server's front-end processes (see the module docstring)."""
+    total = 0.0
+    for pid in _tree(root):
+        if any(mark in _cmd(pid) for mark in ENGINE_MARKS):
+            continue
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        total += (int(fields[11]) + int(fields[12])) * TICK_S
+    return total
+
+
 class Peer:
     """The vLLM peer's ``vllm serve`` (``recipe.sh serve``), started and stopped by the recipe."""
 
@@ -127,6 +149,7 @@ class Peer:
         args = ["bash", str(recipe), "serve", family, "--api-server-count", str(count)]
         if subprocess.run(args, cwd=cwd).returncode != 0:
             raise SystemExit(f"bench_frontend_scaleout: vllm serve ({count}) did not start")
+        self.pid = int((PEER_ROOT / "run/vllm.pid").read_text())
 
     def cache_note(self) -> str:
         logs = sorted((PEER_ROOT / "logs").glob("*.log"), key=lambda p: p.stat().st_mtime)
@@ -147,22 +170,27 @@ def measure(
     args: argparse.Namespace,
     workloads: dict[str, list[list[str]]],
     server: ServerProcess | None,
+    root: int,
 ) -> dict[str, dict[str, float]]:
-    """Every workload's rounds against one server."""
+    """Every workload's rounds against one server (``root``: its first process)."""
     out: dict[str, dict[str, float]] = {}
     for workload, rounds in workloads.items():
         before = shadow_counts(server) if server is not None else (0.0, 0.0)
-        walls, ttfts = [], []
+        walls, ttfts, cpu = [], [], 0.0
         for urls in rounds:
             wait_quiet()
+            start = frontend_cpu_s(root)
             wall, t = asyncio.run(
                 load(base, [body(model, u, args.tokens) for u in urls], args.concurrency)
             )
+            cpu += frontend_cpu_s(root) - start
             walls.append(wall)
             ttfts += t
+        requests = sum(len(r) for r in rounds)
         figures = {
-            "req_s": sum(len(r) for r in rounds) / sum(walls),
+            "req_s": requests / sum(walls),
             "p50_ttft_ms": statistics.median(ttfts) * 1000,
+            "frontend_cpu_ms": cpu / requests * 1000,
         }
         if server is not None:
             after = shadow_counts(server)
@@ -171,7 +199,8 @@ def measure(
         out[workload] = figures
         print(
             f"  {name:14s} {workload:8s} {figures['req_s']:6.2f} req/s  "
-            f"p50 TTFT {figures['p50_ttft_ms']:8.1f} ms"
+            f"p50 TTFT {figures['p50_ttft_ms']:8.1f} ms  "
+            f"front-end CPU {figures['frontend_cpu_ms']:6.1f} ms/req"
             + (
                 f"  shadow hits {figures['shadow_hit_rate']:.2f}"
                 if "shadow_hit_rate" in figures
@@ -227,7 +256,15 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(2):  # the two halves of each workload's rounds, order flipped
             for n in order if r == 0 else order[::-1]:
                 half = {w: rounds[r::2] for w, rounds in workloads.items() if rounds[r::2]}
-                got = measure(f"mmis x{n}", servers[n].root_url, "tiny", args, half, servers[n])
+                got = measure(
+                    f"mmis x{n}",
+                    servers[n].root_url,
+                    "tiny",
+                    args,
+                    half,
+                    servers[n],
+                    servers[n].popen.pid,
+                )
                 for w, figures in got.items():
                     merged = results.setdefault(f"mmis x{n}", {}).setdefault(w, {})
                     for key, value in figures.items():
@@ -243,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 warm(peer.base, pool, args.concurrency)
                 results[f"vllm x{count}"] = measure(
-                    f"vllm x{count}", peer.base, "tiny", args, workloads, None
+                    f"vllm x{count}", peer.base, "tiny", args, workloads, None, peer.pid
                 )
                 notes[f"vllm x{count}"] = peer.cache_note()
             finally:
@@ -259,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
             note = f"  ({notes[name]})" if name in notes else ""
             print(
                 f"  {name:10s} {w:8s} {f['req_s']:6.2f} req/s  p50 TTFT "
-                f"{f['p50_ttft_ms']:8.1f} ms{extra}{note}"
+                f"{f['p50_ttft_ms']:8.1f} ms  front-end CPU {f['frontend_cpu_ms']:6.1f} "
+                f"ms/req{extra}{note}"
             )
     summary = []
     one, two = results.get("mmis x1"), results.get("mmis x2")
