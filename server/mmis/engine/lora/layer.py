@@ -100,6 +100,7 @@ class LoRARows:
         self.index: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
         self._flat: dict[int, torch.Tensor] = {}
+        self._tables: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
         self._dtype = torch.float32
 
     def select(
@@ -139,14 +140,21 @@ class LoRARows:
             self.mask = (index == self.single).to(dtype).unsqueeze(-1)
 
     def flat_mask(self, rank: int) -> torch.Tensor:
-        """``[rows, 1 * trailing, S * rank]``: each row's one-hot slot repeated ``rank``
-        times (column ``j`` belongs to slot ``j // rank``); built once per step and rank."""
+        """``[rows, 1 * trailing, S * rank]``: each row's one-hot slot repeated ``rank`` times
+        (column ``j`` belongs to slot ``j // rank``); built once per step, by one row lookup in
+        a table made once per rank, dtype and device."""
         mask = self._flat.get(rank)
         if mask is None:
-            if self.index is None:
+            index = self.index
+            if index is None:
                 raise RuntimeError("LoRARows.flat_mask before a select with adapter rows")
-            columns = torch.arange(self.num_slots * rank, device=self.index.device) // rank
-            mask = (self.index.unsqueeze(-1) == columns).to(self._dtype)
+            key = (rank, self._dtype, index.device)
+            table = self._tables.get(key)
+            if table is None:  # [S, S * rank]: row s is slot s's columns
+                columns = torch.arange(self.num_slots * rank, device=index.device) // rank
+                slots = torch.arange(self.num_slots, device=index.device).unsqueeze(-1)
+                table = self._tables[key] = (slots == columns).to(self._dtype)
+            mask = table.index_select(0, index.view(-1)).view(*index.shape, -1)
             self._flat[rank] = mask
         return mask
 
@@ -253,7 +261,7 @@ class LoRALinear(torch.nn.Module):
         else:
             a, b_t = a.view(slots * rank, -1), b_t.view(slots * rank, -1)
             h = torch.nn.functional.linear(x, a).mul_(rows.flat_mask(rank))
-        if out.dtype == h.dtype and out.is_contiguous() and h.is_contiguous():
+        if out.dtype == h.dtype and out.is_contiguous():
             out.view(-1, out.shape[-1]).addmm_(h.view(-1, h.shape[-1]), b_t)
             return out
         return out + (h @ b_t).to(out.dtype)
