@@ -25,7 +25,8 @@ of every adapter, split as the engine splits the projection: ``layer.py``, ``man
   ``LoRAError``, a ``ValueError``); ``remove(name)``; ``registered()``. ``lora_id`` is the
   positive int vLLM's KV events carry as ``lora_id`` (the API assigns it; 0 / ``None`` = base).
 - Per step: ``acquire(name) -> slot`` for each distinct adapter of the step (pins it),
-  ``lm_rows.select(per_token_slots, dtype=, device=)`` before the language-model forward,
+  ``lm_rows.select(per_sequence_slots, repeats=tokens_per_sequence, dtype=, device=)``
+  (or one slot per token without ``repeats``) before the language-model forward,
   ``tower_rows.select([slot], dtype=, device=)`` before each encoder call of one adapter's
   images (``[0]``: base), ``release(name)`` when a request finishes.
 - ``changes_tower(name)``: whether an image's encoder output under ``name`` differs from the
