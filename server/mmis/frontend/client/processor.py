@@ -60,6 +60,7 @@ from typing import Any
 
 import numpy as np
 
+from mmis.frontend.client.fast_image import install as install_fast_image
 from mmis.protocol.messages import PlaceholderRange
 
 _TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
@@ -78,6 +79,8 @@ class ProcessedImage:
 class ModelProcessor:
     def __init__(self, processor: Any, processor_kwargs: Mapping[str, Any] | None = None) -> None:
         self.processor = processor
+        # no channels-first copy of a PIL image before the resize (same tensors; issue 45)
+        install_fast_image(getattr(processor, "image_processor", None))
         self.tokenizer = getattr(processor, "tokenizer", processor)
         token = getattr(processor, "image_token", None)
         if token is None:
