@@ -193,15 +193,25 @@ def test_foreign_conditions_survive_reconciles(
     cluster: Cluster, namespace: str, operator: OperatorThread
 ) -> None:
     _apply_ready(cluster, namespace)
-    obj = ok.get(cluster, namespace, "mmis/llava")
-    # a type nobody in mmis writes (the operator's own drift probe now owns CacheCoherent)
-    obj["status"]["conditions"].append(
-        {"type": "example.com/PolicyChecked", "status": "True", "reason": "Approved",
-         "message": "checked by a policy controller", "lastTransitionTime": "2026-01-01T00:00:00Z"}
-    )  # fmt: skip
-    cluster.kubectl(
-        "replace", "--subresource=status", "-n", namespace, "-f", "-", input=json.dumps(obj)
-    )
+    # a type nobody in mmis writes (the operator's own drift probe now owns CacheCoherent),
+    # written as a policy controller writes it: read, append, replace with the read's
+    # resourceVersion, and on a 409 (the operator wrote status in between) read again
+    for _ in range(20):
+        obj = ok.get(cluster, namespace, "mmis/llava")
+        obj["status"]["conditions"].append(
+            {"type": "example.com/PolicyChecked", "status": "True", "reason": "Approved",
+             "message": "checked by a policy controller",
+             "lastTransitionTime": "2026-01-01T00:00:00Z"}
+        )  # fmt: skip
+        put = cluster.kubectl(
+            "replace", "--subresource=status", "-n", namespace, "-f", "-",
+            input=json.dumps(obj), check=False,
+        )  # fmt: skip
+        if put.returncode == 0:
+            break
+        assert "Conflict" in put.stderr, put.stderr
+    else:
+        raise AssertionError("the status replace met a conflict 20 times in a row")
     cluster.kubectl("scale", "-n", namespace, "mmis/llava", "--replicas=2")
     ok.wait(cluster, namespace, "mmis/llava", "--for=jsonpath={.status.readyReplicas}=2")
     after = ok.get(cluster, namespace, "mmis/llava")
