@@ -12,7 +12,9 @@ import base64
 import io
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
+import blake3
 import numpy as np
 import pytest
 from PIL import Image
@@ -85,6 +87,40 @@ async def test_bytes_seen_before_give_their_hash_without_decoding(renderer: Rend
     assert again.mm_hash == first.mm_hash == renderer.hash_encoded(_png(image))
     assert first.mm_hash != renderer.hash_image(image)  # bytes, not pixels
     assert (renderer.memo.hits, renderer.memo.misses) == (1, 1)
+
+
+async def test_an_image_s_bytes_are_hashed_once_seen_or_not(
+    renderer: Renderer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The memo is keyed by the ``mm_hash`` itself: a first sight and a repeat each pass the
+    bytes through the hasher once (no separate digest of the bytes for the memo's key)."""
+    fed: list[int] = []
+    real = blake3.blake3
+
+    class Counting:
+        """blake3.blake3, counting the bytes it is given (at construction or update)."""
+
+        def __init__(self, data: Any = b"", /, **kwargs: Any) -> None:
+            self.inner = real(**kwargs)
+            self.update(data)
+
+        def update(self, data: Any, /) -> object:
+            fed.append(memoryview(data).nbytes)
+            return self.inner.update(data)
+
+        def digest(self) -> bytes:
+            return bytes(self.inner.digest())
+
+        def hexdigest(self) -> str:
+            return str(self.inner.hexdigest())
+
+    monkeypatch.setattr(blake3, "blake3", Counting)
+    data = _png(_photo(6), compress_level=0)  # ~9 KB: larger than every other fed field
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    for _ in range(2):  # unseen, then seen
+        fed.clear()
+        await _prepare(renderer, url)
+        assert sum(n for n in fed if n >= len(data)) == len(data), fed
 
 
 async def test_a_render_that_needs_the_pixels_sends_what_a_first_sight_sends(
@@ -163,10 +199,10 @@ async def test_corrupt_bytes_are_refused_and_never_remembered(renderer: Renderer
 
 def test_the_memo_is_bounded_least_recently_used_first() -> None:
     memo = ContentMemo(entries=2)
-    memo.put(b"a", "ctx", "h-a")
-    memo.put(b"b", "ctx", "h-b")
-    assert memo.get(b"a", "ctx") == "h-a"  # a is now the most recent
-    memo.put(b"c", "ctx", "h-c")
-    assert memo.get(b"b", "ctx") is None and len(memo) == 2
-    assert memo.get(b"a", "other") is None  # the context is part of the key
-    assert (memo.get(b"a", "ctx"), memo.get(b"c", "ctx")) == ("h-a", "h-c")
+    memo.remember("h-a")
+    memo.remember("h-b")
+    assert memo.knows("h-a")  # a is now the most recent
+    memo.remember("h-c")
+    assert not memo.knows("h-b") and len(memo) == 2
+    assert memo.knows("h-a") and memo.knows("h-c")
+    assert (memo.hits, memo.misses) == (3, 1)

@@ -80,7 +80,7 @@ from PIL import Image
 
 from mmis.frontend.client.encoder_asks import Asks, Precomputed, ask_encoders, encodable
 from mmis.frontend.client.media import DecodedVideo, MediaLoader, check_image_count
-from mmis.frontend.client.media.content_memo import ContentMemo, EncodedImage, bytes_digest
+from mmis.frontend.client.media.content_memo import ContentMemo, EncodedImage
 from mmis.frontend.client.media.decode import decoder_identity
 from mmis.frontend.client.mm_embeds import PrecomputedEmbeds, decode_embeds
 from mmis.frontend.client.pending_invalidations import PendingInvalidations
@@ -356,44 +356,37 @@ class Renderer:
         self, refs: Sequence[ImageRef]
     ) -> list[tuple[str, Image.Image | EncodedImage, dict[str, Any]]]:
         """``(mm_hash, pixels, kwargs)`` of each image with a URL, hashed as its bytes
-        (:meth:`hash_encoded`): bytes the content memo knows (``media/content_memo.py``) keep
-        their bytes, decoded only if a render needs them; the others are decoded (the limits
-        checked) and hashed concurrently, and remembered."""
+        (:meth:`hash_encoded`, one pass over them): bytes whose hash the content memo knows
+        (``media/content_memo.py``) keep their bytes, decoded only if a render needs them; the
+        others are decoded (the limits checked) concurrently, and remembered."""
         datas = await self.loader.load_encoded(
             [ref.url or "" for ref in refs], params=[ref.param for ref in refs]
         )
         loop = asyncio.get_running_loop()
-        digests = await asyncio.gather(
-            *(loop.run_in_executor(None, bytes_digest, data) for data in datas)
+        kwargs_list = [self.processor.image_kwargs(ref.detail) for ref in refs]
+        hashes = await asyncio.gather(
+            *(
+                loop.run_in_executor(None, self.hash_encoded, data, kwargs)
+                for data, kwargs in zip(datas, kwargs_list, strict=True)
+            )
         )
 
         async def one(
-            ref: ImageRef, data: bytes, digest: bytes
+            ref: ImageRef, data: bytes, mm_hash: str, kwargs: dict[str, Any]
         ) -> tuple[str, Image.Image | EncodedImage, dict[str, Any]]:
-            kwargs = self.processor.image_kwargs(ref.detail)
-            context = self._memo_context(kwargs)
-            known = self.memo.get(digest, context)
-            if known is not None:
-                return known, EncodedImage(data, self.loader.decode_sync), kwargs
+            if self.memo.knows(mm_hash):
+                return mm_hash, EncodedImage(data, self.loader.decode_sync), kwargs
             image = await self.loader.decode(data, param=ref.param)
-            mm_hash = await loop.run_in_executor(None, self.hash_encoded, data, kwargs)
-            self.memo.put(digest, context, mm_hash)
+            self.memo.remember(mm_hash)
             return mm_hash, image, kwargs
 
         return list(
             await asyncio.gather(
-                *(one(ref, d, g) for ref, d, g in zip(refs, datas, digests, strict=True))
+                *(
+                    one(ref, d, h, k)
+                    for ref, d, h, k in zip(refs, datas, hashes, kwargs_list, strict=True)
+                )
             )
-        )
-
-    def _memo_context(self, kwargs: dict[str, Any]) -> str:
-        """What besides the bytes decides an image's mm_hash: the model and the kwargs."""
-        return item_mm_hash(
-            model_id=self.model_id,
-            modality="memo-context",
-            item=b"",
-            processor_kwargs=kwargs,
-            algorithm=self.hash_algorithm,
         )
 
     def _bind(

@@ -3,22 +3,23 @@
 A chat resends its image on every turn, and a popular picture arrives in many requests. For a
 4-12 MP JPEG, P0 spends ~15 ms reading the data URL and ~40-60 ms decoding it to pixels
 (benchmarks/README.md, "Several P0 processes per engine"); when the shadow then says P1 holds
-the item, none of those pixels is ever used. The memo maps the digest of the bytes as
-received (with the processor kwargs the hash covers) to the ``mm_hash`` computed the first
-time, once those bytes decoded under this process's limits, so a repeat costs one pass of
-BLAKE3 over the bytes (~2 ms), and the pixels are decoded only if a render needs them
-(:class:`EncodedImage`).
+the item, none of those pixels is ever used. An image's ``mm_hash`` is the hash of its bytes as
+received (``multimodal/hashing.py`` ``encoded_item_mm_hash``, with the decoder's identity, the
+model and the processor kwargs), computed without decoding; the memo remembers which hashes'
+bytes decoded under this process's limits, so a repeat costs the one hash pass every image
+pays (~2 ms) and its pixels are decoded only if a render needs them (:class:`EncodedImage`).
+Bytes never seen are hashed once, not twice: the hash is the memo's key.
 
 Invariants:
-- The ``mm_hash`` is the hash of the bytes with the decoder's identity
-  (``multimodal/hashing.py`` ``encoded_item_mm_hash``): the memo only remembers it, and that
-  the bytes decoded. Different bytes that decode to the same pixels (a PNG recompressed) are
-  another item, with another hash.
+- Only the ``mm_hash`` is remembered, and that its bytes decoded. Different bytes that decode
+  to the same pixels (a PNG recompressed) are another item, with another hash; the hash
+  algorithms are cryptographic (``HASH_ALGORITHMS``), so other bytes cannot claim a
+  remembered hash and skip the decode.
 - An entry is made only after the bytes decoded under this process's limits (format list,
   pixel cap), so a hit never skips a check a first sight would have failed.
-- Bounded: :data:`MEMO_ENTRIES` keys of ~100 bytes each, least recently used dropped first.
+- Bounded: :data:`MEMO_ENTRIES` hashes of ~64 bytes each, least recently used dropped first.
   Only the event loop touches it (``Renderer.prepare``): no lock.
-- Nothing in it leaves the process, and a key is never an ``mm_hash``.
+- Nothing in it leaves the process.
 """
 
 from __future__ import annotations
@@ -29,15 +30,9 @@ import functools
 from collections.abc import Callable
 from typing import Final
 
-import blake3
 from PIL import Image
 
 MEMO_ENTRIES: Final = 8192
-
-
-def bytes_digest(data: bytes) -> bytes:
-    """The BLAKE3 digest of the bytes as received (32 bytes)."""
-    return blake3.blake3(data).digest()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -55,28 +50,29 @@ class EncodedImage:
 
 
 class ContentMemo:
-    """``(bytes digest, hashing context) -> mm_hash``, bounded LRU (see the module)."""
+    """The ``mm_hash``es whose bytes decoded here, a bounded LRU set (see the module)."""
 
     def __init__(self, entries: int = MEMO_ENTRIES) -> None:
         self.entries = entries
-        self._map: collections.OrderedDict[tuple[bytes, str], str] = collections.OrderedDict()
+        self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.hits = 0
         self.misses = 0
 
-    def get(self, digest: bytes, context: str) -> str | None:
-        mm_hash = self._map.get((digest, context))
-        if mm_hash is None:
+    def knows(self, mm_hash: str) -> bool:
+        """Whether ``mm_hash``'s bytes decoded here before (a hit counts and refreshes it)."""
+        if mm_hash not in self._seen:
             self.misses += 1
-            return None
-        self._map.move_to_end((digest, context))
+            return False
+        self._seen.move_to_end(mm_hash)
         self.hits += 1
-        return mm_hash
+        return True
 
-    def put(self, digest: bytes, context: str, mm_hash: str) -> None:
-        self._map[(digest, context)] = mm_hash
-        self._map.move_to_end((digest, context))
-        while len(self._map) > self.entries:
-            self._map.popitem(last=False)
+    def remember(self, mm_hash: str) -> None:
+        """Record that ``mm_hash``'s bytes decoded under this process's limits."""
+        self._seen[mm_hash] = None
+        self._seen.move_to_end(mm_hash)
+        while len(self._seen) > self.entries:
+            self._seen.popitem(last=False)
 
     def __len__(self) -> int:
-        return len(self._map)
+        return len(self._seen)
