@@ -8,11 +8,14 @@
   gloo) under ``--enable-lora``: one batch mixing an adapter of the language model, one that
   also reaches the vision tower and projector, and the base, on the same image, answers the
   greedy ids of the same batch through a one-rank engine core (in this process), and the
-  three differ.
+  three differ. An adapter whose files are deleted after it was loaded still serves there:
+  rank 0 sends its host copy with the slot write, and the worker reads no files (it used
+  to, and its failed read ended the engine).
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -118,6 +121,11 @@ def _one_rank(kit: ModelKit, adapters: dict[str, Path]) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
+def one_rank(kit: ModelKit, adapters: dict[str, Path]) -> dict[str, list[int]]:
+    return _one_rank(kit, adapters)
+
+
+@pytest.fixture(scope="module")
 def two_ranks(kit: ModelKit) -> Iterator[EngineHarness]:
     args = ["--tensor-parallel-size", "2", "--enable-lora", "--max-loras", "2"]
     args += ["--max-lora-rank", "8", "--num-kv-blocks", "64", "--max-num-batched-tokens", "24"]
@@ -127,7 +135,10 @@ def two_ranks(kit: ModelKit) -> Iterator[EngineHarness]:
 
 @pytest.mark.slow
 def test_two_ranks_serve_a_mixed_lora_batch_as_one_rank(
-    kit: ModelKit, adapters: dict[str, Path], two_ranks: EngineHarness
+    kit: ModelKit,
+    adapters: dict[str, Path],
+    two_ranks: EngineHarness,
+    one_rank: dict[str, list[int]],
 ) -> None:
     assert "tensor parallel: 2 ranks (cpu)" in two_ranks.log_text()
     for lora_id, (name, path) in enumerate(adapters.items(), start=1):
@@ -137,5 +148,29 @@ def test_two_ranks_serve_a_mixed_lora_batch_as_one_rank(
     got = {r.request_id: r.token_ids for r in results}
     for r in results:
         assert r.error is None, r.error
-    assert got == _one_rank(kit, adapters)
+    assert got == one_rank
     assert len({tuple(ids) for ids in got.values()}) == 3  # each adapter really applied
+
+
+@pytest.mark.slow
+def test_an_adapter_whose_files_are_gone_still_serves_on_both_ranks(
+    kit: ModelKit,
+    adapters: dict[str, Path],
+    two_ranks: EngineHarness,
+    one_rank: dict[str, list[int]],
+    tmp_path: Path,
+) -> None:
+    """Loaded, then its directory deleted (a volume remounted, a sync job's cleanup): its
+    first slot write happens after, on rank 0 from its host copy, on rank 1 from what rank 0
+    sends (``engine/lora/manager.py``). Same weights as ``lm``: the same ids."""
+    copy = shutil.copytree(adapters["lm"], tmp_path / "gone")
+    loaded: Any = two_ranks.call("load_lora_adapter", "gone", 3, str(copy))
+    assert loaded["lora_id"] == 3
+    shutil.rmtree(copy)
+    request = msgspec.structs.replace(
+        _batch(kit)[0], request_id="r-gone", lora_name="gone", lora_id=3
+    )
+    (result,) = two_ranks.run(request)
+    assert result.error is None, result.error
+    assert result.token_ids == one_rank["r-lm"]
+    assert two_ranks.alive

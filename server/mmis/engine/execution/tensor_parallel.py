@@ -28,8 +28,9 @@ Invariants:
   sends fits every device.
 - Under ``--enable-lora`` every rank wraps its split projections with its share of each
   adapter (``engine/lora/layer.py``; the tower's, on rank 0 only); rank 0's step broadcast
-  carries its slot writes and each sequence's slot, which the workers apply before the same
-  forward (:meth:`WorkerRank.forward`), so all ranks' slots hold the same adapters.
+  carries its slot writes (each with rank 0's host copy of the adapter: workers read no
+  adapter files) and each sequence's slot, which the workers apply before the same forward
+  (:meth:`WorkerRank.forward`), so all ranks' slots hold the same adapters.
 - Heads, KV heads and the MLP width must divide by the size, or the model is refused at
   start-up (:class:`TensorParallelError`) naming the numbers.
 - A worker that exits ends the engine (rank 0 exits 1 rather than wait in a collective),
@@ -203,12 +204,14 @@ class TensorParallel:
         embeds: torch.Tensor,
         positions: torch.Tensor,
         *,
-        lora_writes: Sequence[tuple[int, str, int, str]] = (),
+        lora_writes: Sequence[tuple[int, Any]] = (),
         lora_slots: Sequence[int] | None = None,
     ) -> None:
         """Send one step's forward inputs to every worker (called right before rank 0's);
-        under LoRA, the slot writes since the last step (``(slot, name, lora_id, path)``,
-        replayed in order) and each sequence's slot (None: a base-only step)."""
+        under LoRA, the slot writes since the last step (``(slot, adapter)``: rank 0's host
+        copy, ``engine/lora/adapter.py`` ``LoRAAdapter``, replayed in order; pickled into the
+        header, so a write costs the adapter's float32 bytes once per step that writes) and
+        each sequence's slot (None: a base-only step)."""
         args = {
             "num_tokens": list(num_tokens),
             "starts": list(starts),
@@ -353,8 +356,8 @@ class WorkerRank:
     def _select_lora(self, args: dict[str, Any]) -> None:
         """Replay rank 0's slot writes, then set each token row's slot as rank 0 did."""
         lora = self.lora
-        for slot, name, lora_id, path in args.get("lora_writes", ()):
-            lora.write_slot(slot, name, lora_id, path)
+        for slot, adapter in args.get("lora_writes", ()):
+            lora.write_slot(slot, adapter)
         slots = args.get("lora_slots")
         if slots is None:
             lora.lm_rows.clear()
@@ -458,7 +461,6 @@ def worker_main(
             adapter.model,
             max_loras=cfg.max_loras,
             max_rank=cfg.max_lora_rank,
-            max_cpu_loras=cfg.max_cpu_loras,
             shards=adapter.tp_shards,
             tower=False,
         )

@@ -25,7 +25,10 @@ Invariants:
   slot write of :meth:`acquire` (:meth:`take_writes`: the runner sends them with the step);
   a worker rank's mirror (``tower=False``: the tower runs on rank 0 only, its projections
   checked but not wrapped) replays them with :meth:`write_slot` before the same forward, so
-  every rank's slot ``s`` holds the same adapter's share.
+  every rank's slot ``s`` holds the same adapter's share. A write carries rank 0's host copy
+  of the adapter itself (unsplit; each rank takes its share): only rank 0 reads adapter files,
+  so a worker never meets a file that is gone or changed since rank 0 read it (which would
+  end the engine: a worker cannot fail one step alone).
 """
 
 from __future__ import annotations
@@ -162,9 +165,9 @@ class LoRAManager:
         self._registered: dict[str, Registered] = {}
         self._host: dict[str, LoRAAdapter] = {}
         self._used_ids: set[int] = set()  # never reused, removed adapters' included
-        # rank 0 under tensor parallelism: (slot, name, lora_id, path) written since the last
+        # rank 0 under tensor parallelism: (slot, host copy) written since the last
         # take_writes (None: not recorded)
-        self._writes: list[tuple[int, str, int, str]] | None = [] if record_writes else None
+        self._writes: list[tuple[int, LoRAAdapter]] | None = [] if record_writes else None
         plan = wrap_plan(
             model,
             shards=shards,
@@ -284,7 +287,7 @@ class LoRAManager:
             self._keep_host(adapter)
             self._write(got.slot, adapter)
             if self._writes is not None:
-                self._writes.append((got.slot, name, entry.lora_id, entry.path))
+                self._writes.append((got.slot, adapter))
         return got.slot
 
     def _write(self, slot: int, adapter: LoRAAdapter) -> None:
@@ -295,19 +298,15 @@ class LoRAManager:
             else:
                 layer.clear_slot(slot)
 
-    def take_writes(self) -> list[tuple[int, str, int, str]]:
+    def take_writes(self) -> list[tuple[int, LoRAAdapter]]:
         """The slot writes since the last call, in order (``record_writes`` only)."""
         writes, self._writes = self._writes or [], [] if self._writes is not None else None
         return writes
 
     @torch.no_grad()
-    def write_slot(self, slot: int, name: str, lora_id: int, path: str) -> None:
-        """A worker rank's replay of rank 0's write (module docstring): its host copy of
-        ``name`` under ``lora_id`` (read from ``path`` if it has none) into ``slot``."""
-        adapter = self._host.get(name)
-        if adapter is None or adapter.lora_id != lora_id:
-            adapter = load_adapter(name, lora_id, path, self.modules(), self.max_rank)
-        self._keep_host(adapter)
+    def write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+        """A worker rank's replay of rank 0's write (module docstring): this rank's share of
+        ``adapter``, rank 0's host copy, into ``slot``; nothing is read from disk."""
         self._write(slot, adapter)
 
     def release(self, name: str) -> None:
