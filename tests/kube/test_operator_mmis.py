@@ -143,7 +143,12 @@ def test_scale_up_and_down_keeps_ready_while_a_pod_serves(
     finally:
         versions = _versions(watch)
     readies = [ok.find_condition(v, "Ready") for v in versions]
-    assert len(versions) > 3 and all(c and c["status"] == "True" for c in readies), readies
+    lost = [
+        (v.get("kind"), v.get("metadata", {}).get("resourceVersion"), c)
+        for v, c in zip(versions, readies, strict=True)
+        if not (c and c["status"] == "True")
+    ]  # each version without Ready=True: its kind (a Status is a watch error), its version
+    assert len(versions) > 3 and not lost, (len(versions), lost)
     progressing = [c for v in versions if (c := ok.find_condition(v, "Progressing"))]
     assert any(c["status"] == "True" for c in progressing), progressing  # the scale shows here
     final = ok.get(cluster, namespace, "mmis/llava")  # the watch's tail may be cut short
