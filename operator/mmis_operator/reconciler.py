@@ -570,13 +570,19 @@ class Reconciler:
         self.write_status(meta["namespace"], owner, deployment)
 
     def deployment_changed(self, deployment: Mapping[str, Any], deleted: bool) -> None:
-        """A managed Deployment changed: refresh the owner's status, re-create it if deleted."""
+        """A managed Deployment changed: refresh the owner's status from the Deployment as it
+        is now, re-create it if deleted. Not from the event's body: kopf's watch can deliver
+        an event after a refresh already read a newer Deployment (the reconcile's own, a
+        pod's), and a status computed from the older body would undo it (a Ready written True
+        at 1/1, then False at 0/1 from the event of the pod's creation)."""
         meta = deployment["metadata"]
         owner = (meta.get("labels") or {}).get(r.LABEL_SERVICE)
         if not owner:
             return
         if not deleted:
-            self.write_status(meta["namespace"], owner, deployment)
+            current = self.kube.get(_child_path("Deployment", meta["namespace"], meta["name"]))
+            if current is not None:  # gone meanwhile: its DELETED event follows
+                self.write_status(meta["namespace"], owner, current)
             return
         body = self.kube.get(service_path(meta["namespace"], owner))
         if body is None or body["metadata"].get("deletionTimestamp"):

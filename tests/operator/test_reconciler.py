@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -88,3 +89,22 @@ def test_schema_refusals_are_permanent() -> None:
     assert rejected(KubeError(422, "Deployment.apps is invalid"))
     assert not rejected(KubeError(500, "etcdserver: request timed out"))
     assert not rejected(KubeError(0, "connection refused"))
+
+
+def test_a_late_deployment_event_does_not_undo_a_newer_status(store: Any) -> None:
+    """kopf may deliver a Deployment event after a refresh read a newer Deployment: the status
+    follows the Deployment as it is now, never the late body (it once wrote Ready False at 0/1
+    right after Ready True, a Warning for a Ready never lost: tests/kube/test_operator_mmis.py)."""
+    meta = {"name": "llava", "namespace": "ml", "generation": 1,
+            "labels": {"mmis.dev/service": "llava"}}  # fmt: skip
+    current = {**_dep(2), "metadata": meta}
+    own_get = store.get
+    store.get = lambda path: (
+        copy.deepcopy(current) if path.endswith("/deployments/llava") else own_get(path)
+    )
+    rec = Reconciler(store)
+    rec.write_status("ml", "llava", current)
+    rec.deployment_changed({**_dep(0), "metadata": meta}, deleted=False)  # the late body
+    ready = [c for c in store.obj["status"]["conditions"] if c["type"] == "Ready"]
+    assert ready[0]["status"] == "True", ready
+    assert not [e for e in store.events if e[0] == "Warning"], store.events
