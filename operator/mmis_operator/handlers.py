@@ -18,9 +18,9 @@ Invariants:
   hold one of kopf's worker threads: they hand the newest body to a per-resource coalescing
   :class:`~mmis_operator.reconciler.Refresher` (``Reconciler.deployment_changed`` /
   ``pod_changed`` run once per burst, ``refresh_delay`` seconds after its first event).
-  The reconcile runs in a worker thread too (``asyncio.to_thread``) and, once it succeeded,
-  queues a status refresh from the Deployment as it is then (``Refresher.submit_fresh``), so
-  events that overtook the reconcile's own write can never leave a stale status behind.
+  The reconcile runs in a worker thread too (``asyncio.to_thread``); its status write and the
+  refreshes' are serialized per resource, each reading the Deployment as it is then
+  (``Reconciler.refresh_status``), so a write never lands after a newer one.
 - A pod that turns Ready also gets ``spec.adapters`` at once (``CoherenceProbe.pod_seen``,
   once per Ready spell, no API call on the loop: the probe's own per-resource task pushes
   with the cycle's sync, its API calls in worker threads), not at the next probe tick.
@@ -35,7 +35,7 @@ from typing import Any
 import kopf
 
 from mmis_operator import kube as r  # the resource's names (kube.py's first section)
-from mmis_operator.kube import Kube, KubeError, object_path
+from mmis_operator.kube import Kube, KubeError
 from mmis_operator.probe import CoherenceProbe
 from mmis_operator.reconciler import ApplyError, Reconciler, Refresher, Security
 from mmis_operator.spec import InvalidSpecError, parse_spec
@@ -79,15 +79,7 @@ def build_registry(
     @kopf.on.create(*resource, id="reconcile", registry=registry)
     @kopf.on.update(*resource, id="reconcile", field="spec", registry=registry)
     async def reconcile(body: kopf.Body, **_: Any) -> None:
-        plain = _plain(body)
-        await asyncio.to_thread(_run, reconciler.reconcile, plain)
-        key = _owner_of(plain)
-        refresher.submit_fresh(key, lambda: refresh_now(*key))
-
-    def refresh_now(namespace: str, name: str) -> None:
-        deployment = kube.get(object_path("apps/v1", "Deployment", namespace, name))
-        if deployment is not None:  # gone: its DELETED event re-creates it
-            reconciler.write_status(namespace, name, deployment)
+        await asyncio.to_thread(_run, reconciler.reconcile, _plain(body))
 
     @kopf.timer(
         *resource,
@@ -176,10 +168,6 @@ def _owner(body: kopf.Body) -> tuple[str, str] | None:
     """The (namespace, name) of the MMInferenceService a managed child belongs to."""
     owner = body.metadata.labels.get(r.LABEL_SERVICE)
     return (body.metadata.namespace, owner) if owner and body.metadata.namespace else None
-
-
-def _owner_of(body: dict[str, Any]) -> tuple[str, str]:
-    return (body["metadata"]["namespace"], body["metadata"]["name"])
 
 
 def _plain(body: kopf.Body) -> dict[str, Any]:

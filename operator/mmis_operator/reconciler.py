@@ -93,10 +93,13 @@ its pods several more: one refresh per burst instead of one per event
 - A round runs the newest Deployment event first (it reads the pods itself while they are not all
   ready), then each pod's newest event (``Reconciler.pod_changed``: cheap unless a pod shows a
   problem or the resource's last status had one), so a pod problem surfaces in that round.
-- A reconcile's own status write uses the Deployment as it applied it, which the Deployment's
-  events may have overtaken meanwhile (under load, a resource was left "ReplicasNotReady" with
-  its pod ready): after each successful reconcile a ``fresh`` job (GET the Deployment, write)
-  runs last in the next round, so the last write of a burst always reads the current state.
+- Every status write from the Deployment (a reconcile's, a refresh's, a failure's) goes
+  through :meth:`Reconciler.refresh_status`: under a per-resource lock it GETs the Deployment
+  and writes the status computed from it. The reconcile runs in its own thread, beside the
+  refresher's, so without the lock a write computed from an older read could land after one
+  computed from a newer (a reconcile's apply response at 0/1 stored after a refresh's 1/1:
+  Ready False right after Ready True, tests/kube/test_operator_mmis.py); with it the writes
+  follow the order of their reads, and the last write reads the newest Deployment.
 - A refresh that fails is logged and dropped: the next event or the resync timer repairs it.
 """
 
@@ -269,6 +272,9 @@ class Reconciler:
         self._policies: dict[tuple[str, str], bool] = {}
         # per resource: the encoder kinds this process applied (absent: not looked yet)
         self._encoded: dict[tuple[str, str], set[str]] = {}
+        # per resource: held from the Deployment's GET to the status write (refresh_status)
+        self._status_locks: dict[tuple[str, str], threading.Lock] = {}
+        self._status_locks_guard = threading.Lock()
 
     def _wanted_integrations(
         self, body: Mapping[str, Any], spec: ServiceSpec
@@ -464,9 +470,31 @@ class Reconciler:
             self._pod_problem_owners.discard(key)
         return stored
 
+    def refresh_status(
+        self, namespace: str, name: str, when_gone: bool = False, **written: Any
+    ) -> dict[str, Any] | None:
+        """GET the Deployment and :meth:`write_status` from it (``written``: its keywords), one
+        caller per resource at a time, so writes land in the order of their reads and the
+        last one reflects the newest Deployment. A Deployment gone meanwhile writes nothing
+        (its DELETED event re-creates it) unless ``when_gone`` (an invalid spec's status)."""
+        key = (namespace, name)
+        with self._status_locks_guard:
+            lock = self._status_locks.setdefault(key, threading.Lock())
+        with lock:
+            deployment = self.kube.get(_child_path("Deployment", namespace, name))
+            if deployment is None and not when_gone:
+                return None
+            return self.write_status(namespace, name, deployment, **written)
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop what this process keeps for a deleted resource (its status lock, its hints)."""
+        key = (namespace, name)
+        with self._status_locks_guard:
+            self._status_locks.pop(key, None)
+        self._pod_problem_owners.discard(key)
+
     def _write_failure(self, namespace: str, name: str, problem: status.Problem | None) -> None:
-        deployment = self.kube.get(_child_path("Deployment", namespace, name))
-        self.write_status(namespace, name, deployment, problem=problem)
+        self.refresh_status(namespace, name, when_gone=True, problem=problem)
 
     def reconcile(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Apply the children of ``body``'s spec and record the result; returns the Deployment."""
@@ -535,18 +563,17 @@ class Reconciler:
             if exc.status != 0:  # with no answer there is nowhere to write it either
                 self._write_failure(namespace, name, problem)
             raise ApplyError(str(problem.message), permanent) from exc
-        deployment = applied["Deployment"]
-        self.write_status(
+        # the status from the Deployment as it is now: events may have overtaken the apply's
+        self.refresh_status(
             namespace,
             name,
-            deployment,
             observed_generation=meta.get("generation"),
             routing_condition=routing_condition,
             drop_routing=spec.routing is None,
             encoder_condition=encoder_condition,
             drop_encoder=spec.encoder is None,
         )
-        return deployment
+        return applied["Deployment"]
 
     def _delete_owned(self, path: str, owner_meta: Mapping[str, Any]) -> None:
         found = self.kube.get(path)
@@ -566,8 +593,7 @@ class Reconciler:
         key = (meta["namespace"], owner)
         if key not in self._pod_problem_owners and status.pod_problem([pod]) is None:
             return
-        deployment = self.kube.get(_child_path("Deployment", meta["namespace"], owner))
-        self.write_status(meta["namespace"], owner, deployment)
+        self.refresh_status(meta["namespace"], owner)
 
     def deployment_changed(self, deployment: Mapping[str, Any], deleted: bool) -> None:
         """A managed Deployment changed: refresh the owner's status from the Deployment as it
@@ -580,12 +606,11 @@ class Reconciler:
         if not owner:
             return
         if not deleted:
-            current = self.kube.get(_child_path("Deployment", meta["namespace"], meta["name"]))
-            if current is not None:  # gone meanwhile: its DELETED event follows
-                self.write_status(meta["namespace"], owner, current)
+            self.refresh_status(meta["namespace"], owner)  # gone meanwhile: DELETED follows
             return
         body = self.kube.get(service_path(meta["namespace"], owner))
         if body is None or body["metadata"].get("deletionTimestamp"):
+            self.forget(meta["namespace"], owner)
             return
         try:
             self.reconcile(body)
@@ -689,7 +714,6 @@ Job = Callable[[], None]
 class _Pending:
     deployment: Job | None = None
     pods: dict[str, Job] = dataclasses.field(default_factory=dict)  # pod name -> newest
-    fresh: Job | None = None  # after a reconcile: status from the Deployment as it is now
 
 
 class Refresher:
@@ -710,9 +734,6 @@ class Refresher:
     def submit_pod(self, key: Key, pod: str, job: Job) -> None:
         self._slot(key).pods[pod] = job
 
-    def submit_fresh(self, key: Key, job: Job) -> None:
-        self._slot(key).fresh = job
-
     def _slot(self, key: Key) -> _Pending:
         slot = self._pending.setdefault(key, _Pending())
         if key not in self._drains:
@@ -726,7 +747,7 @@ class Refresher:
                 slot = self._pending.pop(key, None)
                 if slot is None:
                     return  # no await between this check and the finally: nothing is missed
-                jobs = [slot.deployment, *slot.pods.values(), slot.fresh]
+                jobs = [slot.deployment, *slot.pods.values()]
                 if self._executor is None:
                     self._executor = ThreadPoolExecutor(self.threads, "mmis-refresh")
                 loop = asyncio.get_running_loop()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -108,3 +110,41 @@ def test_a_late_deployment_event_does_not_undo_a_newer_status(store: Any) -> Non
     ready = [c for c in store.obj["status"]["conditions"] if c["type"] == "Ready"]
     assert ready[0]["status"] == "True", ready
     assert not [e for e in store.events if e[0] == "Warning"], store.events
+
+
+def test_status_writes_land_in_the_order_of_their_reads(store: Any) -> None:
+    """A reconcile (its own thread) read the Deployment at 0/1 ready; a refresh read it at 2/2
+    while the reconcile was still on its way to the write. The writes go one at a time per
+    resource, so the refresh's newer read lands last: Ready True, no Warning (without the lock
+    the reconcile's older 0/1 landed last: Ready False right after True, in
+    tests/kube/test_operator_mmis.py's scale test)."""
+    meta = {"name": "llava", "namespace": "ml", "generation": 1,
+            "labels": {"mmis.dev/service": "llava"}}  # fmt: skip
+    first_read, second_started = threading.Event(), threading.Event()
+    reads: list[int] = []
+    own_get = store.get
+
+    def get(path: str) -> Any:
+        if not path.endswith("/deployments/llava"):
+            return own_get(path)
+        reads.append(len(reads))
+        if len(reads) == 1:  # the reconcile's read: it stalls until the refresh is under way
+            first_read.set()
+            assert second_started.wait(5)
+            time.sleep(0.2)  # room for the refresh to write first, were it not held
+            return {**_dep(0), "metadata": meta}
+        return {**_dep(2), "metadata": meta}
+
+    store.get = get
+    rec = Reconciler(store)
+    rec.write_status("ml", "llava", {**_dep(2), "metadata": meta})  # Ready True before
+    reconcile = threading.Thread(target=rec.refresh_status, args=("ml", "llava"))
+    reconcile.start()
+    assert first_read.wait(5)
+    refresh = threading.Thread(target=rec.refresh_status, args=("ml", "llava"))
+    refresh.start()
+    second_started.set()
+    reconcile.join(10)
+    refresh.join(10)
+    ready = [c for c in store.obj["status"]["conditions"] if c["type"] == "Ready"]
+    assert len(reads) == 2 and ready[0]["status"] == "True", (reads, ready)

@@ -73,12 +73,11 @@ def test_events_during_a_refresh_run_in_the_next_round_never_concurrently() -> N
     assert overlap == [False, False]
 
 
-def test_the_deployment_runs_first_then_each_pods_newest_event_then_the_fresh_read() -> None:
+def test_the_deployment_runs_first_then_each_pods_newest_event() -> None:
     ran, job = _recorder()
 
     async def main() -> None:
         refresher = Refresher(delay=0.05)
-        refresher.submit_fresh(KEY, job("fresh"))  # type: ignore[operator]
         refresher.submit_pod(KEY, "p1", job("p1-old"))  # type: ignore[operator]
         refresher.submit_pod(KEY, "p2", job("p2"))  # type: ignore[operator]
         refresher.submit_deployment(KEY, job("dep"))  # type: ignore[operator]
@@ -87,9 +86,9 @@ def test_the_deployment_runs_first_then_each_pods_newest_event_then_the_fresh_re
         await refresher.idle()
 
     asyncio.run(main())
-    assert sorted(ran) == sorted(["dep", "p1-new", "p2", "fresh", "other"])
+    assert sorted(ran) == sorted(["dep", "p1-new", "p2", "other"])
     mine = [label for label in ran if label != "other"]
-    assert mine == ["dep", "p1-new", "p2", "fresh"]  # the fresh read last: it wins
+    assert mine == ["dep", "p1-new", "p2"]
 
 
 def test_a_failing_refresh_is_logged_and_the_rest_still_run(
