@@ -360,6 +360,8 @@ def test_a_p1_that_cannot_load_ends_serve_at_once(tmp_path: Path) -> None:
     print(f"\nexit {done.returncode} in {took:.1f}s: {lines[-1] if lines else ''}")
     assert done.returncode == 1, done.stderr[-3000:]
     assert lines[-1].startswith("mmis serve: the engine failed to start: "), done.stderr[-3000:]
+    assert "Error" in lines[-1].removeprefix("mmis serve: the engine failed to start: ")
+    assert "0 restarts" in done.stderr  # a failed start is not retried as a crash
     assert done.stdout.count("listening on") == 1
 
 

@@ -45,7 +45,7 @@ pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 KEY = "sk-fuzz"
 SEED = 20261201
-MAX_EXAMPLES = 50
+MAX_EXAMPLES = 30
 LONG = os.environ.get("SCHEMATHESIS_LONG") == "1"
 LONG_EXAMPLES = 300
 LONG_SECONDS = 600

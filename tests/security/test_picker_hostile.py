@@ -62,7 +62,7 @@ from mmis_operator.routing import EventPorts
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUTER = ROOT / "router"
-FUZZ_SECONDS = 20
+FUZZ_SECONDS = 10  # a CI smoke from the seed corpora; `go test -fuzz` runs longer by hand
 RSS_BOUND = 512 << 20  # bytes; the picker idles near 60-100 MiB, the old one reached 1.58 GB
 HOSTILE_IP = "127.0.0.4"  # the third replica's address: its event ports are the attacker's
 
