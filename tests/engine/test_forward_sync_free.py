@@ -51,6 +51,7 @@ from mmis.engine.execution import attn_backends
 from mmis.engine.execution import runner as runner_module
 from mmis.engine.execution.attn_backends import TorchBackend
 from mmis.engine.execution.model import ModelAdapter, load_adapter
+from mmis.engine.execution.model.fused import fuse_adapter
 from mmis.engine.execution.paged_attention import KVCacheSpec, PagedKVPool
 from mmis.engine.execution.runner import ModelRunner
 from mmis.engine.scheduling.sched_output import (
@@ -97,13 +98,17 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _load(family: str, device: str, root: Path) -> tuple[ModelKit, ModelAdapter]:
-    """The family's processor kit and adapter on ``device`` (float32 on CPU, bf16 on CUDA)."""
+    """The family's processor kit and adapter on ``device`` (float32 on CPU, bf16 on CUDA),
+    its layers as a CUDA load fuses them (q/k/v and gate/up one matmul, q and k's rotary one
+    pass: ``model/fused.py``, ``model/rotary.py``) on CPU too, so that is what is guarded."""
     if (family, device) not in _LOADED:
         path = root / family
         if not path.exists():
             build_tiny_model(path, family)
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
-        _LOADED[family, device] = (ModelKit.load(family, path), load_adapter(path, device, dtype))
+        adapter = load_adapter(path, device, dtype)
+        fuse_adapter(adapter, projections=True)  # a no-op where the load fused (CUDA)
+        _LOADED[family, device] = (ModelKit.load(family, path), adapter)
     return _LOADED[family, device]
 
 

@@ -1,4 +1,5 @@
-"""Fused q/k/v, gate/up and RMSNorm (``server/mmis/engine/execution/model/fused.py``).
+"""Fused q/k/v, gate/up and RMSNorm (``server/mmis/engine/execution/model/fused.py``,
+``model/norms.py``).
 
 - A fused sibling never returns a slice of another input's product (nor of an input written in
   place since), computes exactly what its linear did, and keeps nothing once every part is out.
@@ -20,11 +21,13 @@ from mmis.engine.execution.model import load_adapter
 from mmis.engine.execution.model.fused import (
     FusedPart,
     FusedProjection,
-    FusedRMSNorm,
     fuse_adapter,
     fuse_group,
-    fuse_norms,
     fuse_projections,
+)
+from mmis.engine.execution.model.norms import (
+    FusedRMSNorm,
+    fuse_norms,
     fused_norm_kernel,
     probe_tolerance,
 )

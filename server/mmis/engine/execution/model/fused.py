@@ -1,4 +1,5 @@
-"""Fused projections and norms for the unmodified Hugging Face decoder layers, made at load.
+"""Fused projections (and, through ``model/norms.py`` and ``model/rotary.py``, norms and
+rotary embeddings) for the unmodified Hugging Face decoder layers, made at load.
 
 A decoder layer of every family here computes ``q_proj(h)``, ``k_proj(h)``, ``v_proj(h)`` on the
 same tensor, and ``gate_proj(x)``, ``up_proj(x)`` on the same tensor: three and two matmuls
@@ -9,16 +10,14 @@ biases) held by a :class:`FusedProjection`, and puts a :class:`FusedPart` in eac
 place (on CUDA by default: a CPU load keeps its linears, see :func:`fuse_adapter`). The
 modeling code is not touched: it still calls ``self.q_proj(h)`` and gets the same
 ``[..., out_features]`` tensor, now a view of the one fused product; what it does next (Gemma 3's
-``q_norm``/``k_norm``, rotary embeddings, the activation) is unchanged and runs in its order.
+``q_norm``/``k_norm``, the activation) is unchanged and runs in its order; only the modeling
+module's ``apply_rotary_pos_emb`` is swapped for one that gives the same result (below).
 
-On a device where torch has a fused RMSNorm kernel (CUDA: :func:`fused_norm_kernel`) it also
-replaces the RMSNorm modules of the language model by :class:`FusedRMSNorm`, which calls
-``torch.nn.functional.rms_norm`` (``aten::_fused_rms_norm``: one CUDA kernel on every supported
-torch, where transformers' Python RMSNorm launches about eight, with float32 upcasts). On CPU
-torch decomposes that op into the same ops transformers runs, with more dispatch overhead
-(measured ~10-25 us a norm slower on the tiny models), so CPU models keep transformers' norms.
-Torch has no fused residual-add + RMSNorm nor SiLU-and-mul in the supported range, so those
-stay as transformers runs them.
+On a device where torch has a fused RMSNorm kernel it also replaces the language model's
+RMSNorm modules (``model/norms.py``). Torch has no fused residual-add + RMSNorm nor
+SiLU-and-mul in the supported range, so those stay as transformers runs them. With q and k
+one product, their rotary embeddings run as one (``model/rotary.py``: four kernels for both
+instead of ten, bit for bit transformers' result).
 
 Invariants:
 - A :class:`FusedPart` returns what its original linear returned for the same input: same
@@ -40,15 +39,6 @@ Invariants:
 - A group is fused only when every member is a plain ``torch.nn.Linear`` with the same input
   width, dtype and device, and either all or none have a bias; any other group stays as it
   was (counted in the report).
-- A norm is replaced only if its class is a known transformers RMSNorm (:data:`LLAMA_STYLE`:
-  ``weight * normed.to(dtype)``; :data:`GEMMA_STYLE`: ``(normed * (1 + weight)).to(dtype)`` in
-  float32) and a probe at load finds the replacement equal to the module on a random input
-  (same dtype, values within :func:`probe_tolerance`); otherwise that class is kept. In float32
-  the replacement is the same arithmetic (torch's CPU decomposition is transformers' op
-  sequence); in bfloat16/float16 the Llama style rounds once instead of twice (at most one ulp
-  of the dtype per element). A norm's output keeps its input's dimension order in memory (a
-  transposed view is normalised through its memory order, :func:`memory_order`), as
-  transformers' elementwise ops do, so the attention output's later reshape stays a view.
 - Tensor parallelism (``engine/execution/tensor_parallel.py``) splits the unfused modules:
   ``shard_adapter`` calls :func:`unfuse_projections` first (each part a view of the fused
   weight: no copy) and :func:`fuse_projections` after, so each rank fuses its own rows.
@@ -65,13 +55,13 @@ from typing import Any
 
 import torch
 
+from mmis.engine.execution.model.norms import fuse_norms, fused_norm_kernel
+from mmis.engine.execution.model.rotary import fuse_rotary
+
 log = logging.getLogger(__name__)
 
 ATTENTION_GROUP = ("q_proj", "k_proj", "v_proj")
 MLP_GROUP = ("gate_proj", "up_proj")
-# RMSNorm classes of transformers by arithmetic (see the module docstring)
-LLAMA_STYLE = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen2VLRMSNorm", "Qwen2_5_VLRMSNorm"})
-GEMMA_STYLE = frozenset({"Gemma3RMSNorm"})
 
 
 class FusedProjection(torch.nn.Module):
@@ -243,110 +233,6 @@ def unfuse_projections(layers: Iterable[torch.nn.Module]) -> bool:
     return found
 
 
-class FusedRMSNorm(torch.nn.Module):
-    """A transformers RMSNorm computed by ``torch.nn.functional.rms_norm`` (one kernel on
-    CUDA). ``gemma``: Gemma's ``(1 + weight)`` scale, applied in float32 like Gemma 3 does."""
-
-    def __init__(self, norm: torch.nn.Module, *, gemma: bool) -> None:
-        super().__init__()
-        weight = _weight(norm).detach()
-        self.gemma = gemma
-        self.eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
-        self.shape = (int(weight.shape[-1]),)
-        self.original = type(norm).__name__
-        if gemma:  # (1 + w) once, in float32, as Gemma3RMSNorm computes it per call
-            weight = 1.0 + weight.float()
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rms_norm = torch.nn.functional.rms_norm
-        order = memory_order(x)
-        if order is not None:  # normalise in memory order: one dense copy at most, no transpose
-            x = x.permute(order)
-        if self.gemma:
-            out = rms_norm(x.float(), self.shape, self.weight, self.eps).to(x.dtype)
-        else:
-            out = rms_norm(x, self.shape, self.weight, self.eps)
-        if order is None:
-            return out
-        inverse = [0] * len(order)
-        for i, d in enumerate(order):
-            inverse[d] = i
-        return out.permute(inverse)
-
-    def extra_repr(self) -> str:
-        return f"{self.shape}, eps={self.eps}, from {self.original}"
-
-
-def memory_order(x: torch.Tensor) -> list[int] | None:
-    """The permutation putting ``x``'s dimensions in memory order (largest stride first, the
-    last dimension kept last), or None where that is already their order: a norm over the last
-    dimension of a transposed view (Gemma 3's ``q_norm`` on ``[1, heads, n, head_dim]``) then
-    reads rows as they lie and returns the same dimension order as transformers' elementwise
-    norm did, so no later reshape has to copy."""
-    last = x.dim() - 1
-    if last < 1 or x.is_contiguous() or x.stride(-1) != 1:
-        return None
-    strides = x.stride()
-    order = [*sorted(range(last), key=lambda d: -strides[d]), last]
-    return None if order == list(range(x.dim())) else order
-
-
-def probe_tolerance(dtype: torch.dtype) -> float:
-    """The probe's absolute and relative tolerance: a few ulps of ``dtype``."""
-    return 4 * float(torch.finfo(dtype).eps)
-
-
-def _weight(norm: torch.nn.Module) -> torch.Tensor:
-    weight = getattr(norm, "weight", None)
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"{type(norm).__name__} has no weight tensor")
-    return weight
-
-
-def _probe(norm: torch.nn.Module, fused: FusedRMSNorm) -> bool:
-    weight = _weight(norm)
-    generator = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(3, fused.shape[0], generator=generator).to(weight.device, weight.dtype)
-    with torch.inference_mode():
-        want, got = norm(x), fused(x)
-    if want.dtype != got.dtype or want.shape != got.shape:
-        return False
-    tol = probe_tolerance(want.dtype)
-    return bool(torch.allclose(got.float(), want.float(), atol=tol, rtol=tol))
-
-
-def fuse_norms(language_model: torch.nn.Module) -> tuple[int, int]:
-    """Replace the known RMSNorm modules of ``language_model`` (decoder layers and the final
-    norm); returns (replaced, kept) module counts."""
-    verdict: dict[type, bool] = {}
-    replaced = kept = 0
-    targets = [
-        (parent, name, child)
-        for parent in language_model.modules()
-        for name, child in parent.named_children()
-        if type(child).__name__.endswith("RMSNorm")
-    ]
-    for parent, name, child in targets:
-        cls = type(child)
-        gemma = cls.__name__ in GEMMA_STYLE
-        known = gemma or cls.__name__ in LLAMA_STYLE
-        if not known or not isinstance(getattr(child, "weight", None), torch.Tensor):
-            kept += 1
-            continue
-        fused = FusedRMSNorm(child, gemma=gemma)
-        if cls not in verdict:
-            verdict[cls] = _probe(child, fused)
-            if not verdict[cls]:
-                log.warning("fused norms: %s differs from rms_norm in a probe: kept", cls.__name__)
-        if verdict[cls]:
-            setattr(parent, name, fused)
-            replaced += 1
-        else:
-            kept += 1
-    return replaced, kept
-
-
 @dataclasses.dataclass
 class FuseReport:
     """What :func:`fuse_adapter` did, for the start-up log."""
@@ -355,34 +241,31 @@ class FuseReport:
     groups_kept: int = 0
     norms: int = 0
     norms_kept: int = 0
+    rotary: int = 0
+    rotary_kept: int = 0
 
     def describe(self) -> str:
         return (
             f"fused q/k/v and gate/up in {self.groups} groups ({self.groups_kept} kept); "
-            f"torch rms_norm for {self.norms} norms ({self.norms_kept} kept)"
+            f"torch rms_norm for {self.norms} norms ({self.norms_kept} kept); "
+            f"joint q/k rotary in {self.rotary} modeling modules ({self.rotary_kept} kept)"
         )
 
 
-def fused_norm_kernel(device: torch.device) -> bool:
-    """Whether torch has a fused RMSNorm kernel for ``device`` (``aten::_fused_rms_norm``: CUDA
-    on every supported torch; on CPU it is a composite of the ops transformers runs, slower
-    from Python than transformers' own norm, so CPU models keep theirs)."""
-    key = "CUDA" if device.type == "cuda" else device.type.upper()
-    try:
-        return bool(torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm", key))
-    except RuntimeError:  # an older torch without the op
-        return False
-
-
 def fuse_adapter(
-    adapter: Any, *, projections: bool | None = None, norms: bool | None = None
+    adapter: Any,
+    *,
+    projections: bool | None = None,
+    norms: bool | None = None,
+    rotary: bool | None = None,
 ) -> FuseReport:
     """Fuse a model adapter's language model in place (see the module docstring), logged.
     ``projections``: merge q/k/v and gate/up (default: on CUDA only, where one launch less per
     group is the point; on CPU the tiny models' decode step measured ~5% slower fused, 1.69 ->
     1.78 ms, so a CPU load keeps its linears as they were, ``benchmarks/README.md``).
     ``norms``: replace the RMSNorms too (default: where :func:`fused_norm_kernel` says so for
-    the adapter's device)."""
+    the adapter's device). ``rotary``: q and k's rotary embeddings as one
+    (``model/rotary.py``; default: wherever q/k/v were fused, the only place it applies)."""
     lm = adapter.language_model
     report = FuseReport()
     if projections is None:
@@ -393,5 +276,10 @@ def fuse_adapter(
         norms = fused_norm_kernel(torch.device(adapter.device))
     if norms:
         report.norms, report.norms_kept = fuse_norms(lm)
+    if rotary is None:
+        rotary = report.groups > 0
+    if rotary:
+        attention = [getattr(layer, "self_attn", None) for layer in lm.layers]
+        report.rotary, report.rotary_kept = fuse_rotary(a for a in attention if a is not None)
     log.info("fused layers: %s", report.describe())
     return report
