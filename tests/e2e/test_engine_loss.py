@@ -142,7 +142,8 @@ class Front:
             thread.start()
         for result in results:
             assert result.first_byte.wait(120), "a stream never got its first chunk"
-        assert all(r.error is None and r.finished is None for r in results), "ended too soon"
+        early = [(i, r.error, r.finished) for i, r in enumerate(results) if r.error or r.finished]
+        assert not early, f"ended too soon (index, error, finish reason): {early[:4]}"
         return results, threads
 
     def start_whole(self, count: int) -> Callable[[], list[httpx.Response]]:
