@@ -238,25 +238,34 @@ class Scheduler:
         pending: list[str],
         ahead_on: bool,
     ) -> None:
+        """Schedule the running requests in order (one row each while the token budget lasts;
+        preempting from the back when blocks run out). The token budget is kept in a local
+        (``left``, one attribute write per row less on the decode path): ``budget.tokens`` is
+        brought up to date before every call that reads or spends it (encoder planning,
+        ``_commit``) and on return."""
         running, kv = self.running, self.kv
         held = kv.block_ids  # a request's persistent block ids
         limit = self.config.max_model_len or float("inf")
+        append = scheduled.append
+        left = budget.tokens
+        count = len(running)  # changes only where a request is preempted (below)
         i = 0
-        while i < len(running) and budget.tokens > 0:
+        while i < count and left > 0:
             request = running[i]
             start = request.num_computed_tokens
             tokens = request.all_token_ids
-            known = total = len(tokens)
-            if start >= known and request.pooling_params is None:  # a placeholder (async)
+            total = len(tokens)
+            if start >= total and request.pooling_params is None:  # a placeholder (async)
                 total = start + 1
                 if total >= request.length_cap or total >= limit:  # that token ends it
                     i += 1
                     continue
             num_new = total - start
-            if num_new > budget.tokens:
-                num_new = budget.tokens
+            if num_new > left:
+                num_new = left
             plan: EncoderPlan | None = None
             if start < request.mm_end:  # an item may still be ahead: plan its encoder run
+                budget.tokens = left
                 plan = self._plan_encoder(request, start, num_new, budget)
                 num_new = plan.num_new_tokens
             # else every item lies behind the chunk: the plan would be the tokens alone
@@ -274,50 +283,50 @@ class Scheduler:
                         self._rollback(request, plan)
                     break
                 self._preempt(victim, preempted)
-            if table is not None:
-                if plan is None:  # _commit without encoder runs, inlined (every decode row)
-                    end = start + num_new
-                    request.num_computed_tokens = end
-                    budget.tokens -= num_new
-                    sample = end == total
-                    chunk: Sequence[int]
-                    if not ahead_on:
-                        chunk = tokens[start:end]
-                    else:
-                        if end > known:  # its token is the step in flight's: a placeholder
-                            chunk = _PLACEHOLDER_CHUNK  # start == known: one step in flight
-                            pending.append(request.request_id)
-                        else:
-                            chunk = tokens[start:end]
-                        if sample and request.pooling_params is None:
-                            self._sampled_ids.append(request.request_id)
-                            if not request.plain and not request.overlappable:
-                                self._blocked = True
-                    scheduled.append(
-                        new_row(  # ScheduledRequest(...) without its Python-level __new__
-                            ScheduledRequest,
-                            (
-                                request.request_id,
-                                chunk,
-                                start,
-                                table,
-                                request.mm_items,  # every item starts before the chunk
-                                sample,
-                                request.sampling_params,
-                                request.pooling_params,
-                                False,
-                                (),
-                                request.plain,
-                                request.lora_name,
-                            ),
-                        )
-                    )
-                else:
-                    scheduled.append(self._commit(request, plan, num_new, budget, is_new=False))
+                count -= 1
+            if table is None:
+                self._preempt(request, preempted)  # it was the latest-arrived: nothing after it
+                break
+            if plan is not None:
+                budget.tokens = left
+                append(self._commit(request, plan, num_new, budget, is_new=False))
+                left = budget.tokens
                 i += 1
                 continue
-            self._preempt(request, preempted)  # it was the latest-arrived: nothing after it
-            break
+            # _commit without encoder runs, inlined (every decode row)
+            end = start + num_new
+            request.num_computed_tokens = end
+            left -= num_new
+            chunk: Sequence[int] = tokens[start:end]
+            if ahead_on:
+                if end > len(tokens):  # its token is the step in flight's: a placeholder
+                    chunk = _PLACEHOLDER_CHUNK  # start == len(tokens): one step in flight
+                    pending.append(request.request_id)
+                if end == total and request.pooling_params is None:
+                    self._sampled_ids.append(request.request_id)
+                    if not request.plain and not request.overlappable:
+                        self._blocked = True
+            append(
+                new_row(  # ScheduledRequest(...) without its Python-level __new__
+                    ScheduledRequest,
+                    (
+                        request.request_id,
+                        chunk,
+                        start,
+                        table,
+                        request.mm_items,  # every item starts before the chunk
+                        end == total,
+                        request.sampling_params,
+                        request.pooling_params,
+                        False,
+                        (),
+                        request.plain,
+                        request.lora_name,
+                    ),
+                )
+            )
+            i += 1
+        budget.tokens = left
 
     def _lora_fits(self, name: str) -> bool:
         """Whether a request under adapter ``name`` may run beside the running ones: at most
@@ -462,7 +471,7 @@ class Scheduler:
         requests, cache_blocks = self.requests, self.kv.cache_computed_blocks
         bs, limit = self.kv.block_size, self.config.max_model_len or float("inf")
         running, finished = RequestStatus.RUNNING, RequestStatus.FINISHED
-        scheduled = sched_out.scheduled
+        scheduled, ahead = sched_out.scheduled, self.async_scheduling
         if len(sampled) == len(scheduled):  # every chunk sampled (every decode step)
             pairs: Iterable[tuple[ScheduledRequest, int | None]] = zip(
                 scheduled, sampled, strict=True
@@ -470,32 +479,26 @@ class Scheduler:
         else:
             pairs = zip(scheduled, _spread(scheduled, sampled), strict=True)
         for item, token in pairs:
-            if token is not None and (not item.sample or item.pooling_params is not None):
-                raise SchedulerError(
-                    f"a sampled token for {item.request_id!r}, which did not sample"
-                )
+            if token is None or not item.sample or item.pooling_params is not None:
+                self._update_unsampled(item, token, outputs)  # a prefill chunk, pooling, an error
+                continue
             request = requests.get(item.request_id)
             if request is None:
                 continue
             if request.status is not running:
-                if token is not None and request.status is RequestStatus.PREEMPTED:
+                if request.status is RequestStatus.PREEMPTED:
                     # preempted by a pass that ran while this step was in flight (async)
                     outputs.append(self._token_after_preemption(request, token))
                 continue
-            end = item.start_position + len(item.token_ids)
+            # the chunk's end: where the pass left the request, unless a later pass (async
+            # scheduling, one step ahead) has moved it on since
+            end = (
+                item.start_position + len(item.token_ids) if ahead else request.num_computed_tokens
+            )
             if item.start_position // bs != end // bs:
                 cache_blocks(request, end)  # the chunk completed a block
             if request.mm_features:
                 self._release_passed_items(request, end)
-            if not item.sample:
-                continue
-            if item.pooling_params is not None:
-                request.finish(FinishReason.STOP)  # a pooling request: done after its prompt
-                outputs.append(_output(request, []))
-                self._finish_running(request)
-                continue
-            if token is None:
-                raise SchedulerError(f"no sampled token for scheduled request {item.request_id!r}")
             if request.constraint is None:  # append_output_token, inlined (every row)
                 request.output_token_ids.append(token)
                 tokens = request.all_token_ids
@@ -525,6 +528,30 @@ class Scheduler:
                     )
                 )
         return outputs
+
+    def _update_unsampled(
+        self, item: ScheduledRequest, token: int | None, outputs: list[EngineCoreOutput]
+    ) -> None:
+        """:meth:`update_from_output` of a row that is not a sampled decode or last chunk: a
+        chunk short of its prompt's end, a pooling request's prompt (it finishes), or a
+        mismatch between the step's rows and its tokens (:class:`SchedulerError`)."""
+        if token is not None:
+            raise SchedulerError(f"a sampled token for {item.request_id!r}, which did not sample")
+        request = self.requests.get(item.request_id)
+        if request is None or request.status is not RequestStatus.RUNNING:
+            return
+        end = item.start_position + len(item.token_ids)
+        if item.start_position // self.kv.block_size != end // self.kv.block_size:
+            self.kv.cache_computed_blocks(request, end)  # the chunk completed a block
+        if request.mm_features:
+            self._release_passed_items(request, end)
+        if not item.sample:
+            return
+        if item.pooling_params is None:
+            raise SchedulerError(f"no sampled token for scheduled request {item.request_id!r}")
+        request.finish(FinishReason.STOP)  # a pooling request: done after its prompt
+        outputs.append(_output(request, []))
+        self._finish_running(request)
 
     def _release_passed_items(self, request: Request, computed: int) -> None:
         """Release the encoder references of the items before ``computed`` (a step's end)."""
