@@ -100,6 +100,12 @@ class DecodeRows:
     the table's device, from ``table`` (``[Bd, num_blocks]``, the step's rows of the
     persistent block tables) the first time a backend reads it: the paged kernels read
     ``AttentionMetadata.block_tables`` instead and never pay for it.
+
+    ``every_token``: the rows are the step's tokens ``0 .. Bd - 1`` in order and the step has
+    no other token (a decode-only step: ``step_builder._decode_step``, a decode graph's bucket),
+    so ``token_index`` is ``arange(Bd)``: a backend then reads the query as it is and returns
+    its result as the step's output, with no gather of the query rows and no scatter back
+    (two kernels a layer fewer; ``benchmarks/kernel_count.py``).
     """
 
     def __init__(
@@ -112,6 +118,7 @@ class DecodeRows:
         uniform: bool,  # every row has exactly ctx keys: no mask needed without a window
         *,
         table: torch.Tensor | None = None,
+        every_token: bool = False,
     ) -> None:
         if block_index is None and table is None:
             raise PagedAttentionError("decode rows need a block index or a table")
@@ -122,6 +129,7 @@ class DecodeRows:
         self.seq_lens = seq_lens
         self.ctx = ctx
         self.uniform = uniform
+        self.every_token = every_token
         self._masks: dict[int | None, torch.Tensor | None] = {}
 
     @property

@@ -150,6 +150,7 @@ class DecodeGraphs:
             seq_lens=self.seq_lens[:b],
             ctx=self.ctx,
             uniform=False,  # the mask is always built (on the device, from seq_lens)
+            every_token=True,
         )
         return AttentionMetadata(
             block_size=self.pool.block_size,

@@ -239,7 +239,6 @@ class FlexBackend:
         keys = key_cache.view(1, num_blocks * bs, kv_heads, dim).transpose(1, 2)
         values = value_cache.view(1, num_blocks * bs, kv_heads, dim).transpose(1, 2)
         gqa = query.shape[1] != kv_heads
-        out = torch.empty_like(query)
         rows = meta.decode
         if rows is not None:
             mask, padded = _once(
@@ -247,13 +246,19 @@ class FlexBackend:
                 (self, -1, window),
                 lambda: self._decode_mask(rows, num_blocks, window, meta.static),
             )
-            q = query.index_select(0, rows.token_index)  # [Bd, H, D]
+            # [Bd, H, D]: a decode-only step's query is its rows already (no gather)
+            q = query if rows.every_token else query.index_select(0, rows.token_index)
             if padded != rows.num:
                 q = torch.cat([q, q.new_zeros((padded - rows.num, *q.shape[1:]))])
             attended = self.flex(
                 q.unsqueeze(2), keys, values, block_mask=mask, scale=scale, enable_gqa=gqa
-            )
-            out.index_copy_(0, rows.token_index, attended[: rows.num, :, 0].to(out.dtype))
+            )[: rows.num, :, 0].to(query.dtype)
+            if rows.every_token:
+                return attended
+            out = torch.empty_like(query)
+            out.index_copy_(0, rows.token_index, attended)
+        else:
+            out = torch.empty_like(query)
         for index, chunk in enumerate(meta.chunks):
             if chunk.start == 0:  # its own new keys only: SDPA, no pool read
                 out[chunk.lo : chunk.hi] = self.fallback.attend_chunk(

@@ -255,6 +255,7 @@ def _decode_step(
         ctx=ctx,
         uniform=lo == ctx,
         table=table_t,
+        every_token=True,
     )
     meta = AttentionMetadata(
         block_size=bs,
