@@ -17,7 +17,8 @@ On a device where torch has a fused RMSNorm kernel it also replaces the language
 RMSNorm modules (``model/norms.py``). Torch has no fused residual-add + RMSNorm nor
 SiLU-and-mul in the supported range, so those stay as transformers runs them. With q and k
 one product, their rotary embeddings run as one (``model/rotary.py``: four kernels for both
-instead of ten, bit for bit transformers' result).
+instead of ten, bit for bit transformers' result), and so do Gemma 3's q_norm and k_norm that
+come between (``model/norms.py``, :func:`fuse_qk_norms`).
 
 Invariants:
 - A :class:`FusedPart` returns what its original linear returned for the same input: same
@@ -55,7 +56,7 @@ from typing import Any
 
 import torch
 
-from mmis.engine.execution.model.norms import fuse_norms, fused_norm_kernel
+from mmis.engine.execution.model.norms import fuse_norms, fuse_qk_norms, fused_norm_kernel
 from mmis.engine.execution.model.rotary import fuse_rotary
 
 log = logging.getLogger(__name__)
@@ -241,6 +242,8 @@ class FuseReport:
     groups_kept: int = 0
     norms: int = 0
     norms_kept: int = 0
+    qk_norms: int = 0
+    qk_norms_kept: int = 0
     rotary: int = 0
     rotary_kept: int = 0
 
@@ -248,6 +251,7 @@ class FuseReport:
         return (
             f"fused q/k/v and gate/up in {self.groups} groups ({self.groups_kept} kept); "
             f"torch rms_norm for {self.norms} norms ({self.norms_kept} kept); "
+            f"joint q/k norms in {self.qk_norms} layers ({self.qk_norms_kept} kept); "
             f"joint q/k rotary in {self.rotary} modeling modules ({self.rotary_kept} kept)"
         )
 
@@ -274,12 +278,14 @@ def fuse_adapter(
         report.groups, report.groups_kept = fuse_projections(lm.layers)
     if norms is None:
         norms = fused_norm_kernel(torch.device(adapter.device))
+    attention = [a for layer in lm.layers if (a := getattr(layer, "self_attn", None)) is not None]
     if norms:
         report.norms, report.norms_kept = fuse_norms(lm)
+        if report.groups > 0:  # q_norm/k_norm over a fused product: one pass (model/norms.py)
+            report.qk_norms, report.qk_norms_kept = fuse_qk_norms(attention)
     if rotary is None:
         rotary = report.groups > 0
     if rotary:
-        attention = [getattr(layer, "self_attn", None) for layer in lm.layers]
-        report.rotary, report.rotary_kept = fuse_rotary(a for a in attention if a is not None)
+        report.rotary, report.rotary_kept = fuse_rotary(attention)
     log.info("fused layers: %s", report.describe())
     return report

@@ -18,11 +18,27 @@ Invariants:
   of the dtype per element). A norm's output keeps its input's dimension order in memory (a
   transposed view is normalised through its memory order, :func:`memory_order`), as
   transformers' elementwise ops do, so the attention output's later reshape stays a view.
+- :func:`fuse_qk_norms` (called by ``model/fused.py`` where q/k/v are one product) puts a
+  :class:`JointQKNorm`'s two halves in the place of an attention's fused Gemma-style ``q_norm``
+  and ``k_norm``. Called with q (a view of the fused product), the q half normalises q's heads
+  and the ``Hk`` heads that follow them in memory (``Hk``: the attention's ``k_proj`` width)
+  in one pass: ``rms_norm`` with no weight, times the stacked ``(1 + w)`` of both norms, in
+  float32 (the two norms' arithmetic), written side by side, so ``model/rotary.py``'s joint
+  rotary takes q and k as one too (Gemma 3 in float32: 27 kernels a decoder layer -> 21).
+  The k half returns the kept k only when called with exactly the tensor whose memory was
+  read (same data pointer, shape, and strides but those of a size-1 dimension, which address
+  nothing; the read memory is held until then, so its address cannot be reused), else it
+  normalises its input itself: a q that is not part of such a product, or a k that is not
+  the memory after it, gets the two norms' own results. The q half reads only memory inside
+  q's storage. As with ``FusedProjection``, an in-place write to k between the two calls
+  would not be seen; the modeling code calls ``q_norm`` and ``k_norm`` back to back.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -66,6 +82,100 @@ class FusedRMSNorm(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.shape}, eps={self.eps}, from {self.original}"
+
+
+class JointQKNorm:
+    """The shared state of a fused ``q_norm``/``k_norm`` pair (see the module docstring)."""
+
+    def __init__(
+        self, q_norm: FusedRMSNorm, k_norm: FusedRMSNorm, attention: torch.nn.Module
+    ) -> None:
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self._attention = weakref.ref(attention)  # the module holds the pair: no cycle
+        self.eps = q_norm.eps
+        self._weights: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+        # (the joint input view read, k's data pointer, shape, strides, normalised k) or None
+        self._kept: tuple[torch.Tensor, int, torch.Size, tuple[int, ...], torch.Tensor] | None
+        self._kept = None
+
+    def weight(self, hq: int, hk: int, device: torch.device) -> torch.Tensor:
+        """``[hq + hk, D]`` float32: q_norm's ``(1 + w)`` for q's heads, k_norm's for k's."""
+        key = (hq, hk, device)
+        stacked = self._weights.get(key)
+        if stacked is None:
+            wq, wk = self.q_norm.weight.float(), self.k_norm.weight.float()
+            dim = wq.shape[-1]
+            stacked = torch.cat((wq.expand(hq, dim), wk.expand(hk, dim))).to(device)
+            self._weights[key] = stacked
+        return stacked
+
+    def joint_view(self, q: torch.Tensor) -> torch.Tensor | None:
+        """``[B, Hq + Hk, S, D]`` over q's heads and the ``Hk`` heads after them in q's
+        storage (``Hk``: the attention's ``k_proj`` width in heads, read per call, so a tensor
+        parallel rank's count), where q's heads lie side by side in a token's row and the row
+        holds them all; else None. Only memory inside q's storage is covered."""
+        if q.dim() != 4 or q.stride(-1) != 1:
+            return None
+        _, hq, tokens, dim = q.shape
+        if q.stride(1) != dim or dim != self.q_norm.shape[0]:
+            return None
+        attention = self._attention()
+        k_proj = None if attention is None else attention._modules.get("k_proj")
+        width = getattr(k_proj, "out_features", 0)
+        hk = width // dim if isinstance(width, int) and width % dim == 0 else 0
+        if hk < 1 or (tokens > 1 and q.stride(2) < (hq + hk) * dim):
+            return None
+        size = (q.shape[0], hq + hk, tokens, dim)
+        reach = sum((n - 1) * st for n, st in zip(size, q.stride(), strict=True))
+        if q.storage_offset() + reach >= q.untyped_storage().nbytes() // q.element_size():
+            return None
+        return q.as_strided(size, q.stride(), q.storage_offset())
+
+    def normalise_q(self, q: torch.Tensor) -> torch.Tensor:
+        self._kept = None
+        joint = self.joint_view(q)
+        if joint is None:
+            return self.q_norm(q)
+        hq = q.shape[1]
+        order = [0, 2, 1, 3]  # [B, S, H, D]: rows as they lie in memory
+        rows = joint.permute(order).float()
+        normed = torch.nn.functional.rms_norm(rows, self.q_norm.shape, None, self.eps)
+        weight = self.weight(hq, joint.shape[1] - hq, normed.device)
+        # the product in float32, rounded once to q's dtype: Gemma's ``(x * w).to(dtype)``
+        out = torch.mul(normed, weight, out=torch.empty_like(normed, dtype=q.dtype))
+        out = out.permute(order)
+        k = joint[:, hq:]
+        self._kept = (joint, k.data_ptr(), k.shape, k.stride(), out[:, hq:])
+        return out[:, :hq]
+
+    def normalise_k(self, k: torch.Tensor) -> torch.Tensor:
+        kept, self._kept = self._kept, None
+        if (
+            kept is not None
+            and kept[1] == k.data_ptr()
+            and kept[2] == k.shape
+            and all(n == 1 or a == b for n, a, b in zip(k.shape, kept[3], k.stride(), strict=True))
+            and kept[4].dtype == k.dtype
+        ):
+            return kept[4]
+        return self.k_norm(k)
+
+
+class JointQKNormPart(torch.nn.Module):
+    """``q_norm`` (``which="q"``) or ``k_norm`` (``"k"``) of a :class:`JointQKNorm`."""
+
+    def __init__(self, pair: JointQKNorm, which: str) -> None:
+        super().__init__()
+        self.which = which
+        self.norm = pair.q_norm if which == "q" else pair.k_norm  # its weight, as a module
+        self.__dict__["_call"] = pair.normalise_q if which == "q" else pair.normalise_k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        call: Callable[[torch.Tensor], torch.Tensor] = self.__dict__["_call"]
+        return call(x)
+
+    def extra_repr(self) -> str:
+        return f"{self.which} half of a joint q/k norm"
 
 
 def memory_order(x: torch.Tensor) -> list[int] | None:
@@ -135,6 +245,65 @@ def fuse_norms(language_model: torch.nn.Module) -> tuple[int, int]:
         else:
             kept += 1
     return replaced, kept
+
+
+def _probe_pair(q_norm: FusedRMSNorm, k_norm: FusedRMSNorm, hq: int, hk: int) -> bool:
+    """Whether a pair of these norms takes its joint path on a fused product's q and k
+    (``hq`` and ``hk`` heads, float32 and bfloat16) and gives the two norms' results there
+    (values within :func:`probe_tolerance`)."""
+    dim = q_norm.shape[0]
+    attention = torch.nn.Module()
+    attention.k_proj = torch.nn.Linear(1, hk * dim, device="meta")
+    pair = JointQKNorm(q_norm, k_norm, attention)
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        product = torch.randn(1, 5, (hq + 2 * hk) * dim, generator=generator)
+        product = product.to(pair.q_norm.weight.device, dtype)
+        q = product[..., : hq * dim].view(1, 5, hq, dim).transpose(1, 2)
+        k = product[..., hq * dim : (hq + hk) * dim].view(1, 5, hk, dim).transpose(1, 2)
+        with torch.inference_mode():
+            want = pair.q_norm(q), pair.k_norm(k)
+            got = pair.normalise_q(q), pair.normalise_k(k)
+        if got[1].data_ptr() != got[0].data_ptr() + hq * dim * got[0].element_size():
+            return False  # not side by side: the joint path was not taken
+        tol = probe_tolerance(dtype)
+        for g, w in zip(got, want, strict=True):
+            if g.dtype != w.dtype or not torch.allclose(g.float(), w.float(), atol=tol, rtol=tol):
+                return False
+    return True
+
+
+def fuse_qk_norms(attention_modules: Iterable[torch.nn.Module]) -> tuple[int, int]:
+    """Put a :class:`JointQKNorm`'s halves in the place of each attention module's
+    ``q_norm``/``k_norm`` that are Gemma-style :class:`FusedRMSNorm` of one shape and eps;
+    returns (pairs made or already there, pairs kept as they were)."""
+    made = kept = 0
+    verdict: bool | None = None
+    for attention in attention_modules:
+        q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
+        if isinstance(q_norm, JointQKNormPart):
+            made += 1
+            continue
+        if not (isinstance(q_norm, FusedRMSNorm) and isinstance(k_norm, FusedRMSNorm)):
+            continue
+        if not (q_norm.gemma and k_norm.gemma) or (q_norm.shape, q_norm.eps) != (
+            k_norm.shape,
+            k_norm.eps,
+        ):
+            kept += 1
+            continue
+        if verdict is None:
+            verdict = _probe_pair(q_norm, k_norm, 4, 2)
+            if not verdict:
+                log.warning("joint q/k norm: differs from the two norms in a probe: kept")
+        if not verdict:
+            kept += 1
+            continue
+        pair = JointQKNorm(q_norm, k_norm, attention)
+        attention.q_norm = JointQKNormPart(pair, "q")
+        attention.k_norm = JointQKNormPart(pair, "k")
+        made += 1
+    return made, kept
 
 
 def fused_norm_kernel(device: torch.device) -> bool:
