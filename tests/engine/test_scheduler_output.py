@@ -121,7 +121,7 @@ def test_sampled_tokens_that_do_not_match_the_step_are_a_typed_error():
     """``update_from_output`` takes one token per chunk that samples, in order; a count or
     placement that cannot be the runner's is a ``SchedulerError``, never a token given to
     the wrong request."""
-    from mmis.engine.scheduling.scheduler import SchedulerError
+    from mmis.engine.scheduling.step_update import SchedulerError
     from mmis.protocol.messages import PoolingParams
 
     sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=32, max_num_batched_tokens=64))

@@ -3,7 +3,8 @@
 One pass (:meth:`Scheduler.schedule`) first continues the running requests in priority order
 (earliest arrival first), then admits waiting requests first-come first-served, within a
 per-step token budget (chunked prefill), ``max_num_seqs`` and an encoder compute budget. The
-caller runs the step, then hands the sampled tokens to :meth:`Scheduler.update_from_output`.
+caller runs the step, then hands the sampled tokens to :meth:`Scheduler.update_from_output`
+(``step_update.py``, the scheduler's base class: the output half).
 The scheduler owns the queues and the policy; it *uses* a :class:`KVCacheManager` (blocks and
 the prefix cache) and an :class:`EncoderCacheManager` (encoder-output slots), and hands the
 runner one :class:`SchedulerOutput` (``sched_output.py``).
@@ -74,28 +75,11 @@ from mmis.engine.scheduling.sched_output import (
     SchedulerOutput,
     identity,
 )
-from mmis.protocol.errors import MMISError
+from mmis.engine.scheduling.step_update import StepUpdate, wire_output
 from mmis.protocol.messages import EngineCoreOutput, ErrorCode, FinishReason, RequestError
 
 new_row = tuple.__new__  # builds a ScheduledRequest (a named tuple) from its field values
 _PLACEHOLDER_CHUNK = (PLACEHOLDER_TOKEN,)  # a decode row over the step in flight's token
-
-
-def _spread(scheduled: Sequence[ScheduledRequest], sampled: Sequence[int]) -> list[int | None]:
-    """``sampled`` (one token per chunk that samples: ``sample`` set, no pooling) placed
-    beside its chunk, ``None`` beside the others; a count that does not match raises."""
-    tokens = iter(sampled)
-    out = [
-        next(tokens, None) if item.sample and item.pooling_params is None else None
-        for item in scheduled
-    ]
-    if next(tokens, None) is not None:
-        raise SchedulerError(f"{len(sampled)} sampled tokens for a step that sampled fewer")
-    return out
-
-
-class SchedulerError(MMISError):
-    """The runner's results do not match what was scheduled (an engine bug, not user input)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -110,21 +94,9 @@ class SchedulerStats:
     num_rejected: int
 
 
-def _output(request: Request, new_token_ids: list[int]) -> EngineCoreOutput:
-    """The wire output of ``request`` after it gained ``new_token_ids`` (its end, if ended)."""
-    reason = request.finish_reason
-    return EngineCoreOutput(
-        request_id=request.request_id,
-        new_token_ids=new_token_ids,
-        finish_reason=None if reason is None else reason.value,
-        error=request.error,
-        num_prompt_tokens=request.num_prompt_tokens,
-        num_cached_tokens=max(request.num_cached_tokens, 0),
-        stop_reason=request.stop_reason,
-    )
+class Scheduler(StepUpdate):
+    """Schedules each step (this module) and applies its outputs (:class:`StepUpdate`)."""
 
-
-class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig | None = None,
@@ -450,135 +422,6 @@ class Scheduler:
             request.lora_name,
         )
 
-    # -- after the step ----------------------------------------------------------------------
-
-    def update_from_output(
-        self, sched_out: SchedulerOutput, sampled: Sequence[int]
-    ) -> list[EngineCoreOutput]:
-        """Apply a step's sampled tokens; returns one wire output per request that progressed
-        or ended (also for requests rejected by the pass). Requests aborted since the pass are
-        skipped.
-
-        ``sampled`` holds one token per scheduled chunk that samples (``sample`` set, no
-        ``pooling_params``: the rows ``runner.py`` samples), in schedule order. A chunk's
-        full KV blocks are registered in the prefix cache only when it crossed a block
-        boundary: every earlier update registered every block full by then (a prefix hit
-        registers its blocks at admission, ``kv_cache.py``), so a chunk inside one block
-        completes none. Each sampled token fills its request's placeholder (async
-        scheduling: the next pass may already have scheduled a row after it).
-        """
-        outputs, self._pending_outputs = self._pending_outputs, []
-        requests, cache_blocks = self.requests, self.kv.cache_computed_blocks
-        bs, limit = self.kv.block_size, self.config.max_model_len or float("inf")
-        running, finished = RequestStatus.RUNNING, RequestStatus.FINISHED
-        scheduled, ahead = sched_out.scheduled, self.async_scheduling
-        if len(sampled) == len(scheduled):  # every chunk sampled (every decode step)
-            pairs: Iterable[tuple[ScheduledRequest, int | None]] = zip(
-                scheduled, sampled, strict=True
-            )
-        else:
-            pairs = zip(scheduled, _spread(scheduled, sampled), strict=True)
-        for item, token in pairs:
-            if token is None or not item.sample or item.pooling_params is not None:
-                self._update_unsampled(item, token, outputs)  # a prefill chunk, pooling, an error
-                continue
-            request = requests.get(item.request_id)
-            if request is None:
-                continue
-            if request.status is not running:
-                if request.status is RequestStatus.PREEMPTED:
-                    # preempted by a pass that ran while this step was in flight (async)
-                    outputs.append(self._token_after_preemption(request, token))
-                continue
-            # the chunk's end: where the pass left the request, unless a later pass (async
-            # scheduling, one step ahead) has moved it on since
-            end = (
-                item.start_position + len(item.token_ids) if ahead else request.num_computed_tokens
-            )
-            if item.start_position // bs != end // bs:
-                cache_blocks(request, end)  # the chunk completed a block
-            if request.mm_features:
-                self._release_passed_items(request, end)
-            if request.constraint is None:  # append_output_token, inlined (every row)
-                request.output_token_ids.append(token)
-                tokens = request.all_token_ids
-                tokens.append(token)
-                size = len(tokens)
-            else:
-                request.append_output_token(token)
-                size = len(request.all_token_ids)
-            if (
-                token in request.stop_ids
-                or size >= request.length_cap
-                or request.constraint is not None
-            ):
-                request.check_stop(token)  # else it cannot stop this request
-            if size >= limit and request.status is running:
-                request.finish(FinishReason.LENGTH)
-            if request.status is finished:
-                outputs.append(_output(request, [token]))
-                self._finish_running(request)
-            else:  # _output of a running request: no reason, error or stop reason yet
-                outputs.append(
-                    EngineCoreOutput(
-                        request_id=request.request_id,
-                        new_token_ids=[token],
-                        num_prompt_tokens=request.num_prompt_tokens,
-                        num_cached_tokens=request.num_cached_tokens,  # set (>= 0) at admission
-                    )
-                )
-        return outputs
-
-    def _update_unsampled(
-        self, item: ScheduledRequest, token: int | None, outputs: list[EngineCoreOutput]
-    ) -> None:
-        """:meth:`update_from_output` of a row that is not a sampled decode or last chunk: a
-        chunk short of its prompt's end, a pooling request's prompt (it finishes), or a
-        mismatch between the step's rows and its tokens (:class:`SchedulerError`)."""
-        if token is not None:
-            raise SchedulerError(f"a sampled token for {item.request_id!r}, which did not sample")
-        request = self.requests.get(item.request_id)
-        if request is None or request.status is not RequestStatus.RUNNING:
-            return
-        end = item.start_position + len(item.token_ids)
-        if item.start_position // self.kv.block_size != end // self.kv.block_size:
-            self.kv.cache_computed_blocks(request, end)  # the chunk completed a block
-        if request.mm_features:
-            self._release_passed_items(request, end)
-        if not item.sample:
-            return
-        if item.pooling_params is None:
-            raise SchedulerError(f"no sampled token for scheduled request {item.request_id!r}")
-        request.finish(FinishReason.STOP)  # a pooling request: done after its prompt
-        outputs.append(_output(request, []))
-        self._finish_running(request)
-
-    def _release_passed_items(self, request: Request, computed: int) -> None:
-        """Release the encoder references of the items before ``computed`` (a step's end)."""
-        for item in request.mm_items:  # keyed as the encoder cache holds them (engine/lora/)
-            if item.end <= computed:
-                self.encoder_cache.release(request.request_id, item.mm_hash)
-
-    def _token_after_preemption(self, request: Request, token: int) -> EngineCoreOutput:
-        """Append the token a step in flight sampled for ``request``, preempted since (it is
-        in ``waiting``): what the synchronous loop appended before that pass; it may end the
-        request there."""
-        request.append_output_token(token)
-        if not request.check_stop(token):
-            limit = self.config.max_model_len
-            if limit is not None and request.num_tokens >= limit:
-                request.finish(FinishReason.LENGTH)
-        if request.status is RequestStatus.FINISHED:
-            self.waiting.remove(request)
-            self._release(request)
-            return _output(request, [token])
-        return EngineCoreOutput(
-            request_id=request.request_id,
-            new_token_ids=[token],
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-        )
-
     # -- transitions -------------------------------------------------------------------------
 
     def _preempt(self, request: Request, preempted: list[str]) -> None:
@@ -591,16 +434,6 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
         preempted.append(request.request_id)
-
-    def _finish_running(self, request: Request) -> None:
-        self.running.remove(request)
-        self._release(request)
-
-    def _release(self, request: Request) -> None:
-        self.kv.free(request)
-        self.encoder_cache.release_all(request.request_id)
-        del self.requests[request.request_id]
-        self._finished_ids.append(request.request_id)
 
     def _reject_head(self, code: ErrorCode, message: str) -> None:
         """waiting[0] can never be scheduled: finish it with a typed, non-retryable error."""
@@ -624,5 +457,5 @@ class Scheduler:
 
     def _end_by_scheduler(self, request: Request) -> None:
         self.num_rejected += 1
-        self._pending_outputs.append(_output(request, []))
+        self._pending_outputs.append(wire_output(request, []))
         self._release(request)
