@@ -7,13 +7,15 @@ A/B that this shared 2-core machine's load does not move.
 It runs ``bench_host_step.py`` unchanged (``--sizes SIZE``) and, for ``--steps`` decode steps
 (``EngineCore.step`` calls with every request past its prompt) after the first ``--skip``, counts
 every opcode the interpreter executes (``sys.settrace`` with ``f_trace_opcodes``) by function,
-and every call into C (``sys.setprofile``'s ``c_call``) by callee. Counts are exact and the same
+every call into C (``sys.setprofile``'s ``c_call``) by callee, and every Python call (a frame
+made: ``call``) by function. Counts are exact and the same
 on every run of a tree; they are a proxy for host time, not a time (an opcode costs a few to
 tens of nanoseconds, a C call from tens of nanoseconds to microseconds), so a timing A/B
 (``bench_host_step.py`` on a quiet machine, ``benchmarks/README.md``) still decides. Run it
 with an older tree's ``server/`` first on ``PYTHONPATH`` to compare two trees function by
 function. The benchmark's own lines come first, their times inflated by the tracing (ignore
-them). The last line is ``SUMMARY host_step_opcodes: SIZE N opcodes, M C calls a step``.
+them). The last line is ``SUMMARY host_step_opcodes: SIZE N opcodes, M C calls, K Python calls a
+step``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def main() -> None:
 
     opcodes: collections.Counter[tuple[str, str]] = collections.Counter()
     c_calls: collections.Counter[str] = collections.Counter()
+    py_calls: collections.Counter[tuple[str, str]] = collections.Counter()
 
     def trace(frame: FrameType, event: str, arg: Any) -> Callable[..., Any]:
         if event == "call":
@@ -55,6 +58,9 @@ def main() -> None:
     def profile(frame: FrameType, event: str, arg: Any) -> None:
         if event == "c_call":
             c_calls[getattr(arg, "__qualname__", repr(arg))] += 1
+        elif event == "call":  # a Python frame (each costs more than a few opcodes)
+            code = frame.f_code
+            py_calls[os.path.basename(code.co_filename), code.co_name] += 1
 
     original = EngineCore.step
     calls = [0]
@@ -93,8 +99,14 @@ def main() -> None:
         print(f"  {count / counted:10.1f} opcodes  {file}:{name}")
     for name, count in c_calls.most_common(args.top):
         print(f"  {count / counted:10.1f} C calls  {name}")
+    for (file, name), count in py_calls.most_common(args.top):
+        print(f"  {count / counted:10.1f} Python calls  {file}:{name}")
     ops, cs = sum(opcodes.values()) / counted, sum(c_calls.values()) / counted
-    print(f"SUMMARY host_step_opcodes: {args.size} {ops:.0f} opcodes, {cs:.0f} C calls a step")
+    py = sum(py_calls.values()) / counted
+    print(
+        f"SUMMARY host_step_opcodes: {args.size} {ops:.0f} opcodes, {cs:.0f} C calls, "
+        f"{py:.0f} Python calls a step"
+    )
 
 
 if __name__ == "__main__":
