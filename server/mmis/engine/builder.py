@@ -267,6 +267,7 @@ def build(cfg: EngineConfig, path: str, worker_setup: Callable[[str], None]) -> 
     the batch limits, and wire scheduler, runner, receiver cache and process shell;
     ``worker_setup``: the logging set-up tensor-parallel worker ranks run first (a
     module-level function: ``spawn`` pickles it)."""
+    check_event_endpoints(cfg)  # before torch is imported: a refused bind is one line at once
     from mmis.engine.core_process import EngineCoreProc
     from mmis.engine.encoder_inputs import EmbedsSpec
     from mmis.engine.execution.attn_backends import AttentionBackendError
@@ -278,7 +279,6 @@ def build(cfg: EngineConfig, path: str, worker_setup: Callable[[str], None]) -> 
     from mmis.shm.reader_set import ShmReaderSet
     from mmis.telemetry.request_spans import RequestSpans
 
-    check_event_endpoints(cfg)  # before anything loads: a refused bind is one line at once
     set_threads(cfg)
     tp = None
     if cfg.tensor_parallel_size > 1:

@@ -31,7 +31,7 @@ import signal
 from typing import TYPE_CHECKING, Any
 
 from mmis.config import ConfigError, StartupError, add_flags, settings_from_args
-from mmis.engine.builder import build
+from mmis.engine.builder import build, check_event_endpoints
 from mmis.engine.config import EngineConfig
 from mmis.entrypoints.common import check_model, one_line, resolve_model, setup_logging
 
@@ -92,6 +92,7 @@ def build_or_exit(cfg: EngineConfig) -> EngineCoreProc:
     one last line (also in ``--status-file``)."""
     try:
         check_model(cfg.model, cfg.revision)
+        check_event_endpoints(cfg)  # a settings refusal, before check_device imports torch
         check_device(cfg.device)
         return build(cfg, str(resolve_model(cfg.model)), setup_logging)
     except StartupError as exc:  # the known refusals: one line saying why and the fix
