@@ -14,6 +14,12 @@
   use the first, ``test_responses_api`` and
   ``test_structured_outputs`` the second. A module that reads state of a fresh server keeps
   its own, module-scoped, through :func:`start_serve`.
+- :func:`family_serve` (session): a factory, ``family_serve(family)`` is ONE ``mmis serve`` per
+  model family on the tiny model of ``tiny_model_dir(family)`` (served as ``m``, one OpenMP
+  and engine thread, ``procs.family_flags``), started at its first use and kept to the
+  session's end, on the same terms as :func:`tiny_serve`: ``test_families_serve`` and
+  ``test_video`` ask it as transformers' reference, ``test_epd_e2e`` as the aggregated
+  reference of ``mmis serve --encoders 1`` (launched with the same flags).
 - :func:`launch` (function): a :class:`procs.Launcher`; what it started stops after the test.
 - :func:`procs` (function): the processes a test started and appended; after the test each
   is resumed (SIGCONT, in case the test stopped it) and SIGKILLed.
@@ -24,14 +30,14 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from procs import Launcher, Proc, ServeFactory
+from procs import ONE_ENGINE_THREAD, Launcher, Proc, ServeFactory, family_flags
 
 from mmis.tiny_models.tiny_model import tiny_model_dir
 
@@ -70,6 +76,32 @@ def tiny_serve_evicting(start_serve: ServeFactory) -> Iterator[Proc]:
     flags = _tiny_llava("--fault-evict-rate", "1")
     with start_serve("serve-tiny-evicting", *flags, env=ONE_THREAD) as proc:
         yield proc
+
+
+@pytest.fixture(scope="session")
+def family_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Proc]]:
+    servers: dict[str, Proc] = {}
+
+    def get(family: str) -> Proc:
+        """The family's server, launched and waited for at its first use (threads may ask
+        for different families at once: their servers load side by side)."""
+        if family not in servers:
+            args, name = ["serve", "--port", "0", *family_flags(family)], f"serve-{family}"
+            tmp = tmp_path_factory.mktemp(name)
+            proc = Proc(name, args, tmp, ONE_ENGINE_THREAD, announces=True)
+            try:
+                proc.wait_http("/ready", 300)
+            except BaseException:
+                proc.stop()
+                raise
+            servers[family] = proc
+        return servers[family]
+
+    try:
+        yield get
+    finally:
+        for proc in servers.values():
+            proc.stop()
 
 
 @pytest.fixture

@@ -31,6 +31,23 @@ from mmis.tiny_models.tiny_model import tiny_model_dir
 
 MMIS = [str(Path(sys.executable).parent / "mmis")]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+ONE_ENGINE_THREAD = {"OMP_NUM_THREADS": "1", "MMIS_ENGINE_THREADS": "1"}
+# a family's own flags: Qwen2-VL's video limits are test_video's (a 4-frame clip of 2 s, as
+# test_epd_e2e sends, is inside them)
+VIDEO_MAX_FRAMES = 6
+VIDEO_MAX_DURATION_S = 10.0
+FAMILY_FLAGS: dict[str, tuple[str, ...]] = {
+    "qwen2-vl": (
+        *("--video-max-frames", str(VIDEO_MAX_FRAMES)),
+        *("--video-max-duration-s", str(VIDEO_MAX_DURATION_S)),
+    ),
+}
+
+
+def family_flags(family: str) -> tuple[str, ...]:
+    """The ``mmis serve`` flags of ``conftest.family_serve``'s server of ``family``."""
+    model = ("--model", str(tiny_model_dir(family)), "--served-model-name", "m")
+    return (*model, *FAMILY_FLAGS.get(family, ()))
 
 
 class Proc(Daemon):
@@ -146,11 +163,20 @@ class Launcher:
         return proc
 
     def frontend(
-        self, name: str, engine: Engine, *extra: str, env: dict[str, str] | None = None
+        self,
+        name: str,
+        engine: Engine,
+        *extra: str,
+        env: dict[str, str] | None = None,
+        wait: bool = True,
     ) -> Frontend:
+        """A front end on ``engine``, waited for (``/ready``) unless ``wait`` is False: front
+        ends started one after another without waiting load side by side (each then
+        ``wait_ready()``)."""
         proc = Frontend(name, self.model, engine, self.tmp, *extra, env=env)
         self.procs.append(proc)
-        proc.wait_ready()
+        if wait:
+            proc.wait_ready()
         return proc
 
     def close(self) -> None:

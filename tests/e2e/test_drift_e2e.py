@@ -63,8 +63,10 @@ def test_s1c_two_frontends_feed_one_engine(
     launch: Launcher, expected: dict[tuple[int, int, int], str]
 ) -> None:
     engine = launch.engine("engine", "--mm-cache-gb", f"{2.5 * ITEM_GIB:.12f}")
-    first = launch.frontend("frontend-0", engine, "--client-index", "0")
-    second = launch.frontend("frontend-1", engine, "--client-index", "1")
+    first = launch.frontend("frontend-0", engine, "--client-index", "0", wait=False)
+    second = launch.frontend("frontend-1", engine, "--client-index", "1", wait=False)
+    first.wait_ready()  # the two loaded side by side
+    second.wait_ready()
     with httpx.Client(timeout=120) as http:
         for _ in range(2):
             for color in COLORS:

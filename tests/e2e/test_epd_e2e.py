@@ -26,7 +26,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +36,21 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from photos import jpeg
-from procs import Proc, children, openai_client, series, wait_for
+from procs import (
+    ONE_ENGINE_THREAD,
+    Proc,
+    children,
+    family_flags,
+    openai_client,
+    series,
+    wait_for,
+)
 from test_video import data_url, mp4
 
 from mmis.tiny_models.tiny_model import tiny_model_dir
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(900)]
 
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "MMIS_ENGINE_THREADS": "1"}
 MAX_TOKENS = 6
 
 
@@ -79,8 +86,9 @@ FAMILIES = ("qwen2-vl", "gemma3")
 class Stack:
     """Every process of this module, started side by side (they load in parallel: the
     module's setup is the slowest start, not the sum): one standalone encoder and two PD
-    ``mmis serve`` on the tiny LLaVA, and per family an aggregated ``mmis serve`` and one
-    with ``--encoders 1``."""
+    ``mmis serve`` on the tiny LLaVA, and per family one ``mmis serve --encoders 1`` beside
+    the session's aggregated server of the family (``conftest.family_serve``, the same
+    flags)."""
 
     encoder: Proc
     pd: tuple[Proc, Proc]
@@ -90,7 +98,7 @@ class Stack:
 def _serve(tmp: pytest.TempPathFactory, name: str, *flags: str) -> Proc:
     """A ``mmis serve`` launched (its address read), not waited for."""
     return Proc(
-        name, ["serve", "--port", "0", *flags], tmp.mktemp(name), ONE_THREAD, announces=True
+        name, ["serve", "--port", "0", *flags], tmp.mktemp(name), ONE_ENGINE_THREAD, announces=True
     )
 
 
@@ -98,14 +106,16 @@ def _encoder(tmp: pytest.TempPathFactory) -> Proc:
     port, health = _free_port(), _free_port()
     args = ["encoder", "--model", str(tiny_model_dir()), "--threads", "1"]
     args += ["--endpoint", f"tcp://127.0.0.1:{port}", "--health-port", str(health)]
-    proc = Proc("encoder", args, tmp.mktemp("encoder"), ONE_THREAD)
+    proc = Proc("encoder", args, tmp.mktemp("encoder"), ONE_ENGINE_THREAD)
     proc.root_url = f"http://127.0.0.1:{health}"
     proc.endpoint = f"tcp://127.0.0.1:{port}"  # type: ignore[attr-defined]
     return proc
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, family_serve: Callable[[str], Proc]
+) -> Iterator[Stack]:
     procs: list[Proc] = []
     launched: list[concurrent.futures.Future[Proc]] = []
     try:
@@ -114,25 +124,23 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         llava: tuple[str, ...] = ("--model", str(tiny_model_dir()), "--served-model-name", "tiny")
         llava += ("--encoder-urls", encoder.endpoint)  # type: ignore[attr-defined]
         starts: list[tuple[str, tuple[str, ...]]] = [("serve-pd-a", llava), ("serve-pd-b", llava)]
-        for family in FAMILIES:
-            flags = ("--model", str(tiny_model_dir(family)), "--served-model-name", "m")
-            starts += [
-                (f"serve-{family}", flags),
-                (f"serve-{family}-epd", (*flags, "--encoders", "1")),
-            ]
-        with concurrent.futures.ThreadPoolExecutor(len(starts)) as pool:
+        starts += [(f"serve-{f}-epd", (*family_flags(f), "--encoders", "1")) for f in FAMILIES]
+        with concurrent.futures.ThreadPoolExecutor(len(starts) + len(FAMILIES)) as pool:
             launched = [pool.submit(_serve, tmp_path_factory, n, *f) for n, f in starts]
-            concurrent.futures.wait(launched)
+            # the aggregated references are the session's servers of the families
+            # (conftest.py), loading beside this module's own if no module started them yet
+            references = [pool.submit(family_serve, family) for family in FAMILIES]
+            concurrent.futures.wait([*launched, *references])
         procs += [f.result() for f in launched if f.exception() is None]
         for future in launched:
             future.result()  # a launch that failed fails the setup (its log named)
         encoder.wait_http("/health", 300)
         for proc in procs[1:]:
             proc.wait_http("/ready", 300)
-        pd_a, pd_b, *rest = procs[1:]
-        for pd in (pd_a, pd_b, *rest[1::2]):  # the encoder is live in each E/PD pool
+        pd_a, pd_b, *epds = procs[1:]
+        for pd in (pd_a, pd_b, *epds):  # the encoder is live in each E/PD pool
             wait_for("encoder in the pool", lambda pd=pd: _joined(pd), 120)
-        pairs = {f: (rest[2 * i], rest[2 * i + 1]) for i, f in enumerate(FAMILIES)}
+        pairs = {f: (references[i].result(), epds[i]) for i, f in enumerate(FAMILIES)}
         yield Stack(encoder, (pd_a, pd_b), pairs)
     finally:
         with concurrent.futures.ThreadPoolExecutor(max(len(procs), 1)) as pool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import base64
 import io
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import openai
@@ -23,7 +23,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
 from photos import jpeg as _jpeg
-from procs import ServeFactory, openai_client
+from procs import Proc, openai_client
 
 from mmis.tiny_models.tiny_model import tiny_model_dir
 
@@ -37,12 +37,10 @@ SIZES = ((640, 480), (300, 500))
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def served(
-    request: pytest.FixtureRequest, start_serve: ServeFactory
-) -> Iterator[tuple[openai.OpenAI, Path]]:
-    model = tiny_model_dir(request.param)
-    flags = ("--model", str(model), "--served-model-name", "m")
-    with start_serve(f"serve-{request.param}", *flags) as proc:
-        yield openai_client(proc, timeout=300), model
+    request: pytest.FixtureRequest, family_serve: Callable[[str], Proc]
+) -> tuple[openai.OpenAI, Path]:
+    proc = family_serve(request.param)  # the session's server of the family (conftest.py)
+    return openai_client(proc, timeout=300), tiny_model_dir(request.param)
 
 
 def _reference(model: Path, jpegs: list[bytes]) -> tuple[str, int]:

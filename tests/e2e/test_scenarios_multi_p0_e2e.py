@@ -86,9 +86,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         engine = launch.engine("engine", *engine_flags(shm))
         flags = (*engine_flags(shm), "--shm-gb", "0.02", "--stats-interval-s", "0.2")
         p0 = [
-            launch.frontend(f"frontend-{i}", engine, "--client-index", str(i), *flags)
+            launch.frontend(f"frontend-{i}", engine, "--client-index", str(i), *flags, wait=False)
             for i in (0, 1)
         ]
+        for frontend in p0:  # the two loaded side by side
+            frontend.wait_ready()
         yield Stack(launch, shm, engine, p0, flags)
     finally:
         launch.close()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import base64
 import io
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ import openai
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from procs import Proc, ServeFactory, openai_client
+from procs import VIDEO_MAX_DURATION_S, VIDEO_MAX_FRAMES, Proc, openai_client
 
 from mmis.frontend.client.media.video import VideoLimits, decode_video
 from mmis.tiny_models.tiny_model import tiny_model_dir
@@ -36,8 +36,8 @@ pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
 
 PROMPT = "What happens in the video?"
 MAX_TOKENS = 6
-MAX_FRAMES = 6
-MAX_DURATION_S = 10.0
+MAX_FRAMES = VIDEO_MAX_FRAMES  # the server's limits (procs.FAMILY_FLAGS)
+MAX_DURATION_S = VIDEO_MAX_DURATION_S
 TOKENS_PER_PATCH = 16  # 64x64 frames, patch 8, merge 2: (8 / 2) ** 2 per temporal patch
 
 
@@ -66,12 +66,10 @@ def data_url(data: bytes) -> str:
 
 
 @pytest.fixture(scope="module")
-def served(start_serve: ServeFactory) -> Iterator[Proc]:
-    flags = ["--model", str(tiny_model_dir("qwen2-vl")), "--served-model-name", "q"]
-    flags += ["--video-max-frames", str(MAX_FRAMES)]
-    flags += ["--video-max-duration-s", str(MAX_DURATION_S)]
-    with start_serve("serve-video", *flags) as proc:
-        yield proc
+def served(family_serve: Callable[[str], Proc]) -> Proc:
+    """The session's Qwen2-VL server (conftest.py): its video limits are MAX_FRAMES and
+    MAX_DURATION_S."""
+    return family_serve("qwen2-vl")
 
 
 def client(proc: Proc) -> openai.OpenAI:
@@ -80,7 +78,7 @@ def client(proc: Proc) -> openai.OpenAI:
 
 def ask(proc: Proc, video: bytes) -> Any:
     return client(proc).chat.completions.create(
-        model="q",
+        model="m",
         max_tokens=MAX_TOKENS,
         temperature=0,
         extra_body={"ignore_eos": True},
@@ -170,7 +168,7 @@ def test_responses_take_a_video_part_as_chat_does(served: Proc) -> None:
     video = mp4(8, fps=4, seed=6)
     chat = ask(served, video)
     response = client(served).responses.create(
-        model="q",
+        model="m",
         input=_video_turn("user", video),  # type: ignore[arg-type]
         max_output_tokens=MAX_TOKENS,
         temperature=0,
@@ -182,7 +180,7 @@ def test_responses_take_a_video_part_as_chat_does(served: Proc) -> None:
     assert response.usage.output_tokens == MAX_TOKENS
     with pytest.raises(openai.BadRequestError) as caught:
         client(served).responses.create(
-            model="q",
+            model="m",
             input=_video_turn("assistant", video),  # type: ignore[arg-type]
             max_output_tokens=MAX_TOKENS,
         )

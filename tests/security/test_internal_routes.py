@@ -55,13 +55,19 @@ class Stack:
         # operations port + internal token
         self.split = launcher.frontend(
             "p0-ops", engine, *keyed, "--ops-port", str(self.ops_port), "--client-index", "0",
-            env=token,
+            env=token, wait=False,
         )  # fmt: skip
         self.ops = f"http://127.0.0.1:{self.ops_port}"
         # no operations port: /internal/* on the serving port, with the token
-        self.single = launcher.frontend("p0-one", engine, *keyed, "--client-index", "1", env=token)
+        self.single = launcher.frontend(
+            "p0-one", engine, *keyed, "--client-index", "1", env=token, wait=False
+        )
         # no token configured at all
-        self.closed = launcher.frontend("p0-none", engine, *keyed, "--client-index", "2")
+        self.closed = launcher.frontend(
+            "p0-none", engine, *keyed, "--client-index", "2", wait=False
+        )
+        for frontend in (self.split, self.single, self.closed):  # loading side by side
+            frontend.wait_ready()
 
 
 @pytest.fixture(scope="module")
