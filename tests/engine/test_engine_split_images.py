@@ -25,7 +25,10 @@ from engine_references import References, Spec
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
-FAMILIES = ("llava", "qwen2-vl", "qwen2.5-vl", "llava-siglip")
+# LLaVA (encoder output rows sliced per chunk) and Qwen2-VL (the same, with M-RoPE positions);
+# Qwen2.5-VL and LLaVA-SigLIP differ from these in the tower alone, whose whole output the
+# split path slices alike (16 placeholder tokens in each): their parity is test_engine_parity's
+FAMILIES = ("llava", "qwen2-vl")
 STEP = 6  # tokens per engine step: smaller than every image
 DRIFT_TEXT = "What is in the picture?"
 

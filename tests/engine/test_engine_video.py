@@ -25,8 +25,11 @@ from video_inputs import Clip, clip, video_reference, video_request
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
-FAMILIES = ("qwen2-vl", "qwen2.5-vl")
 STEP = 24  # tokens per engine step: smaller than the video's 64 placeholder tokens
+# (family, mode): whole videos on Qwen2-VL, split across chunks on both families (a split
+# request takes every step of the whole one's path, and Qwen2.5-VL's temporal spacing must
+# reach the positions of each chunk)
+CASES = (("qwen2-vl", "whole"), ("qwen2-vl", "split"), ("qwen2.5-vl", "split"))
 
 
 def specs() -> list[tuple[str, list[Clip], list[object]]]:
@@ -37,16 +40,21 @@ def specs() -> list[tuple[str, list[Clip], list[object]]]:
     ]
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def kit(request: pytest.FixtureRequest, tiny_dirs: dict[str, Path]) -> ModelKit:
-    return kit_for(request.param, tiny_dirs[request.param])
+@pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{m}" for f, m in CASES])
+def case(request: pytest.FixtureRequest) -> tuple[str, str]:
+    return request.param  # type: ignore[no-any-return]
 
 
-@pytest.fixture(scope="module", params=["whole", "split"])
-def engine(request: pytest.FixtureRequest, kit: ModelKit) -> Iterator[EngineHarness]:
-    args = ("--max-num-batched-tokens", str(STEP)) if request.param == "split" else ()
+@pytest.fixture(scope="module")
+def kit(case: tuple[str, str], tiny_dirs: dict[str, Path]) -> ModelKit:
+    return kit_for(case[0], tiny_dirs[case[0]])
+
+
+@pytest.fixture(scope="module")
+def engine(case: tuple[str, str], kit: ModelKit) -> Iterator[EngineHarness]:
+    args = ("--max-num-batched-tokens", str(STEP)) if case[1] == "split" else ()
     with EngineHarness(kit.path, *args) as eng:
-        eng.split = request.param == "split"  # type: ignore[attr-defined]
+        eng.split = case[1] == "split"  # type: ignore[attr-defined]
         yield eng
 
 
