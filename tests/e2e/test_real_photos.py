@@ -5,7 +5,7 @@ min_pixels 3136, max_pixels 12845056, a 32768-token context) behind ``mmis serve
 DIR``: 640x480 and 1920x1080 JPEG photos are answered with 200 through the openai SDK,
 and the 1920x1080 answer equals plain transformers' greedy ``generate()`` on the same
 decoded image and prompt; the same photo with ``detail: "low"`` takes the processor's minimum
-pixel budget (a handful of tokens). A 7 MP 3072x2304 photo (9020 placeholder tokens) is
+pixel budget (a handful of tokens). A 6.5 MP 2912x2240 photo (8320 placeholder tokens) is
 answered too: more than one prefill chunk, so its range is split across chunks, and more than
 the old fixed 8192-slot encoder cache (the floor, ``MIN_ENCODER_CACHE_TOKENS``), so it is
 served only because the cache was sized from the processor at start-up. That this sizing
@@ -109,7 +109,7 @@ def test_a_photo_past_the_old_fixed_encoder_cache_is_answered(
     served: tuple[openai.OpenAI, Path],
 ) -> None:
     client, _ = served
-    _, prompt_tokens, completion_tokens = _ask(client, _jpeg(3072, 2304))
+    _, prompt_tokens, completion_tokens = _ask(client, _jpeg(2912, 2240))
     # past the old fixed encoder cache (the floor): served only from the processor's sizing
     assert prompt_tokens > MIN_ENCODER_CACHE_TOKENS == 8192
     assert completion_tokens >= 1

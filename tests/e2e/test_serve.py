@@ -36,7 +36,9 @@ from mmis.tiny_models.tiny_model import tiny_model_dir
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600)]
 
 COLORS = [(200, 10, 10), (10, 200, 10), (10, 10, 200), (120, 120, 0)]
-LONG = 2000  # tokens, EOS ignored: seconds of decoding, so both are still in P1 at the signal
+# tokens, EOS ignored: seconds of decoding, so both are still in P1 at the signal (sent once
+# the gauge shows both; 2000 before, three times the decoding for the same proof)
+LONG = 1000
 
 
 class Serve(Proc):

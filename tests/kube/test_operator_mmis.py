@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import socket
 import subprocess
@@ -238,8 +239,15 @@ def test_deleted_deployment_is_recreated(
 def test_apiserver_restart_does_not_wedge_the_operator(
     cluster: Cluster, namespace: str, operator: OperatorThread
 ) -> None:
+    """Also the control plane's own restart (it was test_controlplane's test): a new
+    kube-apiserver process, the old one gone, the state kept (etcd) and this client and the
+    operator's connected again."""
     _apply_ready(cluster, namespace)
+    old_pid = cluster.pids()["kube-apiserver"]
     cluster.restart_apiserver()
+    assert cluster.pids()["kube-apiserver"] != old_pid
+    with pytest.raises(ProcessLookupError):
+        os.kill(old_pid, 0)
     second = copy.deepcopy(SAMPLE)
     second["metadata"]["name"] = "after-restart"
     _apply_ready(cluster, namespace, second)
