@@ -31,6 +31,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -99,9 +100,9 @@ def family_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
 
     try:
         yield get
-    finally:
-        for proc in servers.values():
-            proc.stop()
+    finally:  # side by side: the session's end waits for the slowest stop, not the sum
+        with ThreadPoolExecutor(max(len(servers), 1)) as pool:
+            list(pool.map(Proc.stop, servers.values()))
 
 
 @pytest.fixture
