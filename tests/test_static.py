@@ -34,11 +34,12 @@ def test_ruff_format() -> None:
 
 
 def test_mypy() -> None:
-    """Incremental where ``MYPY_CACHE_DIR`` (mypy's own variable; ``.ci/run`` keeps it under
-    ``~/.cache/mmis``) survives the checkout: mypy reuses a module's cached result only when
-    the module's size and content hash and its dependencies' interfaces are unchanged (a new
-    path or mtime only makes it re-hash), and re-reports a cached module's errors, so a type
-    error in a changed file or in an unchanged caller of a changed signature still fails."""
+    """Incremental where ``MYPY_CACHE_DIR`` (mypy's own variable; ``.ci/run`` keeps one per
+    checkout path under ``~/.cache/mmis/mypy``) survives the checkout: mypy reuses a module's
+    cached result only when the module's path, size and content hash and its dependencies'
+    interfaces are unchanged (a new mtime only makes it re-hash; another path re-checks it),
+    and re-reports a cached module's errors, so a type error in a changed file or in an
+    unchanged caller of a changed signature still fails."""
     _run("mypy")
 
 
