@@ -174,7 +174,9 @@ EVENT_ENDPOINTS = (
 
 def check_event_endpoints(cfg: EngineConfig) -> None:
     """Without ``--events-token`` every event endpoint must be loopback (docs/SECURITY.md):
-    anything else is refused here, before the model loads, naming the flag."""
+    anything else is refused, naming the flag. ``entrypoints/engine.py`` calls it before torch
+    is imported (a refusal in a fraction of a second); each publisher checks again as it
+    binds (:func:`_event_publisher`)."""
     if cfg.events_token:
         return
     from mmis.config import flag_of
@@ -267,7 +269,6 @@ def build(cfg: EngineConfig, path: str, worker_setup: Callable[[str], None]) -> 
     the batch limits, and wire scheduler, runner, receiver cache and process shell;
     ``worker_setup``: the logging set-up tensor-parallel worker ranks run first (a
     module-level function: ``spawn`` pickles it)."""
-    check_event_endpoints(cfg)  # before torch is imported: a refused bind is one line at once
     from mmis.engine.core_process import EngineCoreProc
     from mmis.engine.encoder_inputs import EmbedsSpec
     from mmis.engine.execution.attn_backends import AttentionBackendError
