@@ -5,8 +5,9 @@
 
 For each tiny model family (``mmis.tiny_models``) and dtype, the adapter is loaded twice in this
 one process, ``fuse=False`` (transformers' layers as they are), and fused as a CUDA load fuses
-it (q/k/v and gate/up merged, RMSNorm as torch's ``rms_norm``, q and k's rotary embeddings as
-one: ``engine/execution/model/fused.py``, ``fuse_adapter(adapter, norms=True)``; a CPU load
+it (q/k/v and gate/up merged, RMSNorm as torch's ``rms_norm``, Gemma's norms compiled, q and
+k's rotary embeddings as one: ``engine/execution/model/fused.py``,
+``fuse_adapter(adapter, norms=True, compiled=True)``; a CPU load
 keeps transformers' layers). Each runs, through the real :class:`ModelRunner` on CPU with the
 attention backend ``--attention-backend`` (default ``flex``, what ``auto`` picks on CUDA: the
 paged FlexAttention backend, compiled), a prefill of ``--batch`` text requests of
@@ -223,7 +224,7 @@ def prefilled(
     when asked to (not ``norms``: projections and rotary only)."""
     adapter = load_adapter(tiny_model_dir(family), "cpu", dtype, fuse=False)
     if fuse:
-        fuse_adapter(adapter, projections=True, norms=norms)
+        fuse_adapter(adapter, projections=True, norms=norms, compiled=norms)
     per_request = -(-(context + steps) // BLOCK_SIZE)
     runner = ModelRunner.create(
         adapter,

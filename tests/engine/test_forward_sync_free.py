@@ -18,7 +18,8 @@ view of the step's one upload (``step_builder.build_step``: its metadata and ext
 M-RoPE positions included, no upload or device op of their own before the forward (an upload
 from pageable memory waits for the stream on CUDA).
 
-The flex backend's ``torch.compile``'d ``flex_attention`` refuses to run under a user dispatch
+The flex backend's ``torch.compile``'d ``flex_attention`` (and, on CUDA, the compiled norms:
+``model/compiled.py``) refuses to run under a user dispatch
 mode; the test runs it through :func:`sync_guard.opaque` (the guard paused around the kernel,
 its pool inputs counted as in-place reads; compiled with ``fullgraph=True`` it cannot sync on
 the host). Everything the backend does around the kernel (its block masks) is guarded.
@@ -50,7 +51,7 @@ from sync_guard import ForwardGuard, guarded, opaque
 from mmis.engine.execution import attn_backends
 from mmis.engine.execution import runner as runner_module
 from mmis.engine.execution.attn_backends import TorchBackend
-from mmis.engine.execution.model import ModelAdapter, load_adapter
+from mmis.engine.execution.model import ModelAdapter, compiled, load_adapter
 from mmis.engine.execution.model.fused import fuse_adapter
 from mmis.engine.execution.paged_attention import KVCacheSpec, PagedKVPool
 from mmis.engine.execution.runner import ModelRunner
@@ -99,15 +100,17 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _load(family: str, device: str, root: Path) -> tuple[ModelKit, ModelAdapter]:
     """The family's processor kit and adapter on ``device`` (float32 on CPU, bf16 on CUDA),
-    its layers as a CUDA load fuses them (q/k/v and gate/up one matmul, q and k's rotary one
-    pass: ``model/fused.py``, ``model/rotary.py``) on CPU too, so that is what is guarded."""
+    its layers as a CUDA load fuses them (q/k/v and gate/up one matmul, torch's ``rms_norm``,
+    Gemma's norms compiled, q and k's rotary one pass: ``model/fused.py``, ``model/norms.py``,
+    ``model/rotary.py``) on CPU too, so that is what is guarded."""
     if (family, device) not in _LOADED:
         path = root / family
         if not path.exists():
             build_tiny_model(path, family)
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
         adapter = load_adapter(path, device, dtype)
-        fuse_adapter(adapter, projections=True)  # a no-op where the load fused (CUDA)
+        # a no-op where the load fused (CUDA)
+        fuse_adapter(adapter, projections=True, norms=True, compiled=True)
         _LOADED[family, device] = (ModelKit.load(family, path), adapter)
     return _LOADED[family, device]
 
@@ -230,6 +233,8 @@ def test_forward_has_no_sync_and_counts_pool_copies(
     kernel = getattr(runner.backend, "flex", None)
     if callable(kernel):  # torch.compile'd flex_attention refuses a user dispatch mode
         monkeypatch.setattr(runner.backend, "flex", opaque(kernel))
+    # so do the compiled norms of a CUDA load (model/compiled.py; a CPU load has none)
+    monkeypatch.setattr(compiled, "call", opaque(compiled.call))
     steps = _Steps(runner)
     first = _prompt(kit, "a", "Describe the picture in a few words please.", 1)
     second = _prompt(kit, "b", "What colours are there, and what shapes do you see?", 2)
@@ -253,6 +258,7 @@ def test_forward_has_no_sync_and_counts_pool_copies(
         for i, (kind, g) in enumerate(zip(kinds, record, strict=True))
     ]
     print("\n".join(report))
+    assert not compiled.BROKEN, compiled.BROKEN  # compiled norms, where any, ran compiled
     problems = sorted({f"{v}" for g in record for v in g.violations})
     assert not problems, "syncs inside the forward:\n" + "\n".join(problems)
     own = [

@@ -14,8 +14,10 @@ modeling code is not touched: it still calls ``self.q_proj(h)`` and gets the sam
 module's ``apply_rotary_pos_emb`` is swapped for one that gives the same result (below).
 
 On a device where torch has a fused RMSNorm kernel it also replaces the language model's
-RMSNorm modules (``model/norms.py``). Torch has no fused residual-add + RMSNorm nor
-SiLU-and-mul in the supported range, so those stay as transformers runs them. With q and k
+RMSNorm modules (``model/norms.py``); on CUDA, Gemma's norms, which ``rms_norm`` cannot
+take in bfloat16, run as compiled kernels (``model/compiled.py``). Torch has no fused
+residual-add + RMSNorm nor SiLU-and-mul in the supported range, so those stay as
+transformers runs them. With q and k
 one product, their rotary embeddings run as one (``model/rotary.py``: four kernels for both
 instead of ten, bit for bit transformers' result), and so do Gemma 3's q_norm and k_norm that
 come between (``model/norms.py``, :func:`fuse_qk_norms`).
@@ -246,11 +248,13 @@ class FuseReport:
     qk_norms_kept: int = 0
     rotary: int = 0
     rotary_kept: int = 0
+    compiled: bool = False
 
     def describe(self) -> str:
         return (
             f"fused q/k/v and gate/up in {self.groups} groups ({self.groups_kept} kept); "
-            f"torch rms_norm for {self.norms} norms ({self.norms_kept} kept); "
+            f"torch rms_norm for {self.norms} norms ({self.norms_kept} kept"
+            f"{'; Gemma-style ones compiled' if self.compiled else ''}); "
             f"joint q/k norms in {self.qk_norms} layers ({self.qk_norms_kept} kept); "
             f"joint q/k rotary in {self.rotary} modeling modules ({self.rotary_kept} kept)"
         )
@@ -262,6 +266,7 @@ def fuse_adapter(
     projections: bool | None = None,
     norms: bool | None = None,
     rotary: bool | None = None,
+    compiled: bool | None = None,
 ) -> FuseReport:
     """Fuse a model adapter's language model in place (see the module docstring), logged.
     ``projections``: merge q/k/v and gate/up (default: on CUDA only, where one launch less per
@@ -269,7 +274,9 @@ def fuse_adapter(
     1.78 ms, so a CPU load keeps its linears as they were, ``benchmarks/README.md``).
     ``norms``: replace the RMSNorms too (default: where :func:`fused_norm_kernel` says so for
     the adapter's device). ``rotary``: q and k's rotary embeddings as one
-    (``model/rotary.py``; default: wherever q/k/v were fused, the only place it applies)."""
+    (``model/rotary.py``; default: wherever q/k/v were fused, the only place it applies).
+    ``compiled``: Gemma's norms as compiled kernels (``model/compiled.py``; default: on CUDA,
+    where each is one launch instead of three; a CPU load keeps transformers' norms anyway)."""
     lm = adapter.language_model
     report = FuseReport()
     if projections is None:
@@ -279,8 +286,11 @@ def fuse_adapter(
     if norms is None:
         norms = fused_norm_kernel(torch.device(adapter.device))
     attention = [a for layer in lm.layers if (a := getattr(layer, "self_attn", None)) is not None]
+    if compiled is None:
+        compiled = torch.device(adapter.device).type == "cuda"
     if norms:
-        report.norms, report.norms_kept = fuse_norms(lm)
+        report.norms, report.norms_kept = fuse_norms(lm, compiled=compiled)
+        report.compiled = compiled
         if report.groups > 0:  # q_norm/k_norm over a fused product: one pass (model/norms.py)
             report.qk_norms, report.qk_norms_kept = fuse_qk_norms(attention)
     if rotary is None:

@@ -32,6 +32,10 @@ Invariants:
   the memory after it, gets the two norms' own results. The q half reads only memory inside
   q's storage. As with ``FusedProjection``, an in-place write to k between the two calls
   would not be seen; the modeling code calls ``q_norm`` and ``k_norm`` back to back.
+- Compiled (``fuse_norms(compiled=True)``, what a CUDA load asks for): a Gemma-style norm of a
+  bfloat16/float16 input, and the joint q/k norm in every dtype, run as one compiled kernel
+  each (``model/compiled.py``: Gemma 3 in bfloat16, 30 kernels a decoder layer -> 20; in
+  float32, 21 -> 20), with the same float32 arithmetic up to the order of a row's sum.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from mmis.engine.execution.model import compiled as compiled_fns
+
 log = logging.getLogger(__name__)
 
 # RMSNorm classes of transformers by arithmetic (see the module docstring)
@@ -51,12 +57,15 @@ GEMMA_STYLE = frozenset({"Gemma3RMSNorm"})
 
 class FusedRMSNorm(torch.nn.Module):
     """A transformers RMSNorm computed by ``torch.nn.functional.rms_norm`` (one kernel on
-    CUDA). ``gemma``: Gemma's ``(1 + weight)`` scale, applied in float32 like Gemma 3 does."""
+    CUDA). ``gemma``: Gemma's ``(1 + weight)`` scale, applied in float32 like Gemma 3 does.
+    ``compiled``: a Gemma norm of a bfloat16/float16 input runs as one compiled kernel
+    (``model/compiled.py``) instead of an up-cast, ``rms_norm`` and a down-cast."""
 
-    def __init__(self, norm: torch.nn.Module, *, gemma: bool) -> None:
+    def __init__(self, norm: torch.nn.Module, *, gemma: bool, compiled: bool = False) -> None:
         super().__init__()
         weight = _weight(norm).detach()
         self.gemma = gemma
+        self.compiled = compiled
         self.eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
         self.shape = (int(weight.shape[-1]),)
         self.original = type(norm).__name__
@@ -69,7 +78,9 @@ class FusedRMSNorm(torch.nn.Module):
         order = memory_order(x)
         if order is not None:  # normalise in memory order: one dense copy at most, no transpose
             x = x.permute(order)
-        if self.gemma:
+        if self.gemma and self.compiled and x.dtype != torch.float32:
+            out = compiled_fns.call(compiled_fns.gemma_rms_norm, x, self.weight, self.eps)
+        elif self.gemma:
             out = rms_norm(x.float(), self.shape, self.weight, self.eps).to(x.dtype)
         else:
             out = rms_norm(x, self.shape, self.weight, self.eps)
@@ -91,6 +102,7 @@ class JointQKNorm:
         self, q_norm: FusedRMSNorm, k_norm: FusedRMSNorm, attention: torch.nn.Module
     ) -> None:
         self.q_norm, self.k_norm = q_norm, k_norm
+        self.compiled = q_norm.compiled  # one compiled kernel (model/compiled.py) for the pair
         self._attention = weakref.ref(attention)  # the module holds the pair: no cycle
         self.eps = q_norm.eps
         self._weights: dict[tuple[int, int, torch.device], torch.Tensor] = {}
@@ -138,11 +150,15 @@ class JointQKNorm:
             return self.q_norm(q)
         hq = q.shape[1]
         order = [0, 2, 1, 3]  # [B, S, H, D]: rows as they lie in memory
-        rows = joint.permute(order).float()
-        normed = torch.nn.functional.rms_norm(rows, self.q_norm.shape, None, self.eps)
-        weight = self.weight(hq, joint.shape[1] - hq, normed.device)
-        # the product in float32, rounded once to q's dtype: Gemma's ``(x * w).to(dtype)``
-        out = torch.mul(normed, weight, out=torch.empty_like(normed, dtype=q.dtype))
+        rows = joint.permute(order)
+        weight = self.weight(hq, joint.shape[1] - hq, q.device)
+        if self.compiled:
+            norm = compiled_fns.joint_qk_norm
+            out = compiled_fns.call(norm, rows, weight, self.eps, q.dtype)
+        else:
+            normed = torch.nn.functional.rms_norm(rows.float(), self.q_norm.shape, None, self.eps)
+            # the product in float32, rounded once to q's dtype: Gemma's ``(x * w).to(dtype)``
+            out = torch.mul(normed, weight, out=torch.empty_like(normed, dtype=q.dtype))
         out = out.permute(order)
         k = joint[:, hq:]
         self._kept = (joint, k.data_ptr(), k.shape, k.stride(), out[:, hq:])
@@ -216,9 +232,10 @@ def _probe(norm: torch.nn.Module, fused: FusedRMSNorm) -> bool:
     return bool(torch.allclose(got.float(), want.float(), atol=tol, rtol=tol))
 
 
-def fuse_norms(language_model: torch.nn.Module) -> tuple[int, int]:
+def fuse_norms(language_model: torch.nn.Module, *, compiled: bool = False) -> tuple[int, int]:
     """Replace the known RMSNorm modules of ``language_model`` (decoder layers and the final
-    norm); returns (replaced, kept) module counts."""
+    norm); returns (replaced, kept) module counts. ``compiled``: Gemma-style norms (and the
+    joint q/k norms :func:`fuse_qk_norms` makes of them) run compiled (:class:`FusedRMSNorm`)."""
     verdict: dict[type, bool] = {}
     replaced = kept = 0
     targets = [
@@ -234,7 +251,7 @@ def fuse_norms(language_model: torch.nn.Module) -> tuple[int, int]:
         if not known or not isinstance(getattr(child, "weight", None), torch.Tensor):
             kept += 1
             continue
-        fused = FusedRMSNorm(child, gemma=gemma)
+        fused = FusedRMSNorm(child, gemma=gemma, compiled=compiled)
         if cls not in verdict:
             verdict[cls] = _probe(child, fused)
             if not verdict[cls]:
