@@ -58,7 +58,12 @@ from typing import Any
 
 import torch
 
-from mmis.engine.execution.model.norms import fuse_norms, fuse_qk_norms, fused_norm_kernel
+from mmis.engine.execution.model.norms import (
+    FusedRMSNorm,
+    fuse_norms,
+    fuse_qk_norms,
+    fused_norm_kernel,
+)
 from mmis.engine.execution.model.rotary import fuse_rotary
 
 log = logging.getLogger(__name__)
@@ -290,7 +295,10 @@ def fuse_adapter(
         compiled = torch.device(adapter.device).type == "cuda"
     if norms:
         report.norms, report.norms_kept = fuse_norms(lm, compiled=compiled)
-        report.compiled = compiled
+        # said in the log only where a Gemma-style norm takes the compiled path
+        report.compiled = compiled and any(
+            isinstance(m, FusedRMSNorm) and m.gemma for m in lm.modules()
+        )
         if report.groups > 0:  # q_norm/k_norm over a fused product: one pass (model/norms.py)
             report.qk_norms, report.qk_norms_kept = fuse_qk_norms(attention)
     if rotary is None:
