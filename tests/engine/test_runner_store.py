@@ -86,10 +86,9 @@ def test_mean_pooling_refuses_a_prefix_hit(family):
 
 def test_bad_steps_raise_typed_errors(family):
     runner = family.runner(num_blocks=4, block_size=4)
-    with pytest.raises(StepInputError, match="outside"):
-        runner.execute(
-            SchedulerOutput([ScheduledRequest("x", [family.adapter.vocab_size], 0, [0])])
-        )
+    for bad in ([family.adapter.vocab_size], [-5], [3, -(2**62)]):  # one check, both ends
+        with pytest.raises(StepInputError, match="outside"):
+            runner.execute(SchedulerOutput([ScheduledRequest("x", bad, 0, [0])]))
     with pytest.raises(StepInputError, match="twice"):
         seq = ScheduledRequest("x", [1, 2], 0, [0])
         runner.execute(SchedulerOutput([seq, seq]))

@@ -100,6 +100,12 @@ _REQUEST_ID = operator.attrgetter("request_id")
 _PROMPT_LOGPROBS = operator.attrgetter("prompt_logprobs")
 
 
+def _largest_unsigned(ids: np.ndarray) -> int:
+    """The largest of ``ids`` (int64, not empty) read as unsigned: a negative id counts as
+    2**63 or more, so one reduction bounds both ends of the vocabulary."""
+    return int(np.maximum.reduce(ids.view(np.uint64)))
+
+
 class StepInputError(MMISError, ValueError):
     """A step the runner cannot execute (a scheduler/glue bug or bad request data)."""
 
@@ -219,10 +225,11 @@ class ModelRunner:
         for mm_hash in batch.freed_encoder_hashes:
             self.encoder_outputs.pop(mm_hash, None)
         ended = batch.ended_request_ids
-        for request_id in ended:
-            self._pool_sums.pop(request_id, None)
-        self.token_history.drop(ended)
-        self.block_tables.release(ended)
+        if ended:  # most steps end nothing
+            for request_id in ended:
+                self._pool_sums.pop(request_id, None)
+            self.token_history.drop(ended)
+            self.block_tables.release(ended)
         seqs = list(batch.scheduled)
         if not seqs:
             return launched
@@ -254,7 +261,9 @@ class ModelRunner:
         )
         if not pooling and all(samples):  # every chunk samples (every decode step)
             chosen = seqs
-            sample_rows = list(itertools.accumulate(sizes, initial=-1))[1:]  # last rows
+            # every packed row samples (a decode step): no gather, no rows to upload
+            everything = offset == len(seqs)
+            sample_rows = [] if everything else list(itertools.accumulate(sizes, initial=-1))[1:]
         else:
             chosen, sample_rows, end = [], [], 0
             for s, size in zip(seqs, sizes, strict=True):
@@ -262,6 +271,7 @@ class ModelRunner:
                 if s.pooling_params is None and s.sample:
                     sample_rows.append(end - 1)
                     chosen.append(s)
+            everything = len(sample_rows) == offset
         # async scheduling: ``replace`` when every token is the previous step's sampled id of
         # the same row (the steady state), else ``patch`` (destinations, sources) of some
         replace: torch.Tensor | None = None
@@ -282,16 +292,19 @@ class ModelRunner:
             items
             or min(sizes) == 0
             or len(set(ids)) != len(ids)
-            or (replace is None and flat.size and (int(flat.min()) < 0 or int(flat.max()) >= vocab))
+            or (replace is None and flat.size and _largest_unsigned(flat) >= vocab)
         ):
             self._validate(seqs)  # raises the first problem, as the checks run row by row
         spans = self.adapter.bidirectional_spans(seqs)
-        everything = len(sample_rows) == offset  # every packed row samples: no gather
-        extra = [(flat, torch.long), (np.array(sample_rows, dtype=np.int64), torch.long)]
+        # the step's extra host arrays, in this order: token ids, the sampled rows (unless
+        # ``everything``), M-RoPE positions (if any), the placeholders' patch (if any)
+        extra = [(flat, torch.long)]
+        if not everything:
+            extra.append((np.array(sample_rows, dtype=np.int64), torch.long))
         host_positions = self.adapter.host_positions(seqs)  # M-RoPE: in the one upload too
         if host_positions is not None:
             extra.append((host_positions, torch.long))
-        if patch is not None:  # last: the other extras keep their places
+        if patch is not None:
             extra += [(patch[0], torch.long), (patch[1], torch.long)]
         meta, uploaded = build_step(
             sizes,
@@ -303,7 +316,7 @@ class ModelRunner:
             bidirectional_spans=spans,
             extra=extra,
         )
-        token_tensor, rows_tensor = uploaded[0], uploaded[1]
+        token_tensor = uploaded[0]
         # the placeholders: the previous step's sampled ids, on the device, no host sync
         if replace is not None:
             token_tensor = replace
@@ -319,7 +332,9 @@ class ModelRunner:
         if items:
             self._scatter(embeds, seqs)
         positions = (
-            meta.positions.unsqueeze(0) if host_positions is None else uploaded[2].unsqueeze(-2)
+            meta.positions.unsqueeze(0)
+            if host_positions is None
+            else uploaded[1 if everything else 2].unsqueeze(-2)
         )
         if self.tensor_parallel is not None:  # the other ranks run the same forward
             lora_writes, lora_slots = [], None
@@ -355,7 +370,7 @@ class ModelRunner:
                 ends = list(map(operator.add, starts, sizes))
             else:
                 ends = [s.start_position + len(s.token_ids) for s in chosen]
-            rows = hidden if everything else hidden[rows_tensor]
+            rows = hidden if everything else hidden[uploaded[1]]
             params = params_all if chosen is seqs else [s.sampling_params for s in chosen]
             sampled, launched.logprobs = self._sample(rows, chosen, params, ends, histories, plain)
             launched.sampled = self.copies.start(sampled)

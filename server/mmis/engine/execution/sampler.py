@@ -147,10 +147,9 @@ class Sampler:
                 f"{len(positions)} positions"
             )
         if plain:
-            temperatures = list(map(_TEMPERATURE, params))
-            if max(temperatures, default=0.0) < GREEDY_EPSILON:  # every row greedy
+            if max(map(_TEMPERATURE, params), default=0.0) < GREEDY_EPSILON:  # every row greedy
                 return _argmax(logits.float())
-            greedy_rows = [t < GREEDY_EPSILON for t in temperatures]
+            greedy_rows = [t < GREEDY_EPSILON for t in map(_TEMPERATURE, params)]
             adjusted = constrained = False
         else:
             greedy_rows, adjusted, constrained = _check_rows(params, logits.shape[-1])

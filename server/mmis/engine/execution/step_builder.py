@@ -34,20 +34,24 @@ class HostToDevice:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._constants: dict[int, tuple[np.ndarray, torch.Tensor, torch.Tensor]] = {}
+        self._constants: dict[int, tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor]] = {}
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._events: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
 
-    def decode_constants(self, count: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
-        """For a step of ``count`` decode rows: ``arange(count)`` on the host, and on the device
-        ``cu_seqlens_q`` (``arange(count + 1)`` int32) and the packed row of each decode token
-        (``arange(count)`` int64); made once per batch size (read only, as all metadata)."""
+    def decode_constants(
+        self, count: int
+    ) -> tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor]:
+        """For a step of ``count`` decode rows: ``arange(count)`` and the query lengths
+        (``ones(count)``) on the host, and on the device ``cu_seqlens_q`` (``arange(count + 1)``
+        int32) and the packed row of each decode token (``arange(count)`` int64); made once per
+        batch size (read only, as all metadata)."""
         cached = self._constants.get(count)
         if cached is None:
             host = np.arange(count + 1, dtype=np.int64)
             cached = (
                 host[:count],
+                _read_only(np.ones(count, dtype=np.int64)),
                 torch.arange(count + 1, dtype=torch.int32, device=self.device),
                 torch.arange(count, dtype=torch.long, device=self.device),
             )
@@ -86,6 +90,11 @@ class HostToDevice:
 _NUMPY = {torch.int32: np.int32, torch.long: np.int64}
 
 
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
+
+
 def _as_numpy(array: np.ndarray, dtype: torch.dtype) -> np.ndarray:
     want = _NUMPY[dtype]
     if array.dtype != want:
@@ -122,7 +131,7 @@ def build_step(
         held = np.fromiter(map(len, block_tables), dtype=np.int64, count=count)
         last = s // bs  # the block of each new token
         if not (held <= last).any():  # else the general path below refuses the step
-            span = (lowest, int(s.max()))
+            span = (lowest, max(start_positions))
             return _decode_step(
                 s, span, held, last, request_ids, block_tables, tables, upload, extra
             )
@@ -137,9 +146,9 @@ def build_step(
     table = _step_table(tables, rows, width, needed, look_ahead)
 
     cu_q = np.zeros(count + 1, dtype=np.int64)
-    np.cumsum(q, out=cu_q[1:])
+    np.add.accumulate(q, out=cu_q[1:])  # np.cumsum, without its Python wrapper
     cu_k = np.zeros(count + 1, dtype=np.int64)
-    np.cumsum(seq, out=cu_k[1:])
+    np.add.accumulate(seq, out=cu_k[1:])
     num_tokens = int(cu_q[-1])
     row_seq = np.repeat(np.arange(count), q)
     pos = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu_q[:-1] - s, q)
@@ -232,10 +241,10 @@ def _decode_step(
     width = span[1] // bs + 1  # needed.max()
     look_ahead = bool((held > needed).any())
     table = _step_table(tables, rows, width, needed, look_ahead)
-    index, cu_q_t, token_index = upload.decode_constants(count)
+    index, ones, cu_q_t, token_index = upload.decode_constants(count)
     seq = s + 1
     cu_k = np.zeros(count + 1, dtype=np.int64)
-    np.cumsum(seq, out=cu_k[1:])
+    np.add.accumulate(seq, out=cu_k[1:])
     slots = table[index, last].astype(np.int64) * bs + s % bs
     staged: list[tuple[np.ndarray, torch.dtype]] = [
         (seq, torch.int32),
@@ -267,7 +276,7 @@ def _decode_step(
         max_seq_len=ctx,
         slot_mapping=slots_t,
         positions=pos_t,
-        query_lens_host=np.ones(count, dtype=np.int64),
+        query_lens_host=ones,
         starts_host=s,
         decode=decode,
         chunks=(),
