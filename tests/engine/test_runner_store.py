@@ -10,7 +10,7 @@ import torch
 
 from mmis.engine.execution.model import ModelInputError
 from mmis.engine.execution.paged_attention import PagedAttentionError
-from mmis.engine.execution.runner import EncoderOutputMissingError, StepInputError
+from mmis.engine.execution.step_errors import EncoderOutputMissingError, StepInputError
 from mmis.engine.scheduling.sched_output import MultiModalInput, ScheduledRequest, SchedulerOutput
 from mmis.protocol.messages import PoolingParams
 
@@ -73,7 +73,7 @@ def test_pooling_matches_the_hidden_states_of_transformers(family, driver_cls, p
     got = driver.pooled("p")
     assert got.dtype == np.float32 and got.shape == (family.adapter.hidden_size,)
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
-    assert driver.runner._pool_sums == {}  # no state left behind
+    assert driver.runner.extras.partial_sums == {}  # no state left behind
 
 
 def test_mean_pooling_refuses_a_prefix_hit(family):

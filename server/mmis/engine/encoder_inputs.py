@@ -2,7 +2,7 @@
 
 An item whose resolved data holds :data:`~mmis.protocol.encoder.MM_EMBEDS` (relayed by P0
 from an ``mmis encoder``, or a client's ``image_embeds`` part) skips P1's vision tower: the
-runner splices those rows as they are (``engine/execution/runner.py`` ``_encode``). So P1
+runner splices those rows as they are (``engine/execution/encoder_store.py``). So P1
 checks them first, on its input thread, right after the receiver resolved the item
 (``engine/core_process.py``); anything wrong is answered as a receiver-cache miss, so P0's one
 drift retry resends the pixels and P1 encodes locally (docs/ARCHITECTURE.md, "Encoder

@@ -1,19 +1,16 @@
 """The batched model runner: one forward pass per scheduling step.
 
-Per step it: drops freed encoder outputs; runs the vision encoder ONCE for every item that
-brought tensors and is not yet stored (an item that brought its encoder output, ``MM_EMBEDS``,
-is stored as it is: E/PD); embeds all scheduled tokens packed as one sequence;
-overwrites each image's placeholder rows with its embeddings (a chunk may start or end inside
-a placeholder range); runs the language model once with paged attention over the KV pool;
-samples after the last token of every chunk that asks for it, and pools for pooling requests.
-Rows with a presence/frequency/repetition penalty also need the request's token history: the
-caller passes the requests themselves (``histories``: request id -> an object with
-``prompt_token_ids`` and ``output_token_ids``, the core passes the scheduler's requests), read
-only, through its ``TokenHistoryCache`` (``engine/execution/token_history.py``).
-Prompt logprobs (``SamplingParams.prompt_logprobs``): for such a request that has no output
-token yet, the logits of every scheduled row before the prompt's last token score the NEXT
-prompt token (read from ``histories``: a chunk's last row scores the first token of the next
-chunk), in ``StepOutput.prompt_logprobs``; the core joins the chunks.
+A step, in order: drop freed encoder outputs and ended requests' state; run the vision
+encoder ONCE for every item not yet stored (``encoder_store.py``; an item that brought its
+encoder output, ``MM_EMBEDS``, is stored as it is: E/PD); embed all scheduled tokens packed as
+one sequence and overwrite each image's placeholder rows with its embeddings; run the
+language model once with paged attention over the KV pool; sample after the last token of
+every chunk that asks for it (``sampler.py``); then, for the rows that ask, prompt logprobs
+and pooled vectors (``step_extras.py``). Rows with a presence/frequency/repetition penalty
+also need the request's token history: the caller passes the requests themselves
+(``histories``: request id -> an object with ``prompt_token_ids`` and ``output_token_ids``,
+the core passes the scheduler's requests), read only, through its ``TokenHistoryCache``
+(``engine/execution/token_history.py``).
 
 Invariants:
 - Exactly one language-model forward per step, whatever the number of sequences; under
@@ -31,8 +28,8 @@ Invariants:
   attention backend (``attn_backends.py``, chosen per device at construction) reads it in
   every layer. ``hidden`` keeps every packed row, so logits at any prompt position (prompt
   logprobs) are one ``compute_logits`` away.
-- The encoder runs at most once per mm_hash while it stays in the store (the scheduler frees
-  it through ``freed_encoder_hashes``).
+- The encoder runs at most once per mm_hash while it stays in the store
+  (``encoder_store.py``; the scheduler frees it through ``freed_encoder_hashes``).
 - With ``lora`` set (``--enable-lora``, ``engine/lora/``) every step puts its distinct
   adapters on device slots and sets each token row's slot before the forward (a base-only step
   clears them); images are encoded in one call per adapter that changes the tower (the base
@@ -45,8 +42,8 @@ Invariants:
   several chunks, the device token counts of requests with penalties (always equal to
   their token lists, see ``sampler.py``) and the block table rows; ``ended_request_ids``
   drops all three.
-- Inconsistent input raises a typed :class:`StepInputError` (or the adapter's
-  ``ModelInputError``) before the KV pool is written.
+- Inconsistent input raises a typed :class:`StepInputError` (``step_errors.py``; or the
+  adapter's ``ModelInputError``) before the KV pool is written.
 - A step is :meth:`ModelRunner.launch` then :meth:`ModelRunner.collect` (:meth:`execute` is
   both). ``launch`` enqueues the encoder, the forward and the sampling and starts the sampled
   ids' copy to the host (``async_output.py``: a copy stream and an event on CUDA); nothing in
@@ -74,10 +71,13 @@ from mmis.engine.execution import logprobs
 from mmis.engine.execution.async_output import SampledCopies, SampledCopy
 from mmis.engine.execution.attn_backends import AttentionBackend, ProbeShape, select_backend
 from mmis.engine.execution.block_tables import BlockTables
+from mmis.engine.execution.encoder_store import EncoderStore
 from mmis.engine.execution.model.adapter import ModelAdapter
 from mmis.engine.execution.paged_attention import DEFAULT_BLOCK_SIZE, PagedKVPool, PagedStep
 from mmis.engine.execution.sampler import Sampler
 from mmis.engine.execution.step_builder import HostToDevice, build_step
+from mmis.engine.execution.step_errors import StepInputError
+from mmis.engine.execution.step_extras import StepExtras
 from mmis.engine.execution.token_history import TokenCounts, TokenHistory, TokenHistoryCache
 from mmis.engine.scheduling.sched_output import (
     PLACEHOLDER_TOKEN,
@@ -86,9 +86,7 @@ from mmis.engine.scheduling.sched_output import (
     StepOutput,
     identity,
 )
-from mmis.protocol.encoder import MM_EMBEDS
-from mmis.protocol.errors import MMISError
-from mmis.protocol.messages import ErrorCode, SamplingParams
+from mmis.protocol.messages import SamplingParams
 
 if TYPE_CHECKING:
     from mmis.engine.execution.decode_graphs import DecodeGraphs
@@ -104,18 +102,6 @@ def _largest_unsigned(ids: np.ndarray) -> int:
     """The largest of ``ids`` (int64, not empty) read as unsigned: a negative id counts as
     2**63 or more, so one reduction bounds both ends of the vocabulary."""
     return int(np.maximum.reduce(ids.view(np.uint64)))
-
-
-class StepInputError(MMISError, ValueError):
-    """A step the runner cannot execute (a scheduler/glue bug or bad request data)."""
-
-    code = ErrorCode.INVALID_REQUEST.value
-
-
-class EncoderOutputMissingError(StepInputError):
-    """A chunk overlaps an item whose embeddings are neither stored nor given tensors."""
-
-    code = ErrorCode.INTERNAL.value
 
 
 @dataclasses.dataclass(slots=True)
@@ -143,8 +129,8 @@ class ModelRunner:
             adapter.device, pool.block_size, shape=ProbeShape.of(adapter)
         )
         self.sampler = sampler or Sampler()
-        self.encoder_outputs: dict[str, torch.Tensor] = {}
-        self._pool_sums: dict[str, tuple[torch.Tensor, int]] = {}
+        self.encoders = EncoderStore(adapter)  # encoder outputs by key (encoder_store.py)
+        self.extras = StepExtras(adapter)  # prompt logprobs, pooling (step_extras.py)
         self.token_history = TokenHistoryCache()
         # persistent per-request block table rows and the step's one host->device copy
         self.block_tables = BlockTables(pool.block_size, pool.num_slots, adapter.device)
@@ -155,7 +141,6 @@ class ModelRunner:
         self._prev_sampled: torch.Tensor | None = None
         self._prev_step = -1
         self.num_forwards = 0
-        self.num_encoder_calls = 0
         # set by ``mmis engine`` under --tensor-parallel-size > 1
         # (engine/execution/tensor_parallel.py)
         self.tensor_parallel: TensorParallel | None = None
@@ -185,6 +170,14 @@ class ModelRunner:
     @property
     def block_size(self) -> int:
         return self.pool.block_size
+
+    @property
+    def encoder_outputs(self) -> dict[str, torch.Tensor]:
+        return self.encoders.outputs
+
+    @property
+    def num_encoder_calls(self) -> int:
+        return self.encoders.num_calls
 
     @torch.inference_mode()
     def execute(
@@ -222,12 +215,11 @@ class ModelRunner:
     ) -> LaunchedStep:
         out = StepOutput()
         launched = LaunchedStep(out)
-        for mm_hash in batch.freed_encoder_hashes:
-            self.encoder_outputs.pop(mm_hash, None)
+        if batch.freed_encoder_hashes:
+            self.encoders.free(batch.freed_encoder_hashes)
         ended = batch.ended_request_ids
         if ended:  # most steps end nothing
-            for request_id in ended:
-                self._pool_sums.pop(request_id, None)
+            self.extras.drop(ended)
             self.token_history.drop(ended)
             self.block_tables.release(ended)
         seqs = list(batch.scheduled)
@@ -327,10 +319,10 @@ class ModelRunner:
         lora_active = lora is not None and lora_names.count(None) != len(seqs)
         if lora is not None:  # every step sets (or clears) the rows' slots
             self._select_lora(lora, lora_names if lora_active else (), sizes)
-        out.encoded_mm_hashes = self._encode(seqs) if items else []
+        out.encoded_mm_hashes = self.encoders.encode(seqs, lora, self._lora_slots) if items else []
         embeds = self.adapter.embed_tokens(token_tensor)
         if items:
-            self._scatter(embeds, seqs)
+            self.encoders.scatter(embeds, seqs)
         positions = (
             meta.positions.unsqueeze(0)
             if host_positions is None
@@ -380,8 +372,7 @@ class ModelRunner:
         else:
             self._prev_sampled = None
         if extras:
-            self._prompt_logprobs(hidden, seqs, out, histories)
-            self._pool(hidden, seqs, out)
+            self.extras.run(hidden, seqs, out, histories)
         return launched
 
     # -- steps -----------------------------------------------------------------------------
@@ -465,85 +456,6 @@ class ModelRunner:
             device=self.adapter.device,
         )
 
-    def _tower_groups(self, seqs: Sequence[ScheduledRequest]) -> dict[str, str | None]:
-        """mm_hash -> the adapter its encoder call runs under (None: the base tower; also for
-        adapters that leave the tower alone)."""
-        lora = self.lora
-        if lora is None:
-            return {}
-        return {
-            item.mm_hash: s.lora_name if lora.changes_tower(s.lora_name) else None
-            for s in seqs
-            for item in s.mm_items
-        }
-
-    def _encode_under(self, lora_name: str | None, datas: list[object]) -> list[torch.Tensor]:
-        lora = self.lora
-        if lora is None or lora_name is None:
-            return self.adapter.encode_images(datas)  # type: ignore[arg-type]
-        slot = self._lora_slots[lora_name]  # pinned by _select_lora for this step
-        lora.tower_rows.select([slot], dtype=self.adapter.dtype, device=self.adapter.device)
-        try:
-            return self.adapter.encode_images(datas)  # type: ignore[arg-type]
-        finally:
-            lora.tower_rows.clear()
-
-    def _encode(self, seqs: Sequence[ScheduledRequest]) -> list[str]:
-        """Store the encoder output of every item that brought tensors and is not stored yet;
-        returns their hashes. An item that brought its encoder output (``MM_EMBEDS``, checked
-        by P1's input thread, ``engine/encoder_inputs.py``) is stored as it is, moved to the
-        model's device and dtype; the tower runs, once, only for the rest."""
-        todo: dict[str, tuple[int, object]] = {}
-        given: list[str] = []
-        for s in seqs:
-            for item in s.mm_items:
-                if item.data is None or item.mm_hash in self.encoder_outputs:
-                    continue
-                if MM_EMBEDS in item.data:
-                    embeds = torch.as_tensor(item.data[MM_EMBEDS])
-                    self._store_output(item.mm_hash, item.length, embeds)
-                    given.append(item.mm_hash)
-                    continue
-                todo.setdefault(item.mm_hash, (item.length, item.data))
-        if not todo:
-            return given
-        hashes = list(todo)
-        groups = self._tower_groups(seqs)
-        by_lora: dict[str | None, list[str]] = {}
-        for mm_hash in hashes:  # one encoder call per adapter that changes the tower
-            by_lora.setdefault(groups.get(mm_hash), []).append(mm_hash)
-        for lora_name, group in by_lora.items():
-            embeddings = self._encode_under(lora_name, [todo[h][1] for h in group])
-            self.num_encoder_calls += 1
-            for mm_hash, emb in zip(group, embeddings, strict=True):
-                self._store_output(mm_hash, todo[mm_hash][0], emb)
-        return given + [h for group in by_lora.values() for h in group]
-
-    def _store_output(self, mm_hash: str, length: int, emb: torch.Tensor) -> None:
-        if emb.shape[0] != length:
-            raise StepInputError(
-                f"item {mm_hash}: encoder gave {emb.shape[0]} embeddings for a placeholder "
-                f"of {length} tokens"
-            )
-        self.encoder_outputs[mm_hash] = emb.to(self.adapter.device, self.adapter.dtype)
-
-    def _scatter(self, embeds: torch.Tensor, seqs: Sequence[ScheduledRequest]) -> None:
-        offset = 0
-        for s in seqs:
-            start, end = s.start_position, s.end_position
-            for item in s.mm_items:
-                lo, hi = max(item.offset, start), min(item.end, end)
-                if lo >= hi:
-                    continue
-                stored = self.encoder_outputs.get(item.mm_hash)
-                if stored is None:
-                    raise EncoderOutputMissingError(
-                        f"request {s.request_id}: no encoder output for item {item.mm_hash}"
-                    )
-                rows = stored[lo - item.offset : hi - item.offset]
-                embeds[offset + lo - start : offset + hi - start] = rows.to(embeds.dtype)
-            offset += s.num_tokens
-
     def _sample(
         self,
         hidden: torch.Tensor,
@@ -564,44 +476,6 @@ class ModelRunner:
             counts = self._token_counts(chosen, histories, logits)
             pending = logprobs.prepare(logits, params)  # before the sampler touches the logits
         return self.sampler(logits, params, positions, counts, plain=plain), pending
-
-    def _prompt_logprobs(
-        self,
-        hidden: torch.Tensor,
-        seqs: Sequence[ScheduledRequest],
-        out: StepOutput,
-        histories: Mapping[str, TokenHistory] | None,
-    ) -> None:
-        offset = 0
-        for s in seqs:
-            base, offset = offset, offset + s.num_tokens
-            params = s.sampling_params
-            if params is None or params.prompt_logprobs is None or s.pooling_params is not None:
-                continue
-            request = None if histories is None else histories.get(s.request_id)
-            if request is None:
-                raise StepInputError(f"request {s.request_id}: prompt logprobs need its prompt")
-            if request.output_token_ids:  # sent with the first output already
-                continue
-            prompt = request.prompt_token_ids
-            end = min(s.end_position, len(prompt) - 1)  # rows before the last prompt token
-            lp = logprobs.first_prompt_row(prompt[0]) if s.start_position == 0 else None
-            if end > s.start_position:
-                logits = self.adapter.compute_logits(hidden[base : base + end - s.start_position])
-                rows = logprobs.score(
-                    logits, prompt[s.start_position + 1 : end + 1], params.prompt_logprobs
-                )
-                if lp is None:
-                    lp = rows
-                else:
-                    lp.token_ids.extend(rows.token_ids)
-                    lp.logprobs.extend(rows.logprobs)
-                    lp.ranks.extend(rows.ranks)
-            if lp is not None:
-                out.prompt_logprobs[s.request_id] = (
-                    0 if s.start_position == 0 else s.start_position + 1,
-                    lp,
-                )
 
     def _token_counts(
         self,
@@ -633,39 +507,3 @@ class ModelRunner:
             vocab_size=logits.shape[-1],
             device=logits.device,
         )
-
-    def _pool(
-        self, hidden: torch.Tensor, seqs: Sequence[ScheduledRequest], out: StepOutput
-    ) -> None:
-        offset = 0
-        for s in seqs:
-            rows = hidden[offset : offset + s.num_tokens].float()
-            offset += s.num_tokens
-            params = s.pooling_params
-            if params is None:
-                continue
-            if params.pooling_type == "last":
-                vector = rows[-1] if s.sample else None
-            elif params.pooling_type == "mean":
-                vector = self._mean(s, rows)
-            else:
-                raise StepInputError(f"unknown pooling_type {params.pooling_type!r}")
-            if vector is None:
-                continue
-            if params.normalize:
-                vector = torch.nn.functional.normalize(vector, dim=-1)
-            out.pooled[s.request_id] = vector.cpu().numpy().astype(np.float32)
-
-    def _mean(self, s: ScheduledRequest, rows: torch.Tensor) -> torch.Tensor | None:
-        total, count = self._pool_sums.pop(s.request_id, (None, 0))
-        if total is None and s.start_position != 0:
-            raise StepInputError(
-                f"request {s.request_id}: mean pooling needs every prompt token computed "
-                "(start at 0; no prefix-cache hit)"
-            )
-        total = rows.sum(dim=0) if total is None else total + rows.sum(dim=0)
-        count += rows.shape[0]
-        if not s.sample:
-            self._pool_sums[s.request_id] = (total, count)
-            return None
-        return total / count
