@@ -18,18 +18,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmis.engine.execution import attn_backends
-from mmis.engine.execution.attn_backends import (
-    ProbeShape,
-    TorchBackend,
-    VarlenBackend,
-    VarlenKernel,
-    select_backend,
-    torch_varlen_kernel,
-)
+from mmis.engine.execution import varlen_backend
+from mmis.engine.execution.attn_backends import ProbeShape, TorchBackend, select_backend
 from mmis.engine.execution.model import load_adapter
 from mmis.engine.execution.paged_attention import AttentionMetadata, KVCacheSpec, PagedKVPool
 from mmis.engine.execution.runner import ModelRunner
+from mmis.engine.execution.varlen_backend import VarlenBackend, VarlenKernel, torch_varlen_kernel
 from mmis.engine.self_check import TOLERANCE, run_self_check
 
 CPU = torch.device("cpu")
@@ -422,7 +416,7 @@ def test_cpu_and_the_torch_name_never_load_a_kernel(monkeypatch: pytest.MonkeyPa
     def load() -> VarlenKernel:
         raise AssertionError("a kernel was loaded")
 
-    monkeypatch.setattr(attn_backends, "KERNELS", (load,))
+    monkeypatch.setattr(varlen_backend, "KERNELS", (load,))
     assert type(select_backend(CPU, 16, shape=GQA)) is TorchBackend
     assert type(select_backend(torch.device("cuda"), 256, "torch")) is TorchBackend
     assert type(select_backend(CPU, 16, "torch", kernels=[load])) is TorchBackend

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_harness import EngineHarness
 
 from mmis.engine.execution import decode_graphs
-from mmis.engine.execution.attn_backends import TorchBackend, VarlenBackend
+from mmis.engine.execution.attn_backends import TorchBackend
 from mmis.engine.execution.decode_graphs import (
     DecodeGraphError,
     DecodeGraphs,
@@ -41,6 +41,7 @@ from mmis.engine.execution.model import load_adapter
 from mmis.engine.execution.model.adapter import ModelAdapter
 from mmis.engine.execution.paged_attention import KVCacheSpec, PagedKVPool
 from mmis.engine.execution.runner import ModelRunner
+from mmis.engine.execution.varlen_backend import VarlenBackend
 from mmis.engine.scheduling.sched_output import MultiModalInput, ScheduledRequest
 from mmis.protocol.messages import EngineCoreRequest, PoolingParams, SamplingParams
 
@@ -194,7 +195,7 @@ def test_capturable_sizes_bound_the_gather(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(decode_graphs, "GATHER_BYTES", 4 * ctx * 128)
     assert capturable_sizes(fp32, TorchBackend(), 64, 1024) == [1, 2, 4]
     assert capturable_sizes(fp32, TorchBackend(), 64, 256)[-1] == 16  # ctx 256: 4x the rows
-    paged = VarlenBackend(lambda *a, **kw: a[0], "fake", 256)
+    paged = VarlenBackend(lambda *a, **kw: a[0], "fake", 256, TorchBackend())
     assert paged.paged
     assert capturable_sizes(pool(torch.bfloat16, 256), paged, 64, 1024) == capture_sizes(64)
     assert capturable_sizes(fp32, paged, 64, 1024) == [1, 2, 4]  # fp32: TorchBackend's path

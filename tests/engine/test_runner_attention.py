@@ -11,13 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from mmis.engine.execution import attn_backends
-from mmis.engine.execution.attn_backends import (
-    TorchBackend,
-    VarlenBackend,
-    decode_rows_per_call,
-    packed_context_slots,
-    select_backend,
-)
+from mmis.engine.execution.attn_backends import TorchBackend, decode_rows_per_call, select_backend
 from mmis.engine.execution.paged_attention import (
     STEP_KWARG,
     AttentionMetadata,
@@ -29,6 +23,7 @@ from mmis.engine.execution.paged_attention import (
     paged_attention_forward,
     slots_for,
 )
+from mmis.engine.execution.varlen_backend import VarlenBackend, packed_context_slots
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
 
@@ -289,13 +284,13 @@ def test_varlen_backend_plumbing_and_fallback_on_cpu(block):  # type: ignore[no-
     new_v = pool.flat_values(0)[meta.slot_mapping]
     args = (q, pool.key_cache[0], pool.value_cache[0], new, new_v, meta, None)
     sdpa = TorchBackend().attend(*args, 2)
-    backend = VarlenBackend(_varlen_reference, "reference", block)
+    backend = VarlenBackend(_varlen_reference, "reference", block, TorchBackend())
     torch.testing.assert_close(backend.attend(*args, 2), sdpa, atol=2e-2, rtol=2e-2)
     assert backend.broken is None
 
     def broken(*_: object, **__: object) -> torch.Tensor:
         raise RuntimeError("no kernel image is available for execution on the device")
 
-    backend = VarlenBackend(broken, "broken", block)
+    backend = VarlenBackend(broken, "broken", block, TorchBackend())
     torch.testing.assert_close(backend.attend(*args, 2), sdpa)
     assert backend.broken is not None and "no kernel image" in backend.broken

@@ -24,20 +24,9 @@ causal). :func:`select_backend` picks one at start-up (below):
   blocks. Chosen by measurement over FlexAttention (``benchmarks/bench_attention.py``,
   README): eager ``flex_attention`` materialises the scores; compiled it needs inductor + a
   C++ compiler at run time and recompiles across step shapes.
-- :class:`VarlenBackend` (CUDA): one varlen flash-attention call per layer for the whole
-  step, reading K/V in place through ``meta.block_tables`` (``seqused_k``), causal and window
-  as the kernel's own ``window_size``. The kernel is ``flash_attn.flash_attn_varlen_func``
-  (the optional ``flash-attn`` package, ``pip install 'mmis[cuda]'``) or PyTorch's own
-  ``torch.nn.attention.varlen.varlen_attn``, called as the installed release's signature
-  allows (:func:`torch_varlen_kernel`: without ``enable_gqa``, torch 2.11, the K/V heads are
-  repeated to the query heads first). Paged reads need ``block_size % 256 == 0``
-  (FlashAttention-2's page-size rule), a kernel that takes ``block_table``, and native GQA
-  for a GQA model (else repeating the heads would copy the whole pool); otherwise the step's
-  context is gathered once per layer into the packed varlen layout instead.
-  Bidirectional spans are not a flash argument, and flash runs only in fp16/bf16: such steps
-  fall back to :class:`TorchBackend`. So does a static decode step (``meta.static``,
-  ``decode_graphs.py``) without paged reads: the packed gather's length is a host int; with
-  paged reads it runs as any step, ``max_seqlen_k`` being its upper bound.
+- ``varlen_backend.VarlenBackend`` (CUDA): one varlen flash-attention call per layer for
+  the whole step (flash-attn or torch's ``varlen_attn``), paged reads in place where the
+  kernel and the block size allow, else one packed gather per layer.
 
 - ``flex_backend.FlexBackend`` (any device, torch >= 2.11): FlexAttention reading the pool
   in place through a block mask at any block size, decode rows in one call on its decoding
@@ -47,9 +36,9 @@ Selection (:func:`select_backend`; ``runner.py`` calls it with the model's
 :class:`ProbeShape` and ``--attention-backend``): the name ``torch`` or a device other than
 CUDA is :class:`TorchBackend`; ``flex`` is FlexAttention or a start-up error. On CUDA
 ``auto`` tries FlexAttention first (its probe: :func:`probe_backend`), then the candidates in
-the order of :data:`KERNELS` (flash-attn, then torch's ``varlen_attn``), then
+the order of ``varlen_backend.KERNELS`` (flash-attn, then torch's ``varlen_attn``), then
 :class:`TorchBackend`. A varlen candidate is
-chosen only if it imports AND passes :meth:`VarlenBackend.probe`: the exact call a step makes
+chosen only if it imports AND passes its probe (``_probe_varlen``): the exact call a step makes
 (paged or packed, same keywords), run on a tiny step in the model's head size, query and KV
 heads (GQA) and dtype, at the pool's block size (page size), without and with a sliding
 window, must not raise and must equal :class:`TorchBackend` within
@@ -77,7 +66,6 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -86,11 +74,12 @@ import torch
 import torch.nn.functional as F
 
 from mmis.engine.config import ATTENTION_CHOICES
+from mmis.engine.execution import varlen_backend
 from mmis.engine.execution.attn_metadata import AttentionMetadata, ChunkRows
+from mmis.engine.execution.varlen_backend import KernelLoader
 
 log = logging.getLogger(__name__)
 
-FLASH_PAGE_MULTIPLE = 256  # FlashAttention-2 reads a paged KV only in pages of k * 256
 CPU_GATHER_BYTES = 4 << 20  # K + V bytes one CPU SDPA call gathers at most (whole rows)
 
 
@@ -243,23 +232,9 @@ class TorchBackend:
         return attended[0].transpose(0, 1)
 
 
-Kernel = Callable[..., torch.Tensor]
-
-
-@dataclasses.dataclass(frozen=True)
-class VarlenKernel:
-    """A loaded varlen flash kernel (``run(q, k, v, **VarlenBackend._flash's keywords)``) and
-    what its signature takes."""
-
-    name: str
-    run: Kernel
-    paged_reads: bool = True  # takes block_table + seqused_k: reads the pool in place
-    native_gqa: bool = True  # takes fewer K/V heads than query heads (else run repeats them)
-
-
 @dataclasses.dataclass(frozen=True)
 class ProbeShape:
-    """The attention a model asks of a kernel: what :meth:`VarlenBackend.probe` runs (the
+    """The attention a model asks of a kernel: what :func:`probe_backend` runs (the
     default: a GQA bf16 model, for callers that do not say)."""
 
     num_heads: int = 8
@@ -273,190 +248,11 @@ class ProbeShape:
         return cls(adapter.num_heads, adapter.num_kv_heads, adapter.head_dim, adapter.dtype)
 
 
-KernelLoader = Callable[[], VarlenKernel | None]
-
-
-def _flash_attn_kernel() -> VarlenKernel | None:
-    try:
-        from flash_attn import flash_attn_varlen_func
-    except Exception as exc:  # any import failure: not usable
-        log.info("flash-attn not usable (%s); trying torch's varlen_attn", exc)
-        return None
-
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
-        left = kw["window"]
-        out: torch.Tensor = flash_attn_varlen_func(
-            q,
-            k,
-            v,
-            cu_seqlens_q=kw["cu_seqlens_q"],
-            cu_seqlens_k=kw["cu_seqlens_k"],
-            max_seqlen_q=kw["max_seqlen_q"],
-            max_seqlen_k=kw["max_seqlen_k"],
-            softmax_scale=kw["scale"],
-            causal=True,
-            window_size=(left, 0),
-            block_table=kw["block_table"],
-        )
-        return out
-
-    return VarlenKernel("flash-attn", run)
-
-
-def torch_varlen_kernel(varlen_attn: Callable[..., Any]) -> VarlenKernel:
-    """``torch.nn.attention.varlen.varlen_attn`` called as its signature allows:
-    ``enable_gqa`` when it has one (torch 2.14; torch 2.11 has none: K/V heads are then
-    repeated to the query heads, ``repeat_interleave``, before the call), ``seqused_k`` +
-    ``block_table`` when it has them (else no paged reads: the packed gather), ``is_causal``
-    when it has one. ``scale`` and ``window_size`` are always passed: a release without them
-    fails the probe with its own ``TypeError``."""
-    params = inspect.signature(varlen_attn).parameters
-    gqa, causal = "enable_gqa" in params, "is_causal" in params
-    paged = "block_table" in params and "seqused_k" in params
-
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
-        table = kw["block_table"]
-        extra: dict[str, Any] = {}
-        if gqa:
-            extra["enable_gqa"] = q.shape[1] != k.shape[-2]
-        elif q.shape[1] != k.shape[-2]:  # head h reads KV head h // rep, as enable_gqa would
-            rep = q.shape[1] // k.shape[-2]
-            k, v = k.repeat_interleave(rep, dim=-2), v.repeat_interleave(rep, dim=-2)
-        if paged:
-            extra["seqused_k"] = kw["seqused_k"] if table is not None else None
-            extra["block_table"] = table
-        if causal:
-            extra["is_causal"] = True
-        out = varlen_attn(
-            q,
-            k,
-            v,
-            kw["cu_seqlens_q"],
-            kw["cu_seqlens_k"],
-            kw["max_seqlen_q"],
-            kw["max_seqlen_k"],
-            scale=kw["scale"],
-            window_size=(kw["window"], 0),
-            **extra,
-        )
-        return out if isinstance(out, torch.Tensor) else out[0]
-
-    return VarlenKernel("torch-varlen", run, paged_reads=paged, native_gqa=gqa)
-
-
-def _torch_varlen_kernel() -> VarlenKernel | None:
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-
-        return torch_varlen_kernel(varlen_attn)
-    except Exception as exc:
-        log.info("torch.nn.attention.varlen not usable (%s)", exc)
-        return None
-
-
-KERNELS: tuple[KernelLoader, ...] = (_flash_attn_kernel, _torch_varlen_kernel)  # CUDA, in order
 PROBE_WINDOW = 3  # the probe's sliding window (keys)
 PROBE_SCALE = 2.0  # x 1/sqrt(head_dim), the kernels' default scale: ignoring scale fails
 # max |kernel - torch SDPA| of the probe's outputs, by dtype (flash runs in these only)
 PROBE_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 5e-2}
 FLEX_TOLERANCE = {**PROBE_TOLERANCE, torch.float32: 1e-4}  # FlexAttention runs fp32 too
-
-
-class VarlenBackend:
-    """One varlen flash-attention call per layer (CUDA; see the module docstring)."""
-
-    def __init__(
-        self, kernel: Kernel, name: str, block_size: int, *, paged_reads: bool = True
-    ) -> None:
-        self.kernel = kernel
-        self.name = name
-        self.block_size = block_size
-        self.paged = paged_reads and block_size % FLASH_PAGE_MULTIPLE == 0
-        self.fallback = TorchBackend()
-        self.broken: str | None = None  # why the kernel failed once (then: always fallback)
-
-    def attend(
-        self,
-        query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        new_key: torch.Tensor,
-        new_value: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float | None,
-        window: int | None,
-    ) -> torch.Tensor:
-        if (
-            self.broken is not None
-            or meta.has_spans
-            or (meta.static and not self.paged)
-            or query.dtype not in (torch.float16, torch.bfloat16)
-        ):
-            return self.fallback.attend(
-                query, key_cache, value_cache, new_key, new_value, meta, scale, window
-            )
-        try:
-            return self._flash(query, key_cache, value_cache, meta, scale, window)
-        except (RuntimeError, NotImplementedError) as exc:  # e.g. no kernel for this GPU
-            if isinstance(exc, torch.OutOfMemoryError):
-                raise
-            self.broken = f"{type(exc).__name__}: {exc}"
-            log.warning("%s failed (%s); attention falls back to torch SDPA", self.name, exc)
-            return self.fallback.attend(
-                query, key_cache, value_cache, new_key, new_value, meta, scale, window
-            )
-
-    def _flash(
-        self,
-        query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float | None,
-        window: int | None,
-    ) -> torch.Tensor:
-        if self.paged:
-            keys, values, table = key_cache, value_cache, meta.block_tables
-        else:  # one packed gather of every context, in cu_seqlens_k order
-            slots = packed_context_slots(meta)
-            flat = (-1, key_cache.shape[2], key_cache.shape[3])
-            keys = key_cache.view(flat).index_select(0, slots)
-            values = value_cache.view(flat).index_select(0, slots)
-            table = None
-        return self.kernel(
-            query,
-            keys,
-            values,
-            cu_seqlens_q=meta.cu_seqlens_q,
-            cu_seqlens_k=meta.cu_seqlens_k,
-            max_seqlen_q=meta.max_query_len,
-            max_seqlen_k=meta.max_seq_len,
-            seqused_k=meta.seq_lens,
-            block_table=table,
-            scale=scale,
-            window=-1 if window is None else window - 1,
-        )
-
-    def probe(self, shape: ProbeShape, device: torch.device) -> str | None:
-        """Why this kernel cannot serve ``shape`` on ``device`` (None: it can): the path
-        :meth:`attend` takes (paged or packed) through :func:`probe_backend`."""
-        tolerance = PROBE_TOLERANCE.get(shape.dtype)
-        if tolerance is None:
-            return f"flash kernels run in float16/bfloat16 only; the model is {shape.dtype}"
-
-        def run(
-            query: torch.Tensor,
-            key_cache: torch.Tensor,
-            value_cache: torch.Tensor,
-            new_key: torch.Tensor,
-            new_value: torch.Tensor,
-            meta: AttentionMetadata,
-            scale: float | None,
-            window: int | None,
-        ) -> torch.Tensor:
-            return self._flash(query, key_cache, value_cache, meta, scale, window)
-
-        return probe_backend(run, self.block_size, shape, device, tolerance)
 
 
 def probe_backend(
@@ -511,24 +307,15 @@ def probe_backend(
     return None
 
 
-def packed_context_slots(meta: AttentionMetadata) -> torch.Tensor:
-    """``[sum(seq_lens)]`` slot of every context position, sequences concatenated; built
-    once per step (kept in ``meta.scratch``) on the device with vectorised ops and no
-    device-to-host sync (``output_size`` from the host's lengths); only the CUDA non-paged
-    path needs it."""
-    cached = meta.scratch.get("packed_context_slots")
-    if isinstance(cached, torch.Tensor):
-        return cached
-    seq_lens = meta.seq_lens.long()
-    total = int((meta.starts_host + meta.query_lens_host).sum())  # host ints: no device sync
-    row = torch.repeat_interleave(
-        torch.arange(meta.num_seqs, device=seq_lens.device), seq_lens, output_size=total
-    )
-    pos = torch.arange(total, device=seq_lens.device) - meta.cu_seqlens_k[:-1].long()[row]
-    block = meta.block_tables.long()[row, pos // meta.block_size]
-    slots = block * meta.block_size + pos % meta.block_size
-    meta.scratch["packed_context_slots"] = slots  # once per step, not per layer
-    return slots
+def _probe_varlen(
+    backend: varlen_backend.VarlenBackend, shape: ProbeShape, device: torch.device
+) -> str | None:
+    """Why a varlen kernel cannot serve ``shape`` on ``device`` (None: it can): the path
+    its ``attend`` takes (paged or packed) through :func:`probe_backend`."""
+    tolerance = PROBE_TOLERANCE.get(shape.dtype)
+    if tolerance is None:
+        return f"flash kernels run in float16/bfloat16 only; the model is {shape.dtype}"
+    return probe_backend(backend.run_kernel, backend.block_size, shape, device, tolerance)
 
 
 class AttentionBackendError(RuntimeError):
@@ -565,8 +352,8 @@ def select_backend(
       passes :func:`probe_backend` for ``shape`` (default :class:`ProbeShape`), else
       :class:`AttentionBackendError` with the reason.
     - ``auto`` on CUDA (``kernels`` not given): FlexAttention as above (paged reads in place
-      at any block size), else the first of :data:`KERNELS` that loads and passes
-      :meth:`VarlenBackend.probe`, else :class:`TorchBackend`. ``auto`` with ``kernels``
+      at any block size), else the first of ``varlen_backend.KERNELS`` that loads and passes
+      its probe (``_probe_varlen``), else :class:`TorchBackend`. ``auto`` with ``kernels``
       (tests: fake kernels on CPU) tries only those. ``auto`` on another device:
       :class:`TorchBackend` (measured faster on CPU than eager or compiled FlexAttention,
       ``benchmarks/README.md``).
@@ -588,14 +375,16 @@ def select_backend(
     if kernels is None and device.type != "cuda":
         log.info("attention: torch-sdpa (the %s path)", device.type)
         return TorchBackend()
-    for load in KERNELS if kernels is None else kernels:
+    for load in varlen_backend.KERNELS if kernels is None else kernels:
         kernel = load()
         if kernel is None:
             continue
         grouped = shape.num_heads != shape.num_kv_heads
         paged_reads = kernel.paged_reads and (kernel.native_gqa or not grouped)
-        backend = VarlenBackend(kernel.run, kernel.name, block_size, paged_reads=paged_reads)
-        why = backend.probe(shape, device)
+        backend = varlen_backend.VarlenBackend(
+            kernel.run, kernel.name, block_size, TorchBackend(), paged_reads=paged_reads
+        )
+        why = _probe_varlen(backend, shape, device)
         if why is None:
             log.info(
                 "attention: %s (%s reads, block size %d)",

@@ -24,7 +24,7 @@ Invariants:
   included (``DecodeRows.mask``); ``FlexBackend`` (``flex_backend.py``, CUDA's default)
   builds its block mask on the device from ``seq_lens`` and the tables, so a replayed row
   reads only its real context's blocks, in place, and every bucket is captured;
-  ``VarlenBackend`` (``attn_backends.py``) runs it with its paged kernel (``max_seqlen_k``
+  ``VarlenBackend`` (``varlen_backend.py``) runs it with its paged kernel (``max_seqlen_k``
   the upper bound ``ctx``) or else on ``TorchBackend``'s gather path, whose per-layer
   gather of one bucket is bounded by :data:`GATHER_BYTES` (larger buckets are not
   captured).
@@ -49,10 +49,11 @@ import numpy as np
 import torch
 
 from mmis.config import GiB
-from mmis.engine.execution.attn_backends import AttentionBackend, VarlenBackend
+from mmis.engine.execution.attn_backends import AttentionBackend
 from mmis.engine.execution.attn_metadata import AttentionMetadata, DecodeRows
 from mmis.engine.execution.model.adapter import ModelAdapter
 from mmis.engine.execution.paged_attention import PagedKVPool, PagedStep
+from mmis.engine.execution.varlen_backend import VarlenBackend
 from mmis.engine.scheduling.sched_output import ScheduledRequest
 
 log = logging.getLogger(__name__)
