@@ -38,6 +38,7 @@ import base64
 import concurrent.futures
 import contextlib
 import io
+import itertools
 import json
 import os
 import re
@@ -208,7 +209,9 @@ def _restarts(pod: dict[str, Any]) -> dict[str, int]:
 
 def _image_url(seed: int) -> str:
     buf = io.BytesIO()
-    Image.new("RGB", (64, 48), (seed * 37 % 256, seed * 91 % 256, 90)).save(buf, "PNG")
+    # distinct for every seed below 65536 (37 and 91 are odd: a bijection mod 256)
+    colour = (seed * 37 % 256, seed * 91 % 256, (90 + seed // 256) % 256)
+    Image.new("RGB", (64, 48), colour).save(buf, "PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
@@ -502,7 +505,10 @@ def test_encoders_serve_through_cluster_dns_and_a_deleted_encoder_loses_no_reque
     assert front["args"][-2:] == ["--encoder-service", r.encoder_service_address(NAME, served)]
     first = _wait("the encoder pod Ready", lambda: _ready_encoder(cluster, served, set()))
     p0 = f"{_pod_url(pod, 8001)}/metrics"
-    seeds = iter(range(200, 456))  # 256 distinct colours: every chat a new image
+    # every chat a new image: the loop below chats as fast as P0 answers for as long as the
+    # encoder pod takes to come back, so a fixed supply (256 once) could run out, and a
+    # repeated image is a cache hit that no encoder sees
+    seeds = itertools.count(200)
 
     with port_forward(cluster, served, f"svc/{NAME}", 8000) as port:
         base = f"http://127.0.0.1:{port}/v1"
